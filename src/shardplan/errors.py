@@ -1,0 +1,51 @@
+"""Exceptions raised by shardplan. Every one names what is wrong and how to fix it."""
+
+from __future__ import annotations
+
+
+class ShardingError(ValueError):
+    """Base class of every error shardplan raises on bad input."""
+
+
+class MeshError(ShardingError):
+    """A mesh is malformed or does not fit the process group."""
+
+
+class SpecError(ShardingError):
+    """A partition spec is malformed or does not fit its tensor or mesh."""
+
+
+class RuleError(ShardingError):
+    """A partition rule is malformed (bad regex, bad spec, bad callable)."""
+
+
+class UnmatchedParametersError(RuleError):
+    """Some leaves matched no rule. ``.names`` lists them."""
+
+    def __init__(self, message: str, names: tuple[str, ...]):
+        super().__init__(message)
+        self.names = names
+
+
+class PlanError(ShardingError):
+    """A plan cannot be built from these options, or a plan does not fit a model."""
+
+
+class RuntimeShardingError(ShardingError):
+    """The runtime found the world, the module or the plan inconsistent."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective of the schedule failed or timed out; the message names the op."""
+
+
+class CheckpointError(ShardingError):
+    """A checkpoint does not fit the model it is loaded into."""
+
+
+class UnusedRuleWarning(UserWarning):
+    """A rule matched no leaf: it is probably misspelled or shadowed by an earlier rule."""
+
+
+class PlanWarning(UserWarning):
+    """Something in a plan is legal but probably not what was meant."""

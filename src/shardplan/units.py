@@ -1,0 +1,131 @@
+"""Units: groups of parameters gathered and freed together, chosen by regexes over module paths."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from .errors import PlanError, PlanWarning, RuleError
+
+ROOT = "<root>"
+
+
+@dataclass(frozen=True)
+class LeafInfo:
+    name: str
+    shape: tuple[int, ...]
+    dtype: Any  # torch.dtype
+    requires_grad: bool
+    aliases: tuple[str, ...] = ()  # other names of the same (tied) parameter
+
+
+def collect_leaves(model_or_tree) -> tuple[list[LeafInfo], list[Any], list[str], Any]:
+    """Leaves (tied parameters once, under their first name), the leaf objects, candidate unit paths."""
+    import torch.nn as nn
+    from .rules import leaves_with_paths
+
+    if isinstance(model_or_tree, nn.Module):
+        by_id: dict[int, list[str]] = {}
+        objs: dict[int, Any] = {}
+        for name, p in model_or_tree.named_parameters(remove_duplicate=False):
+            by_id.setdefault(id(p), []).append(name)
+            objs[id(p)] = p
+        infos, leaves = [], []
+        for pid, names in by_id.items():
+            p = objs[pid]
+            infos.append(LeafInfo(names[0], tuple(p.shape), p.dtype, bool(p.requires_grad), tuple(names[1:])))
+            leaves.append(p)
+        modules = [n for n, _ in model_or_tree.named_modules() if n]
+        return infos, leaves, modules, model_or_tree
+    paths, leaves, _ = leaves_with_paths(model_or_tree)
+    infos, kept = [], []
+    for path, leaf in zip(paths, leaves):
+        shape = getattr(leaf, "shape", None)
+        if shape is None:
+            raise PlanError(f"leaf {path!r} ({type(leaf).__name__}) has no shape; plan() takes a pytree of tensors")
+        infos.append(LeafInfo(path, tuple(shape), leaf.dtype, bool(getattr(leaf, "requires_grad", True))))
+        kept.append(leaf)
+    prefixes: dict[str, None] = {}
+    for path in paths:
+        parts = path.split(".")
+        for i in range(1, len(parts)):
+            prefixes[".".join(parts[:i])] = None
+    return infos, kept, list(prefixes), None
+
+
+def _compile(patterns: Sequence[str]) -> list[re.Pattern]:
+    out = []
+    for i, u in enumerate(patterns):
+        try:
+            out.append(re.compile(u))
+        except re.error as exc:
+            raise RuleError(f"unit rule #{i}: invalid regex {u!r}: {exc}") from None
+    return out
+
+
+def _owner(name: str, unit_paths: set[str]) -> str:
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):  # deepest unit wins, as with nested fully_shard
+        prefix = ".".join(parts[:i])
+        if prefix in unit_paths:
+            return prefix
+    return ROOT
+
+
+def assign_units(infos: Sequence[LeafInfo], candidates: Sequence[str], patterns: Sequence[str]) -> tuple[dict[str, str], list[str], list[str]]:
+    """Map each leaf to its unit; return (unit of leaf, units in registration order, notes)."""
+    compiled = _compile(patterns)
+    used = [False] * len(compiled)
+    unit_paths: dict[str, None] = {}
+    for path in candidates:
+        for i, rx in enumerate(compiled):
+            if rx.fullmatch(path):
+                unit_paths[path] = None
+                used[i] = True
+                break
+    for i, u in enumerate(patterns):
+        if not used[i]:
+            warnings.warn(f"unit rule {u!r} matches no module path; every parameter it was meant for stays in the root unit",
+                          PlanWarning, stacklevel=3)
+    paths = set(unit_paths)
+    owner: dict[str, str] = {}
+    notes: list[str] = []
+    for info in infos:
+        units = {_owner(n, paths) for n in (info.name,) + info.aliases}
+        if len(units) > 1:
+            owner[info.name] = ROOT
+            notes.append(f"tied parameter {info.name!r} (also {', '.join(info.aliases)}) is used by units "
+                         f"{sorted(units)}; it lives in the root unit, gathered for the whole step")
+        else:
+            owner[info.name] = units.pop()
+    order = [u for u in unit_paths if u in set(owner.values())]
+    return owner, order, notes
+
+
+def trace_order(model, units: Sequence[str], trace) -> list[str]:
+    """Order in which a forward pass (on meta tensors, ideally) enters the unit modules."""
+    import torch
+
+    args, kwargs = trace if isinstance(trace, tuple) and len(trace) == 2 and isinstance(trace[1], dict) else (trace, {})
+    if not isinstance(args, tuple):
+        args = (args,)
+    modules = dict(model.named_modules())
+    seen: list[str] = []
+    handles = []
+    for u in units:
+        def hook(_m, _a, _u=u):
+            if _u not in seen:
+                seen.append(_u)
+        handles.append(modules[u].register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [u for u in units if u not in seen]
+    if missing:
+        warnings.warn(f"the traced forward never entered units {missing}; they are scheduled last", PlanWarning, stacklevel=3)
+    return seen + missing
