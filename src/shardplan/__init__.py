@@ -13,6 +13,7 @@ from .plan import BufferPlan, Memory, ParamPlan, Plan, UnitPlan, plan
 from .rules import Rules, explain, match
 from .schedule import Op
 from .spec import P
+from .runtime import clip_grad_norm_, memory_stats, no_sync, record_ops, reset_peak, shard
 
 __version__ = "0.1.0"
 
@@ -20,11 +21,7 @@ __all__ = [
     "Mesh", "P", "Rules", "match", "explain", "plan", "Plan", "ParamPlan", "BufferPlan", "UnitPlan", "Memory", "Op",
     "ShardingError", "MeshError", "SpecError", "RuleError", "UnmatchedParametersError", "PlanError",
     "RuntimeShardingError", "CollectiveError", "CheckpointError", "UnusedRuleWarning", "PlanWarning",
+    "shard", "no_sync", "clip_grad_norm_", "record_ops", "memory_stats", "reset_peak",
 ]
 
 
-def __getattr__(name):  # the runtime imports torch.distributed; load it only when asked for
-    from . import runtime
-    if name in runtime.__all__:
-        return getattr(runtime, name)
-    raise AttributeError(f"module 'shardplan' has no attribute {name!r}")

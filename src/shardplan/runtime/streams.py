@@ -1,0 +1,42 @@
+"""One code path for CPU and CUDA: side streams and events on CUDA, nothing on CPU.
+
+Buffers are always allocated on the compute stream; a side stream waits for the compute stream
+before a collective reads them, and the compute stream waits for the side stream's event before
+it reads a result. We keep Python references to every tensor a collective uses until the compute
+stream has waited on that collective, so the caching allocator never recycles a buffer in use
+(no ``record_stream``, as in FSDP2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class Streams:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.compute = torch.cuda.current_stream(device)
+            self.gather = torch.cuda.Stream(device)
+            self.reduce = torch.cuda.Stream(device)
+
+    def on(self, which: str):
+        """Context: run on the ``gather`` or ``reduce`` side stream, after all compute queued so far."""
+        if not self.cuda:
+            return contextlib.nullcontext()
+        side = getattr(self, which)
+        side.wait_stream(torch.cuda.current_stream())
+        return torch.cuda.stream(side)
+
+    def event(self, which: str):
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(getattr(self, which))
+        return ev
+
+    def wait(self, event) -> None:
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
