@@ -14,6 +14,8 @@ from .rules import Rules, explain, match
 from .schedule import Op
 from .spec import P
 from .runtime import clip_grad_norm_, memory_stats, no_sync, record_ops, reset_peak, shard
+from .runtime import checkpoint
+from .runtime.checkpoint import full_state_dict, load_full_state_dict, load_state_dict, state_dict
 
 __version__ = "0.1.0"
 
@@ -21,7 +23,7 @@ __all__ = [
     "Mesh", "P", "Rules", "match", "explain", "plan", "Plan", "ParamPlan", "BufferPlan", "UnitPlan", "Memory", "Op",
     "ShardingError", "MeshError", "SpecError", "RuleError", "UnmatchedParametersError", "PlanError",
     "RuntimeShardingError", "CollectiveError", "CheckpointError", "UnusedRuleWarning", "PlanWarning",
-    "shard", "no_sync", "clip_grad_norm_", "record_ops", "memory_stats", "reset_peak",
+    "shard", "checkpoint", "state_dict", "load_state_dict", "full_state_dict", "load_full_state_dict", "no_sync", "clip_grad_norm_", "record_ops", "memory_stats", "reset_peak",
 ]
 
 

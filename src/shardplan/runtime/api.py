@@ -114,16 +114,19 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     modules = dict(module.named_modules())
     for up in plan.units:
         unit_module = module if up.name == ROOT else modules[up.name]
-        bufs = []
-        for i in up.buffers:
-            b = BufferState(plan, plan.buffers[i], rank, device, plan.level)
-            if meta:
-                from .init import materialize_unit
-                materialize_unit(module, plan, b, up.name, init_fn, device, rank)
-            else:
-                b.fill_local([originals[n].detach() for n in b.bp.params])
+        bufs = [BufferState(plan, plan.buffers[i], rank, device, plan.level) for i in up.buffers]
+        names = [n for b in bufs for n in b.bp.params]
+        if meta:  # one unit at a time: the full unit exists only while its shards are cut out
+            from .init import materialize_unit
+            owners = [m for n in names for m, _ in slots[n][:1]]
+            attr_of = {n: (lambda _n=n: getattr(slots[_n][0][0], slots[_n][0][1]).detach()) for n in names}
+            unit_full = materialize_unit(owners, names, attr_of, init_fn, device)
+        else:
+            unit_full = {n: originals[n].detach() for n in names}
+        for b in bufs:
+            b.fill_local([unit_full[n] for n in b.bp.params])
             b.make_params()
-            bufs.append(b)
+        del unit_full
         u = UnitState(up.name, unit_module, bufs, up.reshard_after_forward, up.name == ROOT)
         for b in bufs:
             for pp, lp, fp in zip(b.infos, b.local, b.full_params):
@@ -134,8 +137,7 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
                     fp.register_post_accumulate_grad_hook(lambda _p, _u=u: eng.on_grad(_u))
         eng.units.append(u)
         eng.by_name[u.name] = u
-    for u in eng.units:
-        eng.swap_out(u)
+        eng.swap_out(u)  # drops the module's full tensors (meta init: the only full copy of this unit)
     del originals
     _install_hooks(module, eng)
     module.__dict__[_ATTR] = eng

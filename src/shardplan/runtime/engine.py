@@ -97,6 +97,7 @@ class Engine:
         self.live_bytes = 0
         self.peak_live_bytes = 0
         self.handles: list = []
+        self.max_gathered = 0  # most units gathered (or being gathered) at once
 
     # -- bookkeeping ---------------------------------------------------------------------------------
     def _op(self, kind: str, unit: UnitState, phase: str):
@@ -177,6 +178,8 @@ class Engine:
                         b.full.copy_(b.shard)
             event = None
         u.pending = (works, event, keep, phase)
+        if u.sharded:
+            self.max_gathered = max(self.max_gathered, sum(1 for v in self.units if v.sharded and (v.gathered or v.pending is not None)))
 
     def wait_gather(self, u: UnitState) -> None:
         if u.pending is None:

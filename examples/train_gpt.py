@@ -1,0 +1,129 @@
+"""Train the small GPT from examples/gpt.py with shardplan under torchrun.
+
+    torchrun --nproc-per-node 2 examples/train_gpt.py            # CPU, gloo
+    torchrun --nproc-per-node 8 examples/train_gpt.py --config 1B --dtype bf16   # GPUs, NCCL
+
+The text is generated here (sums written out, byte-level), so nothing is downloaded. Rank 0
+prints the plan and the loss of every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpt  # noqa: E402
+from gpt_rules import UNITS, rules  # noqa: E402
+
+import shardplan as sp  # noqa: E402
+
+
+def corpus(n_chars: int, seed: int = 0) -> torch.Tensor:
+    """Byte-level text of additions, e.g. '17+25=42;': learnable structure, a falling loss."""
+    g = torch.Generator().manual_seed(seed)
+    parts, total = [], 0
+    while total < n_chars:
+        a, b = torch.randint(0, 100, (2,), generator=g).tolist()
+        s = f"{a}+{b}={a + b};"
+        parts.append(s)
+        total += len(s)
+    return torch.tensor(list("".join(parts).encode()), dtype=torch.long)
+
+
+def batches(data: torch.Tensor, batch: int, seq: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        idx = torch.randint(0, data.numel() - seq - 1, (batch,), generator=g)
+        x = torch.stack([data[i:i + seq] for i in idx.tolist()])
+        y = torch.stack([data[i + 1:i + seq + 1] for i in idx.tolist()])
+        yield x, y
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="tiny", choices=sorted(gpt.CONFIGS))
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--batch", type=int, default=8, help="global batch (split over ranks)")
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--strategy", default="optim_grads_params")
+    ap.add_argument("--mesh", default=None, help="e.g. dp=2 (default: dp=world size)")
+    ap.add_argument("--dtype", default=None, help="compute dtype, e.g. bf16")
+    ap.add_argument("--prefetch", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--save", default=None, help="checkpoint directory to save into at the end")
+    ap.add_argument("--resume", default=None, help="checkpoint directory to resume from")
+    ap.add_argument("--quiet-plan", action="store_true")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> list[float]:
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available() and os.environ.get("SHARDPLAN_FORCE_CPU") != "1"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)
+    model = gpt.build(args.config, max_seq=max(args.seq, gpt.CONFIGS[args.config].max_seq)).init_weights(args.seed)
+    if cuda:
+        model = model.cuda()
+    mesh = sp.Mesh.parse(args.mesh) if args.mesh else sp.Mesh(dp=world)
+    plan = sp.plan(model, rules, mesh, strategy=args.strategy, units=UNITS, compute_dtype=args.dtype,
+                   prefetch=args.prefetch)
+    if rank == 0 and not args.quiet_plan:
+        print(plan, flush=True)
+    model = sp.shard(model, plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    start = 0
+    if args.resume:
+        start = sp.checkpoint.load(args.resume, model, opt)
+        if rank == 0:
+            print(f"resumed from {args.resume} at step {start}", flush=True)
+    if args.batch % world:
+        raise SystemExit(f"--batch {args.batch} must divide by the world size {world}")
+    per = args.batch // world
+    data = corpus(200_000, seed=args.seed)
+    stream = batches(data, args.batch, args.seq, seed=args.seed + 1)
+    for _ in range(start):  # the data order of the uninterrupted run
+        next(stream)
+    losses = []
+    for step in range(start, args.steps):
+        x, y = next(stream)
+        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        if cuda:
+            x, y = x.cuda(), y.cuda()
+        t0 = time.perf_counter()
+        loss = model(x, y)
+        loss.backward()
+        norm = sp.clip_grad_norm_(model, 1.0)
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().float().clone()
+        dist.all_reduce(mean)
+        mean = mean.item() / world
+        losses.append(mean)
+        if not math.isfinite(mean):
+            raise SystemExit(f"loss is {mean} at step {step}")
+        if rank == 0:
+            print(f"step {step:4d}  loss {mean:.4f}  grad_norm {norm.item():.3f}  {1000 * (time.perf_counter() - t0):.1f} ms",
+                  flush=True)
+    if args.save:
+        sp.checkpoint.save(args.save, model, opt, step=args.steps)
+        if rank == 0:
+            print(f"saved checkpoint to {args.save}", flush=True)
+    if rank == 0 and len(losses) > 1:
+        print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    dist.destroy_process_group()
+    return losses
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,345 @@
+"""Distributed checkpoints that reshard: DCP state dicts described by ``Plan.local_slices``.
+
+>>> sd = shardplan.state_dict(model, opt)            # {"model": {fqn: ...}, "optimizer": {...}}
+>>> torch.distributed.checkpoint.save(sd, checkpoint_id=path)
+>>> shardplan.checkpoint.save(path, model, opt, step=100)   # atomic: written aside, then published
+>>> step = shardplan.checkpoint.load(path, model, opt)      # any world size, strategy, rules or units
+
+Each sharded value is a ``ShardedTensor`` whose shards are exactly the boxes the plan gives every
+rank of the parameter's shard group (uneven and row-packed shards included); replicated values are
+plain tensors, which DCP writes once. The local shard tensors *are* the parameters and optimizer
+states, so DCP loads straight into them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import uuid
+import warnings
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+
+from .. import layout as L
+from ..errors import CheckpointError
+from .api import engine_of
+
+warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
+
+
+def _sharded(eng, name: str, local: torch.Tensor):
+    """``local`` (this rank's box of ``name``) as a DCP value."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    plan = eng.plan
+    p = plan.param(name)
+    b = plan.buffers[p.buffer]
+    group = eng.groups.get(("gather", b.axes)) if b.layout != L.REPLICATED else None
+    if group is None or group.size == 1 or plan.level == 0:
+        return local
+    members = plan.mesh.group_of(eng.rank, b.axes)
+    dev = local.device.type if local.device.type == "cpu" else f"cuda:{local.device.index}"
+    mds, mine = [], None
+    for k, r in enumerate(members):
+        box = plan.local_slices(name, r)
+        if box is None:
+            continue
+        md = ShardMetadata([s.start for s in box], [s.stop - s.start for s in box], f"rank:{k}/{dev}")
+        mds.append(md)
+        if r == eng.rank:
+            mine = md
+    props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
+                             memory_format=torch.contiguous_format, pin_memory=False)
+    meta = ShardedTensorMetadata(mds, torch.Size(p.shape), props)
+    shards = [Shard(local, mine)] if mine is not None else []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta, process_group=group.pg)
+
+
+def _locals(eng) -> dict[str, nn.Parameter]:
+    out = {}
+    for u in eng.units:
+        for b in u.buffers:
+            for pp, lp in zip(b.infos, b.local):
+                out[pp.name] = lp
+    return out
+
+
+def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state without changing parameters (as torch's get_optimizer_state_dict)."""
+    if opt.state:
+        return
+    lrs = []
+    for group in opt.param_groups:
+        lrs.append(group["lr"])
+        group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    opt.step()
+    for group, lr in zip(opt.param_groups, lrs):
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+
+
+def state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, init_optimizer: bool = False) -> dict:
+    """``{"model": {fqn: value}, "optimizer": {"state": {fqn: {...}}, "param_groups": [...]}}`` for DCP."""
+    eng = engine_of(model)
+    locals_ = _locals(eng)
+    sd: dict[str, Any] = {"model": {n: _sharded(eng, n, lp.detach()) for n, lp in locals_.items()}}
+    if optimizer is not None:
+        if init_optimizer:
+            _init_optimizer_state(optimizer)
+        fqn_of = {id(lp): n for n, lp in locals_.items()}
+        state, groups = {}, []
+        for group in optimizer.param_groups:
+            names = []
+            for p in group["params"]:
+                if id(p) not in fqn_of:
+                    raise CheckpointError("the optimizer holds a parameter that is not one of the sharded model's; "
+                                          "build it on model.parameters() after shardplan.shard")
+                n = fqn_of[id(p)]
+                names.append(n)
+                st = optimizer.state.get(p)
+                if st:
+                    state[n] = {k: (_sharded(eng, n, v) if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() > 0
+                                    else v) for k, v in st.items()}
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+        sd["optimizer"] = {"state": state, "param_groups": groups}
+    return sd
+
+
+def _local_value(v):
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    if isinstance(v, ShardedTensor):
+        shards = v.local_shards()
+        return shards[0].tensor if shards else None
+    return v
+
+
+def load_state_dict(model: nn.Module, state: dict, optimizer: Optional[torch.optim.Optimizer] = None,
+                    *, strict: bool = True) -> dict[str, list[str]]:
+    """Copy a (DCP-loaded) state dict from :func:`state_dict` into the local shards; returns what was skipped."""
+    eng = engine_of(model)
+    locals_ = _locals(eng)
+    msd = state.get("model", {})
+    missing = [n for n in locals_ if n not in msd]
+    unexpected = [n for n in msd if n not in locals_]
+    if strict and (missing or unexpected):
+        raise CheckpointError(f"state dict does not fit the model: missing {missing[:20]}, unexpected {unexpected[:20]}; "
+                              f"pass strict=False to load the rest")
+    with torch.no_grad():
+        for n, lp in locals_.items():
+            if n in msd:
+                v = _local_value(msd[n])
+                if v is not None and v.data_ptr() != lp.data_ptr():
+                    lp.copy_(v)
+        if optimizer is not None and "optimizer" in state:
+            osd = state["optimizer"]
+            for group, saved in zip(optimizer.param_groups, osd["param_groups"]):
+                for k, v in saved.items():
+                    if k != "params":
+                        group[k] = v
+            by_name = {n: lp for n, lp in locals_.items()}
+            for n, st in osd["state"].items():
+                if n not in by_name:
+                    continue
+                p = by_name[n]
+                cur = optimizer.state.setdefault(p, {})
+                for k, v in st.items():
+                    v = _local_value(v)
+                    if isinstance(v, torch.Tensor) and k in cur and isinstance(cur[k], torch.Tensor):
+                        if v.data_ptr() != cur[k].data_ptr():
+                            cur[k].copy_(v)
+                    elif isinstance(v, torch.Tensor):
+                        cur[k] = v.clone()
+                    else:
+                        cur[k] = v
+    eng.dirty = True
+    return {"missing": missing, "unexpected": unexpected}
+
+
+# -- files -----------------------------------------------------------------------------------------
+
+def _broadcast_str(s: str) -> str:
+    obj = [s]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(obj, src=0)
+    return obj[0]
+
+
+def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, step: int = 0) -> None:
+    """Save atomically: DCP writes into ``path`` + a unique suffix, then rank 0 renames it into place,
+    so a run killed mid-save leaves the previous checkpoint at ``path`` loadable."""
+    sd = state_dict(model, optimizer)
+    sd["extra"] = {"step": torch.tensor(step)}
+    tmp = _broadcast_str(f"{path.rstrip('/')}.tmp-{uuid.uuid4().hex[:8]}")
+    dcp.save(sd, checkpoint_id=tmp)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        old = None
+        if os.path.exists(path):
+            old = f"{path.rstrip('/')}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(path, old)
+        os.rename(tmp, path)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def _shape_of(md) -> Optional[tuple]:
+    size = getattr(md, "size", None)
+    return tuple(size) if size is not None else None
+
+
+def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, strict: bool = True) -> int:
+    """Load a checkpoint written by :func:`save` (any world size, strategy, rules, units); returns its step.
+
+    Names and shapes are checked against the checkpoint first: a mismatch raises before anything is
+    loaded, listing every difference (``strict=False`` loads what fits and warns about the rest).
+    """
+    if not os.path.isdir(path):
+        raise CheckpointError(f"no checkpoint at {path!r}")
+    reader = dcp.FileSystemReader(path)
+    meta = reader.read_metadata().state_dict_metadata
+    if optimizer is not None:
+        _init_optimizer_state(optimizer)
+    sd = state_dict(model, optimizer)
+    sd["extra"] = {"step": torch.tensor(0)}
+    flat = _flatten(sd)
+    problems, skip = [], []
+    for key, value in flat.items():
+        if key not in meta:
+            problems.append(f"  {key}: not in the checkpoint")
+            skip.append(key)
+            continue
+        want = tuple(value.size()) if hasattr(value, "size") and callable(value.size) else None
+        have = _shape_of(meta[key])
+        if want is not None and have is not None and want != have:
+            problems.append(f"  {key}: checkpoint has shape {have}, model has {want}")
+            skip.append(key)
+    extra = [k for k in meta if k not in flat and k.startswith("model.")]
+    problems += [f"  {k}: in the checkpoint, not in the model" for k in extra]
+    if problems and strict:
+        raise CheckpointError(f"checkpoint {path} does not fit the model ({len(problems)} differences, nothing loaded):\n"
+                              + "\n".join(problems[:40]) + "\npass strict=False to load what fits")
+    if problems:
+        warnings.warn(f"checkpoint {path}: skipped {len(skip)} entries:\n" + "\n".join(problems[:40]))
+        sd = _drop(sd, set(skip))
+    dcp.load(sd, checkpoint_id=path)
+    load_state_dict(model, sd, optimizer, strict=False)
+    return int(sd["extra"]["step"])
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        elif isinstance(v, list):
+            for i, x in enumerate(v):
+                if isinstance(x, dict):
+                    out.update(_flatten(x, f"{key}.{i}."))
+                else:
+                    out[f"{key}.{i}"] = x
+        else:
+            out[key] = v
+    return out
+
+
+def _drop(d: dict, keys: set, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out[k] = _drop(v, keys, key + ".")
+        elif key not in keys:
+            out[k] = v
+    return out
+
+
+# -- full (unsharded) export and import -----------------------------------------------------------------
+
+def full_state_dict(model: nn.Module, *, cpu: bool = True) -> dict[str, torch.Tensor]:
+    """Rank 0 gets ordinary full tensors (fp32 masters); other ranks get ``{}``. One unit at a time."""
+    eng = engine_of(model)
+    plan = eng.plan
+    out: dict[str, torch.Tensor] = {}
+    from . import collectives as C
+    for u in eng.units:
+        for b in u.buffers:
+            if not b.sharded:
+                if eng.rank == 0:
+                    for pp, lp in zip(b.infos, b.local):
+                        out[pp.name] = lp.detach().clone().cpu() if cpu else lp.detach().clone()
+                continue
+            group = eng.groups[("gather", b.bp.axes)]
+            gathered = torch.empty(b.G, dtype=b.dtype, device=b.device)
+            C.all_gather(gathered, b.shard.contiguous(), group, async_op=False)
+            if eng.rank == 0:
+                packed = gathered.view(b.bp.group_size, b.S)
+                members = plan.mesh.group_of(0, b.bp.axes)
+                for pp in b.infos:
+                    full = torch.empty(pp.shape, dtype=b.dtype, device=b.device)
+                    if b.layout == L.CONTIGUOUS:
+                        full.copy_(gathered[pp.offset:pp.offset + pp.numel].view(pp.shape))
+                    else:
+                        for seg, r in enumerate(members):
+                            box = plan.local_slices(pp.name, r)
+                            if box is not None:
+                                n = math.prod(s.stop - s.start for s in box)
+                                full[box].copy_(packed[seg, pp.offset:pp.offset + n].view([s.stop - s.start for s in box]))
+                    out[pp.name] = full.cpu() if cpu else full
+            del gathered
+    if eng.rank == 0:
+        for pp in plan.params:
+            for a in pp.aliases:
+                out[a] = out[pp.name]
+    return out
+
+
+def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], *, strict: bool = True) -> None:
+    """Load ordinary full tensors held by rank 0 (others may pass ``{}``), broadcast one parameter at a time."""
+    eng = engine_of(model)
+    plan = eng.plan
+    world = eng.groups[("world", plan.mesh.axis_names)]
+    if eng.rank == 0:
+        missing = [p.name for p in plan.params if p.name not in full and not any(a in full for a in p.aliases)]
+        names = {p.name for p in plan.params} | {a for p in plan.params for a in p.aliases}
+        unexpected = [k for k in full if k not in names]
+        bad = [f"{p.name}: {tuple(full[p.name].shape)} vs {p.shape}" for p in plan.params
+               if p.name in full and tuple(full[p.name].shape) != p.shape]
+        msg = ""
+        if (missing or unexpected) and strict or bad:
+            msg = f"full state dict does not fit: missing {missing[:20]}, unexpected {unexpected[:20]}, shapes {bad[:20]}"
+    else:
+        msg = ""
+    msg = _broadcast_str(msg)
+    if msg:
+        raise CheckpointError(msg)
+    from . import collectives as C
+    src = dist.get_global_rank(world.pg, 0) if world.pg is not None else 0
+    with torch.no_grad():
+        for u in eng.units:
+            for b in u.buffers:
+                for pp, lp in zip(b.infos, b.local):
+                    t = torch.empty(pp.shape, dtype=b.dtype, device=b.device)
+                    if eng.rank == 0:
+                        v = full.get(pp.name)
+                        if v is None:
+                            v = next((full[a] for a in pp.aliases if a in full), None)
+                        if v is not None:
+                            t.copy_(v)
+                    C.broadcast(t, src, world)
+                    box = plan.local_slices(pp.name, eng.rank)
+                    if box is not None:
+                        lp.copy_(t[box])
+    eng.dirty = True

@@ -1,0 +1,179 @@
+"""Runtime parity with single-process training, schedule fidelity and errors, on real gloo groups."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardplan as sp
+from distributed import run
+from models import Toy, batches, toy_rules
+
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+UNITS = [r"blocks\.\d+"]
+LR = 1e-3
+ATOL = 1e-5
+
+
+def _reference(data, *, clip=None, ckpt=False):
+    model = Toy(ckpt=ckpt)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    norms = []
+    for x, y in data:
+        model(x, y).backward()
+        if clip:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+def _train_sharded(rank, world, case, data):
+    model = Toy(ckpt=case.get("ckpt", False))
+    if rank == 1:
+        model.scale.fill_(7.0)  # buffers are broadcast from rank 0 at shard()
+    mesh = sp.Mesh(**case.get("mesh", {"dp": world}))
+    axis = case.get("axis", "dp")
+    plan = sp.plan(model, toy_rules(axis, odd=case.get("odd", True)), mesh, strategy=case["strategy"],
+                   units=case.get("units", UNITS), prefetch=case.get("prefetch", 1))
+    sp.shard(model, plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    accum, clip = case.get("accum", 1), case.get("clip")
+    per = data[0][0].shape[0] // world
+    norms, recorded = [], None
+    for step, (x, y) in enumerate(data):
+        xs, ys = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        rec = sp.record_ops(model) if step == 1 else contextlib.nullcontext()
+        with rec as ops:
+            m = per // accum
+            for i in range(accum):
+                sync = sp.no_sync(model) if i < accum - 1 else contextlib.nullcontext()
+                with sync:
+                    (model(xs[i * m:(i + 1) * m], ys[i * m:(i + 1) * m]) / accum).backward()
+        if step == 1:
+            recorded = list(ops)
+        if clip:
+            norms.append(sp.clip_grad_norm_(model, clip).item())
+        opt.step()
+        opt.zero_grad()
+    params = dict(model.named_parameters())
+    local = {p.name: (plan.local_slices(p.name, rank), params[p.name].detach().clone()) for p in plan.params}
+    eng = sp.runtime.engine_of(model)
+    # inference frees what it gathers
+    with torch.no_grad():
+        model.eval()
+        model(*[t[:2] for t in data[0]])
+    still = [u.name for u in eng.units if u.gathered and any(not b.persistent for b in u.buffers)]
+    return dict(local=local, norms=norms, recorded=recorded, expected=[o.key for o in plan.schedule],
+                max_gathered=eng.max_gathered, allowed=plan.max_gathered_units() + 1, scale=model.scale.item(),
+                still_gathered=still, registered_are_shards=all(p is q for p, q in zip(model.parameters(), opt.param_groups[0]["params"])))
+
+
+def _parity_worker(rank, world, cases):
+    data = batches(3, batch=8)
+    out = []
+    for case in cases:
+        res = _train_sharded(rank, world, case, data)
+        ref, ref_norms = _reference(data, clip=case.get("clip"), ckpt=case.get("ckpt", False))
+        diffs = {}
+        for name, (box, local) in res.pop("local").items():
+            if box is not None:
+                diffs[name] = (local - ref[name][box]).abs().max().item() if local.numel() else 0.0
+            else:
+                diffs[name] = 0.0 if local.numel() == 0 else float("inf")
+        res.update(diffs=diffs, ref_norms=ref_norms)
+        out.append(res)
+    return out
+
+
+def _check(results, cases):
+    for rank_results in results:
+        for case, res in zip(cases, rank_results):
+            worst = max(res["diffs"].items(), key=lambda kv: kv[1])
+            assert worst[1] <= ATOL, f"{case}: parameter {worst[0]} differs by {worst[1]:.2e} from single-process training"
+            if case.get("clip"):
+                assert res["norms"] == pytest.approx(res["ref_norms"], rel=1e-5, abs=1e-6), case
+            if res["recorded"] is not None and case.get("accum", 1) == 1:
+                assert res["recorded"] == res["expected"], f"{case}: executed ops differ from plan.schedule"
+            assert res["max_gathered"] <= res["allowed"], case
+            assert res["scale"] == 0.5, "buffers must be synced from rank 0"
+            assert res["still_gathered"] == [], f"{case}: inference left units gathered"
+
+
+CASES_2 = [dict(strategy=s) for s in STRATEGIES] + [
+    dict(strategy="optim_grads_params", accum=2, clip=0.05),
+    dict(strategy="optim_grads", accum=2),
+    dict(strategy="optim_grads_params", ckpt=True, prefetch=2),
+    dict(strategy="optim_grads_params", units=[r"blocks\.[02]"], clip=0.05),  # uneven units: block 1 in the root
+    dict(strategy="optim_grads_params", odd=False, prefetch=0),
+]
+
+
+@pytest.mark.timeout(300)
+def test_parity_two_ranks():
+    results = run(_parity_worker, 2, CASES_2)
+    _check(results, CASES_2)
+
+
+CASES_4 = [
+    dict(strategy="optim_grads_params"),
+    dict(strategy="optim_grads_params", mesh={"replica": 2, "shard": 2}, axis="shard"),
+    dict(strategy="optim_grads", mesh={"replica": 2, "shard": 2}, axis="shard", clip=0.05),
+    dict(strategy="optim", mesh={"replica": 2, "shard": 2}, axis="shard", accum=2),
+]
+
+
+@pytest.mark.timeout(300)
+def test_parity_four_ranks_and_hsdp():
+    results = run(_parity_worker, 4, CASES_4)
+    _check(results, CASES_4)
+
+
+def _error_worker(rank, world):
+    out = {}
+    model = Toy()
+    # a plan that differs between ranks
+    plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=UNITS, prefetch=1 + rank)
+    try:
+        sp.shard(model, plan)
+        out["fingerprint"] = "no error"
+    except sp.RuntimeShardingError as exc:
+        out["fingerprint"] = str(exc)
+    bad = sp.plan(Toy(), toy_rules(), sp.Mesh(dp=2 * world), units=UNITS)
+    try:
+        sp.shard(Toy(), bad)
+        out["world"] = "no error"
+    except sp.RuntimeShardingError as exc:
+        out["world"] = str(exc)
+    good = sp.plan(Toy(), toy_rules(), sp.Mesh(dp=world), units=UNITS)
+    m = sp.shard(Toy(), good)
+    try:
+        sp.shard(m, good)
+        out["twice"] = "no error"
+    except sp.RuntimeShardingError as exc:
+        out["twice"] = str(exc)
+    try:
+        sp.shard(Toy(h=31), good)
+        out["mismatch"] = "no error"
+    except sp.RuntimeShardingError as exc:
+        out["mismatch"] = str(exc)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_errors_instead_of_hangs():
+    for out in run(_error_worker, 2):
+        assert "ranks [0] have" in out["fingerprint"] and "ranks [1] have" in out["fingerprint"]
+        assert "world size is 2" in out["world"] and "4 ranks" in out["world"]
+        assert "already sharded" in out["twice"]
+        assert "blocks.0.fc1.weight" in out["mismatch"] and "(31, 13)" in out["mismatch"]
+
+
+def test_shard_without_process_group():
+    assert not dist.is_initialized()
+    plan = sp.plan(Toy(), toy_rules(), sp.Mesh(dp=1), units=UNITS)
+    with pytest.raises(sp.RuntimeShardingError, match="init_process_group"):
+        sp.shard(Toy(), plan)
