@@ -6,8 +6,11 @@ seconds); one spawned group runs many checks and returns their results to the pa
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
+import queue as queue_mod
+import time
 import socket
 import traceback
 from datetime import timedelta
@@ -29,7 +32,9 @@ def _worker(fn, rank, world, port, queue, args):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
         result = fn(rank, world, *args)
-        queue.put((rank, "ok", result))
+        buf = io.BytesIO()
+        torch.save(result, buf)  # plain bytes: tensors must not travel as shared memory of a dying process
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
@@ -51,19 +56,32 @@ def run(fn, world: int, *args, timeout: float = 240.0, expect_errors: bool = Fal
     for p in procs:
         p.start()
     results: dict[int, tuple] = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world):
-            rank, status, value = queue.get(timeout=timeout)
-            results[rank] = (status, value)
-    except Exception as exc:  # queue.Empty: a hang
-        raise TimeoutError(f"distributed run of {fn.__name__} on {world} ranks did not finish in {timeout}s; "
-                           f"finished ranks: {sorted(results)}") from exc
+        while len(results) < world:
+            try:
+                rank, status, value = queue.get(timeout=0.2)
+                results[rank] = (status, value)
+                continue
+            except queue_mod.Empty:
+                pass
+            for r, p in enumerate(procs):  # a rank that died without reporting (os._exit, a signal)
+                if r not in results and p.exitcode is not None and queue.empty():
+                    time.sleep(0.2)
+                    if queue.empty():
+                        results[r] = ("error", f"process exited with code {p.exitcode} before reporting")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"distributed run of {fn.__name__} on {world} ranks did not finish in {timeout}s; "
+                                   f"finished ranks: {sorted(results)}")
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    ordered = [results[r] for r in range(world)]
+    import torch
+
+    ordered = [(s, torch.load(io.BytesIO(v), weights_only=False) if s == "ok" else v) for s, v in
+               (results[r] for r in range(world))]
     if expect_errors:
         return ordered
     errors = [f"rank {r}: {v}" for r, (s, v) in enumerate(ordered) if s != "ok"]

@@ -13,6 +13,7 @@ states, so DCP loads straight into them.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -61,6 +62,12 @@ def _sharded(eng, name: str, local: torch.Tensor):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta, process_group=group.pg)
+
+
+def _jsonable(v):
+    if isinstance(v, torch.Tensor):
+        return v.item()
+    raise TypeError(f"optimizer hyper-parameter {v!r} cannot be saved; use numbers, bools, strings or tuples")
 
 
 def _locals(eng) -> dict[str, nn.Parameter]:
@@ -112,7 +119,8 @@ def state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
                     state[n] = {k: (_sharded(eng, n, v) if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() > 0
                                     else v) for k, v in st.items()}
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
-        sd["optimizer"] = {"state": state, "param_groups": groups}
+        # one JSON string: DCP's save and load traversals flatten nested hyper-parameters differently
+        sd["optimizer"] = {"state": state, "param_groups": json.dumps(groups, default=_jsonable)}
     return sd
 
 
@@ -143,10 +151,13 @@ def load_state_dict(model: nn.Module, state: dict, optimizer: Optional[torch.opt
                     lp.copy_(v)
         if optimizer is not None and "optimizer" in state:
             osd = state["optimizer"]
-            for group, saved in zip(optimizer.param_groups, osd["param_groups"]):
+            saved_groups = osd["param_groups"]
+            if isinstance(saved_groups, str):
+                saved_groups = json.loads(saved_groups)
+            for group, saved in zip(optimizer.param_groups, saved_groups):
                 for k, v in saved.items():
                     if k != "params":
-                        group[k] = v
+                        group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
             by_name = {n: lp for n, lp in locals_.items()}
             for n, st in osd["state"].items():
                 if n not in by_name:
@@ -155,6 +166,8 @@ def load_state_dict(model: nn.Module, state: dict, optimizer: Optional[torch.opt
                 cur = optimizer.state.setdefault(p, {})
                 for k, v in st.items():
                     v = _local_value(v)
+                    if v is None:  # this rank holds no piece of the parameter: its state tensor is empty
+                        continue
                     if isinstance(v, torch.Tensor) and k in cur and isinstance(cur[k], torch.Tensor):
                         if v.data_ptr() != cur[k].data_ptr():
                             cur[k].copy_(v)
@@ -216,6 +229,8 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     flat = _flatten(sd)
     problems, skip = [], []
     for key, value in flat.items():
+        if not isinstance(value, torch.Tensor):
+            continue  # hyper-parameters: DCP stores them as objects, flattened by its own rules
         if key not in meta:
             problems.append(f"  {key}: not in the checkpoint")
             skip.append(key)
@@ -244,12 +259,6 @@ def _flatten(d: dict, prefix: str = "") -> dict:
         key = f"{prefix}{k}"
         if isinstance(v, dict):
             out.update(_flatten(v, key + "."))
-        elif isinstance(v, list):
-            for i, x in enumerate(v):
-                if isinstance(x, dict):
-                    out.update(_flatten(x, f"{key}.{i}."))
-                else:
-                    out[f"{key}.{i}"] = x
         else:
             out[key] = v
     return out
@@ -303,7 +312,15 @@ def full_state_dict(model: nn.Module, *, cpu: bool = True) -> dict[str, torch.Te
         for pp in plan.params:
             for a in pp.aliases:
                 out[a] = out[pp.name]
+        for name, buf in _persistent_buffers(model).items():
+            out[name] = buf.detach().clone().cpu() if cpu else buf.detach().clone()
     return out
+
+
+def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Buffers that ``model.state_dict()`` holds (non-persistent ones are rebuilt by the module)."""
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    return {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in params}
 
 
 def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], *, strict: bool = True) -> None:
@@ -313,7 +330,7 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], *, str
     world = eng.groups[("world", plan.mesh.axis_names)]
     if eng.rank == 0:
         missing = [p.name for p in plan.params if p.name not in full and not any(a in full for a in p.aliases)]
-        names = {p.name for p in plan.params} | {a for p in plan.params for a in p.aliases}
+        names = {p.name for p in plan.params} | {a for p in plan.params for a in p.aliases} | set(_persistent_buffers(model))
         unexpected = [k for k in full if k not in names]
         bad = [f"{p.name}: {tuple(full[p.name].shape)} vs {p.shape}" for p in plan.params
                if p.name in full and tuple(full[p.name].shape) != p.shape]
@@ -342,4 +359,8 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], *, str
                     box = plan.local_slices(pp.name, eng.rank)
                     if box is not None:
                         lp.copy_(t[box])
+        for name, buf in _persistent_buffers(model).items():
+            if eng.rank == 0 and name in full:
+                buf.copy_(full[name])
+            C.broadcast(buf, src, world)
     eng.dirty = True
