@@ -134,8 +134,9 @@ def as_rules(rules) -> Rules:
     return rules if isinstance(rules, Rules) else Rules(rules)
 
 
-def _key_str(entry) -> str:
-    return str(entry)
+def _entry_str(entry) -> str:
+    field = getattr(entry, "field", None)  # namedtuples and dataclasses: the field name, not the index
+    return str(field if isinstance(field, str) else entry.entry)
 
 
 def leaves_with_paths(tree) -> tuple[list[str], list[Any], Any]:
@@ -145,8 +146,8 @@ def leaves_with_paths(tree) -> tuple[list[str], list[Any], Any]:
     if isinstance(tree, nn.Module):
         items = list(tree.named_parameters())
         return [n for n, _ in items], [p for _, p in items], None
-    paths, leaves, treespec = optree.tree_flatten_with_path(tree)
-    return [".".join(_key_str(k) for k in p) for p in paths], leaves, treespec
+    accessors, leaves, treespec = optree.tree_flatten_with_accessor(tree)
+    return [".".join(_entry_str(e) for e in a) for a in accessors], leaves, treespec
 
 
 def _shape(leaf) -> Optional[tuple[int, ...]]:
