@@ -19,5 +19,6 @@ def blocks(name):
 def test_doc_snippets_run(name, capsys):
     found = blocks(name)
     assert found, f"{name} has no python snippet"
+    namespace: dict = {}  # one page is one session: later snippets use earlier names
     for code in found:
-        exec(compile(code, f"docs/{name}", "exec"), {})
+        exec(compile(code, f"docs/{name}", "exec"), namespace)
