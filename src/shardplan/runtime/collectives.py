@@ -38,7 +38,7 @@ DONE = _Done()
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = True):
-    if group.size == 1:
+    if group.pg is None:
         if out.data_ptr() != inp.data_ptr():
             out.copy_(inp)
         return DONE
@@ -47,19 +47,19 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: boo
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = True):
     """Average ``inp`` over the group; this rank gets its segment in ``out``."""
-    if group.size == 1:
+    if group.pg is None:
         out.copy_(inp)
         return DONE
     return _reduce_scatter(out, inp, op=dist.ReduceOp.AVG, group=group.pg, async_op=async_op) or DONE
 
 
 def all_reduce(t: torch.Tensor, group: Group, async_op: bool = True, op=None):
-    if group.size == 1:
+    if group.pg is None:
         return DONE
     return dist.all_reduce(t, op=op if op is not None else dist.ReduceOp.AVG, group=group.pg, async_op=async_op) or DONE
 
 
 def broadcast(t: torch.Tensor, src: int, group: Group):
-    if group.size == 1:
+    if group.pg is None:
         return DONE
     return dist.broadcast(t, src=src, group=group.pg) or DONE

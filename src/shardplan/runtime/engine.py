@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -435,13 +436,16 @@ def build_groups(plan: Plan, rank: int, backend: str) -> dict:
             if key[1] and key not in wanted:
                 wanted.append(key)
     wanted.append(("world", tuple(mesh.axis_names)))
+    # SHARDPLAN_SINGLETON_GROUPS=1 makes real process groups of one rank too, so a single GPU runs the
+    # same NCCL path as many (tests and traces); otherwise a group of one is a local copy.
+    force = os.environ.get("SHARDPLAN_SINGLETON_GROUPS") == "1"
     groups: dict = {}
     for key in wanted:
         axes = key[1]
         size = mesh.axis_size(axes)
         mine = None
         for ranks in mesh.groups(axes):
-            pg = dist.new_group(list(ranks), backend=backend) if size > 1 else None
+            pg = dist.new_group(list(ranks), backend=backend) if size > 1 or force else None
             if rank in ranks:
                 mine = C.Group(pg, size, ranks.index(rank))
         groups[key] = mine

@@ -1,0 +1,242 @@
+"""Train-step benchmark: shardplan vs FSDP2 (fully_shard) vs unsharded vs Megatron-FSDP, one launch.
+
+    python benchmarks/train_step.py --config 1B --batch 8 --seq 1024 --dtype bf16 --out out.json   # 1 GPU
+    torchrun --nproc-per-node 2 benchmarks/train_step.py --config small --out cpu.json             # CPU, gloo
+
+Every system trains the same GPT (examples/gpt.py; units = transformer blocks) from the same
+initial weights on the same batches with AdamW; systems alternate over several rounds, warm-up steps
+excluded. Reported per system: median step time, peak memory (GPU: torch.cuda.max_memory_allocated
+after a reset, each system alone on the device; CPU: the runtime's own accounting, shardplan only),
+bytes communicated per step and rank, and the first losses (which must agree, or the comparison is
+void). ``--breakdown`` also times forward, backward and optimizer separately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+sys.path.insert(0, os.path.join(HERE, "..", "src"))
+import gpt  # noqa: E402
+
+import shardplan as sp  # noqa: E402
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def build_model(args, dev):
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = gpt.build(args.config, max_seq=max(args.seq, gpt.CONFIGS[args.config].max_seq))
+    model.to_empty(device=dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0, 0.02, generator=g)
+    return model
+
+
+def make_system(name, args, dev, world):
+    model = build_model(args, dev)
+    dt = torch.bfloat16 if args.dtype == "bf16" else None
+    info = {}
+    if name == "unsharded":
+        wrapped = model
+        ctx = (lambda: torch.autocast(dev.type, dtype=dt)) if dt else None
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        return wrapped, opt, ctx, info
+    if name == "shardplan":
+        plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[r"layers\.\d+"], compute_dtype=dt,
+                       reduce_dtype=torch.float32 if dt else None, prefetch=args.prefetch)
+        sp.shard(model, plan)
+        info["planned_memory"] = plan.memory().__dict__
+        info["comm_bytes"] = plan.comm_bytes()["total"]
+        info["plan_peak"] = plan.memory().peak
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        return model, opt, None, info
+    if name == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(param_dtype=dt, reduce_dtype=torch.float32) if dt else MixedPrecisionPolicy()
+        for layer in model.layers:
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        return model, opt, None, info
+    if name == "megatron":
+        from megatron_fsdp import MixedPrecisionPolicy, fully_shard_model, fully_shard_optimizer
+        from torch.distributed.device_mesh import init_device_mesh
+        if dt:
+            model = model.to(dt)
+        mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
+        wrapped = fully_shard_model(model, device_mesh=mesh, dp_shard_dim="dp", fsdp_unit_modules=[gpt.Block],
+                                    zero_dp_strategy=3, mixed_precision_policy=MixedPrecisionPolicy(
+                                        main_params_dtype=torch.float32, main_grads_dtype=torch.float32))
+        opt = fully_shard_optimizer(torch.optim.AdamW(wrapped.parameters(), lr=1e-4))
+        return wrapped, opt, None, info
+    raise SystemExit(f"unknown system {name}")
+
+
+def batches(args, dev, rank, world, n):
+    g = torch.Generator().manual_seed(123)
+    vocab = gpt.CONFIGS[args.config].vocab
+    per = args.batch // world
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=g)
+        x = x[rank * per:(rank + 1) * per]
+        out.append((x[:, :-1].to(dev), x[:, 1:].to(dev)))
+    return out
+
+
+def run_steps(model, opt, ctx, data, dev, breakdown=False):
+    times, losses, parts = [], [], []
+    for x, y in data:
+        sync(dev)
+        t0 = time.perf_counter()
+        with (ctx() if ctx else _null()):
+            loss = model(x, y)
+        sync(dev) if breakdown else None
+        t1 = time.perf_counter()
+        loss.backward()
+        sync(dev) if breakdown else None
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(dev)
+        t3 = time.perf_counter()
+        times.append(t3 - t0)
+        parts.append((t1 - t0, t2 - t1, t3 - t2))
+        losses.append(loss.detach().float().item())
+    return times, losses, parts
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="small")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--systems", default="unsharded,shardplan,fsdp2,megatron")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prefetch", type=int, default=1)
+    ap.add_argument("--breakdown", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    systems = [s for s in args.systems.split(",") if s]
+    if not cuda:
+        systems = [s for s in systems if s != "megatron"]  # Megatron-FSDP needs CUDA
+    if world > 1:
+        systems = [s for s in systems if s != "unsharded"]
+    data = batches(args, dev, rank, world, args.warmup + args.steps)
+    results = {s: {"times": [], "losses": None, "peak": [], "parts": [], "error": None} for s in systems}
+    for r in range(args.rounds):
+        for s in systems:
+            if results[s]["error"]:
+                continue
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                model, opt, ctx, info = make_system(s, args, dev, world)
+                if s == "shardplan":
+                    sp.reset_peak(model)
+                times, losses, parts = run_steps(model, opt, ctx, data, dev, args.breakdown)
+            except Exception as exc:  # noqa: BLE001 - recorded, the other systems still run
+                results[s]["error"] = f"{type(exc).__name__}: {exc}"[:500]
+                continue
+            res = results[s]
+            res["times"] += times[args.warmup:]
+            res["parts"] += parts[args.warmup:]
+            res["losses"] = res["losses"] or losses
+            res.update(info)
+            if cuda:
+                res["peak"].append(torch.cuda.max_memory_allocated())
+            elif s == "shardplan":
+                res["peak"].append(sp.memory_stats(model)["peak"])
+            del model, opt
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in gpt.build(args.config).parameters())
+    summary = {"config": args.config, "params": n_params, "world": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
+               "torch": torch.__version__, "dtype": args.dtype or "fp32", "batch": args.batch, "seq": args.seq,
+               "prefetch": args.prefetch, "systems": {}}
+    for s, res in results.items():
+        if res["error"]:
+            summary["systems"][s] = {"error": res["error"]}
+            continue
+        entry = {"median_step_ms": 1000 * statistics.median(res["times"]),
+                 "peak_bytes": max(res["peak"]) if res["peak"] else None,
+                 "first_losses": res["losses"][:3], "steps_timed": len(res["times"])}
+        if args.breakdown:
+            entry["forward_ms"] = 1000 * statistics.median(p[0] for p in res["parts"])
+            entry["backward_ms"] = 1000 * statistics.median(p[1] for p in res["parts"])
+            entry["optimizer_ms"] = 1000 * statistics.median(p[2] for p in res["parts"])
+        for k in ("comm_bytes", "plan_peak", "planned_memory"):
+            if k in res:
+                entry[k] = res[k]
+        summary["systems"][s] = entry
+    ok = {s: e for s, e in summary["systems"].items() if "error" not in e}
+    ref = next(iter(ok.values()))["first_losses"][0] if ok else None
+    tol = 3e-2 if args.dtype else 1e-4
+    summary["losses_agree"] = all(abs(e["first_losses"][0] - ref) <= tol * max(1.0, abs(ref)) for e in ok.values())
+    summary["ratios"] = {f"{a}/{b}": ok[a]["median_step_ms"] / ok[b]["median_step_ms"] for a in ok for b in ok if a != b}
+    n_units = gpt.CONFIGS[args.config].layers + 1
+    if "unsharded" in ok:
+        summary["overhead_us_per_unit"] = {s: 1000 * (e["median_step_ms"] - ok["unsharded"]["median_step_ms"]) / n_units
+                                           for s, e in ok.items() if s != "unsharded"}
+    if rank == 0:
+        print(f"{args.config} ({n_params / 1e6:.0f}M params), world {world}, {summary['device']}, {summary['dtype']}, "
+              f"batch {args.batch}x{args.seq}")
+        print(f"{'system':<10} {'step ms':>9} {'peak GiB':>9} {'loss[0]':>9}")
+        for s, e in summary["systems"].items():
+            if "error" in e:
+                print(f"{s:<10} error: {e['error'][:200]}")
+                continue
+            peak = f"{e['peak_bytes'] / 2**30:.2f}" if e["peak_bytes"] else "-"
+            print(f"{s:<10} {e['median_step_ms']:>9.1f} {peak:>9} {e['first_losses'][0]:>9.4f}")
+        for k, v in summary["ratios"].items():
+            print(f"  {k}: {v:.3f}")
+        print("losses agree:", summary["losses_agree"])
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(summary, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
