@@ -216,17 +216,25 @@ class Plan:
         full_persistent = lvl in (0, 1, 2) or alias
         params = full if alias else shard + (full if full_persistent else 0)
         gathered = 0 if full_persistent else full
-        grads = grad_transient = reduce_copy = 0
+        grads = grad_transient = reduce_copy = local_grad = full_grad_kept = 0
         if b.requires_grad:
             grad_alias = b.layout == L.REPLICATED and b.compute_dtype == b.dtype == b.reduce_dtype
             full_grad = b.gathered_numel * ct
             reduce_copy = b.gathered_numel * rt if b.reduce_dtype != b.compute_dtype else 0
             if grad_alias:
-                grads = full_grad
+                grads = full_grad_kept = full_grad
             else:
-                grads = b.shard_numel * it + (full_grad if lvl in (0, 1) else 0)
+                local_grad = b.shard_numel * it  # the local .grads: created by the reduction, kept to zero_grad
+                full_grad_kept = full_grad if lvl in (0, 1) else 0
+                grads = local_grad + full_grad_kept
                 grad_transient = 0 if lvl in (0, 1) else full_grad
-        return dict(params=params, gathered=gathered, grads=grads, grad_transient=grad_transient, reduce_copy=reduce_copy)
+        send = b.shard_numel * ct if (b.layout != L.REPLICATED and gathered and ct != it) else 0
+        reduce_out = b.shard_numel * rt if (b.requires_grad and b.layout != L.REPLICATED and rt != it) else 0
+        if b.layout == L.INTERLEAVED and gathered:  # packed all-gather output besides the param-layout copy
+            gathered += b.numel * ct
+        return dict(params=params, gathered=gathered, grads=grads, grad_transient=grad_transient,
+                    reduce_copy=reduce_copy, send=send, reduce_out=reduce_out, local_grad=local_grad,
+                    full_grad_kept=full_grad_kept)
 
     def memory(self, rank: int = 0) -> Memory:
         """Planned bytes on ``rank``: params, grads and optimizer state, and the peak over the schedule."""
@@ -238,14 +246,17 @@ class Plan:
             for p in self.params:
                 if p.requires_grad:
                     optimizer += math.prod(self.local_shape(p.name, rank)) * 4 * self.optimizer_states
+        # Walk the schedule as the runtime executes it: a unit's flat gradient comes alive when its
+        # backward starts and is released when the *next* reduction is issued (one reduction in
+        # flight); the cast copy for the reduction and its output live while it runs.
         live: dict[tuple[str, int], int] = {}
+        deferred: list[tuple[str, int]] = []
         peak_transient = gathered_peak = 0
         in_backward = False
 
         def bump(extra: int = 0):
             nonlocal peak_transient, gathered_peak
-            total = sum(live.values())
-            peak_transient = max(peak_transient, total + extra)
+            peak_transient = max(peak_transient, sum(live.values()) + extra)
             gathered_peak = max(gathered_peak, sum(v for (k, _), v in live.items() if k == "param"))
 
         for op in self.schedule:
@@ -260,16 +271,35 @@ class Plan:
                 for i in op.buffers:
                     if per[i]["gathered"]:
                         live[("param", i)] = per[i]["gathered"]
+                        live[("send", i)] = per[i]["send"]
+                bump()
+                for i in op.buffers:
+                    live.pop(("send", i), None)
             elif op.kind in (REDUCE_SCATTER, ALL_REDUCE):
                 for i in op.buffers:
                     if per[i]["grad_transient"]:
                         live[("grad", i)] = per[i]["grad_transient"]
-                bump(sum(per[i]["reduce_copy"] for i in op.buffers) if op.kind == REDUCE_SCATTER else 0)
+                bump()
+                for i in op.buffers:
+                    if per[i]["local_grad"]:
+                        live[("lgrad", i)] = per[i]["local_grad"]
+                for key in deferred:
+                    live.pop(key, None)
+                deferred.clear()
+                if op.kind == REDUCE_SCATTER:
+                    bump(sum(per[i]["reduce_copy"] + per[i]["reduce_out"] for i in op.buffers))
             elif op.kind == FREE:
                 for i in op.buffers:
-                    live.pop(("grad" if op.what == "grads" else "param", i), None)
+                    if op.what == "grads":
+                        deferred.append(("grad", i))
+                    else:
+                        live.pop(("param", i), None)
             bump()
-        return Memory(params, grads, optimizer, gathered_peak, params + grads + optimizer + peak_transient)
+        for i, x in enumerate(per):  # gradients of buffers no reduction touched (none in a full step)
+            if x["local_grad"] and ("lgrad", i) not in live:
+                peak_transient = max(peak_transient, sum(live.values()) + x["local_grad"])
+        base = params + optimizer + sum(x["full_grad_kept"] for x in per)
+        return Memory(params, grads, optimizer, gathered_peak, max(base + peak_transient, params + grads + optimizer))
 
     def comm_bytes(self, rank: int = 0) -> dict[str, int]:
         """Bytes each rank sends per training step, by op kind (ring algorithms: (n-1)/n of the payload)."""

@@ -139,6 +139,7 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
         eng.by_name[u.name] = u
         eng.swap_out(u)  # drops the module's full tensors (meta init: the only full copy of this unit)
     del originals
+    eng.finalize()
     _install_hooks(module, eng)
     module.__dict__[_ATTR] = eng
     if sync_buffers and world > 1:
@@ -249,11 +250,14 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
 def memory_stats(module: nn.Module) -> dict[str, int]:
     """Bytes the runtime holds for parameters and gradients now, and the peak since ``shard``."""
     eng = engine_of(module)
+    eng.track_memory = True
     eng._account()
     return {"live": eng.live_bytes, "peak": eng.peak_live_bytes}
 
 
 def reset_peak(module: nn.Module) -> None:
+    """Start tracking live bytes (costs O(units) per hook while on) and reset the peak."""
     eng = engine_of(module)
+    eng.track_memory = True
     eng._account()
     eng.peak_live_bytes = eng.live_bytes

@@ -160,6 +160,9 @@ class BufferState:
         if not self.requires_grad:
             return
         if self.grad_full is None or (self.needs_zero and self.grad_lent and any(l.grad is not None for l in self.local)):
+            if self.grad_views:  # the old flat gradient now belongs to the local .grads: detach from it
+                for fp in self.full_params:
+                    fp.grad = None
             self.grad_full = alloc(self.grad_numel(), self.cdtype, self.device, zero=True)
             self.grad_lent = False
             self.grad_views = []

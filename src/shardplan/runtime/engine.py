@@ -99,6 +99,10 @@ class Engine:
         self.peak_live_bytes = 0
         self.handles: list = []
         self.max_gathered = 0  # most units gathered (or being gathered) at once
+        self.n_gathered = 0
+        self.track_memory = False
+        self.forward_next: dict[str, list] = {}
+        self.backward_next: dict[str, list] = {}
 
     # -- bookkeeping ---------------------------------------------------------------------------------
     def _op(self, kind: str, unit: UnitState, phase: str):
@@ -124,20 +128,48 @@ class Engine:
             raise CollectiveError(f"shardplan: {what} failed on rank {self.rank}: {exc}") from exc
 
     def _account(self) -> None:
-        total = 0
+        """Live bytes of every distinct storage the runtime holds (params, gathered, grads, in flight)."""
+        if not self.track_memory:  # O(units) per call: only while someone asked for memory figures
+            return
+        seen: dict[int, int] = {}
+
+        def add(t: Optional[torch.Tensor]) -> None:
+            if t is not None:
+                st = t.untyped_storage()
+                if st.size():
+                    seen[st.data_ptr()] = st.size()
+
         for u in self.units:
             for b in u.buffers:
-                total += b.full.untyped_storage().size() + (b.out.untyped_storage().size() if b.out is not None else 0)
-                total += b.shard.untyped_storage().size() if not b.alias else 0
-                if b.grad_full is not None:
-                    total += b.grad_full.numel() * b.grad_full.element_size()
+                add(b.full)
+                add(b.out)
+                add(b.shard)
+                add(b.grad_full)
                 for lp in b.local:
-                    if lp.grad is not None and (b.grad_full is None or lp.grad.untyped_storage().data_ptr() != b.grad_full.untyped_storage().data_ptr()):
-                        total += lp.grad.numel() * lp.grad.element_size()
+                    add(lp.grad)
+            if u.pending is not None:
+                for t in u.pending[2]:
+                    add(t)
         for f in self.inflight:
-            total += sum(t.numel() * t.element_size() for t in f.keep if t is not None and t.untyped_storage().size())
-        self.live_bytes = total
-        self.peak_live_bytes = max(self.peak_live_bytes, total)
+            for t in f.keep:
+                add(t)
+        self.live_bytes = sum(seen.values())
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+
+    def _account_with(self, prepared, rs_out) -> None:
+        if self.track_memory:  # a reduction's cast copy and output are not referenced by a buffer yet
+            self.inflight.append(_Inflight(None, None, [], None, None, [g for _, g in prepared] + list(rs_out.values())))
+            self._account()
+            self.inflight.pop()
+
+    def finalize(self) -> None:
+        """Precompute what the hooks look up: the units each one prefetches, forward and backward."""
+        k = self.plan.prefetch
+        fwd = self.units
+        bwd = [v for v in reversed(self.units) if not v.is_root]
+        self.forward_next = {u.name: fwd[j + 1:j + 1 + k] for j, u in enumerate(fwd)}
+        self.backward_next = {u.name: bwd[j + 1:j + 1 + k] for j, u in enumerate(bwd)}
+        self.backward_next[self.units[0].name] = []
 
     # -- swapping registered parameters ----------------------------------------------------------------
     def swap_in(self, u: UnitState) -> None:
@@ -162,11 +194,16 @@ class Engine:
                             with torch.no_grad():
                                 b.full.copy_(b.shard)
                         continue
+                    group = self.groups[("gather", b.bp.axes)]
+                    if group.pg is None:  # a group of one: the gather is the cast, one copy kernel
+                        if not b.alias:
+                            with torch.no_grad():
+                                b.full.copy_(b.shard)
+                        continue
                     send = b.shard if b.cdtype == b.dtype else b.shard.to(b.cdtype)
                     if b.alias and not self.streams.cuda:
                         send = send.clone()  # gloo: input must not alias the output
                     keep.append(send)
-                    group = self.groups[("gather", b.bp.axes)]
                     with self.streams.on("gather"):
                         works.append(self._call(C.all_gather, f"all_gather unit={u.name} phase={phase}",
                                                 b.full, send, group, async_op=not self.streams.cuda))
@@ -179,8 +216,10 @@ class Engine:
                         b.full.copy_(b.shard)
             event = None
         u.pending = (works, event, keep, phase)
+        self._account()
         if u.sharded:
-            self.max_gathered = max(self.max_gathered, sum(1 for v in self.units if v.sharded and (v.gathered or v.pending is not None)))
+            self.n_gathered += 1
+            self.max_gathered = max(self.max_gathered, self.n_gathered)
 
     def wait_gather(self, u: UnitState) -> None:
         if u.pending is None:
@@ -208,6 +247,8 @@ class Engine:
             for b in u.buffers:
                 b.free()
             u.gathered = False
+            if u.sharded:
+                self.n_gathered -= 1
         self.swap_out(u)
 
     # -- forward ---------------------------------------------------------------------------------------
@@ -217,9 +258,7 @@ class Engine:
             self.issue_gather(u, BACKWARD if recomputing else FORWARD)
             self.wait_gather(u)
         if self.level == 3 and not recomputing:
-            order = self.units
-            j = order.index(u)
-            for v in order[j + 1: j + 1 + self.plan.prefetch]:
+            for v in self.forward_next[u.name]:
                 self.issue_gather(v, FORWARD)
         self.swap_in(u)
 
@@ -317,9 +356,7 @@ class Engine:
         if self.level == 3 and not u.is_root:
             self.issue_gather(u, BACKWARD)
             self.wait_gather(u)
-            order = [v for v in reversed(self.units) if not v.is_root]
-            j = order.index(u)
-            for v in order[j + 1: j + 1 + self.plan.prefetch]:
+            for v in self.backward_next[u.name]:
                 self.issue_gather(v, BACKWARD)
         self.swap_in(u)
         for b in u.with_grads:
@@ -355,6 +392,10 @@ class Engine:
             with self._op(REDUCE_SCATTER, u, BACKWARD):
                 for b, g in prepared:
                     if b.sharded:
+                        group = self.groups[("reduce", b.bp.axes)]
+                        if group.pg is None:  # a group of one: the (cast) gradient is the result
+                            rs_out[id(b)] = g
+                            continue
                         out = torch.empty(b.S, dtype=b.rdtype, device=self.device)
                         rs_out[id(b)] = out
                         with self.streams.on("reduce"):
@@ -376,6 +417,7 @@ class Engine:
                         works[id(b)].append(self._call(C.all_reduce, f"all_reduce unit={u.name} phase=backward",
                                                        target, group, async_op=not self.streams.cuda))
         event = self.streams.event("reduce")
+        self._account_with(prepared, rs_out)
         for b, g in prepared:
             result = rs_out.get(id(b), g)
             keep = [g, b.grad_full, result]
@@ -395,9 +437,8 @@ class Engine:
             self._wait(w, f"reduce unit={f.unit.name} phase=backward")
         self.streams.wait(f.event)
         b = f.buffer
-        lend = not b.sharded and f.result is b.grad_full and b.dtype == b.cdtype == b.rdtype
-        if lend and all(lp.grad is None for lp in b.local):
-            b.grad_lent = True
+        if f.result is b.grad_full and b.grad_full is not None:
+            b.grad_lent = True  # the local .grads are views of the flat gradient: don't zero it under them
         b.assign_local_grads(f.result)
         f.keep.clear()
 
