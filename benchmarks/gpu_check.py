@@ -74,6 +74,8 @@ def trace(path, dev):
     streams = collections.defaultdict(collections.Counter)
     ranges = collections.Counter()
     for e in events:
+        if e.get("cat") == "gpu_memcpy":
+            streams["memcpy"][e.get("args", {}).get("stream", e.get("tid"))] += 1
         if e.get("cat") == "kernel":
             name = e["name"].lower()
             kind = "nccl" if "nccl" in name else ("gemm" if "gemm" in name or "sm90" in name or "cutlass" in name else "other")

@@ -84,8 +84,8 @@ def make_system(name, args, dev, world):
         from torch.distributed.device_mesh import init_device_mesh
         if dt:
             model = model.to(dt)
-        mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
-        wrapped = fully_shard_model(model, device_mesh=mesh, dp_shard_dim="dp", fsdp_unit_modules=[gpt.Block],
+        mesh = init_device_mesh(dev.type, (world, 1), mesh_dim_names=("dp", "tp"))  # Megatron-FSDP wants a TP dim
+        wrapped = fully_shard_model(model, device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp", fsdp_unit_modules=[gpt.Block],
                                     zero_dp_strategy=3, mixed_precision_policy=MixedPrecisionPolicy(
                                         main_params_dtype=torch.float32, main_grads_dtype=torch.float32))
         opt = fully_shard_optimizer(torch.optim.AdamW(wrapped.parameters(), lr=1e-4))
@@ -176,7 +176,12 @@ def main():
                 model, opt, ctx, info = make_system(s, args, dev, world)
                 if s == "shardplan":
                     sp.reset_peak(model)
+                if s == "shardplan":
+                    sp.runtime.engine_of(model).hook_seconds = 0.0
                 times, losses, parts = run_steps(model, opt, ctx, data, dev, args.breakdown)
+                if s == "shardplan":
+                    info["hook_us_per_unit"] = 1e6 * sp.runtime.engine_of(model).hook_seconds / len(times) / (
+                        gpt.CONFIGS[args.config].layers + 1)
             except Exception as exc:  # noqa: BLE001 - recorded, the other systems still run
                 results[s]["error"] = f"{type(exc).__name__}: {exc}"[:500]
                 continue
@@ -206,7 +211,7 @@ def main():
             entry["forward_ms"] = 1000 * statistics.median(p[0] for p in res["parts"])
             entry["backward_ms"] = 1000 * statistics.median(p[1] for p in res["parts"])
             entry["optimizer_ms"] = 1000 * statistics.median(p[2] for p in res["parts"])
-        for k in ("comm_bytes", "plan_peak", "planned_memory"):
+        for k in ("comm_bytes", "plan_peak", "planned_memory", "hook_us_per_unit"):
             if k in res:
                 entry[k] = res[k]
         summary["systems"][s] = entry

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from typing import Callable, Optional
 
 import torch
@@ -148,8 +149,24 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     return module
 
 
+def _timed(eng: Engine, fn):
+    """Wrap a hook to add its CPU time to ``eng.hook_seconds`` (the runtime's own work)."""
+    clock = time.perf_counter
+
+    def run(*args):
+        t = clock()
+        try:
+            return fn(*args)
+        finally:
+            eng.hook_seconds += clock() - t
+    return run
+
+
 def _install_hooks(module: nn.Module, eng: Engine) -> None:
     root = eng.units[0]
+    for name in ("root_pre_forward", "pre_forward", "post_forward", "root_post_forward", "pre_backward",
+                 "on_grad", "end_backward"):
+        setattr(eng, name, _timed(eng, getattr(eng, name)))
 
     def root_pre(_m, args, kwargs):
         args, kwargs = eng.root_pre_forward(args, kwargs)

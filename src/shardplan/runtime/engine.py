@@ -101,6 +101,7 @@ class Engine:
         self.max_gathered = 0  # most units gathered (or being gathered) at once
         self.n_gathered = 0
         self.track_memory = False
+        self.hook_seconds = 0.0  # CPU time spent in the runtime's hooks (benchmarks read it)
         self.forward_next: dict[str, list] = {}
         self.backward_next: dict[str, list] = {}
 
