@@ -268,3 +268,13 @@ def test_70b_plans_in_a_fraction_of_a_second():
     plan = sp.plan(model, rules, Mesh(dp=1024), units=UNITS, compute_dtype=torch.bfloat16)
     assert time.perf_counter() - t < 5  # the benchmark holds the real target (< 1 s); CI machines vary
     assert len(plan.units) == 81 and plan.memory().params < 2 ** 30
+
+
+def test_chrome_trace_lists_every_op(tmp_path):
+    import json
+    plan = sp.plan(Net(), RULES, Mesh(dp=4), units=[r"layers\.\d+"])
+    path = tmp_path / "plan.json"
+    plan.to_chrome_trace(str(path))
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert [e["args"]["index"] for e in events] == list(range(len(plan.schedule)))
+    assert all(e["dur"] > 0 for e in events) and events[0]["name"] == "all_gather <root>"

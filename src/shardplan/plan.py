@@ -329,6 +329,30 @@ class Plan:
         """Padded elements summed over buffers (per rank group)."""
         return sum(b.padding for b in self.buffers)
 
+    def to_chrome_trace(self, path: str, *, gbps: float = 100.0) -> None:
+        """Write the planned schedule as a Chrome/Perfetto trace (open in ui.perfetto.dev).
+
+        One track per collective kind; each op's length is its payload at ``gbps`` GB/s, laid end to
+        end per track in schedule order. A picture of the plan's order and sizes, not a measurement.
+        """
+        tracks = {ALL_GATHER: 1, REDUCE_SCATTER: 2, ALL_REDUCE: 3, FREE: 4}
+        clock = {t: 0.0 for t in tracks.values()}
+        start = 0.0
+        events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": kind}}
+                  for kind, tid in tracks.items()]
+        for i, op in enumerate(self.schedule):
+            tid = tracks[op.kind]
+            dur = max(op.bytes / (gbps * 1e3), 1.0)  # microseconds
+            ts = max(clock[tid], start)
+            events.append({"name": f"{op.kind} {op.unit}", "cat": op.phase, "ph": "X", "pid": 0, "tid": tid,
+                           "ts": ts, "dur": dur, "args": {"index": i, "unit": op.unit, "phase": op.phase,
+                                                          "bytes": op.bytes, "axes": list(op.axes),
+                                                          "prefetch": op.prefetch, "what": op.what}})
+            clock[tid] = ts + dur
+            start = ts + (0.0 if op.prefetch else 0.5)
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
     # -- serialisation -------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {
