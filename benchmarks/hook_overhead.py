@@ -1,0 +1,82 @@
+"""Own work per unit: 200 tiny blocks (d 32) where the runtime's per-unit cost dominates, world 1.
+
+    python benchmarks/hook_overhead.py --out overhead.json
+
+Forward + backward only (no optimizer), fp32, CPU or the current GPU; reports the time per unit per
+step that shardplan and FSDP2 add over the unsharded model, and shardplan's own hook time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+sys.path.insert(0, os.path.join(HERE, "..", "src"))
+import gpt  # noqa: E402
+
+import shardplan as sp  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29700 + os.getpid() % 200))
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    dev = torch.device("cuda" if cuda else "cpu")
+    torch.set_num_threads(1)
+    units = 201
+
+    def make():
+        return gpt.build("tiny200", dim=32, ffn=64, vocab=256, heads=2, kv_heads=2, max_seq=16).init_weights(0).to(dev)
+
+    x = torch.randint(0, 256, (1, 8), device=dev)
+
+    def bench(m):
+        for _ in range(2):
+            m(x, x).backward()
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            m(x, x).backward()
+        if cuda:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t) / args.steps
+
+    base = bench(make())
+    m = make()
+    sp.shard(m, sp.plan(m, [(r".*", sp.P("dp"))], sp.Mesh(dp=1), units=[r"layers\.\d+"]))
+    eng = sp.runtime.engine_of(m)
+    ts = bench(m)
+    hooks = eng.hook_seconds / (args.steps + 2) / units
+    from torch.distributed.fsdp import fully_shard
+    f = make()
+    for layer in f.layers:
+        fully_shard(layer)
+    fully_shard(f)
+    tf = bench(f)
+    out = {"device": str(dev), "unsharded_ms": base * 1e3, "shardplan_ms": ts * 1e3, "fsdp2_ms": tf * 1e3,
+           "shardplan_us_per_unit": (ts - base) / units * 1e6, "fsdp2_us_per_unit": (tf - base) / units * 1e6,
+           "shardplan_hook_us_per_unit": hooks * 1e6}
+    print(json.dumps(out, indent=1))
+    if args.out:
+        json.dump(out, open(args.out, "w"), indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
