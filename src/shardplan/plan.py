@@ -80,17 +80,6 @@ class BufferPlan:
     def gathered_numel(self) -> int:
         return self.shard_numel * self.group_size if self.layout != L.REPLICATED else self.shard_numel
 
-    def max_gathered_units(self) -> int:
-        """Most units whose parameters are gathered at once while walking the schedule."""
-        live, most = set(), 0
-        for op in self.schedule:
-            if op.kind == ALL_GATHER and op.phase != "step":
-                live.add(op.unit)
-            elif op.kind == FREE and op.what == "params":
-                live.discard(op.unit)
-            most = max(most, len(live))
-        return most
-
     @property
     def padding(self) -> int:
         return self.gathered_numel - self.numel

@@ -66,6 +66,16 @@ def _reduce_ops(u: UnitComm, strategy: int) -> list[Op]:
     return ops
 
 
+def _gather_ahead(order, j: int, phase: str, prefetch: int, gathered: set) -> list[Op]:
+    """Gather order[j] if it is not, then prefetch the next ``prefetch`` units of ``order``."""
+    ops: list[Op] = []
+    for k, v in enumerate(order[j: j + 1 + prefetch]):
+        if v.name not in gathered and v.gather:
+            ops += _ops(ALL_GATHER, v, phase, v.gather, prefetch=k > 0)
+        gathered.add(v.name)
+    return ops
+
+
 def build_schedule(units: Sequence[UnitComm], strategy: int, prefetch: int) -> tuple[Op, ...]:
     """``units``: root first, then the other units in forward order."""
     ops: list[Op] = []
@@ -76,26 +86,14 @@ def build_schedule(units: Sequence[UnitComm], strategy: int, prefetch: int) -> t
     forward = list(units)
     if strategy == 3:
         for j, u in enumerate(forward):
-            if u.name not in gathered and u.gather:
-                ops += _ops(ALL_GATHER, u, FORWARD, u.gather)
-            gathered.add(u.name)
-            for v in forward[j + 1: j + 1 + prefetch]:
-                if v.name not in gathered and v.gather:
-                    ops += _ops(ALL_GATHER, v, FORWARD, v.gather, prefetch=True)
-                gathered.add(v.name)
+            ops += _gather_ahead(forward, j, FORWARD, prefetch, gathered)
             if not u.is_root and u.reshard_after_forward and u.gather:
                 ops += _ops(FREE, u, FORWARD, u.gather)
                 gathered.discard(u.name)
     backward = [u for u in reversed(units) if not u.is_root]
     for j, u in enumerate(backward):
         if strategy == 3:
-            if u.name not in gathered and u.gather:
-                ops += _ops(ALL_GATHER, u, BACKWARD, u.gather)
-            gathered.add(u.name)
-            for v in backward[j + 1: j + 1 + prefetch]:
-                if v.name not in gathered and v.gather:
-                    ops += _ops(ALL_GATHER, v, BACKWARD, v.gather, prefetch=True)
-                gathered.add(v.name)
+            ops += _gather_ahead(backward, j, BACKWARD, prefetch, gathered)
         ops += _reduce_ops(u, strategy)
         if strategy == 3 and u.gather:
             ops += _ops(FREE, u, BACKWARD, u.gather)
