@@ -146,8 +146,11 @@ def leaves_with_paths(tree) -> tuple[list[str], list[Any], Any]:
     if isinstance(tree, nn.Module):
         items = list(tree.named_parameters())
         return [n for n, _ in items], [p for _, p in items], None
-    accessors, leaves, treespec = optree.tree_flatten_with_accessor(tree)
-    return [".".join(_entry_str(e) for e in a) for a in accessors], leaves, treespec
+    paths, leaves, treespec = optree.tree_flatten_with_path(tree)
+    if any(isinstance(k, int) for p in paths for k in p):  # sequences or namedtuples: ask for field names
+        accessors, leaves, treespec = optree.tree_flatten_with_accessor(tree)
+        return [".".join(_entry_str(e) for e in a) for a in accessors], leaves, treespec
+    return [".".join(map(str, p)) for p in paths], leaves, treespec
 
 
 def _shape(leaf) -> Optional[tuple[int, ...]]:
@@ -158,6 +161,7 @@ def _shape(leaf) -> Optional[tuple[int, ...]]:
 def match_leaves(rules: Rules, paths, leaves, *, mesh=None, warn_unused: bool = True):
     """[(spec, rule)] for each (path, leaf); raises on unmatched leaves, warns on unused rules."""
     out, used, unmatched = [], set(), []
+    checked: set = set()
     axes = mesh.axis_names if mesh is not None else None
     for path, leaf in zip(paths, leaves):
         rule = rules.find(path)
@@ -168,8 +172,9 @@ def match_leaves(rules: Rules, paths, leaves, *, mesh=None, warn_unused: bool = 
         used.add(rule.index)
         spec = rules.resolve(rule, path, leaf)
         shape = _shape(leaf)
-        if shape is not None:
-            spec.check(shape, axes if axes is not None else spec.axes, name=path, rule=rule.describe())
+        if shape is not None and (spec, len(shape)) not in checked:
+            spec.check(shape, axes if axes is not None else spec.axes, name=path, rule=rule.describe)
+            checked.add((spec, len(shape)))  # validity depends only on the spec and the rank
         out.append((spec, rule))
     if unmatched:
         shown = "\n".join(f"  {p} {_shape(l) or ''}" for p, l in unmatched[:50])

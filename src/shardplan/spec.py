@@ -114,8 +114,10 @@ class P(tuple):
         return cls(*(tuple(e) if isinstance(e, list) else e for e in entries))
 
     # -- validation ------------------------------------------------------------------------------
-    def check(self, shape: tuple[int, ...], mesh_axes: Iterable[str], *, name: str, rule: Optional[str] = None) -> None:
+    def check(self, shape: tuple[int, ...], mesh_axes: Iterable[str], *, name: str, rule=None) -> None:
         """Raise :class:`SpecError` naming ``name``, its shape and ``rule`` if the spec does not fit."""
+        if callable(rule):  # described only when there is an error to report
+            rule = rule() if (len(self) > len(shape) or any(a not in tuple(mesh_axes) for a in self.axes)) else None
         where = f"parameter {name!r} (shape {tuple(shape)})" + (f", matched by rule {rule}" if rule else "")
         axes = tuple(mesh_axes)
         if len(self) > len(shape):
