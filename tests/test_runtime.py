@@ -174,6 +174,15 @@ def _error_worker(rank, world):
         out["mismatch"] = "no error"
     except sp.RuntimeShardingError as exc:
         out["mismatch"] = str(exc)
+    # a dropped sharded model is freed (hooks live in C++, out of the garbage collector's sight)
+    import gc
+    import weakref
+    m2 = sp.shard(Toy(), good)
+    m2(*batches(1)[0]).backward()
+    ref = weakref.ref(sp.runtime.engine_of(m2))
+    del m2, m
+    gc.collect()
+    out["freed"] = ref() is None
     return out
 
 
@@ -184,6 +193,7 @@ def test_errors_instead_of_hangs():
         assert "world size is 2" in out["world"] and "4 ranks" in out["world"]
         assert "already sharded" in out["twice"]
         assert "blocks.0.fc1.weight" in out["mismatch"] and "(31, 13)" in out["mismatch"]
+        assert out["freed"], "a sharded model must be garbage-collected once dropped"
 
 
 def test_shard_without_process_group():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -135,7 +136,10 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
                     u.slots.append((m, attr, lp, fp))
                 if fp.requires_grad:
                     u.expected += 1
-                    fp.register_post_accumulate_grad_hook(lambda _p, _u=u: eng.on_grad(_u))
+                    # weak references: a hook lives in C++, where the garbage collector cannot see the
+                    # cycle parameter -> hook -> engine -> parameter, so strong ones would leak the model
+                    fp.register_post_accumulate_grad_hook(
+                        lambda _p, _e=weakref.ref(eng), _u=weakref.ref(u): _e().on_grad(_u()))
         eng.units.append(u)
         eng.by_name[u.name] = u
         eng.swap_out(u)  # drops the module's full tensors (meta init: the only full copy of this unit)
