@@ -207,7 +207,10 @@ class Plan:
         gathered = 0 if full_persistent else full
         grads = grad_transient = reduce_copy = local_grad = full_grad_kept = 0
         if b.requires_grad:
-            grad_alias = b.layout == L.REPLICATED and b.compute_dtype == b.dtype == b.reduce_dtype
+            # the local .grads are views of the flat gradient itself: replicated buffers, and under
+            # ZeRO-0/1 a shard group of one rank (its reduction is the identity), when no cast is needed
+            grad_alias = (b.layout == L.REPLICATED or (b.group_size == 1 and lvl in (0, 1))) and \
+                b.compute_dtype == b.dtype == b.reduce_dtype
             full_grad = b.gathered_numel * ct
             reduce_copy = b.gathered_numel * rt if b.reduce_dtype != b.compute_dtype else 0
             if grad_alias:
