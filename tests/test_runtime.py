@@ -236,3 +236,25 @@ def test_runtime_memory_matches_plan():
         for (strategy, dtype), (measured, planned) in zip(cases, rank_out):
             tol = 0.0 if dtype is None else 0.10
             assert abs(measured - planned) <= tol * planned, (strategy, dtype, measured, planned)
+
+
+def _hang_worker(rank, world):
+    import time
+    model = Toy()
+    plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=UNITS)
+    sp.shard(model, plan, timeout_s=3)
+    if rank == 1:
+        time.sleep(8)  # never joins the forward's all-gather
+        return "skipped"
+    try:
+        model(*batches(1)[0])
+        return "no error"
+    except sp.CollectiveError as exc:
+        return str(exc)
+
+
+@pytest.mark.timeout(120)
+def test_collective_timeout_names_the_op():
+    out = run(_hang_worker, 2, expect_errors=True, timeout=60)
+    status, msg = out[0]
+    assert status == "ok" and "all_gather unit=<root> phase=forward" in msg and "rank 0" in msg, out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+from datetime import timedelta
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -115,12 +116,13 @@ class Engine:
 
     def _wait(self, work, what: str) -> None:
         try:
-            if self.streams.cuda:
-                work.wait()
-            else:
-                work.wait()
+            if self.streams.cuda or work is C.DONE:
+                work.wait()  # NCCL: the compute stream waits; the process group's own timeout applies
+            elif not work.wait(timeout=timedelta(seconds=self.timeout_s)):
+                raise TimeoutError(f"no completion within {self.timeout_s:g} s")
         except Exception as exc:  # noqa: BLE001 - re-raised with the op named
-            raise CollectiveError(f"shardplan: {what} failed on rank {self.rank}: {exc}") from exc
+            raise CollectiveError(f"shardplan: {what} failed on rank {self.rank}: {exc}. Every rank must run the "
+                                  f"same schedule: check that all ranks called forward/backward") from exc
 
     def _call(self, fn, what: str, *args, **kwargs):
         try:
