@@ -64,7 +64,8 @@ def make_system(name, args, dev, world):
         return wrapped, opt, ctx, info
     if name == "shardplan":
         plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[r"layers\.\d+"], compute_dtype=dt,
-                       reduce_dtype=torch.float32 if dt else None, prefetch=args.prefetch)
+                       reduce_dtype=torch.float32 if dt else None, prefetch=args.prefetch,
+                       min_unit_bytes=args.min_unit_bytes)
         sp.shard(model, plan)
         info["planned_memory"] = plan.memory().__dict__
         info["comm_bytes"] = plan.comm_bytes()["total"]
@@ -146,6 +147,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prefetch", type=int, default=1)
+    ap.add_argument("--min-unit-bytes", type=int, default=0, help="shardplan: merge neighbouring blocks up to this size")
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -199,7 +201,7 @@ def main():
         n_params = sum(p.numel() for p in gpt.build(args.config).parameters())
     summary = {"config": args.config, "params": n_params, "world": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
                "torch": torch.__version__, "dtype": args.dtype or "fp32", "batch": args.batch, "seq": args.seq,
-               "prefetch": args.prefetch, "systems": {}}
+               "prefetch": args.prefetch, "min_unit_bytes": args.min_unit_bytes, "systems": {}}
     for s, res in results.items():
         if res["error"]:
             summary["systems"][s] = {"error": res["error"]}

@@ -278,3 +278,16 @@ def test_chrome_trace_lists_every_op(tmp_path):
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
     assert [e["args"]["index"] for e in events] == list(range(len(plan.schedule)))
     assert all(e["dur"] > 0 for e in events) and events[0]["name"] == "all_gather <root>"
+
+
+def test_min_unit_bytes_merges_neighbours():
+    net = Net()
+    each = sum(p.numel() * 4 for p in net.layers[0].parameters())
+    plan = sp.plan(net, RULES, Mesh(dp=4), units=[r"layers\.\d+"], min_unit_bytes=2 * each)
+    assert [u.name for u in plan.units] == ["<root>", "layers.0..layers.1", "layers.2"]
+    assert plan.unit("layers.0..layers.1").module_paths == ("layers.0", "layers.1")
+    assert plan.param("layers.1.0.weight").unit == "layers.0..layers.1"
+    assert sp.Plan.from_json(plan.to_json()) == plan
+    plain = sp.plan(net, RULES, Mesh(dp=4), units=[r"layers\.\d+"])
+    count = lambda p: sum(o.kind == "all_gather" for o in p.schedule)
+    assert count(plan) < count(plain)

@@ -46,7 +46,10 @@ def _train_sharded(rank, world, case, data):
     mesh = sp.Mesh(**case.get("mesh", {"dp": world}))
     axis = case.get("axis", "dp")
     plan = sp.plan(model, toy_rules(axis, odd=case.get("odd", True)), mesh, strategy=case["strategy"],
-                   units=case.get("units", UNITS), prefetch=case.get("prefetch", 1))
+                   units=case.get("units", UNITS), prefetch=case.get("prefetch", 1),
+                   min_unit_bytes=case.get("min_unit_bytes", 0))
+    if case.get("min_unit_bytes"):
+        assert any(u.modules for u in plan.units), "the case should merge units"
     sp.shard(model, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     accum, clip = case.get("accum", 1), case.get("clip")
@@ -119,6 +122,8 @@ CASES_2 = [dict(strategy=s) for s in STRATEGIES] + [
     dict(strategy="optim_grads_params", ckpt=True, prefetch=2),
     dict(strategy="optim_grads_params", units=[r"blocks\.[02]"], clip=0.05),  # uneven units: block 1 in the root
     dict(strategy="optim_grads_params", odd=False, prefetch=0),
+    dict(strategy="optim_grads_params", min_unit_bytes=5000),  # blocks 0 and 1 merged into one unit
+    dict(strategy="optim_grads", min_unit_bytes=5000, ckpt=True),
     dict(strategy="no_shard", keep_grads=True),
     dict(strategy="optim", keep_grads=True, clip=0.05),
     dict(strategy="optim_grads_params", keep_grads=True),

@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="compute dtype, e.g. bf16")
     p.add_argument("--reduce-dtype", default=None, help="gradient reduction dtype, e.g. fp32")
     p.add_argument("--prefetch", type=int, default=1)
+    p.add_argument("--min-unit-bytes", type=int, default=0, help="merge neighbouring units up to this many bytes")
     p.add_argument("--no-reshard-after-forward", action="store_true")
     p.add_argument("--rank", type=int, default=0, help="rank whose local shapes and memory are shown")
     p.add_argument("--schedule", action="store_true", help="also print the op schedule")
@@ -108,7 +109,7 @@ def run(args) -> str:
         raise CliError(f"--rank {args.rank} is outside the mesh's {mesh.size} ranks")
     p = plan(model, rules_obj, mesh, strategy=strategy, units=units, compute_dtype=args.dtype,
              reduce_dtype=args.reduce_dtype, prefetch=args.prefetch,
-             reshard_after_forward=not args.no_reshard_after_forward)
+             reshard_after_forward=not args.no_reshard_after_forward, min_unit_bytes=args.min_unit_bytes)
     if args.json:
         return p.to_json(indent=1)
     out = render(p, rank=args.rank)

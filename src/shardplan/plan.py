@@ -94,6 +94,11 @@ class UnitPlan:
     name: str
     buffers: tuple[int, ...]
     reshard_after_forward: bool
+    modules: tuple[str, ...] = ()  # module paths it covers, when neighbours were merged (else just `name`)
+
+    @property
+    def module_paths(self) -> tuple[str, ...]:
+        return self.modules or (("",) if self.name == ROOT else (self.name,))
 
 
 @dataclass(frozen=True)
@@ -363,8 +368,8 @@ class Plan:
                              reduce_dtype=b.reduce_dtype, layout=b.layout, axes=list(b.axes),
                              replica_axes=list(b.replica_axes), group_size=b.group_size, shard_numel=b.shard_numel,
                              numel=b.numel, params=list(b.params), requires_grad=b.requires_grad) for b in self.buffers],
-            "units": [dict(name=u.name, buffers=list(u.buffers), reshard_after_forward=u.reshard_after_forward)
-                      for u in self.units],
+            "units": [dict(name=u.name, buffers=list(u.buffers), reshard_after_forward=u.reshard_after_forward,
+                           modules=list(u.modules)) for u in self.units],
             "schedule": [dict(kind=o.kind, unit=o.unit, phase=o.phase, buffers=list(o.buffers), axes=list(o.axes),
                               bytes=o.bytes, prefetch=o.prefetch, what=o.what) for o in self.schedule],
             "warnings": list(self.warnings),
@@ -387,7 +392,8 @@ class Plan:
             buffers=tuple(BufferPlan(b["index"], b["unit"], b["dtype"], b["compute_dtype"], b["reduce_dtype"], b["layout"],
                                      tuple(b["axes"]), tuple(b["replica_axes"]), b["group_size"], b["shard_numel"],
                                      b["numel"], tuple(b["params"]), b["requires_grad"]) for b in d["buffers"]),
-            units=tuple(UnitPlan(u["name"], tuple(u["buffers"]), u["reshard_after_forward"]) for u in d["units"]),
+            units=tuple(UnitPlan(u["name"], tuple(u["buffers"]), u["reshard_after_forward"], tuple(u.get("modules", ())))
+                        for u in d["units"]),
             schedule=tuple(Op(o["kind"], o["unit"], o["phase"], tuple(o["buffers"]), tuple(o["axes"]), o["bytes"],
                               o["prefetch"], o["what"]) for o in d["schedule"]),
             warnings=tuple(d["warnings"]),
@@ -457,12 +463,39 @@ def _layout_unit(members, mesh: Mesh, level: int, compute: Optional[str], reduce
     return out
 
 
+def _merge_small_units(order: list[str], members: dict, min_bytes: int):
+    """Merge consecutive units smaller than ``min_bytes`` (the last group may stay smaller)."""
+    if min_bytes <= 0 or len(order) < 2:
+        return order, members, {}
+    size = {u: sum(math.prod(i.shape) * i.dtype.itemsize for i, _ in members[u]) for u in order}
+    groups, current, acc = [], [], 0
+    for u in order:
+        current.append(u)
+        acc += size[u]
+        if acc >= min_bytes:
+            groups.append(current)
+            current, acc = [], 0
+    if current:
+        groups.append(current)
+    new_order, new_members, covers = [], {ROOT: members[ROOT]}, {}
+    for g in groups:
+        name = g[0] if len(g) == 1 else f"{g[0]}..{g[-1]}"
+        new_order.append(name)
+        new_members[name] = [m for u in g for m in members[u]]
+        if len(g) > 1:
+            covers[name] = tuple(g)
+    return new_order, new_members, covers
+
+
 def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", units: Sequence[str] = (),
          compute_dtype=None, reduce_dtype=None, prefetch: int = 1, reshard_after_forward: bool = True,
-         trace=None, optimizer_states: int = 2, world_size: Optional[int] = None) -> Plan:
+         trace=None, optimizer_states: int = 2, world_size: Optional[int] = None, min_unit_bytes: int = 0) -> Plan:
     """Compile rules, a mesh and options into a :class:`Plan`. Pure: no process group, no GPU.
 
     >>> plan = shardplan.plan(model, rules, Mesh(dp=8), units=[r"layers\\.\\d+"], compute_dtype=torch.bfloat16)
+
+    ``min_unit_bytes`` merges neighbouring units (in forward order) until each holds at least that many
+    parameter bytes: one collective per direction for several tiny blocks.
     """
     if not isinstance(mesh, Mesh):
         raise MeshError(f"mesh must be a shardplan.Mesh, e.g. Mesh(dp=8); got {type(mesh).__name__}")
@@ -489,12 +522,13 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", uni
         warnings.warn(w.message, w.category, stacklevel=2)
     notes += [str(w.message) for w in caught]
 
-    unit_order = [ROOT] + order
-    members: dict[str, list] = {u: [] for u in unit_order}
+    members: dict[str, list] = {u: [] for u in [ROOT] + order}
     rule_of: dict[str, str] = {}
     for info, (spec, rule) in zip(infos, matched):
         members[owner[info.name]].append((info, spec))
         rule_of[info.name] = rule.describe()
+    order, members, covers = _merge_small_units(order, members, min_unit_bytes)
+    unit_order = [ROOT] + order
 
     params: dict[str, ParamPlan] = {}
     buffers: list[BufferPlan] = []
@@ -529,7 +563,7 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", uni
                     n = b.shard_numel if b.layout != L.REPLICATED else b.gathered_numel
                     allred.append((idx, replica, n * itemsize(rdt)))
         raf = reshard_after_forward and uname != ROOT and uname != last
-        unit_plans.append(UnitPlan(uname, tuple(idxs), raf))
+        unit_plans.append(UnitPlan(uname, tuple(idxs), raf, covers.get(uname, ())))
         comms.append(UnitComm(uname, tuple(gather), tuple(reduce_), tuple(allred), raf, uname == ROOT))
     schedule = build_schedule(comms, level, prefetch)
     result = Plan(mesh, STRATEGIES[level], compute, reduce, prefetch, reshard_after_forward, optimizer_states,

@@ -115,7 +115,7 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     originals = {n: p for n, p in module.named_parameters()}
     modules = dict(module.named_modules())
     for up in plan.units:
-        unit_module = module if up.name == ROOT else modules[up.name]
+        unit_modules = [module] if up.name == ROOT else [modules[m] for m in up.module_paths]
         bufs = [BufferState(plan, plan.buffers[i], rank, device, plan.level) for i in up.buffers]
         names = [n for b in bufs for n in b.bp.params]
         if meta:  # one unit at a time: the full unit exists only while its shards are cut out
@@ -129,7 +129,7 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
             b.fill_local([unit_full[n] for n in b.bp.params])
             b.make_params()
         del unit_full
-        u = UnitState(up.name, unit_module, bufs, up.reshard_after_forward, up.name == ROOT)
+        u = UnitState(up.name, unit_modules[0], bufs, up.reshard_after_forward, up.name == ROOT, modules=unit_modules)
         for b in bufs:
             for pp, lp, fp in zip(b.infos, b.local, b.full_params):
                 for m, attr in slots[pp.name]:
@@ -184,8 +184,12 @@ def _install_hooks(module: nn.Module, eng: Engine) -> None:
     eng.handles.append(module.register_forward_pre_hook(root_pre, with_kwargs=True))
     eng.handles.append(module.register_forward_hook(root_post))
     for u in eng.units[1:]:
-        eng.handles.append(u.module.register_forward_pre_hook(lambda _m, _a, _u=u: eng.pre_forward(_u)))
-        eng.handles.append(u.module.register_forward_hook(lambda _m, _a, out, _u=u: eng.post_forward(_u, out)))
+        # a merged unit has several modules: gathered on entering the first, freed after the last
+        for i, mod in enumerate(u.modules):
+            last = i == len(u.modules) - 1
+            eng.handles.append(mod.register_forward_pre_hook(lambda _m, _a, _u=u: eng.pre_forward(_u)))
+            eng.handles.append(mod.register_forward_hook(
+                lambda _m, _a, out, _u=u, _last=last: eng.post_forward(_u, out, _last)))
 
 
 def _broadcast_buffers(module: nn.Module, eng: Engine) -> None:

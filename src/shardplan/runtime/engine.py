@@ -52,6 +52,8 @@ class UnitState:
     reshard_after_forward: bool
     is_root: bool
     slots: list = field(default_factory=list)  # (module, attr, local param, full param)
+    modules: list = field(default_factory=list)  # several when the planner merged neighbours
+    swapped_in: bool = False
     expected: int = 0
     got: int = 0
     gathered: bool = False
@@ -176,12 +178,16 @@ class Engine:
 
     # -- swapping registered parameters ----------------------------------------------------------------
     def swap_in(self, u: UnitState) -> None:
+        if u.swapped_in:
+            return
         for m, attr, _, fp in u.slots:
             m._parameters[attr] = fp
+        u.swapped_in = True
 
     def swap_out(self, u: UnitState) -> None:
         for m, attr, lp, _ in u.slots:
             m._parameters[attr] = lp
+        u.swapped_in = False
 
     # -- gathering -------------------------------------------------------------------------------------
     def issue_gather(self, u: UnitState, phase: str) -> None:
@@ -265,14 +271,14 @@ class Engine:
                 self.issue_gather(v, FORWARD)
         self.swap_in(u)
 
-    def post_forward(self, u: UnitState, output) -> None:
+    def post_forward(self, u: UnitState, output, last: bool = True) -> None:
         recomputing = torch._C._current_graph_task_id() != -1
         if torch.is_grad_enabled():
             if not recomputing:
                 self._register_pre_backward(u, output)
-            if self.level == 3 and u.reshard_after_forward and not u.is_root and not recomputing:
+            if last and self.level == 3 and u.reshard_after_forward and not u.is_root and not recomputing:
                 self.free(u, FORWARD)
-        elif self.level == 3 and not u.is_root:
+        elif last and self.level == 3 and not u.is_root:
             self.free(u, FORWARD)
 
     def root_pre_forward(self, args, kwargs):
