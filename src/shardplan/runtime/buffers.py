@@ -106,9 +106,7 @@ class BufferState:
                 if box is None or t is None:
                     continue
                 n = math.prod(shape)
-                self.shard[off:off + n].copy_(t[box].reshape(-1))
-            if self.alias and self.sharded:
-                pass  # shard is a slice of full; the first forward gathers the rest
+                self.shard[off:off + n].copy_(t[box].reshape(-1))  # (ZeRO-1/2: a slice of `full`; the first forward gathers the rest)
 
     def make_params(self) -> None:
         self.local = []

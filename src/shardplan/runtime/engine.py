@@ -454,9 +454,7 @@ class Engine:
     def end_backward(self) -> None:
         try:
             for u in [v for v in reversed(self.units) if not v.is_root] + [self.units[0]]:
-                if not u.reduced:
-                    if not u.pre_backward_done and self.level == 3 and not u.is_root and self.sync:
-                        pass  # never reached in backward: reduce zeros so every rank issues the same ops
+                if not u.reduced:  # got no (or not all) gradients: reduce anyway so every rank issues the same ops
                     self.post_backward(u)
             while self.inflight:
                 self._finish(self.inflight.popleft())
