@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import statistics
@@ -28,6 +27,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 import gpt  # noqa: E402
 
 import shardplan as sp  # noqa: E402
+from _report import emit  # noqa: E402
 
 
 def build(config):
@@ -109,11 +109,7 @@ def main():
         save, load = statistics.median(t["save"]), statistics.median(t["load"])
         out["systems"][s] = {"save_s": save, "load_s": load, "save_GBps": nbytes / save / 1e9, "load_GBps": nbytes / load / 1e9}
     out["ratios"] = {k: out["systems"]["shardplan"][k] / out["systems"]["fsdp2"][k] for k in ("save_s", "load_s")}
-    if rank == 0:
-        print(json.dumps(out, indent=1))
-        if args.out:
-            json.dump(out, open(args.out, "w"), indent=1)
-    dist.destroy_process_group()
+    emit(out, args.out, print_it=rank == 0)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import gpt  # noqa: E402
 from models import Toy, batches, toy_rules  # noqa: E402
 
 import shardplan as sp  # noqa: E402
+from _report import emit  # noqa: E402
 
 
 def parity(strategy, dev, dtype=None):
@@ -99,10 +100,7 @@ def main():
     out["parity_fp32"] = {s: parity(s, dev) for s in ["no_shard", "optim", "optim_grads", "optim_grads_params"]}
     out["parity_bf16_zero3"] = parity("optim_grads_params", dev, torch.bfloat16)
     out["trace"] = trace(args.trace, dev)
-    print(json.dumps(out, indent=1))
-    if args.out:
-        json.dump(out, open(args.out, "w"), indent=1)
-    dist.destroy_process_group()
+    emit(out, args.out)
 
 
 if __name__ == "__main__":

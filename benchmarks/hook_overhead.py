@@ -9,7 +9,6 @@ step that shardplan and FSDP2 add over the unsharded model, and shardplan's own 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -23,6 +22,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 import gpt  # noqa: E402
 
 import shardplan as sp  # noqa: E402
+from _report import emit  # noqa: E402
 
 
 def main():
@@ -72,10 +72,7 @@ def main():
     out = {"device": str(dev), "unsharded_ms": base * 1e3, "shardplan_ms": ts * 1e3, "fsdp2_ms": tf * 1e3,
            "shardplan_us_per_unit": (ts - base) / units * 1e6, "fsdp2_us_per_unit": (tf - base) / units * 1e6,
            "shardplan_hook_us_per_unit": hooks * 1e6}
-    print(json.dumps(out, indent=1))
-    if args.out:
-        json.dump(out, open(args.out, "w"), indent=1)
-    dist.destroy_process_group()
+    emit(out, args.out)
 
 
 if __name__ == "__main__":
