@@ -45,9 +45,13 @@ def _save_worker(rank, world, path, strategy):
     data = batches(DATA)
     model, opt, _ = _make(rank, world, strategy)
     first = _steps(model, opt, rank, world, data[:SPLIT])
-    # a fresh, never-stepped optimizer's state dict works too
-    sd = sp.state_dict(model, torch.optim.AdamW(model.parameters()))
-    assert sd["optimizer"]["state"] == {}
+    # a fresh, never-stepped optimizer's state dict has its state created (for DCP to load into), equal to
+    # a fresh optimizer's: zero moments, step 0 (the first real step is still step 1)
+    fresh = torch.optim.AdamW(model.parameters())
+    sd = sp.state_dict(model, fresh)
+    assert set(sd["optimizer"]["state"]) == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert all(float(st["step"]) == 0 and not st["exp_avg"].any() for st in fresh.state.values())
+    assert sp.state_dict(model, fresh, init_optimizer=False)["optimizer"]["state"]
     sp.checkpoint.save(path, model, opt, step=SPLIT)
     saved = sp.full_state_dict(model)
     rest = _steps(model, opt, rank, world, data[SPLIT:])

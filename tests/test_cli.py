@@ -36,7 +36,8 @@ def test_explain_and_schedule():
               "--explain", "layers.0.attention.wq.weight")
     assert out.returncode == 0 and "MATCHES" in out.stdout
     out = cli("plan", "examples/gpt.py:tiny", "--mesh", "dp=2", "--rules", "examples/gpt_rules.py", "--schedule")
-    assert "reduce_scatter" in out.stdout and "(prefetch)" in out.stdout
+    assert "reduce_scatter" in out.stdout and " prefetch" in out.stdout and "wait params" in out.stdout
+    assert "post_backward(layers.1):" in out.stdout  # ops are listed under the event that triggers them
 
 
 def test_bad_input_exits_2_with_one_line(tmp_path):

@@ -65,19 +65,20 @@ def _nested(flat):
 def _simulate_gather(plan, values):
     """Every rank's shards from its local pieces, then each buffer gathered from its group's shards."""
     mesh = plan.mesh
+    cpu = torch.device("cpu")
     for b in plan.buffers:
         ranks = mesh.group_of(0, b.axes) if b.layout != L.REPLICATED else (0,)
         shards = []
         for r in ranks:
-            st_ = BufferState(plan, b, r, torch.device("cpu"), plan.level)
+            st_ = BufferState(plan, b, r, cpu)
             st_.fill_local([values[n] for n in b.params])
             shards.append(st_.shard.clone())
-        probe = BufferState(plan, b, 0, torch.device("cpu"), plan.level)
+        probe = BufferState(plan, b, 0, cpu)
         probe.make_params()
-        probe.allocate()
+        out = probe.gather_output()
         with torch.no_grad():
-            probe.full.copy_(torch.cat(shards).to(probe.cdtype) if b.layout != L.REPLICATED else shards[0].to(probe.cdtype))
-        probe.copy_out()
+            out.copy_(torch.cat(shards).to(probe.cdtype) if b.layout != L.REPLICATED else shards[0].to(probe.cdtype))
+        probe.finish_gather()
         for name, fp in zip(b.params, probe.full_params):
             yield name, fp.detach()
 
@@ -175,22 +176,30 @@ def test_units_order_schedule_and_trace():
     plan = sp.plan(net, RULES, Mesh(dp=4), units=[r"layers\.\d+"], prefetch=1)
     assert [u.name for u in plan.units] == ["<root>", "layers.0", "layers.1", "layers.2"]
     assert plan.param("head.weight").name == "embed.weight" and plan.param("embed.weight").aliases == ("head.weight",)
-    kinds = [(o.kind, o.unit, o.phase, o.prefetch) for o in plan.schedule]
-    # root first, then each unit with the next one prefetched; the last unit stays gathered into backward
-    assert kinds[:3] == [("all_gather", "<root>", "forward", False), ("all_gather", "layers.0", "forward", True),
-                         ("all_gather", "layers.1", "forward", True)]
-    assert ("free", "layers.2", "forward", False) not in kinds
+    kinds = [(o.kind, o.unit, o.trigger, o.prefetch) for o in plan.schedule]
+    # root first, then each unit with the next one prefetched; each gather is waited for where its unit computes
+    assert kinds[:5] == [("all_gather", "<root>", "pre_forward(<root>)", False), ("wait", "<root>", "pre_forward(<root>)", False),
+                         ("all_gather", "layers.0", "pre_forward(<root>)", True),
+                         ("wait", "layers.0", "pre_forward(layers.0)", False),
+                         ("all_gather", "layers.1", "pre_forward(layers.0)", True)]
+    # the last unit stays gathered into backward (freed only in a no_grad forward)
+    assert ("free", "layers.2", "post_forward(layers.2)", False) not in kinds
     assert plan.unit("layers.2").reshard_after_forward is False
-    bw = [k for k in kinds if k[2] == "backward"]
-    assert bw[0][:2] == ("all_gather", "layers.1") and bw[0][3]  # prefetch of the next backward unit
-    assert [k[1] for k in bw if k[0] == "reduce_scatter"] == ["layers.2", "layers.1", "layers.0", "<root>"]
+    bw = [k for k in kinds if plan.schedule[kinds.index(k)].phase == "backward" and k[0] != "free"]
+    assert bw[0][:3] == ("wait", "layers.2", "pre_backward(layers.2)") and bw[1][:2] == ("all_gather", "layers.1") and bw[1][3]
+    assert [k[1] for k in kinds if k[0] == "reduce_scatter"] == ["layers.2", "layers.1", "layers.0", "<root>"]
+    # a unit's reduction waits for its gradients (post_backward), the previous one completes first
+    assert [o.trigger for o in plan.schedule if o.kind == "reduce_scatter"][:2] == ["post_backward(layers.2)",
+                                                                                    "post_backward(layers.1)"]
+    assert [o.unit for o in plan.schedule if o.kind == "wait" and o.what == "grads"][0] == "layers.2"
+    assert plan.schedule[-3].what == "used" and plan.schedule[-1].kind == "free"
     with torch.device("meta"):
         meta_net = Net()
     traced = sp.plan(meta_net, RULES, Mesh(dp=4), units=[r"layers\.\d+"],
                      trace=((torch.zeros(2, 3, dtype=torch.long, device="meta"),), {}))
     assert [u.name for u in traced.units] == ["<root>", "layers.2", "layers.1", "layers.0"]
     deep = sp.plan(net, RULES, Mesh(dp=4), units=[r"layers\.\d+"], prefetch=2, reshard_after_forward=False)
-    assert not any(o.kind == "free" and o.phase == "forward" for o in deep.schedule)
+    assert not any(o.kind == "free" and o.phase == "forward" for o in deep.ops())
     assert sum(o.prefetch for o in deep.schedule if o.phase == "forward") == 3
 
 
@@ -201,11 +210,11 @@ def test_strategies_change_what_is_sharded():
     assert mems[1].grads > mems[2].grads == mems[3].grads
     assert mems[0].optimizer > mems[1].optimizer == mems[3].optimizer
     z0 = sp.plan(net, RULES, Mesh(dp=4), strategy="no_shard", units=[r"layers\.\d+"])
-    assert {o.kind for o in z0.schedule} == {"all_reduce"}
+    assert {o.kind for o in z0.schedule if o.is_collective} == {"all_reduce"}
     assert z0.local_slices("embed.weight", 3) == (slice(0, 50), slice(0, 16))
     z1 = sp.plan(net, RULES, Mesh(dp=4), strategy="optim", units=[r"layers\.\d+"])
-    assert {(o.kind, o.phase) for o in z1.schedule} == {("all_gather", "step"), ("reduce_scatter", "backward"),
-                                                         ("all_reduce", "backward")}
+    assert {(o.kind, o.phase, o.when) for o in z1.schedule if o.is_collective} == {
+        ("all_gather", "step", "stale"), ("reduce_scatter", "backward", "sync"), ("all_reduce", "backward", "sync")}
     hsdp = sp.plan(net, [(r".*bias", P()), (r".*", P("shard"))], Mesh(replica=2, shard=2), units=[r"layers\.\d+"])
     rs = [o for o in hsdp.schedule if o.kind == "reduce_scatter"]
     ar = [o for o in hsdp.schedule if o.kind == "all_reduce"]
@@ -218,7 +227,7 @@ def test_mixed_precision_bytes_and_copy_out():
     net = Net()
     p32 = sp.plan(net, RULES, Mesh(dp=4), units=[r"layers\.\d+"])
     p16 = sp.plan(net, RULES, Mesh(dp=4), units=[r"layers\.\d+"], compute_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    ag = lambda p: sum(o.bytes for o in p.schedule if o.kind == "all_gather")
+    ag = lambda p: sum(o.bytes for o in p.ops() if o.kind == "all_gather")
     assert ag(p16) * 2 == ag(p32) or ag(p16) < ag(p32)
     assert p16.buffers[0].reduce_dtype == "float32" and p16.buffers[0].compute_dtype == "bfloat16"
     col = sp.plan(net, [(r".*bias", P()), (r"layers\.0\.0\.weight", P(None, "dp")), (r".*", P("dp"))], Mesh(dp=4),
@@ -278,6 +287,7 @@ def test_chrome_trace_lists_every_op(tmp_path):
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
     assert [e["args"]["index"] for e in events] == list(range(len(plan.schedule)))
     assert all(e["dur"] > 0 for e in events) and events[0]["name"] == "all_gather <root>"
+    assert events[1]["args"]["trigger"] == "pre_forward(<root>)"
 
 
 def test_min_unit_bytes_merges_neighbours():
@@ -289,5 +299,5 @@ def test_min_unit_bytes_merges_neighbours():
     assert plan.param("layers.1.0.weight").unit == "layers.0..layers.1"
     assert sp.Plan.from_json(plan.to_json()) == plan
     plain = sp.plan(net, RULES, Mesh(dp=4), units=[r"layers\.\d+"])
-    count = lambda p: sum(o.kind == "all_gather" for o in p.schedule)
+    count = lambda p: sum(o.kind == "all_gather" for o in p.ops())
     assert count(plan) < count(plain)

@@ -9,11 +9,11 @@
 from .errors import (CheckpointError, CollectiveError, MeshError, PlanError, PlanWarning, RuleError,
                      RuntimeShardingError, ShardingError, SpecError, UnmatchedParametersError, UnusedRuleWarning)
 from .mesh import Mesh
-from .plan import BufferPlan, Memory, ParamPlan, Plan, UnitPlan, plan
+from .plan import BufferPlan, Memory, Op, ParamPlan, Plan, UnitPlan, plan
 from .rules import Rules, explain, match
-from .schedule import Op
+
 from .spec import P
-from .runtime import clip_grad_norm_, memory_stats, no_sync, record_ops, reset_peak, shard
+from .runtime import clip_grad_norm_, mark_shards_changed, memory_stats, no_sync, record_ops, reset_peak, shard
 from .runtime import checkpoint
 from .runtime.checkpoint import full_state_dict, load_full_state_dict, load_state_dict, state_dict
 

@@ -83,7 +83,7 @@ def run(args) -> str:
 
     from .mesh import Mesh
     from .plan import plan, strategy_level
-    from .report import render, render_schedule
+    from .plan.render import render, render_schedule
     from .rules import explain
 
     mesh = Mesh.parse(args.mesh)

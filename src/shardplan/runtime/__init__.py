@@ -1,5 +1,9 @@
-"""The runtime: executes a :class:`shardplan.Plan` with torch.distributed (NCCL on GPUs, gloo on CPU)."""
+"""The runtime: executes a :class:`shardplan.Plan` with torch.distributed (NCCL on GPUs, gloo on CPU).
 
-from .api import clip_grad_norm_, engine_of, memory_stats, no_sync, record_ops, reset_peak, shard
+``executor`` runs the plan's schedule; ``hooks`` report a module's events to it; ``buffers`` and ``unit``
+hold the per-rank storage and state; ``collectives`` every collective and process group."""
 
-__all__ = ["shard", "no_sync", "clip_grad_norm_", "record_ops", "memory_stats", "reset_peak", "engine_of"]
+from .api import clip_grad_norm_, engine_of, mark_shards_changed, memory_stats, no_sync, record_ops, reset_peak, shard
+
+__all__ = ["shard", "no_sync", "clip_grad_norm_", "record_ops", "memory_stats", "reset_peak", "engine_of",
+           "mark_shards_changed"]

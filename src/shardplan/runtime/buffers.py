@@ -1,7 +1,9 @@
-"""Per-rank storage of one planned buffer: the local shard, the gathered buffer, gradients.
+"""Per-rank storage of one planned buffer: the local shard, the full parameters, the gradients.
 
-Layouts (see ``shardplan.layout``): ``contiguous`` and ``replicated`` buffers are used in place
-(every unsharded parameter is a view of the gathered buffer); ``interleaved`` buffers gather into a
+Which tensors exist and when they live follows the buffer's facts (``alias``, ``persistent``,
+``grad_alias``, ``keeps_grads``), decided by the planner; :mod:`shardplan.plan.accounting` counts the
+same tensors. Layouts (see :mod:`shardplan.layout`): ``contiguous`` and ``replicated`` buffers are used
+in place (every full parameter is a view of the gathered buffer); ``interleaved`` buffers gather into a
 packed tensor and copy out into parameter layout (and copy gradients back in before reducing).
 """
 
@@ -13,13 +15,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from .. import layout as L
 from ..dtypes import to_torch
 from ..plan import BufferPlan, Plan
-
-
-def alloc(numel: int, dtype, device, zero: bool = False) -> torch.Tensor:
-    return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=device)
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -37,8 +34,7 @@ def alias(base: torch.Tensor, offset: int, shape) -> torch.Tensor:
     """A tensor over ``base``'s storage with its own version counter (so writes into ``base``
     by collectives never trip autograd's saved-tensor checks on the parameters)."""
     t = torch.empty(0, dtype=base.dtype, device=base.device)
-    stride = []
-    acc = 1
+    stride, acc = [], 1
     for d in reversed(shape):
         stride.append(acc)
         acc *= d
@@ -46,49 +42,53 @@ def alias(base: torch.Tensor, offset: int, shape) -> torch.Tensor:
     return t
 
 
+def same_storage(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    return a is not None and b is not None and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() \
+        and a.untyped_storage().size() > 0
+
+
 class BufferState:
-    def __init__(self, plan: Plan, bp: BufferPlan, rank: int, device: torch.device, level: int):
+    """Tensors of one buffer on this rank, and the moves between them. No collectives here."""
+
+    def __init__(self, plan: Plan, bp: BufferPlan, rank: int, device: torch.device):
         self.bp = bp
-        self.layout = bp.layout
         self.dtype, self.cdtype, self.rdtype = to_torch(bp.dtype), to_torch(bp.compute_dtype), to_torch(bp.reduce_dtype)
         self.S, self.G = bp.shard_numel, bp.gathered_numel
-        self.sharded = bp.layout != L.REPLICATED
-        self.seg = plan.segment(bp, rank)
-        self.requires_grad = bp.requires_grad
+        self.sharded, self.requires_grad = bp.sharded, bp.requires_grad
         self.device = device
+        self.seg = plan.segment(bp, rank)
         self.infos = [plan.param(n) for n in bp.params]
-        self.alias = self.cdtype == self.dtype and (not self.sharded or level in (0, 1, 2))
-        self.persistent = level in (0, 1, 2) or self.alias
-        self.full = alloc(self.G, self.cdtype, device, zero=True)
-        if self.alias:
+        self.param_index = [plan._index[n] for n in bp.params]
+        # full: the full parameters' storage, in parameter layout (interleaved: packed elsewhere)
+        self.full = torch.zeros(bp.numel if bp.copy_out else self.G, dtype=self.cdtype, device=device)
+        self.packed = torch.zeros(self.G, dtype=self.cdtype, device=device) if bp.copy_out else None
+        if bp.alias:
             self.shard = self.full[self.seg * self.S:(self.seg + 1) * self.S] if self.sharded else self.full
         else:
-            self.shard = alloc(self.S, self.dtype, device, zero=True)
-        # interleaved: parameters live in param layout in `out`, gathered data lands in `full`
-        self.out = alloc(bp.numel, self.cdtype, device) if bp.layout == L.INTERLEAVED else None
-        self.out_offsets = []
+            self.shard = torch.zeros(self.S, dtype=self.dtype, device=device)
+        self.offsets = []  # offset of each parameter in `full`
         c = 0
         for p in self.infos:
-            self.out_offsets.append(c)
+            self.offsets.append(c if bp.copy_out else p.offset)
             c += p.numel
-        # local pieces: (global box, offset in shard, numel)
-        self.local_boxes = []
+        self.local_boxes = []  # (global box or None, offset in shard, local shape)
         for p in self.infos:
             box = plan.local_slices(p.name, rank)
-            shape = plan.local_shape(p.name, rank)
-            self.local_boxes.append((box, plan.local_offset(p.name, rank) if box is not None else 0, shape))
-        self.copy_plans = self._copy_plans(plan) if bp.layout == L.INTERLEAVED else None
-        self.grad_full: Optional[torch.Tensor] = None
-        self.grad_views: list[torch.Tensor] = []
-        self.grad_lent = False  # grad_full is also the local params' .grad (replicated, same dtypes)
-        self.needs_zero = False
+            self.local_boxes.append((box, plan.local_offset(p.name, rank) if box is not None else 0,
+                                     plan.local_shape(p.name, rank)))
+        self.copy_plans = self._copy_plans(plan) if bp.copy_out else None
+        self.flat: Optional[torch.Tensor] = None  # the unsharded gradient, in compute dtype
+        self.flat_window = -1
+        self.views: list[torch.Tensor] = []
         self.local: list[nn.Parameter] = []
         self.full_params: list[nn.Parameter] = []
+        if self.packed is not None:
+            free_storage(self.packed)
 
-    # -- construction ---------------------------------------------------------------------------
     def _copy_plans(self, plan: Plan):
         """Per parameter: (segment index, global box, numel) for every member of the shard group."""
-        group = plan.mesh.group_of(plan.mesh.rank_of([0] * len(plan.mesh.axis_names)), self.bp.axes) if self.bp.axes else (0,)
+        first = plan.mesh.rank_of([0] * len(plan.mesh.axis_names))
+        group = plan.mesh.group_of(first, self.bp.axes) if self.bp.axes else (first,)
         out = []
         for p in self.infos:
             pieces = []
@@ -99,117 +99,120 @@ class BufferState:
             out.append(pieces)
         return out
 
-    def fill_local(self, originals: list[torch.Tensor]) -> None:
+    # -- construction ---------------------------------------------------------------------------
+    def fill_local(self, originals: list[Optional[torch.Tensor]]) -> None:
         """Copy this rank's pieces of the full parameters into the shard."""
         with torch.no_grad():
             for (box, off, shape), t in zip(self.local_boxes, originals):
                 if box is None or t is None:
                     continue
-                n = math.prod(shape)
-                self.shard[off:off + n].copy_(t[box].reshape(-1))  # (ZeRO-1/2: a slice of `full`; the first forward gathers the rest)
+                self.shard[off:off + math.prod(shape)].copy_(t[box].reshape(-1))
 
     def make_params(self) -> None:
-        self.local = []
-        for (box, off, shape), p in zip(self.local_boxes, self.infos):
-            n = math.prod(shape)
-            self.local.append(nn.Parameter(self.shard[off:off + n].view(shape), requires_grad=p.requires_grad))
-        self.full_params = []
-        for i, p in enumerate(self.infos):
-            base, off = (self.out, self.out_offsets[i]) if self.out is not None else (self.full, p.offset)
-            self.full_params.append(nn.Parameter(alias(base, off, p.shape), requires_grad=p.requires_grad))
-        if not self.persistent:
-            self.free()
-
-    # -- gathered storage -------------------------------------------------------------------------
-    def allocate(self) -> None:
-        alloc_storage(self.full)
-        if self.out is not None:
-            alloc_storage(self.out)
-
-    def free(self) -> None:
-        if self.persistent:
-            return
-        free_storage(self.full)
-        if self.out is not None:
-            free_storage(self.out)
-
-    def release_gather_buffer(self) -> None:
-        """After copy-out, the packed gathered tensor of an interleaved buffer is not needed."""
-        if self.out is not None and not self.persistent:
+        self.local = [nn.Parameter(self.shard[off:off + math.prod(shape)].view(shape), requires_grad=p.requires_grad)
+                      for (box, off, shape), p in zip(self.local_boxes, self.infos)]
+        self.full_params = [nn.Parameter(alias(self.full, off, p.shape), requires_grad=p.requires_grad)
+                            for off, p in zip(self.offsets, self.infos)]
+        if not self.bp.persistent:
             free_storage(self.full)
 
-    def copy_out(self) -> None:
-        if self.out is None:
+    # -- full parameters --------------------------------------------------------------------------
+    def gather_output(self) -> torch.Tensor:
+        """Allocate what the all-gather writes into (the full buffer, or the packed one) and return it."""
+        if not self.bp.persistent:
+            alloc_storage(self.full)
+        if self.packed is not None:
+            alloc_storage(self.packed)
+            return self.packed
+        return self.full
+
+    def gather_input(self, collective: bool) -> torch.Tensor:
+        """The shard as the all-gather sends it: cast to the compute dtype, or a copy when it is part of
+        the output (in-place gathers are not portable across backends)."""
+        if self.cdtype != self.dtype:
+            return self.shard.to(self.cdtype)
+        return self.shard.clone() if collective and self.bp.alias else self.shard
+
+    def finish_gather(self) -> None:
+        """After the all-gather completed: copy interleaved pieces out into parameter layout."""
+        if self.packed is None:
             return
-        packed = self.full.view(self.bp.group_size, self.S) if self.sharded else self.full.view(1, -1)
+        packed = self.packed.view(self.bp.group_size, self.S) if self.sharded else self.packed.view(1, -1)
         with torch.no_grad():
             for i, p in enumerate(self.infos):
-                target = self.out[self.out_offsets[i]:self.out_offsets[i] + p.numel].view(p.shape)
-                base = p.offset
+                target = self.full[self.offsets[i]:self.offsets[i] + p.numel].view(p.shape)
                 for seg, box, n in self.copy_plans[i]:
-                    target[box].copy_(packed[seg, base:base + n].view([s.stop - s.start for s in box]))
+                    target[box].copy_(packed[seg, p.offset:p.offset + n].view([s.stop - s.start for s in box]))
+        free_storage(self.packed)
 
-    # -- gradients -------------------------------------------------------------------------------------
-    def grad_numel(self) -> int:
-        return self.bp.numel if self.out is not None else self.G
+    def release_full(self) -> None:
+        if not self.bp.persistent:
+            free_storage(self.full)
+        if self.packed is not None:
+            free_storage(self.packed)
 
-    def prepare_grads(self) -> None:
-        """Point every unsharded parameter's .grad at a view of one flat buffer (zeroed once)."""
+    # -- gradients ------------------------------------------------------------------------------------
+    def prepare_grads(self, window: int) -> None:
+        """Make the unsharded gradient of ``window`` exist (zeroed once per window) and point every full
+        parameter's ``.grad`` at its view, folding in gradients autograd made before we got here."""
         if not self.requires_grad:
             return
-        if self.grad_full is None or (self.needs_zero and self.grad_lent and any(l.grad is not None for l in self.local)):
-            if self.grad_views:  # the old flat gradient now belongs to the local .grads: detach from it
-                for fp in self.full_params:
-                    fp.grad = None
-            self.grad_full = alloc(self.grad_numel(), self.cdtype, self.device, zero=True)
-            self.grad_lent = False
-            self.grad_views = []
-        elif self.needs_zero:
-            self.grad_full.zero_()
-        self.needs_zero = False
-        if not self.grad_views:
-            for i, p in enumerate(self.infos):
-                off = self.out_offsets[i] if self.out is not None else p.offset
-                self.grad_views.append(self.grad_full[off:off + p.numel].view(p.shape))
-        for fp, v in zip(self.full_params, self.grad_views):
+        if self.flat is None or self.flat_window != window:
+            lent = self.flat is not None and any(same_storage(lp.grad, self.flat) for lp in self.local)
+            if self.flat is None or lent:  # the old one still holds the local shards' gradients
+                self.flat = torch.zeros(self.bp.grad_numel, dtype=self.cdtype, device=self.device)
+                self.views = [self.flat[off:off + p.numel].view(p.shape) for off, p in zip(self.offsets, self.infos)]
+            else:
+                self.flat.zero_()
+            self.flat_window = window
+        for fp, v in zip(self.full_params, self.views):
             if fp.requires_grad and fp.grad is not v:
-                if fp.grad is not None:  # a gradient autograd made before we got here
+                if fp.grad is not None:
                     v.add_(fp.grad)
                 fp.grad = v
 
-    def collect_grads(self) -> torch.Tensor:
-        """Flat gradient in gathered layout and reduce dtype, ready for the reduce-scatter."""
-        if self.grad_full is None:
-            self.prepare_grads()
-        for fp, v in zip(self.full_params, self.grad_views):
-            if fp.grad is not None and fp.grad is not v:
-                v.add_(fp.grad)
-        g = self.grad_full
-        if self.out is not None:  # copy-in: param layout -> packed segments
-            packed = torch.zeros(self.G, dtype=self.cdtype, device=self.device)
-            view = packed.view(self.bp.group_size, self.S) if self.sharded else packed.view(1, -1)
+    def reduction_input(self, window: int) -> torch.Tensor:
+        """The gradient as the reduction reads it: gathered layout, reduce dtype."""
+        self.prepare_grads(window)
+        g = self.flat
+        if self.packed is not None:  # copy-in: parameter layout -> packed segments
+            g = torch.zeros(self.G, dtype=self.cdtype, device=self.device)
+            view = g.view(self.bp.group_size, self.S)
             for i, p in enumerate(self.infos):
-                src = self.grad_views[i]
                 for seg, box, n in self.copy_plans[i]:
-                    view[seg, p.offset:p.offset + n].copy_(src[box].reshape(-1))
-            g = packed
+                    view[seg, p.offset:p.offset + n].copy_(self.views[i][box].reshape(-1))
         return g if self.rdtype == self.cdtype else g.to(self.rdtype)
 
-    def drop_full_grads(self) -> None:
-        for fp in self.full_params:
-            fp.grad = None
-        self.grad_full = None
-        self.grad_views = []
-
-    def assign_local_grads(self, flat: torch.Tensor) -> None:
-        """Give the local shards their reduced gradient (``flat``: S elements, or G if replicated)."""
-        if flat.dtype != self.dtype:
-            flat = flat.to(self.dtype)
-        for (box, off, shape), lp in zip(self.local_boxes, self.local):
+    def assign_local_grads(self, result: torch.Tensor) -> list[int]:
+        """Give the local shards their reduced gradient (``result``: S elements, or G if replicated);
+        returns the plan indices of parameters whose ``.grad`` this created."""
+        if result.dtype != self.dtype:
+            result = result.to(self.dtype)
+        created = []
+        for (box, off, shape), lp, idx in zip(self.local_boxes, self.local, self.param_index):
             if not lp.requires_grad:
                 continue
-            g = flat[off:off + math.prod(shape)].view(shape)
+            g = result[off:off + math.prod(shape)].view(shape)
             if lp.grad is None:
                 lp.grad = g
+                created.append(idx)
             else:
                 lp.grad.add_(g)
+        return created
+
+    def detach_grads(self) -> None:
+        """The full parameters stop pointing at the unsharded gradient (it is reduced; a later gradient
+        must not land in it)."""
+        for fp in self.full_params:
+            fp.grad = None
+
+    def release_grads(self) -> None:
+        self.detach_grads()
+        self.flat, self.views, self.flat_window = None, [], -1
+
+    def local_grad_by_index(self) -> dict[int, nn.Parameter]:
+        return dict(zip(self.param_index, self.local))
+
+    def tensors(self) -> list[Optional[torch.Tensor]]:
+        """Every tensor this buffer holds now (for the runtime's memory accounting)."""
+        return [self.shard, self.full, self.packed, self.flat] + [lp.grad for lp in self.local]

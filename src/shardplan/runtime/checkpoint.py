@@ -41,17 +41,19 @@ def _sharded(eng, name: str, local: torch.Tensor):
     plan = eng.plan
     p = plan.param(name)
     b = plan.buffers[p.buffer]
-    group = eng.groups.get(("gather", b.axes)) if b.layout != L.REPLICATED else None
+    group = eng.groups.gather(b.axes) if b.sharded else None
     if group is None or group.size == 1 or plan.level == 0:
         return local
     members = plan.mesh.group_of(eng.rank, b.axes)
     dev = local.device.type if local.device.type == "cpu" else f"cuda:{local.device.index}"
     mds, mine = [], None
-    for k, r in enumerate(members):
+    for r in members:
         box = plan.local_slices(name, r)
         if box is None:
             continue
-        md = ShardMetadata([s.start for s in box], [s.stop - s.start for s in box], f"rank:{k}/{dev}")
+        # placements name *global* ranks: under HSDP a shard group is a sub-group ([2, 3] say), and
+        # torch maps the placement's global rank into the group
+        md = ShardMetadata([s.start for s in box], [s.stop - s.start for s in box], f"rank:{r}/{dev}")
         mds.append(md)
         if r == eng.rank:
             mine = md
@@ -70,18 +72,14 @@ def _jsonable(v):
     raise TypeError(f"optimizer hyper-parameter {v!r} cannot be saved; use numbers, bools, strings or tuples")
 
 
-def _locals(eng) -> dict[str, nn.Parameter]:
-    out = {}
-    for u in eng.units:
-        for b in u.buffers:
-            for pp, lp in zip(b.infos, b.local):
-                out[pp.name] = lp
-    return out
-
-
 def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state without changing parameters (as torch's get_optimizer_state_dict)."""
-    if opt.state:
+    """Create a never-stepped optimizer's state without changing parameters or its future steps.
+
+    As torch's ``get_optimizer_state_dict`` does: one step with zero gradients and a zero learning rate.
+    Unlike it, the step counters that this step advanced are put back to 0, so the state equals a fresh
+    optimizer's (AdamW's first real step is still step 1), whether it is then saved or loaded into.
+    """
+    if opt.state or any(p.grad is not None for g in opt.param_groups for p in g["params"]):
         return
     lrs = []
     for group in opt.param_groups:
@@ -94,12 +92,26 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
     for group, lr in zip(opt.param_groups, lrs):
         group["lr"] = lr
     opt.zero_grad(set_to_none=True)
+    for st in opt.state.values():
+        step = st.get("step")
+        if isinstance(step, torch.Tensor):
+            step.zero_()
+        elif isinstance(step, (int, float)):
+            st["step"] = type(step)(0)
 
 
-def state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, init_optimizer: bool = False) -> dict:
-    """``{"model": {fqn: value}, "optimizer": {"state": {fqn: {...}}, "param_groups": [...]}}`` for DCP."""
+def state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, init_optimizer: bool = True) -> dict:
+    """``{"model": {fqn: value}, "optimizer": {"state": {fqn: {...}}, "param_groups": [...]}}`` for DCP.
+
+    >>> sd = shardplan.state_dict(model, opt)
+    >>> torch.distributed.checkpoint.load(sd, checkpoint_id=path); shardplan.load_state_dict(model, sd, opt)
+
+    A never-stepped optimizer gets its state created first (``init_optimizer``, on by default), so that
+    a state dict built to *load into* has tensors for DCP to fill: without them the optimizer's saved
+    moments would be silently dropped.
+    """
     eng = engine_of(model)
-    locals_ = _locals(eng)
+    locals_ = eng.local_params()
     sd: dict[str, Any] = {"model": {n: _sharded(eng, n, lp.detach()) for n, lp in locals_.items()}}
     if optimizer is not None:
         if init_optimizer:
@@ -136,7 +148,7 @@ def load_state_dict(model: nn.Module, state: dict, optimizer: Optional[torch.opt
                     *, strict: bool = True) -> dict[str, list[str]]:
     """Copy a (DCP-loaded) state dict from :func:`state_dict` into the local shards; returns what was skipped."""
     eng = engine_of(model)
-    locals_ = _locals(eng)
+    locals_ = eng.local_params()
     msd = state.get("model", {})
     missing = [n for n in locals_ if n not in msd]
     unexpected = [n for n in msd if n not in locals_]
@@ -175,7 +187,7 @@ def load_state_dict(model: nn.Module, state: dict, optimizer: Optional[torch.opt
                         cur[k] = v.clone()
                     else:
                         cur[k] = v
-    eng.dirty = True
+    eng.mark_shards_changed()
     return {"missing": missing, "unexpected": unexpected}
 
 
@@ -278,36 +290,37 @@ def _drop(d: dict, keys: set, prefix: str = "") -> dict:
 # -- full (unsharded) export and import -----------------------------------------------------------------
 
 def full_state_dict(model: nn.Module, *, cpu: bool = True) -> dict[str, torch.Tensor]:
-    """Rank 0 gets ordinary full tensors (fp32 masters); other ranks get ``{}``. One unit at a time."""
+    """Rank 0 gets ordinary full tensors (fp32 masters); other ranks get ``{}``. One buffer at a time."""
     eng = engine_of(model)
     plan = eng.plan
+    locals_ = eng.local_params()
     out: dict[str, torch.Tensor] = {}
     from . import collectives as C
-    for u in eng.units:
-        for b in u.buffers:
-            if not b.sharded:
-                if eng.rank == 0:
-                    for pp, lp in zip(b.infos, b.local):
-                        out[pp.name] = lp.detach().clone().cpu() if cpu else lp.detach().clone()
-                continue
-            group = eng.groups[("gather", b.bp.axes)]
-            gathered = torch.empty(b.G, dtype=b.dtype, device=b.device)
-            C.all_gather(gathered, b.shard.contiguous(), group, async_op=False)
+    for bp in plan.buffers:
+        if not bp.sharded:
             if eng.rank == 0:
-                packed = gathered.view(b.bp.group_size, b.S)
-                members = plan.mesh.group_of(0, b.bp.axes)
-                for pp in b.infos:
-                    full = torch.empty(pp.shape, dtype=b.dtype, device=b.device)
-                    if b.layout == L.CONTIGUOUS:
-                        full.copy_(gathered[pp.offset:pp.offset + pp.numel].view(pp.shape))
-                    else:
-                        for seg, r in enumerate(members):
-                            box = plan.local_slices(pp.name, r)
-                            if box is not None:
-                                n = math.prod(s.stop - s.start for s in box)
-                                full[box].copy_(packed[seg, pp.offset:pp.offset + n].view([s.stop - s.start for s in box]))
-                    out[pp.name] = full.cpu() if cpu else full
-            del gathered
+                for name in bp.params:
+                    out[name] = locals_[name].detach().clone().cpu() if cpu else locals_[name].detach().clone()
+            continue
+        shard = eng.shard_of(bp.index)
+        gathered = torch.empty(bp.gathered_numel, dtype=shard.dtype, device=shard.device)
+        C.all_gather(gathered, shard.contiguous(), eng.groups.gather(bp.axes), async_op=False)
+        if eng.rank == 0:
+            packed = gathered.view(bp.group_size, bp.shard_numel)
+            members = plan.mesh.group_of(0, bp.axes)
+            for name in bp.params:
+                pp = plan.param(name)
+                full = torch.empty(pp.shape, dtype=shard.dtype, device=shard.device)
+                if bp.layout == L.CONTIGUOUS:
+                    full.copy_(gathered[pp.offset:pp.offset + pp.numel].view(pp.shape))
+                else:
+                    for seg, r in enumerate(members):
+                        box = plan.local_slices(name, r)
+                        if box is not None:
+                            n = math.prod(s.stop - s.start for s in box)
+                            full[box].copy_(packed[seg, pp.offset:pp.offset + n].view([s.stop - s.start for s in box]))
+                out[name] = full.cpu() if cpu else full
+        del gathered
     if eng.rank == 0:
         for pp in plan.params:
             for a in pp.aliases:
@@ -327,7 +340,7 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], *, str
     """Load ordinary full tensors held by rank 0 (others may pass ``{}``), broadcast one parameter at a time."""
     eng = engine_of(model)
     plan = eng.plan
-    world = eng.groups[("world", plan.mesh.axis_names)]
+    from . import collectives as C
     if eng.rank == 0:
         missing = [p.name for p in plan.params if p.name not in full and not any(a in full for a in p.aliases)]
         names = {p.name for p in plan.params} | {a for p in plan.params for a in p.aliases} | set(_persistent_buffers(model))
@@ -339,28 +352,27 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], *, str
             msg = f"full state dict does not fit: missing {missing[:20]}, unexpected {unexpected[:20]}, shapes {bad[:20]}"
     else:
         msg = ""
-    msg = _broadcast_str(msg)
+    world = eng.groups.world
+    msg = C.broadcast_str(msg, world)
     if msg:
         raise CheckpointError(msg)
-    from . import collectives as C
-    src = dist.get_global_rank(world.pg, 0) if world.pg is not None else 0
+    locals_ = eng.local_params()
     with torch.no_grad():
-        for u in eng.units:
-            for b in u.buffers:
-                for pp, lp in zip(b.infos, b.local):
-                    t = torch.empty(pp.shape, dtype=b.dtype, device=b.device)
-                    if eng.rank == 0:
-                        v = full.get(pp.name)
-                        if v is None:
-                            v = next((full[a] for a in pp.aliases if a in full), None)
-                        if v is not None:
-                            t.copy_(v)
-                    C.broadcast(t, src, world)
-                    box = plan.local_slices(pp.name, eng.rank)
-                    if box is not None:
-                        lp.copy_(t[box])
+        for pp in plan.params:
+            lp = locals_[pp.name]
+            t = torch.empty(pp.shape, dtype=lp.dtype, device=lp.device)
+            if eng.rank == 0:
+                v = full.get(pp.name)
+                if v is None:
+                    v = next((full[a] for a in pp.aliases if a in full), None)
+                if v is not None:
+                    t.copy_(v)
+            C.broadcast(t, 0, world)
+            box = plan.local_slices(pp.name, eng.rank)
+            if box is not None:
+                lp.copy_(t[box])
         for name, buf in _persistent_buffers(model).items():
             if eng.rank == 0 and name in full:
                 buf.copy_(full[name])
-            C.broadcast(buf, src, world)
-    eng.dirty = True
+            C.broadcast(buf, 0, world)
+    eng.mark_shards_changed()

@@ -2,16 +2,25 @@
 
 torch 2.13 deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in favour of
 ``all_gather_single`` / ``reduce_scatter_single``; older releases only have the former.
-A group of one rank needs no communication: those calls become local copies.
+A group of one rank needs no communication: those calls become local copies. Process groups are
+made here too (one per purpose and mesh axes), and the start-up exchange, which goes through the
+rendezvous store so that a rank that fails a check, or never arrives, ends every rank within the
+runtime's timeout instead of the process group's.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
+import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from ..errors import RuntimeShardingError
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -35,6 +44,7 @@ class _Done:
 
 
 DONE = _Done()
+ONE = Group(None, 1, 0)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = True):
@@ -54,12 +64,101 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op:
 
 
 def all_reduce(t: torch.Tensor, group: Group, async_op: bool = True, op=None):
+    """Average (or ``op``) ``t`` over the group, in place."""
     if group.pg is None:
         return DONE
     return dist.all_reduce(t, op=op if op is not None else dist.ReduceOp.AVG, group=group.pg, async_op=async_op) or DONE
 
 
-def broadcast(t: torch.Tensor, src: int, group: Group):
+def broadcast(t: torch.Tensor, src_index: int, group: Group):
+    """Broadcast from the group's ``src_index``-th rank."""
     if group.pg is None:
         return DONE
-    return dist.broadcast(t, src=src, group=group.pg) or DONE
+    return dist.broadcast(t, src=dist.get_global_rank(group.pg, src_index), group=group.pg) or DONE
+
+
+def broadcast_str(s: str, group: Group) -> str:
+    """Rank 0's string on every rank of ``group``."""
+    if group.pg is None:
+        return s
+    obj = [s]
+    dist.broadcast_object_list(obj, src=dist.get_global_rank(group.pg, 0), group=group.pg)
+    return obj[0]
+
+
+class Groups:
+    """The process groups of one sharded model: per (purpose, axes), the world, and the small CPU group
+    the used-parameter exchange runs on (gloo even where tensors live on GPUs: it needs no device sync)."""
+
+    def __init__(self, groups: dict, world: Group, used: Group):
+        self._groups, self.world, self.used = groups, world, used
+
+    def gather(self, axes) -> Group:
+        return self._groups.get(("gather", tuple(axes)), ONE) if axes else ONE
+
+    def reduce(self, axes) -> Group:
+        return self._groups.get(("reduce", tuple(axes)), ONE) if axes else ONE
+
+
+def build_groups(plan, rank: int, backend: str, timeout_s: float) -> Groups:
+    """One process group per (purpose, axes); every rank creates every group in the same order.
+
+    ``SHARDPLAN_SINGLETON_GROUPS=1`` makes real process groups of one rank too, so a single GPU runs the
+    same NCCL path as many (tests and traces); otherwise a group of one is a local copy.
+    """
+    mesh = plan.mesh
+    wanted: list[tuple[str, tuple[str, ...]]] = []
+    for b in plan.buffers:
+        for key in (("gather", b.axes), ("reduce", b.axes), ("reduce", b.replica_axes)):
+            if key[1] and key not in wanted:
+                wanted.append(key)
+    everyone = ("world", tuple(mesh.axis_names))
+    wanted.append(everyone)
+    force = os.environ.get("SHARDPLAN_SINGLETON_GROUPS") == "1"
+    timeout = timedelta(seconds=timeout_s)
+    made: dict = {}
+    for key in wanted:
+        axes = key[1]
+        size = mesh.axis_size(axes)
+        mine = ONE
+        for ranks in mesh.groups(axes):
+            pg = dist.new_group(list(ranks), backend=backend, timeout=timeout) if size > 1 or force else None
+            if rank in ranks:
+                mine = Group(pg, size, ranks.index(rank))
+        made[key] = mine
+    world = made[everyone]
+    used = world
+    if backend != "gloo" and mesh.size > 1:
+        used = Group(dist.new_group(list(range(mesh.size)), backend="gloo", timeout=timeout), mesh.size, rank)
+    return Groups(made, world, used)
+
+
+# -- start-up exchange ---------------------------------------------------------------------------------
+
+_ROUND = itertools.count()
+
+
+def _store():
+    return dist.distributed_c10d._get_default_store()
+
+
+def exchange(report: dict, timeout_s: float) -> list[dict]:
+    """Every rank's ``report`` (JSON-able), through the rendezvous store, bounded by ``timeout_s``.
+
+    Raises :class:`RuntimeShardingError` naming the ranks that did not report in time.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world == 1:
+        return [report]
+    store = _store()
+    prefix = f"shardplan/startup/{next(_ROUND)}/"
+    keys = [f"{prefix}{r}" for r in range(world)]
+    store.set(keys[rank], json.dumps(report))
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except Exception as exc:  # noqa: BLE001 - a timeout, whatever the store type calls it
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise RuntimeShardingError(
+            f"shardplan.shard(): rank(s) {missing} did not reach shard() within {timeout_s:g} s ({exc}); they "
+            f"failed or hang before it. Every rank must call shard() with the same plan") from None
+    return [json.loads(store.get(k)) for k in keys]

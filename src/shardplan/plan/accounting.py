@@ -1,0 +1,220 @@
+"""Accounting: memory per rank walked op by op, bytes sent per step, and the plan's warnings.
+
+The memory walk follows the runtime's storage exactly: every tensor the runtime allocates for a buffer
+(the local shard, the gathered buffer, the send copy, the unsharded gradient, the reduction's input and
+output, the local gradients) comes alive and dies at the op that allocates and releases it, so the
+runtime's own accounting equals :meth:`Plan.memory` (tests check it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from .. import layout as L
+from .schedule import ALL_GATHER, ALL_REDUCE, FREE, GRADS, PARAMS, PRE_BACKWARD, REDUCE_SCATTER, ROOT, WAIT
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .types import BufferPlan, Plan
+
+
+def sizes(b: "BufferPlan") -> dict[str, int]:
+    """Bytes of each tensor the runtime keeps for buffer ``b`` (0: the tensor is not made)."""
+    it, ct, rt = b.itemsize, b.compute_itemsize, b.reduce_itemsize
+    collective = b.sharded and b.group_size > 1
+    return dict(
+        shard=0 if b.alias else b.shard_numel * it,
+        full=(b.numel if b.copy_out else b.gathered_numel) * ct,   # parameter-layout storage of the full params
+        packed=b.gathered_numel * ct if b.copy_out else 0,         # all-gather output before the copy-out
+        send=b.shard_numel * ct if collective and (ct != it or b.alias) else 0,
+        flat=b.grad_numel * ct if b.requires_grad else 0,          # unsharded gradient
+        rin=(b.gathered_numel * (rt if rt != ct else ct)) if (rt != ct or b.copy_out) else 0,
+        rout=b.shard_numel * rt if collective else 0,
+        lgrad=b.reduced_numel * it if rt != it else 0,             # a fresh local gradient (else the result itself)
+    )
+
+
+def reduction_result(b: "BufferPlan") -> str:
+    """Which tensor holds a buffer's reduced gradient: the reduce-scatter output, the cast/packed copy, or
+    the unsharded gradient itself."""
+    if b.sharded and b.group_size > 1:
+        return "rout"
+    s = sizes(b)
+    return "rin" if s["rin"] else "flat"
+
+
+def memory(plan: "Plan", rank: int = 0) -> dict[str, int]:
+    per = {b.index: sizes(b) for b in plan.buffers}
+    unit_bufs = {u.name: u.buffers for u in plan.units}
+    live: dict[tuple[str, int], int] = {}
+    lent: set[int] = set()
+
+    def put(kind: str, i: int) -> None:
+        if per[i][kind]:
+            live[(kind, i)] = per[i][kind]
+
+    for b in plan.buffers:
+        put("shard", b.index)
+        if b.persistent:
+            put("full", b.index)
+        if b.requires_grad and b.keeps_grads:
+            put("flat", b.index)
+    params = sum(v for (k, _), v in live.items() if k in ("shard", "full"))
+    transient_full = {b.index for b in plan.buffers if not b.persistent}
+    peak = gathered_peak = 0
+    collected: set[int] = set()
+
+    def bump() -> None:
+        nonlocal peak, gathered_peak
+        peak = max(peak, sum(live.values()))
+        gathered_peak = max(gathered_peak, sum(v for (k, i), v in live.items()
+                                               if k == "packed" or (k == "full" and i in transient_full)))
+
+    def prepare(unit: str) -> None:
+        for i in unit_bufs[unit]:
+            if plan.buffers[i].requires_grad and ("flat", i) not in live:
+                put("flat", i)
+        bump()
+
+    started = False
+    schedule = plan.schedule
+    for step in plan.program.canonical():
+        ops = [schedule[i] for i in step.ops if schedule[i].applies()]
+        if step.event in (PRE_BACKWARD, "post_backward", "end_backward") and not started:
+            started = True
+            prepare(ROOT)
+        for op in ops:
+            _apply(op, plan, per, live, lent, collected, put)
+            bump()
+        if step.event == PRE_BACKWARD:
+            prepare(step.at)
+    optimizer = 0
+    if plan.optimizer_states:
+        for p in plan.params:
+            if p.requires_grad:
+                optimizer += math.prod(plan.local_shape(p.name, rank)) * 4 * plan.optimizer_states
+    grads = sum(v for (k, _), v in live.items() if k in ("lgrad", "flat", "rin", "rout"))
+    return dict(params=params, grads=grads, optimizer=optimizer, gathered_peak=gathered_peak, peak=peak + optimizer)
+
+
+def _apply(op, plan, per, live, lent, collected, put) -> None:
+    bufs = [plan.buffers[i] for i in op.buffers]
+    if op.kind == ALL_GATHER:
+        for b in bufs:
+            if not b.persistent:
+                put("full", b.index)
+            put("packed", b.index)
+            put("send", b.index)
+    elif op.kind == WAIT and op.what == PARAMS:
+        for b in bufs:
+            live.pop(("send", b.index), None)
+            live.pop(("packed", b.index), None)
+    elif op.kind == FREE and op.what == PARAMS:
+        for b in bufs:
+            if not b.persistent:
+                live.pop(("full", b.index), None)
+    elif op.kind in (REDUCE_SCATTER, ALL_REDUCE) and op.what == GRADS:
+        for b in bufs:
+            if b.index not in collected:
+                collected.add(b.index)
+                put("rin", b.index)
+                put("rout", b.index)
+    elif op.kind == WAIT and op.what == GRADS:
+        for b in bufs:
+            i = b.index
+            collected.discard(i)
+            result = reduction_result(b)
+            if per[i]["lgrad"]:
+                put("lgrad", i)
+            elif result == "flat":
+                lent.add(i)
+            else:
+                live[("lgrad", i)] = live.pop((result, i))
+            live.pop(("rin", i), None)
+            live.pop(("rout", i), None)
+    elif op.kind == FREE and op.what == GRADS:
+        for b in bufs:
+            if b.index not in lent:
+                live.pop(("flat", b.index), None)
+
+
+def comm_bytes(plan: "Plan") -> dict[str, int]:
+    out = {ALL_GATHER: 0, REDUCE_SCATTER: 0, ALL_REDUCE: 0}
+    for op in plan.ops():
+        if not op.is_collective:
+            continue
+        n = plan.mesh.axis_size(op.axes) if op.axes else 1
+        factor = 2 if op.kind == ALL_REDUCE else 1
+        out[op.kind] += op.bytes * factor * (n - 1) // n
+    out["total"] = sum(out.values())
+    return out
+
+
+def max_gathered_units(plan: "Plan") -> int:
+    live, most = set(), 0
+    transient = {u.name for u in plan.units if any(not plan.buffers[i].persistent for i in u.buffers)}
+    for op in plan.ops():
+        if op.kind == ALL_GATHER and op.unit in transient:
+            live.add(op.unit)
+        elif op.kind == FREE and op.what == PARAMS:
+            live.discard(op.unit)
+        most = max(most, len(live))
+    return most
+
+
+def coverage(plan: "Plan", p) -> tuple[int, bool]:
+    """(ranks of its shard group that hold a piece, whether pieces differ in size). O(1) per param."""
+    b = plan.buffers[p.buffer]
+    W = b.group_size
+    if b.layout == L.REPLICATED or p.numel == 0 or W == 1:
+        return W, False
+    if b.layout == L.CONTIGUOUS:
+        S = b.shard_numel
+        first, last = p.offset // S, (p.offset + p.numel - 1) // S
+        sizes = {L.contiguous_rows(p.offset, p.numel, p.row, S, k) for k in {first, min(first + 1, last), last}}
+        lens = {r1 - r0 for r0, r1 in sizes}
+        return last - first + 1, len(lens) > 1 or last - first + 1 < W
+    held, uneven = 1, False
+    for d, size in enumerate(p.shape):
+        axes = p.spec.dim_axes(d)
+        if axes:
+            parts = plan.mesh.axis_size(axes)
+            c = -(-size // parts)
+            held *= min(parts, -(-size // c)) if size else 0
+            uneven |= size % parts != 0
+    return held, uneven
+
+
+def plan_warnings(plan: "Plan") -> tuple[str, ...]:
+    out = []
+    empty, uneven = [], []
+    for p in plan.params:
+        if plan.buffers[p.buffer].layout == L.CONTIGUOUS:
+            continue  # packed by design: ranks hold whole rows of some parameters, S bytes each
+        held, odd = coverage(plan, p)
+        W = plan.buffers[p.buffer].group_size
+        if held < W:
+            empty.append(f"{p.name} {tuple(p.shape)} on {held}/{W}")
+        elif odd:
+            uneven.append(p.name)
+    if empty:
+        out.append(f"{len(empty)} parameter(s) are held by only some ranks of their shard group (others hold none): "
+                   + "; ".join(empty[:6]) + (" ..." if len(empty) > 6 else "")
+                   + ". Shard a larger dimension, or replicate them with P()")
+    if uneven:
+        out.append(f"{len(uneven)} parameter(s) have uneven shards (dimension not divisible by the shard count): "
+                   + ", ".join(uneven[:6]) + (" ..." if len(uneven) > 6 else ""))
+    for u in plan.units:
+        pad = sum(plan.buffers[i].padding for i in u.buffers)
+        data = sum(plan.buffers[i].numel for i in u.buffers)
+        if data and pad / data > 0.01 and pad > 4096:
+            out.append(f"unit {u.name}: padding wastes {100 * pad / data:.2f}% ({pad:,} elements); "
+                       f"fewer ranks per shard group or row sizes dividing the shard size reduce it")
+    copy = [b for b in plan.buffers if b.copy_out]
+    if copy:
+        out.append(f"{len(copy)} buffer(s) need a copy-out after each all-gather (spec shards a dim other than 0, "
+                   f"several dims, or zero-copy placement would pad too much): units "
+                   + ", ".join(sorted({b.unit for b in copy})[:6]))
+    return tuple(out)
+
+

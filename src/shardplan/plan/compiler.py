@@ -1,0 +1,140 @@
+"""``shardplan.plan``: rules + a mesh + options -> a :class:`Plan`. Pure: no process group, no GPU."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional, Sequence
+
+from .. import layout as L
+from ..dtypes import dtype_name, is_floating, itemsize
+from ..errors import MeshError, PlanError
+from ..mesh import Mesh
+from ..rules import as_rules, match_leaves
+from ..spec import P
+from ..units import assign_units, collect_leaves, trace_order
+from . import geometry
+from .accounting import plan_warnings
+from .schedule import ORDERS, ROOT, STRATEGIES, build_schedule
+from .validate import validate
+from .types import BufferPlan, ParamPlan, Plan, UnitPlan, buffer_facts, strategy_level
+
+
+def _parents(order: Sequence[str], paths: dict[str, tuple[str, ...]]) -> dict[str, str]:
+    """The deepest unit whose module encloses each unit's first module (ROOT if none)."""
+    owner = {mp: u for u in order for mp in paths[u]}
+    out = {}
+    for u in order:
+        parts = paths[u][0].split(".")
+        out[u] = next((owner[p] for p in (".".join(parts[:k]) for k in range(len(parts) - 1, 0, -1))
+                       if p in owner and owner[p] != u), ROOT)
+    return out
+
+
+def _merge_small_units(order: list[str], members: dict, min_bytes: int, parent: dict[str, str]):
+    """Merge consecutive sibling units smaller than ``min_bytes`` (the last of a run may stay smaller).
+    Units nested in one another are never merged: a merged unit is freed when its last module ends."""
+    if min_bytes <= 0 or len(order) < 2:
+        return order, members, {}
+    size = {u: sum(math.prod(i.shape) * i.dtype.itemsize for i, _ in members[u]) for u in order}
+    groups, current, acc = [], [], 0
+    for u in order:
+        if current and (parent[u] != parent[current[0]] or any(parent[u] == c for c in current)):
+            groups.append(current)
+            current, acc = [], 0
+        current.append(u)
+        acc += size[u]
+        if acc >= min_bytes:
+            groups.append(current)
+            current, acc = [], 0
+    if current:
+        groups.append(current)
+    new_order, new_members, covers = [], {ROOT: members[ROOT]}, {}
+    for g in groups:
+        name = g[0] if len(g) == 1 else f"{g[0]}..{g[-1]}"
+        new_order.append(name)
+        new_members[name] = [m for u in g for m in members[u]]
+        if len(g) > 1:
+            covers[name] = tuple(g)
+    return new_order, new_members, covers
+
+
+def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", units: Sequence[str] = (),
+         compute_dtype=None, reduce_dtype=None, prefetch: int = 1, reshard_after_forward: bool = True,
+         trace=None, optimizer_states: int = 2, world_size: Optional[int] = None, min_unit_bytes: int = 0,
+         order: str = "static") -> Plan:
+    """Compile rules, a mesh and options into a :class:`Plan`. Pure: no process group, no GPU.
+
+    >>> plan = shardplan.plan(model, rules, Mesh(dp=8), units=[r"layers\\.\\d+"], compute_dtype=torch.bfloat16)
+
+    ``min_unit_bytes`` merges neighbouring units (in forward order) until each holds at least that many
+    parameter bytes: one collective per direction for several tiny blocks. ``order="dynamic"`` keeps
+    units gathered until the forward ends, for models whose units run in a data-dependent order or more
+    than once (the default, ``"static"``, raises when a freed unit runs again).
+    """
+    if not isinstance(mesh, Mesh):
+        raise MeshError(f"mesh must be a shardplan.Mesh, e.g. Mesh(dp=8); got {type(mesh).__name__}")
+    if world_size is not None and world_size != mesh.size:
+        raise MeshError(f"mesh {mesh!r} has {mesh.size} ranks but the world size is {world_size}; "
+                        f"make the axis sizes multiply to {world_size}")
+    level = strategy_level(strategy)
+    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+        raise PlanError(f"prefetch must be a non-negative integer (units gathered ahead); got {prefetch!r}")
+    if order not in ORDERS:
+        raise PlanError(f"order must be one of {ORDERS}; got {order!r}")
+    if not isinstance(min_unit_bytes, int) or min_unit_bytes < 0:
+        raise PlanError(f"min_unit_bytes must be a non-negative integer number of bytes; got {min_unit_bytes!r}")
+    compute, reduce = dtype_name(compute_dtype), dtype_name(reduce_dtype)
+    rules = as_rules(rules)
+    infos, leaves, candidates, module = collect_leaves(model_or_tree)
+    if not infos:
+        raise PlanError("the model has no parameters to plan")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        matched = match_leaves(rules, [i.name for i in infos], leaves, mesh=mesh)
+        owner, unit_order, notes = assign_units(infos, candidates, tuple(units))
+        if trace is not None:
+            if module is None:
+                raise PlanError("trace= needs an nn.Module; a plain pytree has no forward to trace")
+            unit_order = trace_order(module, unit_order, trace)
+    for w in caught:
+        warnings.warn(w.message, w.category, stacklevel=2)
+    notes += [str(w.message) for w in caught]
+
+    members: dict[str, list] = {u: [] for u in [ROOT] + unit_order}
+    rule_of: dict[str, str] = {}
+    for info, (spec, rule) in zip(infos, matched):
+        members[owner[info.name]].append((info, spec))
+        rule_of[info.name] = rule.describe()
+    parent = _parents(unit_order, {u: (u,) for u in unit_order})
+    unit_order, members, covers = _merge_small_units(unit_order, members, min_unit_bytes, parent)
+    paths = {u: covers.get(u, (u,)) for u in unit_order}
+    parent = _parents(unit_order, paths)
+
+    params: dict[str, ParamPlan] = {}
+    buffers: list[BufferPlan] = []
+    unit_plans: list[UnitPlan] = []
+    last = unit_order[-1] if unit_order else None
+    for uname in [ROOT] + unit_order:
+        idxs = []
+        for (dtype, rg, axes, _), (placement, mem) in geometry.layout_unit(members[uname], mesh, level, compute).items():
+            cdt = compute if compute and is_floating(dtype) else dtype
+            rdt = reduce if reduce and is_floating(dtype) else cdt
+            group = mesh.axis_size(axes) if axes else 1
+            b = BufferPlan(len(buffers), uname, dtype, cdt, rdt, placement.layout, axes,
+                           tuple(a for a in mesh.axis_names if a not in axes), group, placement.shard_numel,
+                           sum(math.prod(i.shape) for i, _ in mem), tuple(i.name for i, _ in mem), rg,
+                           **buffer_facts(placement.layout, level, group, dtype, cdt, rdt))
+            buffers.append(b)
+            idxs.append(b.index)
+            for (info, spec), off in zip(mem, placement.offsets):
+                params[info.name] = ParamPlan(info.name, info.shape, dtype, spec if level else P(), rule_of[info.name],
+                                              uname, b.index, off, info.requires_grad, info.aliases)
+        raf = reshard_after_forward and uname not in (ROOT, last)
+        unit_plans.append(UnitPlan(uname, tuple(idxs), raf, covers.get(uname, ()), parent.get(uname, ROOT)))
+    schedule = build_schedule(unit_plans, buffers, mesh, level, prefetch, order, len(infos))
+    result = Plan(mesh, STRATEGIES[level], compute, reduce, prefetch, reshard_after_forward, optimizer_states,
+                  tuple(params[i.name] for i in infos), tuple(buffers), tuple(unit_plans), schedule, (), order)
+    validate(result)  # the builder's own schedules obey the rules edited ones must
+    object.__setattr__(result, "warnings", tuple(notes) + plan_warnings(result))
+    return result

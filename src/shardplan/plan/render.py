@@ -1,0 +1,125 @@
+"""Human-readable views of a plan: the table ``str(plan)`` prints, the schedule, a Chrome trace."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import TYPE_CHECKING
+
+from .. import layout as L
+from ..dtypes import itemsize
+from .accounting import coverage
+from .schedule import ALL_GATHER, ALL_REDUCE, FREE, REDUCE_SCATTER, WAIT
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .types import Plan
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _shape(s) -> str:
+    return "(" + ", ".join(map(str, s)) + ")"
+
+
+def header(plan: "Plan") -> str:
+    dtypes = sorted({p.dtype for p in plan.params})
+    compute = plan.compute_dtype or "their own dtype"
+    reduce = plan.reduce_dtype or ("the compute dtype" if plan.compute_dtype else "their own dtype")
+    return (f"shardplan {plan.strategy} on {plan.mesh!r}: parameters stored in {'/'.join(dtypes)}, computed in "
+            f"{compute}, gradients reduced in {reduce}; prefetch {plan.prefetch}, "
+            f"reshard after forward {plan.reshard_after_forward}, order {plan.order}; fingerprint {plan.fingerprint()}")
+
+
+def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
+    """The parameter table, units, memory, bytes per step and warnings; ``max_rows=0`` for a summary."""
+    head = ("parameter", "shape", "dtype", "spec", "local shape", "unit", "bytes/rank")
+    rows = []
+    for p in plan.params[:max_rows]:
+        local = plan.local_shape(p.name, rank)
+        rows.append((p.name + (" (tied)" if p.aliases else ""), _shape(p.shape), p.dtype, repr(p.spec), _shape(local),
+                     p.unit, f"{math.prod(local) * itemsize(p.dtype):,}"))
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    line = lambda r: "  ".join(c.ljust(w) if i < 6 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    out = [header(plan)]
+    if rows:
+        out += [line(head), line(tuple("-" * w for w in widths))] + [line(r) for r in rows]
+    if len(plan.params) > max_rows and max_rows:
+        out.append(f"... {len(plan.params) - max_rows} more parameters")
+    total = sum(p.numel for p in plan.params)
+    out.append(f"{len(plan.params)} parameters, {total:,} elements, {len(plan.units)} units, {len(plan.buffers)} buffers, "
+               f"padding {plan.padding:,} elements ({100 * plan.padding / max(total, 1):.3f}%)")
+    packed = sum(1 for p in plan.params if plan.buffers[p.buffer].layout == L.CONTIGUOUS
+                 and coverage(plan, p)[0] < plan.buffers[p.buffer].group_size)
+    if packed:
+        out.append(f"{packed} parameters are packed contiguously onto a subset of their group's ranks "
+                   f"(zero copy-out; every rank still stores exactly S elements per buffer)")
+    out.append("")
+    out.append("units (forward order):")
+    shown = plan.units if max_rows or len(plan.units) <= 8 else plan.units[:4] + plan.units[-2:]
+    for u in shown:
+        bufs = [plan.buffers[i] for i in u.buffers]
+        desc = "; ".join(f"#{b.index} {b.layout} {b.dtype}->{b.compute_dtype} axes={','.join(b.axes) or '-'} "
+                         f"S={b.shard_numel:,} pad={b.padding:,}" for b in bufs)
+        out.append(f"  {u.name:<28} reshard_after_forward={u.reshard_after_forward!s:<5} {desc}")
+    if len(shown) < len(plan.units):
+        out.insert(len(out) - 2, f"  ... {len(plan.units) - len(shown)} more units")
+    m = plan.memory(rank)
+    out.append("")
+    out.append(f"memory on rank {rank}: params {fmt_bytes(m.params)}, grads {fmt_bytes(m.grads)}, "
+               f"optimizer {fmt_bytes(m.optimizer)} ({plan.optimizer_states} fp32 states), "
+               f"gathered peak {fmt_bytes(m.gathered_peak)}, peak {fmt_bytes(m.peak)} (activations not counted)")
+    c = plan.comm_bytes(rank)
+    out.append(f"sent per step per rank: all_gather {fmt_bytes(c['all_gather'])}, reduce_scatter "
+               f"{fmt_bytes(c['reduce_scatter'])}, all_reduce {fmt_bytes(c['all_reduce'])}, total {fmt_bytes(c['total'])}")
+    out.append(f"schedule: {len(plan.schedule)} ops ({sum(o.is_collective for o in plan.schedule)} collectives)")
+    if plan.warnings:
+        out.append("")
+        out.append("warnings:")
+        out += [f"  - {w}" for w in plan.warnings]
+    return "\n".join(out)
+
+
+def render_schedule(plan: "Plan") -> str:
+    """The schedule, one op per line under the event that triggers it: where each collective is issued
+    and where it is waited on."""
+    lines, last = [], None
+    for i, op in enumerate(plan.schedule):
+        if op.trigger != last:
+            lines.append(f"{op.trigger}:")
+            last = op.trigger
+        flags = (" prefetch" if op.prefetch else "") + (f"  [{op.when}]" if op.when else "")
+        if op.is_collective:
+            ax = ",".join(op.axes) or "local"
+            body = f"{op.kind} {op.what} {op.unit or 'all'} over {ax}, {fmt_bytes(op.bytes)}"
+        else:
+            body = f"{op.kind} {op.what} {op.unit or 'all'}"
+        lines.append(f"  {i:>4}  {body}{flags}")
+    return "\n".join(lines)
+
+
+def chrome_trace(plan: "Plan", path: str, gbps: float) -> None:
+    """One track per op kind; each collective's length is its payload at ``gbps`` GB/s, laid end to end
+    per track in schedule order; waits and frees are instants."""
+    tracks = {ALL_GATHER: 1, REDUCE_SCATTER: 2, ALL_REDUCE: 3, WAIT: 4, FREE: 5}
+    clock = {t: 0.0 for t in tracks.values()}
+    start = 0.0
+    events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": kind}}
+              for kind, tid in tracks.items()]
+    for i, op in enumerate(plan.schedule):
+        tid = tracks[op.kind]
+        dur = max(op.bytes / (gbps * 1e3), 1.0)  # microseconds
+        ts = max(clock[tid], start)
+        events.append({"name": f"{op.kind} {op.unit}", "cat": op.phase, "ph": "X", "pid": 0, "tid": tid,
+                       "ts": ts, "dur": dur, "args": {"index": i, "unit": op.unit, "trigger": op.trigger,
+                                                      "bytes": op.bytes, "axes": list(op.axes), "when": op.when,
+                                                      "prefetch": op.prefetch, "what": op.what}})
+        clock[tid] = ts + dur
+        start = ts + (0.0 if op.prefetch else 0.5)
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)

@@ -1,0 +1,335 @@
+"""The schedule: every op one training step runs, the event that triggers it, and its condition.
+
+A step is a sequence of *events*: ``before_forward``; ``pre_forward(u)`` / ``post_forward(u)`` as each
+unit's forward starts and ends (nested units nest); ``pre_backward(u)`` when the gradient of a unit's
+output arrives; ``post_backward(u)`` when a unit's gradients are complete; ``end_backward``. Each op
+names the event it runs on (``event``, ``at``) and a condition (``when``):
+
+* ``""``: always; ``"stale"``: only when the shards changed since the last gather (the optimizer may
+  have stepped: ZeRO-1/2 re-gather lazily before the next forward); ``"sync"``: only in a backward that
+  synchronises gradients (not under ``no_sync``); ``"no_grad"``: only in a forward with no backward.
+
+The steps run strictly in plan order on every rank, whatever the local data does, so every rank issues
+the same collectives in the same order (a total order: blocking waits then cannot deadlock). An event
+that arrives early makes the runtime run the steps before it first: a unit the model skipped is still
+gathered and its gradient (zeros) still reduced. A ``post_backward(u)`` step runs once ``u``'s
+gradients are complete, or when a later event needs the steps after it; a gradient that reaches ``u``
+after its reduction is an error, never a silent loss. ``order="dynamic"`` moves every gradient op to
+``end_backward`` and every forward free to the end of the forward, so units may run in any order or
+repeatedly (at the memory cost of keeping them gathered).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+
+from ..errors import PlanError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .types import BufferPlan, UnitPlan
+
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, WAIT, FREE = "all_gather", "reduce_scatter", "all_reduce", "wait", "free"
+COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
+KINDS = COLLECTIVES + (WAIT, FREE)
+PARAMS, GRADS, USED = "params", "grads", "used"
+
+BEFORE_FORWARD, PRE_FORWARD, POST_FORWARD = "before_forward", "pre_forward", "post_forward"
+PRE_BACKWARD, POST_BACKWARD, END_BACKWARD = "pre_backward", "post_backward", "end_backward"
+EVENTS = (BEFORE_FORWARD, PRE_FORWARD, POST_FORWARD, PRE_BACKWARD, POST_BACKWARD, END_BACKWARD)
+ALWAYS, STALE, SYNC, NO_GRAD = "", "stale", "sync", "no_grad"
+CONDITIONS = (ALWAYS, STALE, SYNC, NO_GRAD)
+ORDERS = ("static", "dynamic")
+
+FORWARD, BACKWARD, STEP = "forward", "backward", "step"  # phases, for reading
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+from ..units import ROOT
+
+
+@dataclass(frozen=True)
+class Op:
+    """One op of the schedule.
+
+    ``kind``: all_gather | reduce_scatter | all_reduce | wait | free; ``what``: params | grads | used.
+    ``unit``: the unit whose buffers it touches; ``event``/``at``: what triggers it; ``when``: its
+    condition. ``bytes`` is the payload of a collective (the full, gathered or unreduced size on one
+    rank). A ``wait`` completes the unit's pending op of the same ``what``: for params it also binds the
+    full parameters into the modules, for grads it hands the local shards their gradients. A ``free``
+    of params binds the local shards again and releases the gathered storage (kept for persistent
+    buffers); a ``free`` of grads releases the unsharded gradient.
+    """
+
+    kind: str
+    unit: str
+    what: str
+    event: str
+    at: str = ""
+    buffers: tuple[int, ...] = ()
+    axes: tuple[str, ...] = ()
+    bytes: int = 0
+    prefetch: bool = False
+    when: str = ALWAYS
+
+    @property
+    def phase(self) -> str:
+        if self.event == BEFORE_FORWARD:
+            return STEP
+        return FORWARD if self.event in (PRE_FORWARD, POST_FORWARD) else BACKWARD
+
+    @property
+    def trigger(self) -> str:
+        return f"{self.event}({self.at})" if self.at else self.event
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.kind, self.unit, self.phase)
+
+    @property
+    def is_collective(self) -> bool:
+        return self.kind in COLLECTIVES
+
+    def applies(self, *, stale: bool = True, grad: bool = True, sync: bool = True) -> bool:
+        """Whether the op runs in a step with these facts (see the module doc)."""
+        if self.event in (PRE_BACKWARD, POST_BACKWARD, END_BACKWARD) and not grad:
+            return False
+        return {ALWAYS: True, STALE: stale, SYNC: sync, NO_GRAD: not grad}[self.when]
+
+    def __str__(self) -> str:
+        flags = (" prefetch" if self.prefetch else "") + (f" [{self.when}]" if self.when else "")
+        ax = ",".join(self.axes) or "-"
+        size = f"{self.bytes:>13,d} B" if self.is_collective else " " * 15
+        return f"{self.trigger:<34} {self.kind:<14} {self.what:<6} {self.unit:<22} axes={ax:<12} {size}{flags}"
+
+
+# -- the event skeleton ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Step:
+    """One event of a step and the indices (into ``plan.schedule``) of the ops it runs, in order."""
+
+    event: str
+    at: str
+    ops: tuple[int, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return f"{self.event}({self.at})" if self.at else self.event
+
+
+@dataclass(frozen=True)
+class Program:
+    """The schedule arranged for execution: the forward steps, the backward steps (``pre_backward`` and
+    ``post_backward`` interleaved in the order they come when units run in plan order), ``end_backward``."""
+
+    forward: tuple[Step, ...]
+    backward: tuple[Step, ...]
+    end: Step
+
+    def canonical(self) -> list[Step]:
+        """Every step in plan order (the printed order)."""
+        return list(self.forward) + list(self.backward) + [self.end]
+
+
+def interleave(bwd_order: Sequence[str], grad_order: Sequence[str]) -> list[tuple[str, str]]:
+    """Backward events in the order they come for units run in plan order: a unit completes
+    (``post_backward``) once its own backward started and every unit before it in the gradient stream
+    (units nested in it among them) completed."""
+    out, started, g = [], set(), 0
+    for u in bwd_order:
+        out.append((PRE_BACKWARD, u))
+        started.add(u)
+        while g < len(grad_order) and grad_order[g] in started:
+            out.append((POST_BACKWARD, grad_order[g]))
+            g += 1
+    out += [(POST_BACKWARD, u) for u in grad_order[g:]]
+    return out
+
+
+def skeleton(units: Sequence["UnitPlan"]) -> tuple[list[tuple[str, str]], list[str], list[str]]:
+    """(forward events, backward (pre_backward) unit order, gradient (post_backward) unit order).
+
+    ``units``: root first, then forward order; ``parent`` says which unit encloses each one.
+    """
+    fwd: list[tuple[str, str]] = [(BEFORE_FORWARD, ""), (PRE_FORWARD, ROOT)]
+    stack: list[str] = []
+    pre_order, post_order = [], []
+    for u in units[1:]:
+        while stack and stack[-1] != u.parent:
+            top = stack.pop()
+            fwd.append((POST_FORWARD, top))
+            post_order.append(top)
+        fwd.append((PRE_FORWARD, u.name))
+        pre_order.append(u.name)
+        stack.append(u.name)
+    while stack:
+        top = stack.pop()
+        fwd.append((POST_FORWARD, top))
+        post_order.append(top)
+    fwd.append((POST_FORWARD, ROOT))
+    return fwd, list(reversed(post_order)), list(reversed(pre_order))
+
+
+# -- building --------------------------------------------------------------------------------------
+
+def needs_gather(b: "BufferPlan") -> bool:
+    """A buffer whose full parameters must be produced from the shard (collective, or a local cast)."""
+    return b.sharded or not b.alias
+
+
+def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"], mesh, level: int, prefetch: int,
+                   order: str = "static", n_params: int = 0) -> tuple[Op, ...]:
+    """The schedule of one training step. ``units``: root first, then forward order."""
+    by_name = {u.name: u for u in units}
+    fwd_events, bwd_order, grad_order = skeleton(units)
+    pre_order = [ROOT] + list(reversed(grad_order))
+
+    def bufs(u: str, pred) -> list["BufferPlan"]:
+        return [buffers[i] for i in by_name[u].buffers if pred(buffers[i])]
+
+    def op(kind, u, what, event, at, entries=(), axes_of=None, nbytes=0, prefetch_=False, when=ALWAYS) -> Op:
+        entries = list(entries)
+        axes = tuple(dict.fromkeys(a for b in entries for a in (axes_of(b) if axes_of else b.axes)))
+        return Op(kind, u, what, event, at, tuple(b.index for b in entries), axes, nbytes, prefetch_, when)
+
+    def gather(u, event, at, pf=False, when=ALWAYS) -> list[Op]:
+        entries = bufs(u, needs_gather)
+        if not entries:
+            return []
+        nbytes = sum(b.gathered_numel * b.compute_itemsize for b in entries if b.sharded)
+        return [op(ALL_GATHER, u, PARAMS, event, at, entries, None, nbytes, pf, when)]
+
+    def wait_params(u, event, at, when=ALWAYS) -> list[Op]:
+        mine = [buffers[i] for i in by_name[u].buffers]
+        return [op(WAIT, u, PARAMS, event, at, mine, when=when)] if mine else []
+
+    def free_params(u, event, at, when=ALWAYS) -> list[Op]:
+        mine = [buffers[i] for i in by_name[u].buffers]
+        return [op(FREE, u, PARAMS, event, at, mine, when=when)] if mine else []
+
+    def reduce(u, event, at) -> list[Op]:
+        grads = bufs(u, lambda b: b.requires_grad)
+        if not grads:
+            return []
+        out = []
+        rs = [b for b in grads if b.sharded]
+        if rs:
+            out.append(op(REDUCE_SCATTER, u, GRADS, event, at, rs, None,
+                          sum(b.gathered_numel * b.reduce_itemsize for b in rs), when=SYNC))
+        ar = [b for b in grads if b.replica_axes and mesh.axis_size(b.replica_axes) > 1]
+        if ar:
+            out.append(op(ALL_REDUCE, u, GRADS, event, at, ar, lambda b: b.replica_axes,
+                          sum(b.reduced_numel * b.reduce_itemsize for b in ar), when=SYNC))
+        return out
+
+    def finish(u, event, at) -> list[Op]:
+        grads = bufs(u, lambda b: b.requires_grad)
+        if not grads:
+            return []
+        out = [op(WAIT, u, GRADS, event, at, grads, when=SYNC)]
+        transient = [b for b in grads if not b.keeps_grads]
+        if transient:
+            out.append(op(FREE, u, GRADS, event, at, transient, when=SYNC))
+        return out
+
+    ops: list[Op] = []
+    # -- forward: the parameter stream
+    gathered: set[str] = set()
+    deferred: list[Op] = []
+    for event, at in fwd_events:
+        if event == BEFORE_FORWARD:
+            if level in (0, 1, 2):
+                for u in pre_order:
+                    ops += gather(u, event, at, when=STALE)
+            continue
+        if event == PRE_FORWARD:
+            if level == 3:
+                j = pre_order.index(at)
+                if at not in gathered:
+                    ops += gather(at, event, at)
+                    gathered.add(at)
+                ops += wait_params(at, event, at)
+                for v in pre_order[j + 1:j + 1 + prefetch]:
+                    if v not in gathered:
+                        ops += gather(v, event, at, pf=True)
+                        gathered.add(v)
+            else:
+                ops += wait_params(at, event, at)
+            continue
+        # post_forward
+        if at == ROOT:
+            ops += deferred
+            for u in pre_order:
+                if level != 3 or u in gathered:
+                    ops += free_params(u, event, at, when=NO_GRAD)
+            continue
+        if level == 3 and by_name[at].reshard_after_forward:
+            freed = free_params(at, event, at)
+            if order == "dynamic":  # keep units gathered until the forward ends: they may run again
+                deferred += [Op(o.kind, o.unit, o.what, POST_FORWARD, ROOT, o.buffers, o.axes, o.bytes) for o in freed]
+            else:
+                ops += freed
+            gathered.discard(at)
+    # -- backward: both streams, in the order they interleave for units run in plan order
+    prev: Optional[str] = None
+    late: list[Op] = []
+    for event, u in interleave(bwd_order, grad_order):
+        if event == PRE_BACKWARD:
+            if level == 3:
+                j = bwd_order.index(u)
+                if u not in gathered:
+                    ops += gather(u, event, u)
+                    gathered.add(u)
+                ops += wait_params(u, event, u)
+                for v in bwd_order[j + 1:j + 1 + prefetch]:
+                    if v not in gathered:
+                        ops += gather(v, event, u, pf=True)
+                        gathered.add(v)
+            continue
+        # the gradient stream keeps one reduction in flight: the previous one completes first. Under
+        # order="dynamic" units may finish their backward in any order, so it all runs at end_backward
+        ev, at = (END_BACKWARD, "") if order == "dynamic" else (event, u)
+        if any(buffers[i].requires_grad for i in by_name[u].buffers):
+            if prev is not None:
+                late += finish(prev, ev, at)
+            late += reduce(u, ev, at)
+            prev = u
+        if level == 3:
+            late += free_params(u, ev, at)
+            gathered.discard(u)
+        if order != "dynamic":
+            ops += late
+            late = []
+    ops += late
+    if prev is not None:
+        ops += finish(prev, END_BACKWARD, "")
+    ops += reduce(ROOT, END_BACKWARD, "")
+    ops += finish(ROOT, END_BACKWARD, "")
+    ops.append(Op(ALL_REDUCE, "", USED, END_BACKWARD, "", (), mesh.axis_names, n_params, False, SYNC))
+    ops.append(Op(WAIT, "", USED, END_BACKWARD, "", (), (), 0, False, SYNC))
+    for u in ([ROOT] if level == 3 else pre_order):
+        ops += free_params(u, END_BACKWARD, "")
+    return tuple(ops)
+
+
+def program(units: Sequence["UnitPlan"], schedule: Sequence[Op]) -> Program:
+    """Assign every op of ``schedule`` to its step; raise :class:`PlanError` for an op whose trigger the
+    step skeleton does not have."""
+    fwd_events, bwd_order, grad_order = skeleton(units)
+    bwd_events = interleave(bwd_order, grad_order)
+    slots: dict[tuple[str, str], list[int]] = {e: [] for e in fwd_events + bwd_events + [(END_BACKWARD, "")]}
+    for i, o in enumerate(schedule):
+        key = (o.event, o.at)
+        if key not in slots:
+            known = [f"{e}({a})" if a else e for e, a in slots]
+            raise PlanError(f"schedule op #{i} ({o.kind} {o.what} of {o.unit!r}) is triggered by {o.trigger}, "
+                            f"which never happens in this plan; triggers: {', '.join(known[:12])} ...")
+        slots[key].append(i)
+
+    def step(key) -> Step:
+        return Step(key[0], key[1], tuple(slots[key]))
+
+    return Program(tuple(step(e) for e in fwd_events), tuple(step(e) for e in bwd_events), step((END_BACKWARD, "")))
+
+
+def select(schedule: Iterable[Op], *, stale: bool = True, grad: bool = True, sync: bool = True) -> tuple[Op, ...]:
+    return tuple(o for o in schedule if o.applies(stale=stale, grad=grad, sync=sync))

@@ -1,0 +1,80 @@
+"""Plans to and from JSON (format 2: ops carry their trigger and condition; buffers their facts)."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any, Optional
+
+from ..errors import PlanError
+from ..mesh import Mesh
+from ..spec import P
+from .schedule import Op
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .types import Plan
+
+FORMAT_VERSION = 2
+
+
+def to_dict(plan: "Plan") -> dict[str, Any]:
+    return {
+        "format": FORMAT_VERSION,
+        "mesh": plan.mesh.to_dict(),
+        "strategy": plan.strategy,
+        "compute_dtype": plan.compute_dtype,
+        "reduce_dtype": plan.reduce_dtype,
+        "prefetch": plan.prefetch,
+        "reshard_after_forward": plan.reshard_after_forward,
+        "optimizer_states": plan.optimizer_states,
+        "order": plan.order,
+        "params": [dict(name=p.name, shape=list(p.shape), dtype=p.dtype, spec=p.spec.to_list(), rule=p.rule,
+                        unit=p.unit, buffer=p.buffer, offset=p.offset, requires_grad=p.requires_grad,
+                        aliases=list(p.aliases)) for p in plan.params],
+        "buffers": [dict(index=b.index, unit=b.unit, dtype=b.dtype, compute_dtype=b.compute_dtype,
+                         reduce_dtype=b.reduce_dtype, layout=b.layout, axes=list(b.axes),
+                         replica_axes=list(b.replica_axes), group_size=b.group_size, shard_numel=b.shard_numel,
+                         numel=b.numel, params=list(b.params), requires_grad=b.requires_grad, alias=b.alias,
+                         persistent=b.persistent, grad_alias=b.grad_alias, keeps_grads=b.keeps_grads)
+                    for b in plan.buffers],
+        "units": [dict(name=u.name, buffers=list(u.buffers), reshard_after_forward=u.reshard_after_forward,
+                       modules=list(u.modules), parent=u.parent) for u in plan.units],
+        "schedule": [dict(kind=o.kind, unit=o.unit, what=o.what, event=o.event, at=o.at, buffers=list(o.buffers),
+                          axes=list(o.axes), bytes=o.bytes, prefetch=o.prefetch, when=o.when) for o in plan.schedule],
+        "warnings": list(plan.warnings),
+    }
+
+
+def to_json(plan: "Plan", indent: Optional[int] = None) -> str:
+    return json.dumps(to_dict(plan), indent=indent, sort_keys=True)
+
+
+def from_json(text: str, *, cls, param, buffer, unit) -> "Plan":
+    d = json.loads(text)
+    if d.get("format") != FORMAT_VERSION:
+        raise PlanError(f"plan JSON has format {d.get('format')!r}; this shardplan reads format {FORMAT_VERSION}: "
+                        f"plan the model again with this version")
+    tup = lambda xs: tuple(xs)
+    return cls(
+        mesh=Mesh(**d["mesh"]), strategy=d["strategy"], compute_dtype=d["compute_dtype"],
+        reduce_dtype=d["reduce_dtype"], prefetch=d["prefetch"], reshard_after_forward=d["reshard_after_forward"],
+        optimizer_states=d["optimizer_states"], order=d["order"],
+        params=tuple(param(**{**p, "shape": tup(p["shape"]), "spec": P.from_list(p["spec"]), "aliases": tup(p["aliases"])})
+                     for p in d["params"]),
+        buffers=tuple(buffer(**{**b, "axes": tup(b["axes"]), "replica_axes": tup(b["replica_axes"]),
+                                "params": tup(b["params"])}) for b in d["buffers"]),
+        units=tuple(unit(**{**u, "buffers": tup(u["buffers"]), "modules": tup(u["modules"])}) for u in d["units"]),
+        schedule=tuple(Op(**{**o, "buffers": tup(o["buffers"]), "axes": tup(o["axes"])}) for o in d["schedule"]),
+        warnings=tuple(d["warnings"]),
+    )
+
+
+def summary(plan: "Plan") -> dict[str, Any]:
+    """Options and sizes that tell two plans apart at a glance."""
+    return {
+        "mesh": repr(plan.mesh), "strategy": plan.strategy, "compute_dtype": plan.compute_dtype,
+        "reduce_dtype": plan.reduce_dtype, "prefetch": plan.prefetch,
+        "reshard_after_forward": plan.reshard_after_forward, "order": plan.order,
+        "optimizer_states": plan.optimizer_states, "parameters": len(plan.params),
+        "elements": sum(p.numel for p in plan.params), "units": [u.name for u in plan.units],
+        "ops": len(plan.schedule),
+    }

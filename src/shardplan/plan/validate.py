@@ -1,0 +1,168 @@
+"""Checks a schedule before anything runs: each op touches its own unit's buffers over the right groups,
+ops are listed in the order of their triggers, and simulating a step never reads a buffer before its
+gather, frees one still in use, or leaves a gradient unreduced. Errors name the op."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..errors import PlanError
+from . import schedule as S
+from .schedule import (ALL_GATHER, ALL_REDUCE, END_BACKWARD, FREE, GRADS, PARAMS, POST_BACKWARD, POST_FORWARD,
+                       PRE_BACKWARD, PRE_FORWARD, REDUCE_SCATTER, ROOT, USED, WAIT, needs_gather)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .types import Plan
+
+
+def _fail(i: int, op: S.Op, why: str) -> PlanError:
+    return PlanError(f"schedule op #{i} ({op.kind} {op.what} of {op.unit or 'all'} at {op.trigger}"
+                     f"{' [' + op.when + ']' if op.when else ''}): {why}")
+
+
+def validate(plan: "Plan") -> None:
+    units = {u.name: u for u in plan.units}
+    for i, op in enumerate(plan.schedule):
+        _check_op(plan, units, i, op)
+    prog = plan.program  # raises for triggers the plan does not have
+    order = [i for step in prog.canonical() for i in step.ops]
+    for k, i in enumerate(order):
+        if i != k:
+            raise _fail(i, plan.schedule[i], f"is listed at position {i} but its trigger comes later than the trigger "
+                                             f"of op #{k} ({plan.schedule[k].trigger}); list ops in trigger order")
+    for facts in (dict(stale=True, grad=True, sync=True), dict(stale=False, grad=True, sync=False),
+                  dict(stale=True, grad=False, sync=True)):
+        _simulate(plan, units, prog, **facts)
+
+
+def _check_op(plan: "Plan", units, i: int, op: S.Op) -> None:
+    if op.kind not in S.KINDS:
+        raise _fail(i, op, f"unknown kind; kinds are {S.KINDS}")
+    if op.when not in S.CONDITIONS:
+        raise _fail(i, op, f"unknown condition; conditions are {S.CONDITIONS}")
+    if op.what == USED:
+        if op.kind not in (ALL_REDUCE, WAIT) or op.event != END_BACKWARD:
+            raise _fail(i, op, "the used-parameter exchange is an all_reduce and a wait at end_backward")
+        if op.kind == ALL_REDUCE and tuple(op.axes) != plan.mesh.axis_names:
+            raise _fail(i, op, f"the used-parameter exchange runs over every mesh axis {plan.mesh.axis_names}")
+        return
+    if op.what not in (PARAMS, GRADS):
+        raise _fail(i, op, f"unknown what {op.what!r}; use params, grads or used")
+    if op.unit not in units:
+        raise _fail(i, op, f"names no unit of the plan; units: {list(units)}")
+    mine = set(units[op.unit].buffers)
+    bad = [b for b in op.buffers if b not in mine]
+    if bad:
+        raise _fail(i, op, f"touches buffer(s) {bad}, which belong to unit(s) "
+                           f"{sorted({plan.buffers[b].unit for b in bad if 0 <= b < len(plan.buffers)})}, not {op.unit!r}")
+    bufs = [plan.buffers[b] for b in op.buffers]
+    if op.kind == ALL_GATHER:
+        if op.what != PARAMS:
+            raise _fail(i, op, "all_gather gathers params")
+        need = [b.index for b in plan.buffers if b.index in mine and needs_gather(b)]
+        if sorted(op.buffers) != need:
+            raise _fail(i, op, f"must gather exactly the unit's buffers that need it, {need}")
+        want = tuple(dict.fromkeys(a for b in bufs for a in b.axes))
+    elif op.kind == REDUCE_SCATTER:
+        want = tuple(dict.fromkeys(a for b in bufs for a in b.axes))
+        if op.what != GRADS or any(not b.sharded or not b.requires_grad for b in bufs):
+            raise _fail(i, op, "reduce_scatter reduces the gradients of sharded buffers")
+    elif op.kind == ALL_REDUCE:
+        want = tuple(dict.fromkeys(a for b in bufs for a in b.replica_axes))
+        if op.what != GRADS or any(not b.requires_grad for b in bufs):
+            raise _fail(i, op, "all_reduce reduces gradients over the replica axes")
+    else:
+        return
+    if tuple(op.axes) != want:
+        raise _fail(i, op, f"runs over axes {tuple(op.axes)} but its buffers' group is {want}")
+
+
+def _needed_reductions(plan: "Plan", bs) -> set:
+    out = set()
+    if any(b.requires_grad and b.sharded for b in bs):
+        out.add(REDUCE_SCATTER)
+    if any(b.requires_grad and b.replica_axes and plan.mesh.axis_size(b.replica_axes) > 1 for b in bs):
+        out.add(ALL_REDUCE)
+    return out
+
+
+def _simulate(plan: "Plan", units, prog: S.Program, *, stale: bool, grad: bool, sync: bool) -> None:
+    bufs = {name: [plan.buffers[i] for i in u.buffers] for name, u in units.items()}
+    gathers = {n: any(needs_gather(b) for b in bs) for n, bs in bufs.items()}
+    transient = {n: any(not b.persistent for b in bs) for n, bs in bufs.items()}
+    reductions = {n: _needed_reductions(plan, bs) for n, bs in bufs.items()}
+    has_grads = {n: any(b.requires_grad for b in bs) for n, bs in bufs.items()}
+    state = {n: "sharded" for n in units}
+    in_use: set[str] = set()
+    complete: set[str] = set()
+    issued: dict[str, set] = {n: set() for n in units}
+    waited: set[str] = set()
+    used_issued = used_waited = False
+    mode = f"(in a step with stale={stale}, grad={grad}, sync={sync})"
+    steps = list(prog.forward) if not grad else prog.canonical()
+    for step in steps:
+        if step.event == POST_FORWARD:
+            if step.at != ROOT or not grad:
+                in_use.discard(step.at)
+        elif step.event == POST_BACKWARD:
+            in_use.discard(step.at)
+            complete.add(step.at)
+        elif step.event == END_BACKWARD:
+            in_use.discard(ROOT)
+            complete.add(ROOT)
+        for i in step.ops:
+            op = plan.schedule[i]
+            if not op.applies(stale=stale, grad=grad, sync=sync):
+                continue
+            u = op.unit
+            if op.what == USED:
+                if op.kind == ALL_REDUCE:
+                    used_issued = True
+                elif not used_issued:
+                    raise _fail(i, op, f"waits for the used-parameter exchange before it is issued {mode}")
+                else:
+                    used_waited = True
+                continue
+            if op.kind == ALL_GATHER:
+                if state[u] != "sharded" and transient[u]:
+                    raise _fail(i, op, f"gathers unit {u!r} again while it is gathered {mode}; free it first")
+                state[u] = "gathering"
+            elif op.kind == WAIT and op.what == PARAMS:
+                if state[u] == "sharded" and gathers[u] and transient[u]:
+                    raise _fail(i, op, f"reads unit {u!r}'s buffers before their gather {mode}: add an all_gather "
+                                       f"of {u!r} before it")
+                state[u] = "bound"
+            elif op.kind == FREE and op.what == PARAMS:
+                if u in in_use:
+                    raise _fail(i, op, f"frees unit {u!r}'s parameters while {u!r} still computes {mode}")
+                state[u] = "sharded"
+            elif op.kind in (REDUCE_SCATTER, ALL_REDUCE):
+                if u not in complete:
+                    raise _fail(i, op, f"reduces unit {u!r}'s gradients before they are complete (before "
+                                       f"{'end_backward' if u == ROOT else f'post_backward({u})'}) {mode}")
+                issued[u].add(op.kind)
+            elif op.kind == WAIT and op.what == GRADS:
+                missing = reductions[u] - issued[u]
+                if missing:
+                    raise _fail(i, op, f"waits for unit {u!r}'s gradients but its {' and '.join(sorted(missing))} "
+                                       f"was never issued {mode}: its gradient would stay unreduced")
+                waited.add(u)
+            elif op.kind == FREE and op.what == GRADS:
+                if u not in waited:
+                    raise _fail(i, op, f"frees unit {u!r}'s gradient before its reduction completed {mode}")
+        if step.event in (PRE_FORWARD, PRE_BACKWARD):
+            if state[step.at] != "bound" and bufs[step.at]:
+                raise PlanError(f"unit {step.at!r} computes at {step.name} but no op before it gathers and waits "
+                                f"for its parameters {mode}: the schedule reads its buffers before their gather")
+            in_use.add(step.at)
+    if grad and sync:
+        left = [n for n in units if has_grads[n] and n not in waited]
+        if left:
+            raise PlanError(f"the schedule leaves the gradients of unit(s) {left} unreduced {mode}: each needs its "
+                            f"reduce_scatter / all_reduce after its post_backward and a wait for grads")
+        if not used_waited:
+            raise PlanError(f"the schedule lacks the used-parameter exchange at end_backward {mode} (an all_reduce "
+                            f"and a wait of what='used'): parameters no rank used would get zero gradients")
+    leaked = [n for n in units if state[n] != "sharded" and transient[n]]
+    if leaked:
+        raise PlanError(f"the schedule leaves unit(s) {leaked} gathered when the step ends {mode}: free them")

@@ -1,0 +1,173 @@
+"""Module hooks and autograd plumbing that report events to the executor, and nothing else.
+
+* the root module's pre/post forward hooks: ``before_forward`` (and input casting), ``pre_forward`` and
+  ``post_forward`` of the root unit;
+* each unit module's pre/post forward hooks: ``pre_forward(u)`` / ``post_forward(u)`` (a merged unit
+  starts with its first module and ends with its last);
+* a hook on every output tensor of a unit: ``pre_backward(u)`` when its gradient arrives;
+* an identity autograd function around a unit's inputs (FSDP2's idea): its backward runs once the
+  unit's backward is over, which completes the unit even when some of its parameters got no gradient;
+* a post-accumulate-grad hook on every full parameter: ``on_grad``; one on every local shard raises,
+  since a gradient there means the shard was used where shardplan cannot see it.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import optree
+import torch
+import torch.nn as nn
+
+from ..dtypes import to_torch
+from ..errors import RuntimeShardingError
+from ..plan.schedule import ROOT
+from .executor import Executor, in_backward_pass
+from .unit import UnitRuntime
+
+
+def tensors_in(obj, out=None) -> list[torch.Tensor]:
+    """Tensors inside nested tuples, lists, dicts (incl. HF ModelOutput) and dataclasses."""
+    out = [] if out is None else out
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            tensors_in(x, out)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            tensors_in(x, out)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for k in obj.__dataclass_fields__:
+            tensors_in(getattr(obj, k, None), out)
+    return out
+
+
+class _InputsDone(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward reports that the unit's backward is over."""
+
+    @staticmethod
+    def forward(ctx, notify, *tensors):
+        ctx.notify = notify
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.notify()
+        return (None,) + grads
+
+
+def wrap_inputs(args, kwargs, notify):
+    """``(args, kwargs)`` with every tensor that requires grad passed through :class:`_InputsDone`;
+    ``None`` when there is none (the unit then completes by counting its gradients)."""
+    leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not idx:
+        return None
+    wrapped = _InputsDone.apply(notify, *[leaves[i] for i in idx])
+    for i, t in zip(idx, wrapped):
+        leaves[i] = t
+    return optree.tree_unflatten(spec, leaves)
+
+
+def cast_inputs(args, kwargs, dtype_name):
+    if dtype_name is None:
+        return args, kwargs
+    target = to_torch(dtype_name)
+
+    def cast(x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != target:
+            return x.to(target)
+        if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+            return type(x)(cast(y) for y in x)
+        if isinstance(x, dict) and type(x) is dict:
+            return {k: cast(v) for k, v in x.items()}
+        return x
+
+    return cast(args), cast(kwargs)
+
+
+def install(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn.Module]]) -> list:
+    """Register every hook; returns the handles. Hooks hold the executor weakly where they live in C++."""
+    handles: list = []
+    clock = time.perf_counter
+    me = weakref.ref(exe)
+
+    def timed(fn):
+        def run(*args):
+            t = clock()
+            try:
+                return fn(*args)
+            finally:
+                exe.hook_seconds += clock() - t
+        return run
+
+    def watch_outputs(name: str, output) -> None:
+        if not torch.is_grad_enabled() or in_backward_pass():
+            return
+        for t in tensors_in(output):
+            if t.requires_grad:
+                t.register_hook(lambda _g, _n=name: me().pre_backward(_n))
+
+    @timed
+    def root_pre(_m, args, kwargs):
+        exe.before_forward()
+        args, kwargs = cast_inputs(args, kwargs, exe.plan.compute_dtype)
+        exe.pre_forward(ROOT)
+        return args, kwargs
+
+    @timed
+    def root_post(_m, _args, output):
+        exe.post_forward(ROOT)
+        watch_outputs(ROOT, output)
+        return output
+
+    handles.append(module.register_forward_pre_hook(root_pre, with_kwargs=True))
+    handles.append(module.register_forward_hook(root_post))
+    for name, mods in modules_of.items():
+        u = exe.units[name]
+
+        @timed
+        def pre(_m, args, kwargs, _name=name, _u=u):
+            exe.pre_forward(_name)
+            if torch.is_grad_enabled() and not in_backward_pass():
+                wrapped = wrap_inputs(args, kwargs, lambda _n=_name: me().inputs_done(_n))
+                if wrapped is not None:
+                    _u.calls += 1
+                    return wrapped
+            return None
+
+        @timed
+        def post(_m, _args, output, _name=name):
+            exe.post_forward(_name)
+            watch_outputs(_name, output)
+            return output
+
+        for mod in mods:
+            handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(mods[-1].register_forward_hook(post))
+    for u in exe.unit_list:
+        _hook_params(exe, u)
+    return handles
+
+
+def _hook_params(exe: Executor, u: UnitRuntime) -> None:
+    me, unit_ref = weakref.ref(exe), u.name
+    for b in u.buffers:
+        for fp, lp, idx, info in zip(b.full_params, b.local, b.param_index, b.infos):
+            if not fp.requires_grad:
+                continue
+            u.expected += 1
+            # weak references: a hook lives in C++, where the garbage collector cannot see the cycle
+            # parameter -> hook -> executor -> parameter, so strong ones would leak the model
+            fp.register_post_accumulate_grad_hook(lambda _p, _i=idx: me().on_grad(unit_ref, _i))
+            lp.register_post_accumulate_grad_hook(lambda _p, _name=info.name: _shard_used(_name))
+
+
+def _shard_used(name: str) -> None:
+    raise RuntimeShardingError(
+        f"shardplan: the local shard of parameter {name!r} received a gradient: it was used outside the forward of "
+        f"its unit, where the modules hold local shards (after the unit's forward under optim_grads_params, or "
+        f"outside a training step). Its gradient would be wrong. Use it inside a module's forward, or keep it "
+        f"gathered: put it in the root unit (units=...) or plan.with_reshard_after_forward({{unit: False}})")
