@@ -154,9 +154,12 @@ def test_parity_four_ranks_and_hsdp():
 
 
 def _error_worker(rank, world):
+    import gc
+    import time
+    import weakref
     out = {}
     model = Toy()
-    # a plan that differs between ranks
+    # a plan that differs between ranks: the error names the option that differs
     plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=UNITS, prefetch=1 + rank)
     try:
         sp.shard(model, plan)
@@ -169,6 +172,15 @@ def _error_worker(rank, world):
         out["world"] = "no error"
     except sp.RuntimeShardingError as exc:
         out["world"] = str(exc)
+    # a check only rank 1 fails (its plan is for another mesh) ends every rank at once, not at a timeout
+    t = time.monotonic()
+    mine = sp.plan(Toy(), toy_rules(), sp.Mesh(dp=world if rank == 0 else 2 * world), units=UNITS)
+    try:
+        sp.shard(Toy(), mine, timeout_s=60)
+        out["one_rank"] = "no error"
+    except sp.RuntimeShardingError as exc:
+        out["one_rank"] = str(exc)
+    out["one_rank_s"] = time.monotonic() - t
     good = sp.plan(Toy(), toy_rules(), sp.Mesh(dp=world), units=UNITS)
     m = sp.shard(Toy(), good)
     try:
@@ -182,25 +194,39 @@ def _error_worker(rank, world):
     except sp.RuntimeShardingError as exc:
         out["mismatch"] = str(exc)
     # a dropped sharded model is freed (hooks live in C++, out of the garbage collector's sight)
-    import gc
-    import weakref
     m2 = sp.shard(Toy(), good)
     m2(*batches(1)[0]).backward()
     ref = weakref.ref(sp.runtime.engine_of(m2))
     del m2, m
     gc.collect()
     out["freed"] = ref() is None
+    # a rank that never reaches shard(): the others stop after timeout_s, naming it
+    t = time.monotonic()
+    if rank == 0:
+        try:
+            sp.shard(Toy(), good, timeout_s=3)
+            out["absent"] = "no error"
+        except sp.RuntimeShardingError as exc:
+            out["absent"] = str(exc)
+    out["absent_s"] = time.monotonic() - t
+    if rank == 1:
+        time.sleep(4)  # stay alive: the store lives with the group
     return out
 
 
 @pytest.mark.timeout(120)
 def test_errors_instead_of_hangs():
-    for out in run(_error_worker, 2):
+    for rank, out in enumerate(run(_error_worker, 2)):
         assert "ranks [0] have" in out["fingerprint"] and "ranks [1] have" in out["fingerprint"]
+        assert "prefetch: 1 vs 2" in out["fingerprint"], out["fingerprint"]
         assert "world size is 2" in out["world"] and "4 ranks" in out["world"]
+        assert "failed on rank(s) [1]" in out["one_rank"] and "world size is 2" in out["one_rank"], out["one_rank"]
+        assert out["one_rank_s"] < 20, "a one-rank failure must end every rank promptly"
         assert "already sharded" in out["twice"]
         assert "blocks.0.fc1.weight" in out["mismatch"] and "(31, 13)" in out["mismatch"]
         assert out["freed"], "a sharded model must be garbage-collected once dropped"
+        if rank == 0:
+            assert "rank(s) [1] did not reach shard()" in out["absent"] and 2.5 < out["absent_s"] < 20, out
 
 
 def test_shard_without_process_group():

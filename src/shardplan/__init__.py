@@ -13,7 +13,7 @@ from .plan import BufferPlan, Memory, Op, ParamPlan, Plan, UnitPlan, plan
 from .rules import Rules, explain, match
 
 from .spec import P
-from .runtime import clip_grad_norm_, mark_shards_changed, memory_stats, no_sync, record_ops, reset_peak, shard
+from .runtime import clip_grad_norm_, compile_units, mark_shards_changed, memory_stats, no_sync, record_ops, reset_peak, shard
 from .runtime import checkpoint
 from .runtime.checkpoint import full_state_dict, load_full_state_dict, load_state_dict, state_dict
 

@@ -195,6 +195,23 @@ def mark_shards_changed(module: nn.Module) -> None:
     engine_of(module).mark_shards_changed()
 
 
+def compile_units(module: nn.Module, **compile_kwargs) -> nn.Module:
+    """``torch.compile`` each unit's forward in place, hooks staying outside (torchtitan's per-block compile).
+
+    >>> model = shardplan.compile_units(shardplan.shard(model, plan), backend="inductor")
+
+    The runtime's hooks never enter a compiled graph, so gathers, frees and reductions run exactly as
+    planned. ``torch.compile(model)`` works too: every hook is a graph break, which splits the graph at
+    each unit boundary the same way.
+    """
+    eng = engine_of(module)
+    for up in eng.plan.units[1:]:
+        for path in up.module_paths:
+            m = module.get_submodule(path)
+            m.forward = torch.compile(m.forward, **compile_kwargs)
+    return module
+
+
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, foreach: Optional[bool] = None) -> torch.Tensor:
     """Clip the gradients of the local shards by the *global* norm over all ranks; returns that norm.
 

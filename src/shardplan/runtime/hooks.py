@@ -95,6 +95,9 @@ def install(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn.Modu
     me = weakref.ref(exe)
 
     def timed(fn):
+        # dynamo must not trace the runtime (storage resizes, collectives, module attribute swaps): under
+        # torch.compile(model) each hook is a graph break and runs eagerly, as FSDP2's hooks do
+        @torch._dynamo.disable
         def run(*args):
             t = clock()
             try:
