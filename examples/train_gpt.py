@@ -1,6 +1,7 @@
 """Train the small GPT from examples/gpt.py with shardplan under torchrun.
 
     torchrun --nproc-per-node 2 examples/train_gpt.py            # CPU, gloo
+    torchrun --nproc-per-node 4 examples/train_gpt.py --mesh replica=2,shard=2 --rules HSDP_RULES   # HSDP
     torchrun --nproc-per-node 8 examples/train_gpt.py --config 1B --dtype bf16   # GPUs, NCCL
 
 The text is generated here (sums written out, byte-level), so nothing is downloaded. Rank 0
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import resource
 import sys
 import time
 
@@ -20,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpt  # noqa: E402
-from gpt_rules import UNITS, rules  # noqa: E402
+import gpt_rules  # noqa: E402
 
 import shardplan as sp  # noqa: E402
 
@@ -54,7 +56,9 @@ def parse_args(argv=None):
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--strategy", default="optim_grads_params")
-    ap.add_argument("--mesh", default=None, help="e.g. dp=2 (default: dp=world size)")
+    ap.add_argument("--mesh", default=None, help="e.g. dp=2 or replica=2,shard=2 (default: dp=world size)")
+    ap.add_argument("--rules", default="rules", help="a rules list of examples/gpt_rules.py: rules or HSDP_RULES")
+    ap.add_argument("--order", default="static", choices=("static", "dynamic"))
     ap.add_argument("--dtype", default=None, help="compute dtype, e.g. bf16")
     ap.add_argument("--prefetch", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -66,18 +70,26 @@ def parse_args(argv=None):
 
 def main(argv=None) -> list[float]:
     args = parse_args(argv)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise SystemExit("run this under torchrun, e.g.: torchrun --nproc-per-node 2 examples/train_gpt.py")
+    world = int(os.environ["WORLD_SIZE"])
+    if args.batch % world:
+        raise SystemExit(f"--batch {args.batch} must be divisible by the world size {world}")
+    rules = getattr(gpt_rules, args.rules, None)
+    if not isinstance(rules, list):
+        raise SystemExit(f"--rules {args.rules!r}: examples/gpt_rules.py has no such rules list (try rules or HSDP_RULES)")
     cuda = torch.cuda.is_available() and os.environ.get("SHARDPLAN_FORCE_CPU") != "1"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.manual_seed(args.seed)
     model = gpt.build(args.config, max_seq=max(args.seq, gpt.CONFIGS[args.config].max_seq)).init_weights(args.seed)
     if cuda:
         model = model.cuda()
     mesh = sp.Mesh.parse(args.mesh) if args.mesh else sp.Mesh(dp=world)
-    plan = sp.plan(model, rules, mesh, strategy=args.strategy, units=UNITS, compute_dtype=args.dtype,
-                   prefetch=args.prefetch)
+    plan = sp.plan(model, rules, mesh, strategy=args.strategy, units=gpt_rules.UNITS, compute_dtype=args.dtype,
+                   prefetch=args.prefetch, order=args.order)
     if rank == 0 and not args.quiet_plan:
         print(plan, flush=True)
     model = sp.shard(model, plan)
@@ -87,14 +99,16 @@ def main(argv=None) -> list[float]:
         start = sp.checkpoint.load(args.resume, model, opt)
         if rank == 0:
             print(f"resumed from {args.resume} at step {start}", flush=True)
-    if args.batch % world:
-        raise SystemExit(f"--batch {args.batch} must divide by the world size {world}")
+            if start >= args.steps:
+                print(f"the checkpoint is at step {start}, at or past --steps {args.steps}: nothing to train", flush=True)
     per = args.batch // world
     data = corpus(200_000, seed=args.seed)
     stream = batches(data, args.batch, args.seq, seed=args.seed + 1)
     for _ in range(start):  # the data order of the uninterrupted run
         next(stream)
-    losses = []
+    losses, times = [], []
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     for step in range(start, args.steps):
         x, y = next(stream)
         x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
@@ -109,18 +123,25 @@ def main(argv=None) -> list[float]:
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
         mean = mean.item() / world
+        dt = time.perf_counter() - t0
         losses.append(mean)
+        times.append(dt)
         if not math.isfinite(mean):
             raise SystemExit(f"loss is {mean} at step {step}")
         if rank == 0:
-            print(f"step {step:4d}  loss {mean:.4f}  grad_norm {norm.item():.3f}  {1000 * (time.perf_counter() - t0):.1f} ms",
-                  flush=True)
+            mem = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if cuda else \
+                f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB RSS"
+            print(f"step {step:4d}  loss {mean:.4f}  grad_norm {norm.item():.3f}  lr {opt.param_groups[0]['lr']:.2e}  "
+                  f"{1000 * dt:.1f} ms  {args.batch * args.seq / dt:,.0f} tok/s  peak {mem}", flush=True)
     if args.save:
         sp.checkpoint.save(args.save, model, opt, step=args.steps)
         if rank == 0:
             print(f"saved checkpoint to {args.save}", flush=True)
     if rank == 0 and len(losses) > 1:
-        print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+        steady = times[1:] if len(times) > 2 else times  # the first step includes warm-up
+        mean_t = sum(steady) / len(steady)
+        print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; mean step {1000 * mean_t:.1f} ms, "
+              f"{args.batch * args.seq / mean_t:,.0f} tok/s over {world} ranks", flush=True)
     dist.destroy_process_group()
     return losses
 

@@ -1,11 +1,17 @@
-"""``shardplan plan TARGET --mesh dp=8 --rules RULES.py``: print a plan without launching anything."""
+"""``shardplan plan TARGET --mesh dp=8 --rules RULES.py``: print a plan without launching anything.
+
+Exit status 0 on success, 2 with one line on stderr for bad input (a missing file, a bad mesh, a rule
+that does not fit, a parameter name that does not exist).
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import importlib.util
+import json
 import os
+import re
 import sys
 import warnings
 from typing import Optional, Sequence
@@ -15,6 +21,18 @@ from .errors import ShardingError
 
 class CliError(Exception):
     pass
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000 ** 2, "mb": 1000 ** 2, "mib": 1024 ** 2,
+          "g": 1000 ** 3, "gb": 1000 ** 3, "gib": 1024 ** 3}
+
+
+def parse_size(text: str) -> int:
+    """``4096``, ``16MiB``, ``1.5GB`` -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 4096, 16MiB or 1GB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def _load_file(path: str, name: str):
@@ -34,46 +52,60 @@ def _load_file(path: str, name: str):
 
 
 def load_target(target: str):
-    """``path/to/file.py:fn`` or ``package.module:fn`` -> the callable."""
+    """``path/to/file.py:fn`` or ``package.module:fn`` -> the callable (module paths resolve from the
+    working directory too, as ``python -m`` would)."""
     where, sep, fn = target.rpartition(":")
     if not sep or not where or not fn:
         raise CliError(f"TARGET {target!r} must be 'path/to/file.py:function' or 'package.module:function'")
-    try:
-        mod = _load_file(where, "_shardplan_target") if where.endswith(".py") else importlib.import_module(where)
-    except ImportError as exc:
-        raise CliError(f"cannot import {where!r}: {exc}") from None
-    except CliError:
-        raise
+    if where.endswith(".py"):
+        mod = _load_file(where, "_shardplan_target")
+    else:
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            mod = importlib.import_module(where)
+        except ImportError as exc:
+            raise CliError(f"cannot import {where!r}: {exc}") from None
     if not hasattr(mod, fn):
         raise CliError(f"{where} has no function {fn!r}")
     return getattr(mod, fn)
 
 
-def load_rules(path: str):
+def load_rules(spec: str):
+    """``RULES.py`` (its ``rules``) or ``RULES.py:NAME`` (its ``NAME``) -> (rules, the file's UNITS or None)."""
+    path, _, name = spec.partition(":") if spec.count(":") == 1 and not re.match(r"^[A-Za-z]:\\", spec) else (spec, "", "")
     mod = _load_file(path, "_shardplan_rules")
-    if not hasattr(mod, "rules"):
-        raise CliError(f"{path} must define `rules` (a shardplan.Rules or a list of (regex, spec) pairs)")
-    return mod.rules
+    name = name or "rules"
+    if not hasattr(mod, name):
+        found = [k for k, v in vars(mod).items() if isinstance(v, list) and not k.startswith("_")]
+        raise CliError(f"{path} defines no {name!r} (a shardplan.Rules or a list of (regex, spec) pairs); "
+                       f"it has {found}; pick one with --rules {path}:NAME")
+    return getattr(mod, name), getattr(mod, "UNITS", None)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
     ap = argparse.ArgumentParser(prog="shardplan", description="Plan sharding of a model without launching anything.")
+    ap.add_argument("--version", action="version", version=f"shardplan {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="print the plan for a model, mesh and rules")
     p.add_argument("target", help="path/to/file.py:fn or package.module:fn returning an nn.Module")
     p.add_argument("--mesh", required=True, help="axes, e.g. dp=8 or replica=2,shard=4")
-    p.add_argument("--rules", required=True, help="a .py file defining `rules`")
+    p.add_argument("--rules", required=True, help="a .py file defining `rules`, or FILE.py:NAME for another variable")
     p.add_argument("--strategy", default="optim_grads_params",
                    help="no_shard | optim | optim_grads | optim_grads_params (or 0..3)")
     p.add_argument("--units", nargs="*", default=None, help="regexes over module paths; default: the rules file's UNITS")
     p.add_argument("--dtype", default=None, help="compute dtype, e.g. bf16")
     p.add_argument("--reduce-dtype", default=None, help="gradient reduction dtype, e.g. fp32")
     p.add_argument("--prefetch", type=int, default=1)
-    p.add_argument("--min-unit-bytes", type=int, default=0, help="merge neighbouring units up to this many bytes")
+    p.add_argument("--min-unit-bytes", type=parse_size, default=0,
+                   help="merge neighbouring units up to this size, e.g. 16MiB (default 0: no merging)")
+    p.add_argument("--order", default="static", choices=("static", "dynamic"))
     p.add_argument("--no-reshard-after-forward", action="store_true")
     p.add_argument("--rank", type=int, default=0, help="rank whose local shapes and memory are shown")
     p.add_argument("--schedule", action="store_true", help="also print the op schedule")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON instead")
+    p.add_argument("--summary", action="store_true", help="sizes, memory and bytes only: no per-parameter table")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (with memory and bytes per step)")
     p.add_argument("--explain", metavar="NAME", default=None, help="say which rule matches parameter NAME and why")
     return ap
 
@@ -87,9 +119,7 @@ def run(args) -> str:
     from .rules import explain
 
     mesh = Mesh.parse(args.mesh)
-    rules_obj = load_rules(args.rules)
-    if args.explain:
-        return explain(rules_obj, args.explain)
+    rules_obj, file_units = load_rules(args.rules)
     builder = load_target(args.target)
     try:
         with torch.device("meta"):
@@ -100,19 +130,26 @@ def run(args) -> str:
         raise CliError(f"{args.target}() failed: {type(exc).__name__}: {exc}") from None
     if not isinstance(model, torch.nn.Module):
         raise CliError(f"{args.target} returned {type(model).__name__}, not an nn.Module")
-    units = args.units
-    if units is None:
-        units = getattr(sys.modules.get("_shardplan_rules"), "UNITS", ())
+    if args.explain:
+        names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+        if args.explain not in names:
+            close = [n for n in names if args.explain.split(".")[-1] in n][:5] or names[:5]
+            raise CliError(f"{args.target} has no parameter {args.explain!r}; it has e.g. {close}")
+        return explain(rules_obj, args.explain)
+    units = args.units if args.units is not None else (file_units or ())
     strategy = int(args.strategy) if args.strategy.isdigit() else args.strategy
     strategy_level(strategy)
     if not 0 <= args.rank < mesh.size:
         raise CliError(f"--rank {args.rank} is outside the mesh's {mesh.size} ranks")
     p = plan(model, rules_obj, mesh, strategy=strategy, units=units, compute_dtype=args.dtype,
-             reduce_dtype=args.reduce_dtype, prefetch=args.prefetch,
+             reduce_dtype=args.reduce_dtype, prefetch=args.prefetch, order=args.order,
              reshard_after_forward=not args.no_reshard_after_forward, min_unit_bytes=args.min_unit_bytes)
     if args.json:
-        return p.to_json(indent=1)
-    out = render(p, rank=args.rank)
+        d = p.to_dict()
+        d["memory"] = vars(p.memory(args.rank)) | {"rank": args.rank}
+        d["comm_bytes_per_step"] = p.comm_bytes(args.rank)
+        return json.dumps(d, indent=1, sort_keys=True)
+    out = render(p, rank=args.rank, max_rows=0 if args.summary else 100_000)
     if args.schedule:
         out += "\n\nschedule:\n" + render_schedule(p)
     return out

@@ -142,5 +142,7 @@ class Mesh:
             name, eq, size = part.partition("=")
             if not eq or not size.strip().isdigit():
                 raise MeshError(f"bad mesh {text!r}: write axes as name=size, e.g. dp=8 or replica=2,shard=4")
+            if name.strip() in axes:
+                raise MeshError(f"bad mesh {text!r}: axis {name.strip()!r} is given twice; name each axis once")
             axes[name.strip()] = int(size)
         return cls(**axes)

@@ -104,7 +104,13 @@ class Rules:
         spec = rule.spec
         if not isinstance(spec, P):
             try:
-                spec = as_spec(spec(path, leaf), where=f"rule {rule.describe()} returned for {path!r}: ")
+                returned = spec(path, leaf)
+            except Exception as exc:  # noqa: BLE001 - a user's callable: say which rule and parameter
+                shape = tuple(getattr(leaf, "shape", ()))
+                raise RuleError(f"rule {rule.describe()} raised {type(exc).__name__}: {exc} for parameter {path!r} "
+                                f"(shape {shape}); fix the callable or add an earlier rule for this parameter") from exc
+            try:
+                spec = as_spec(returned, where=f"rule {rule.describe()} returned for {path!r}: ")
             except SpecError as exc:
                 raise RuleError(str(exc)) from None
         return self._map_logical(spec) if self.axis_rules else spec
