@@ -230,13 +230,18 @@ def main():
     if rank == 0:
         print(f"{args.config} ({n_params / 1e6:.0f}M params), world {world}, {summary['device']}, {summary['dtype']}, "
               f"batch {args.batch}x{args.seq}")
-        print(f"{'system':<10} {'step ms':>9} {'peak GiB':>9} {'loss[0]':>9}")
+        parts = f" {'fwd ms':>8} {'bwd ms':>8} {'opt ms':>8}" if args.breakdown else ""
+        print(f"{'system':<10} {'step ms':>9} {'peak GiB':>9} {'loss[0]':>9}{parts} {'hook us/unit':>12}")
         for s, e in summary["systems"].items():
             if "error" in e:
                 print(f"{s:<10} error: {e['error'][:200]}")
                 continue
             peak = f"{e['peak_bytes'] / 2**30:.2f}" if e["peak_bytes"] else "-"
-            print(f"{s:<10} {e['median_step_ms']:>9.1f} {peak:>9} {e['first_losses'][0]:>9.4f}")
+            row = f"{s:<10} {e['median_step_ms']:>9.1f} {peak:>9} {e['first_losses'][0]:>9.4f}"
+            if args.breakdown:
+                row += f" {e['forward_ms']:>8.1f} {e['backward_ms']:>8.1f} {e['optimizer_ms']:>8.1f}"
+            hook = e.get("hook_us_per_unit")
+            print(row + (f" {hook:>12.0f}" if hook is not None else f" {'-':>12}"))
         for k, v in summary["ratios"].items():
             print(f"  {k}: {v:.3f}")
         print("losses agree:", summary["losses_agree"])

@@ -22,7 +22,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world, port, queue, args):
+def _worker(fn, rank, world, port, queue, args, init=True):
     import torch
     import torch.distributed as dist
 
@@ -30,7 +30,8 @@ def _worker(fn, rank, world, port, queue, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+        if init:
+            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
         result = fn(rank, world, *args)
         buf = io.BytesIO()
         torch.save(result, buf)  # plain bytes: tensors must not travel as shared memory of a dying process
@@ -44,15 +45,16 @@ def _worker(fn, rank, world, port, queue, args):
             pass
 
 
-def run(fn, world: int, *args, timeout: float = 240.0, expect_errors: bool = False):
+def run(fn, world: int, *args, timeout: float = 240.0, expect_errors: bool = False, init: bool = True):
     """``[fn(rank, world, *args) for each rank]`` run in ``world`` processes; raises on error or timeout.
 
-    With ``expect_errors``, returns ``[("ok", result) | ("error", message)]`` instead of raising.
+    With ``expect_errors``, returns ``[("ok", result) | ("error", message)]`` instead of raising. With
+    ``init=False`` the function initialises the process group itself (the environment is set up for it).
     """
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, queue, args), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, queue, args, init), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, tuple] = {}

@@ -106,3 +106,10 @@ def test_new_user_rough_edges(tmp_path):
     assert sp.Plan.from_json(out.stdout).mesh == sp.Mesh(dp=2)
     version = cli_process("--version")
     assert version.returncode == 0 and sp.__version__ in version.stdout
+
+
+def test_import_is_quiet_without_numpy():
+    """numpy is no dependency: importing shardplan where it is missing prints nothing."""
+    code = "import sys; sys.modules['numpy'] = None; import shardplan"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stderr.strip() == "", out.stderr

@@ -6,6 +6,12 @@
 >>> print(plan)
 """
 
+import warnings as _warnings
+
+with _warnings.catch_warnings():  # torch warns at import when NumPy is absent; shardplan never uses NumPy
+    _warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    import torch as _torch  # noqa: F401
+
 from .errors import (CheckpointError, CollectiveError, MeshError, PlanError, PlanWarning, RuleError,
                      RuntimeShardingError, ShardingError, SpecError, UnmatchedParametersError, UnusedRuleWarning)
 from .mesh import Mesh
@@ -23,7 +29,6 @@ __all__ = [
     "Mesh", "P", "Rules", "match", "explain", "plan", "Plan", "ParamPlan", "BufferPlan", "UnitPlan", "Memory", "Op",
     "ShardingError", "MeshError", "SpecError", "RuleError", "UnmatchedParametersError", "PlanError",
     "RuntimeShardingError", "CollectiveError", "CheckpointError", "UnusedRuleWarning", "PlanWarning",
-    "shard", "checkpoint", "state_dict", "load_state_dict", "full_state_dict", "load_full_state_dict", "no_sync", "clip_grad_norm_", "record_ops", "memory_stats", "reset_peak",
+    "shard", "no_sync", "clip_grad_norm_", "record_ops", "memory_stats", "reset_peak", "mark_shards_changed",
+    "compile_units", "checkpoint", "state_dict", "load_state_dict", "full_state_dict", "load_full_state_dict",
 ]
-
-

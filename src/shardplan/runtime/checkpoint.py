@@ -254,11 +254,12 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
             skip.append(key)
     extra = [k for k in meta if k not in flat and k.startswith("model.")]
     problems += [f"  {k}: in the checkpoint, not in the model" for k in extra]
+    shown = "\n".join(problems[:40]) + (f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else "")
     if problems and strict:
         raise CheckpointError(f"checkpoint {path} does not fit the model ({len(problems)} differences, nothing loaded):\n"
-                              + "\n".join(problems[:40]) + "\npass strict=False to load what fits")
+                              + shown + "\npass strict=False to load what fits")
     if problems:
-        warnings.warn(f"checkpoint {path}: skipped {len(skip)} entries:\n" + "\n".join(problems[:40]))
+        warnings.warn(f"checkpoint {path}: skipped {len(skip)} entries:\n" + shown)
         sd = _drop(sd, set(skip))
     dcp.load(sd, checkpoint_id=path)
     load_state_dict(model, sd, optimizer, strict=False)
