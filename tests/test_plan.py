@@ -301,3 +301,44 @@ def test_min_unit_bytes_merges_neighbours():
     plain = sp.plan(net, RULES, Mesh(dp=4), units=[r"layers\.\d+"])
     count = lambda p: sum(o.kind == "all_gather" for o in p.ops())
     assert count(plan) < count(plain)
+
+
+def test_transformations_rebuild_the_schedule():
+    plan = sp.plan(Net(), RULES, Mesh(dp=4), units=[r"layers\.\d+"], prefetch=1)
+    assert plan.with_prefetch(2).prefetch == 2 and sum(o.prefetch for o in plan.with_prefetch(0).schedule) == 0
+    kept = plan.with_reshard_after_forward({"layers.0": False})
+    assert not any(o.kind == "free" and o.unit == "layers.0" and o.event == "post_forward" for o in kept.ops())
+    assert kept.unit("layers.0").reshard_after_forward is False and kept.unit("layers.1").reshard_after_forward
+    dyn = plan.with_order("dynamic")
+    assert all(o.event in ("end_backward", "pre_backward") for o in dyn.ops() if o.phase == "backward")
+    assert sp.Plan.from_json(dyn.to_json()) == dyn
+    with pytest.raises(sp.PlanError, match="no unit 'layers.9'"):
+        plan.with_reshard_after_forward({"layers.9": False})
+
+
+def test_invalid_edited_schedules_name_the_op():
+    plan = sp.plan(Net(), RULES, Mesh(dp=4), units=[r"layers\.\d+"], prefetch=1)
+    ops = list(plan.schedule)
+    first = lambda pred: next(i for i, o in enumerate(ops) if pred(o))
+    ag1 = first(lambda o: o.kind == "all_gather" and o.unit == "layers.1" and o.event == "pre_forward")
+    free0 = first(lambda o: o.kind == "free" and o.unit == "layers.0" and o.event == "post_forward")
+    rs2 = first(lambda o: o.kind == "reduce_scatter" and o.unit == "layers.2")
+    wait2 = first(lambda o: o.kind == "wait" and o.what == "grads" and o.unit == "layers.2")
+    wait0 = first(lambda o: o.kind == "wait" and o.unit == "layers.0" and o.event == "pre_forward")
+    root_bufs = plan.unit("<root>").buffers  # the root computes from the first forward to the end of backward
+    early_free = ops[:free0 + 1] + [sp.Op("free", "<root>", "params", "post_forward", "layers.0", root_bufs)] + ops[free0 + 1:]
+    bad = {
+        "before their gather": [o for i, o in enumerate(ops) if i != ag1],
+        "still computes": early_free,
+        "never issued": [o for i, o in enumerate(ops) if i != rs2],
+        "unreduced": [o for i, o in enumerate(ops) if i not in (rs2, wait2, wait2 + 1)],
+        "never happens": ops[:3] + [sp.Op("wait", "layers.0", "params", "pre_forward", "nope")] + ops[3:],
+        "trigger order": [ops[wait0]] + [o for i, o in enumerate(ops) if i != wait0],
+        "runs over axes": [sp.Op(o.kind, o.unit, o.what, o.event, o.at, o.buffers, ("x",), o.bytes) if i == rs2 else o
+                           for i, o in enumerate(ops)],
+    }
+    for needle, edited in bad.items():
+        with pytest.raises(sp.PlanError, match=needle) as err:
+            plan.with_schedule(edited)
+        assert "schedule op #" in str(err.value) or "unit" in str(err.value), str(err.value)
+    assert plan.with_schedule(ops) == plan  # the builder's own schedule is valid

@@ -51,6 +51,8 @@ def _train_sharded(rank, world, case, data):
                    min_unit_bytes=case.get("min_unit_bytes", 0))
     if case.get("min_unit_bytes"):
         assert any(u.modules for u in plan.units), "the case should merge units"
+    if case.get("edit"):
+        plan = EDITS[case["edit"]](plan)
     sp.shard(model, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     accum, clip = case.get("accum", 1), case.get("clip")
@@ -118,7 +120,28 @@ def _check(results, cases):
             assert res["still_gathered"] == [], f"{case}: inference left units gathered"
 
 
-CASES_2 = [dict(strategy=s) for s in STRATEGIES] + [
+def _gather_late(plan):
+    """An edited op list: blocks.1 is no longer prefetched; it is gathered where it computes."""
+    ops = list(plan.schedule)
+    k = next(i for i, o in enumerate(ops) if o.kind == "all_gather" and o.unit == "blocks.1" and o.prefetch
+             and o.event == "pre_forward")
+    moved = ops.pop(k)
+    w = next(i for i, o in enumerate(ops) if o.kind == "wait" and o.unit == "blocks.1" and o.event == "pre_forward")
+    ops.insert(w, sp.Op(moved.kind, moved.unit, moved.what, "pre_forward", "blocks.1", moved.buffers, moved.axes,
+                        moved.bytes))
+    return plan.with_schedule(ops)
+
+
+EDITS = {
+    "prefetch2": lambda p: p.with_prefetch(2),
+    "prefetch0": lambda p: p.with_prefetch(0),
+    "keep_block0": lambda p: p.with_reshard_after_forward({"blocks.0": False}),
+    "keep_all": lambda p: p.with_reshard_after_forward(False),
+    "dynamic": lambda p: p.with_order("dynamic"),
+    "gather_late": _gather_late,
+}
+
+CASES_2 = [dict(strategy=s) for s in STRATEGIES] + [dict(strategy="optim_grads_params", edit=e) for e in EDITS] + [
     dict(strategy="optim_grads_params", accum=2, clip=0.05),
     dict(strategy="optim_grads", accum=2),
     dict(strategy="optim_grads_params", ckpt=True, prefetch=2),
@@ -241,17 +264,19 @@ def _memory_worker(rank, world, cases):
     sys.path.insert(0, "examples")
     import gpt
     out = []
-    for strategy, dtype in cases:
-        model = gpt.build("small").init_weights(0)
-        plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), strategy=strategy, units=[r"layers\.\d+"],
-                       compute_dtype=dtype)
+    for kind, strategy, dtype in cases:
+        if kind == "gpt":  # contiguous buffers only
+            model, rules, units, x = gpt.build("small").init_weights(0), [(r".*", sp.P("dp"))], [r"layers\.\d+"], None
+            x = (torch.randint(0, 512, (2, 16)),) * 2
+        else:  # interleaved (copy-out), replicated and frozen buffers, a tied parameter
+            model, rules, units, x = Toy(), toy_rules(), UNITS, batches(1, batch=2)[0]
+        plan = sp.plan(model, rules, sp.Mesh(dp=world), strategy=strategy, units=units, compute_dtype=dtype)
         sp.shard(model, plan)
         opt = torch.optim.AdamW(model.parameters())
-        x = torch.randint(0, 512, (2, 16))
         for step in range(2):
             if step == 1:
                 sp.reset_peak(model)
-            model(x, x).backward()
+            model(*x).backward()
             opt.step()
             opt.zero_grad()
         mem = plan.memory(rank)
@@ -261,14 +286,13 @@ def _memory_worker(rank, world, cases):
 
 @pytest.mark.timeout(200)
 def test_runtime_memory_matches_plan():
-    """The runtime's accounted peak (params, gathered buffers, gradients; not optimizer state or
-    activations) against plan.memory(): exact in fp32; bf16 within 10% (the plan counts the reduction's
-    output and the master-dtype gradients as both alive, the runtime frees one as the other appears)."""
-    cases = [(s, None) for s in range(4)] + [(s, torch.bfloat16) for s in range(4)]
+    """The runtime's accounted peak (every tensor it holds for parameters and gradients: shards, gathered
+    buffers, send copies, unsharded gradients, reduction inputs and outputs, local gradients; not optimizer
+    state or activations) equals plan.memory()'s op-by-op walk exactly, in fp32 and in bf16."""
+    cases = [(k, s, d) for k in ("gpt", "toy") for s in range(4) for d in (None, torch.bfloat16)]
     for rank_out in run(_memory_worker, 2, cases):
-        for (strategy, dtype), (measured, planned) in zip(cases, rank_out):
-            tol = 0.0 if dtype is None else 0.10
-            assert abs(measured - planned) <= tol * planned, (strategy, dtype, measured, planned)
+        for case, (measured, planned) in zip(cases, rank_out):
+            assert measured == planned, (case, measured, planned)
 
 
 def _hang_worker(rank, world):

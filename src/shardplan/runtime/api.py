@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..errors import RuntimeShardingError
+from ..errors import RuntimeShardingError, ShardingError
 from ..plan import Plan
 from ..plan.schedule import ROOT
 from . import collectives as C
@@ -67,6 +67,11 @@ def _startup(module: nn.Module, plan: Plan, world: int, rank: int, timeout_s: fl
     """Local checks on every rank, then one bounded exchange of their findings and plans: a problem on any
     rank raises on every rank, naming it, before the first collective."""
     problems: list[str] = []
+    try:
+        from ..plan.validate import validate
+        validate(plan)  # an edited or hand-written plan is checked before anything runs
+    except ShardingError as exc:
+        problems.append(f"the plan is invalid: {exc}")
     if world != plan.mesh.size:
         problems.append(f"the plan's mesh {plan.mesh!r} has {plan.mesh.size} ranks but the world size is {world}; "
                         f"plan again with a mesh whose axis sizes multiply to {world}")

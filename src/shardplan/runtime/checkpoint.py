@@ -22,12 +22,12 @@ import warnings
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 from .. import layout as L
 from ..errors import CheckpointError
+from . import collectives as C
 from .api import engine_of
 
 warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
@@ -42,7 +42,7 @@ def _sharded(eng, name: str, local: torch.Tensor):
     p = plan.param(name)
     b = plan.buffers[p.buffer]
     group = eng.groups.gather(b.axes) if b.sharded else None
-    if group is None or group.size == 1 or plan.level == 0:
+    if group is None or group.size == 1:
         return local
     members = plan.mesh.group_of(eng.rank, b.axes)
     dev = local.device.type if local.device.type == "cpu" else f"cuda:{local.device.index}"
@@ -193,22 +193,16 @@ def load_state_dict(model: nn.Module, state: dict, optimizer: Optional[torch.opt
 
 # -- files -----------------------------------------------------------------------------------------
 
-def _broadcast_str(s: str) -> str:
-    obj = [s]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(obj, src=0)
-    return obj[0]
-
-
 def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, step: int = 0) -> None:
     """Save atomically: DCP writes into ``path`` + a unique suffix, then rank 0 renames it into place,
     so a run killed mid-save leaves the previous checkpoint at ``path`` loadable."""
+    eng = engine_of(model)
     sd = state_dict(model, optimizer)
     sd["extra"] = {"step": torch.tensor(step)}
-    tmp = _broadcast_str(f"{path.rstrip('/')}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp = C.broadcast_str(f"{path.rstrip('/')}.tmp-{uuid.uuid4().hex[:8]}", eng.groups.world)
     dcp.save(sd, checkpoint_id=tmp)
-    dist.barrier()
-    if dist.get_rank() == 0:
+    C.barrier(eng.groups.world)
+    if eng.rank == 0:
         old = None
         if os.path.exists(path):
             old = f"{path.rstrip('/')}.old-{uuid.uuid4().hex[:8]}"
@@ -216,7 +210,7 @@ def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
         os.rename(tmp, path)
         if old:
             shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    C.barrier(eng.groups.world)
 
 
 def _shape_of(md) -> Optional[tuple]:
@@ -296,7 +290,6 @@ def full_state_dict(model: nn.Module, *, cpu: bool = True) -> dict[str, torch.Te
     plan = eng.plan
     locals_ = eng.local_params()
     out: dict[str, torch.Tensor] = {}
-    from . import collectives as C
     for bp in plan.buffers:
         if not bp.sharded:
             if eng.rank == 0:
@@ -341,7 +334,6 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], *, str
     """Load ordinary full tensors held by rank 0 (others may pass ``{}``), broadcast one parameter at a time."""
     eng = engine_of(model)
     plan = eng.plan
-    from . import collectives as C
     if eng.rank == 0:
         missing = [p.name for p in plan.params if p.name not in full and not any(a in full for a in p.aliases)]
         names = {p.name for p in plan.params} | {a for p in plan.params for a in p.aliases} | set(_persistent_buffers(model))

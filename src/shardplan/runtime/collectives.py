@@ -86,6 +86,11 @@ def broadcast_str(s: str, group: Group) -> str:
     return obj[0]
 
 
+def barrier(group: Group) -> None:
+    if group.pg is not None:
+        dist.barrier(group=group.pg)
+
+
 class Groups:
     """The process groups of one sharded model: per (purpose, axes), the world, and the small CPU group
     the used-parameter exchange runs on (gloo even where tensors live on GPUs: it needs no device sync)."""

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from ..errors import CollectiveError, RuntimeShardingError
 from ..plan import Plan
 from ..plan.schedule import (ALL_GATHER, ALL_REDUCE, FREE, GRADS, PARAMS, POST_BACKWARD, POST_FORWARD, PRE_BACKWARD,
-                             PRE_FORWARD, REDUCE_SCATTER, ROOT, USED, WAIT, Op, Step)
+                             PRE_FORWARD, REDUCE_SCATTER, ROOT, STALE, USED, WAIT, Op, Step)
 from . import collectives as C
 from .streams import Streams
 from .unit import Grads, Params, PendingGather, PendingReduce, UnitRuntime
@@ -79,6 +79,8 @@ class Executor:
         self.live_bytes = self.peak_live_bytes = 0
         self.n_gathered = self.max_gathered = 0
         self.transient = {u.name for u in units if any(not b.bp.persistent for b in u.buffers)}
+        # the plan keeps full parameters between steps and re-gathers them only when the shards went stale
+        self.regathers = any(op.when == STALE for op in self.ops)
         self._run_op = {(ALL_GATHER, PARAMS): self._all_gather, (WAIT, PARAMS): self._wait_params,
                         (FREE, PARAMS): self._free_params, (REDUCE_SCATTER, GRADS): self._reduce,
                         (ALL_REDUCE, GRADS): self._reduce, (WAIT, GRADS): self._wait_grads,
@@ -92,7 +94,7 @@ class Executor:
         self.fwd_pos = 0
         for u in self.unit_list:
             u.start_forward()
-        if self.plan.level <= 2 and not self.stale and self._versions() != self.versions:
+        if self.regathers and not self.stale and self._versions() != self.versions:
             raise RuntimeShardingError(
                 "the local shards changed since the last all-gather of the full parameters, but no gradient-"
                 "synchronising backward came in between (ZeRO-0/1/2 re-gather after one): call optimizer.step() "
@@ -122,7 +124,7 @@ class Executor:
             self._advance_forward(k)
         if name == ROOT:
             self.awaiting_backward = torch.is_grad_enabled()
-            if self.plan.level <= 2:  # the full parameters now match the shards (see before_forward)
+            if self.regathers:  # the full parameters now match the shards (see before_forward)
                 self.versions = self._versions()
 
     def _advance_forward(self, k: int) -> None:
