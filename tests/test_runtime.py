@@ -176,6 +176,14 @@ def test_parity_four_ranks_and_hsdp():
     _check(results, CASES_4)
 
 
+def _error_of(fn) -> str:
+    try:
+        fn()
+        return "no error"
+    except sp.RuntimeShardingError as exc:
+        return str(exc)
+
+
 def _error_worker(rank, world):
     import gc
     import time
@@ -184,38 +192,18 @@ def _error_worker(rank, world):
     model = Toy()
     # a plan that differs between ranks: the error names the option that differs
     plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=UNITS, prefetch=1 + rank)
-    try:
-        sp.shard(model, plan)
-        out["fingerprint"] = "no error"
-    except sp.RuntimeShardingError as exc:
-        out["fingerprint"] = str(exc)
+    out["fingerprint"] = _error_of(lambda: sp.shard(model, plan))
     bad = sp.plan(Toy(), toy_rules(), sp.Mesh(dp=2 * world), units=UNITS)
-    try:
-        sp.shard(Toy(), bad)
-        out["world"] = "no error"
-    except sp.RuntimeShardingError as exc:
-        out["world"] = str(exc)
+    out["world"] = _error_of(lambda: sp.shard(Toy(), bad))
     # a check only rank 1 fails (its plan is for another mesh) ends every rank at once, not at a timeout
     t = time.monotonic()
     mine = sp.plan(Toy(), toy_rules(), sp.Mesh(dp=world if rank == 0 else 2 * world), units=UNITS)
-    try:
-        sp.shard(Toy(), mine, timeout_s=60)
-        out["one_rank"] = "no error"
-    except sp.RuntimeShardingError as exc:
-        out["one_rank"] = str(exc)
+    out["one_rank"] = _error_of(lambda: sp.shard(Toy(), mine, timeout_s=60))
     out["one_rank_s"] = time.monotonic() - t
     good = sp.plan(Toy(), toy_rules(), sp.Mesh(dp=world), units=UNITS)
     m = sp.shard(Toy(), good)
-    try:
-        sp.shard(m, good)
-        out["twice"] = "no error"
-    except sp.RuntimeShardingError as exc:
-        out["twice"] = str(exc)
-    try:
-        sp.shard(Toy(h=31), good)
-        out["mismatch"] = "no error"
-    except sp.RuntimeShardingError as exc:
-        out["mismatch"] = str(exc)
+    out["twice"] = _error_of(lambda: sp.shard(m, good))
+    out["mismatch"] = _error_of(lambda: sp.shard(Toy(h=31), good))
     # a dropped sharded model is freed (hooks live in C++, out of the garbage collector's sight)
     m2 = sp.shard(Toy(), good)
     m2(*batches(1)[0]).backward()
@@ -226,11 +214,7 @@ def _error_worker(rank, world):
     # a rank that never reaches shard(): the others stop after timeout_s, naming it
     t = time.monotonic()
     if rank == 0:
-        try:
-            sp.shard(Toy(), good, timeout_s=3)
-            out["absent"] = "no error"
-        except sp.RuntimeShardingError as exc:
-            out["absent"] = str(exc)
+        out["absent"] = _error_of(lambda: sp.shard(Toy(), good, timeout_s=3))
     out["absent_s"] = time.monotonic() - t
     if rank == 1:
         time.sleep(4)  # stay alive: the store lives with the group

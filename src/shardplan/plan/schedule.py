@@ -231,9 +231,22 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
             out.append(op(FREE, u, GRADS, event, at, transient, when=SYNC))
         return out
 
+    gathered: set[str] = set()
+
+    def unshard(order_: list[str], u: str, event: str) -> list[Op]:
+        """Gather ``u`` unless a prefetch did, wait for it, and prefetch the next ``prefetch`` units."""
+        out = []
+        j = order_.index(u)
+        for k, v in enumerate(order_[j:j + 1 + prefetch]):
+            if v not in gathered:
+                out += gather(v, event, u, pf=k > 0)
+                gathered.add(v)
+            if k == 0:
+                out += wait_params(u, event, u)
+        return out
+
     ops: list[Op] = []
     # -- forward: the parameter stream
-    gathered: set[str] = set()
     deferred: list[Op] = []
     for event, at in fwd_events:
         if event == BEFORE_FORWARD:
@@ -242,18 +255,7 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
                     ops += gather(u, event, at, when=STALE)
             continue
         if event == PRE_FORWARD:
-            if level == 3:
-                j = pre_order.index(at)
-                if at not in gathered:
-                    ops += gather(at, event, at)
-                    gathered.add(at)
-                ops += wait_params(at, event, at)
-                for v in pre_order[j + 1:j + 1 + prefetch]:
-                    if v not in gathered:
-                        ops += gather(v, event, at, pf=True)
-                        gathered.add(v)
-            else:
-                ops += wait_params(at, event, at)
+            ops += unshard(pre_order, at, event) if level == 3 else wait_params(at, event, at)
             continue
         # post_forward
         if at == ROOT:
@@ -275,15 +277,7 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
     for event, u in interleave(bwd_order, grad_order):
         if event == PRE_BACKWARD:
             if level == 3:
-                j = bwd_order.index(u)
-                if u not in gathered:
-                    ops += gather(u, event, u)
-                    gathered.add(u)
-                ops += wait_params(u, event, u)
-                for v in bwd_order[j + 1:j + 1 + prefetch]:
-                    if v not in gathered:
-                        ops += gather(v, event, u, pf=True)
-                        gathered.add(v)
+                ops += unshard(bwd_order, u, event)
             continue
         # the gradient stream keeps one reduction in flight: the previous one completes first. Under
         # order="dynamic" units may finish their backward in any order, so it all runs at end_backward

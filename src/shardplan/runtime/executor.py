@@ -20,7 +20,6 @@ gives parameters no rank used a ``None`` gradient, as plain PyTorch does.
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
 from datetime import timedelta
 from typing import Optional
@@ -298,15 +297,7 @@ class Executor:
         u.bind()
 
     def _free_params(self, op: Op) -> None:
-        u = self._unit(op)
-        if u.gather is not None:
-            self._finish_gather(u)
-        u.unbind()
-        for i in op.buffers:
-            self.buffer[i].release_full()
-        if u.params is not Params.SHARDED and u.name in self.transient:
-            self.n_gathered -= 1
-        u.params = Params.SHARDED
+        self._reshard(self._unit(op), [self.buffer[i] for i in op.buffers])
 
     def _reduce(self, op: Op) -> None:
         u = self._unit(op)
@@ -398,26 +389,25 @@ class Executor:
                     for w in ws:
                         self._wait(w, u.reduce.op)
                 u.reduce = None
-            if u.params is not Params.SHARDED:
-                u.unbind()
-                for b in u.buffers:
-                    b.release_full()
-                if u.name in self.transient:
-                    self.n_gathered -= 1
-                u.params = Params.SHARDED
+            self._reshard(u)
         self.fwd_pos = self.bwd_pos = 0
         self.in_backward = self.awaiting_backward = False
 
     def _release_leftovers(self) -> None:
         """After end_backward every unit must be sharded again (units the step never reached included)."""
         for u in self.unit_list:
-            if u.params is not Params.SHARDED:
-                u.unbind()
-                for b in u.buffers:
-                    b.release_full()
-                if u.name in self.transient:
-                    self.n_gathered -= 1
-                u.params = Params.SHARDED
+            self._reshard(u)
+
+    def _reshard(self, u: UnitRuntime, buffers=None) -> None:
+        """The modules hold ``u``'s local shards again and its gathered storage is released."""
+        if u.gather is not None:
+            self._finish_gather(u)
+        u.unbind()
+        for b in (u.buffers if buffers is None else buffers):
+            b.release_full()
+        if u.params is not Params.SHARDED and u.name in self.transient:
+            self.n_gathered -= 1
+        u.params = Params.SHARDED
 
     def _wait(self, work, op: Op) -> None:
         try:
@@ -464,15 +454,3 @@ class Executor:
     def mark_shards_changed(self) -> None:
         """The local shards were written outside an optimizer step (a checkpoint load): gather again."""
         self.stale = True
-
-    def timed(self, fn):
-        """Wrap an event handler to add its CPU time to ``hook_seconds`` (benchmarks read it)."""
-        clock = time.perf_counter
-
-        def run(*args):
-            t = clock()
-            try:
-                return fn(*args)
-            finally:
-                self.hook_seconds += clock() - t
-        return run
