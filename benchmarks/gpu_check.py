@@ -38,19 +38,38 @@ def parity(strategy, dev, dtype=None):
     plan = sp.plan(model, toy_rules(), sp.Mesh(dp=1), strategy=strategy, units=[r"blocks\.\d+"], compute_dtype=dtype)
     sp.shard(model, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ops = None
-    for i, (x, y) in enumerate(data):
-        if i == 1:
-            with sp.record_ops(model) as rec:
-                model(x, y).backward()
-            ops = list(rec)
-        else:
+    with sp.record_ops(model) as ops:
+        for x, y in data:
             model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
+            opt.step()
+            opt.zero_grad()
     full = sp.full_state_dict(model, cpu=False)
     diff = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
-    return {"max_param_diff": diff, "ops_equal_schedule": ops == [o.key for o in plan.schedule], "ops": len(ops)}
+    return {"max_param_diff": diff, "ops_equal_schedule": ops == list(plan.ops()) * len(data), "ops": len(ops)}
+
+
+def dynamic(dev):
+    """Data-dependent use on CUDA streams: experts as units, a skipped block, a block called twice
+    (order="dynamic"), reentrant checkpointing; parity with the same model trained unsharded."""
+    from models import Dynamic, rank_batches
+    out = {}
+    for mode, units, order in [("moe", r"blocks\.\d+\.experts\.\d+", "static"), ("skip", r"blocks\.\d+", "static"),
+                               ("twice", r"blocks\.\d+", "dynamic"), ("reentrant", r"blocks\.\d+", "static")]:
+        data = [(x.to(dev), y.to(dev)) for x, y in rank_batches(4, 1)]
+        ref, model = Dynamic(mode).to(dev), Dynamic(mode).to(dev)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+        plan = sp.plan(model, [(r"gain", sp.P()), (r".*", sp.P("dp"))], sp.Mesh(dp=1), units=[units], order=order)
+        sp.shard(model, plan)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        for step, (x, y) in enumerate(data):
+            for m, o in ((ref, ropt), (model, opt)):
+                m.step = step
+                m(x, y).backward()
+                o.step()
+                o.zero_grad()
+        full = sp.full_state_dict(model, cpu=False)
+        out[f"{mode}/{order}"] = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+    return out
 
 
 def trace(path, dev):
@@ -99,6 +118,7 @@ def main():
            "singleton_groups": os.environ.get("SHARDPLAN_SINGLETON_GROUPS") == "1"}
     out["parity_fp32"] = {s: parity(s, dev) for s in ["no_shard", "optim", "optim_grads", "optim_grads_params"]}
     out["parity_bf16_zero3"] = parity("optim_grads_params", dev, torch.bfloat16)
+    out["dynamic_max_param_diff"] = dynamic(dev)
     out["trace"] = trace(args.trace, dev)
     emit(out, args.out)
 

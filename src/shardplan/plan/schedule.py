@@ -90,9 +90,10 @@ class Op:
 
     def applies(self, *, stale: bool = True, grad: bool = True, sync: bool = True) -> bool:
         """Whether the op runs in a step with these facts (see the module doc)."""
-        if self.event in (PRE_BACKWARD, POST_BACKWARD, END_BACKWARD) and not grad:
+        if not grad and self.event in (PRE_BACKWARD, POST_BACKWARD, END_BACKWARD):
             return False
-        return {ALWAYS: True, STALE: stale, SYNC: sync, NO_GRAD: not grad}[self.when]
+        w = self.when
+        return w == ALWAYS or (w == STALE and stale) or (w == SYNC and sync) or (w == NO_GRAD and not grad)
 
     def __str__(self) -> str:
         flags = (" prefetch" if self.prefetch else "") + (f" [{self.when}]" if self.when else "")
@@ -294,11 +295,12 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
             ops += late
             late = []
     ops += late
+    # every gradient has arrived: which parameters got one is known, and its exchange overlaps the rest
+    ops.append(Op(ALL_REDUCE, "", USED, END_BACKWARD, "", (), mesh.axis_names, n_params, False, SYNC))
     if prev is not None:
         ops += finish(prev, END_BACKWARD, "")
     ops += reduce(ROOT, END_BACKWARD, "")
     ops += finish(ROOT, END_BACKWARD, "")
-    ops.append(Op(ALL_REDUCE, "", USED, END_BACKWARD, "", (), mesh.axis_names, n_params, False, SYNC))
     ops.append(Op(WAIT, "", USED, END_BACKWARD, "", (), (), 0, False, SYNC))
     for u in ([ROOT] if level == 3 else pre_order):
         ops += free_params(u, END_BACKWARD, "")

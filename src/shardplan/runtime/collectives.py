@@ -132,8 +132,8 @@ def build_groups(plan, rank: int, backend: str, timeout_s: float) -> Groups:
                 mine = Group(pg, size, ranks.index(rank))
         made[key] = mine
     world = made[everyone]
-    used = world
-    if backend != "gloo" and mesh.size > 1:
+    used = world  # its tensor lives on the CPU: on any other backend it gets a gloo group of its own
+    if backend != "gloo" and world.pg is not None:
         used = Group(dist.new_group(list(range(mesh.size)), backend="gloo", timeout=timeout), mesh.size, rank)
     return Groups(made, world, used)
 

@@ -7,10 +7,12 @@ steps, so every rank runs the same ops in the same order whatever its data does:
   skipped is still gathered and freed, and its gradient (zeros) still reduced.
 * An event behind the cursor is harmless while its unit is still gathered; if the plan already freed
   the unit, the model departed from the plan and the executor raises, naming both events.
-* A ``post_backward(u)`` step runs as soon as ``u``'s gradients are complete (every parameter's gradient
-  arrived, or the gradient of its inputs did) and the cursor reached it, or when a later event needs the
-  steps after it; ``end_backward`` runs whatever is left. A gradient that reaches ``u`` after its
-  reduction raises: it would otherwise be lost.
+* A ``post_backward(u)`` step runs as soon as every gradient of ``u`` arrived and the cursor reached it,
+  or when a later event needs the steps after it: the next unit's ``pre_backward`` fires only once
+  ``u``'s backward is over (autograd accumulates a parameter's gradient as soon as it is ready, before
+  anything upstream), so a unit whose parameters did not all get a gradient completes right then.
+  ``end_backward`` runs whatever is left. A gradient that reaches ``u`` after its reduction raises: it
+  would otherwise be lost.
 
 Gradient accumulation windows end at each synchronising backward: the unsharded gradients are zeroed
 lazily at the first touch of the next window, and an all-reduce of "which parameters got a gradient"
@@ -19,7 +21,6 @@ gives parameters no rank used a ``None`` gradient, as plain PyTorch does.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from datetime import timedelta
 from typing import Optional
@@ -34,8 +35,6 @@ from ..plan.schedule import (ALL_GATHER, ALL_REDUCE, FREE, GRADS, PARAMS, POST_B
 from . import collectives as C
 from .streams import Streams
 from .unit import Grads, Params, PendingGather, PendingReduce, UnitRuntime
-
-_GRAD_ORDER = list(Grads)
 
 
 def _profiling() -> bool:
@@ -80,6 +79,7 @@ class Executor:
         self.transient = {u.name for u in units if any(not b.bp.persistent for b in u.buffers)}
         # the plan keeps full parameters between steps and re-gathers them only when the shards went stale
         self.regathers = any(op.when == STALE for op in self.ops)
+        self._todo: dict[tuple, list] = {}
         self._run_op = {(ALL_GATHER, PARAMS): self._all_gather, (WAIT, PARAMS): self._wait_params,
                         (FREE, PARAMS): self._free_params, (REDUCE_SCATTER, GRADS): self._reduce,
                         (ALL_REDUCE, GRADS): self._reduce, (WAIT, GRADS): self._wait_grads,
@@ -175,7 +175,8 @@ class Executor:
             u = self.units[step.at]
             if step.event == POST_BACKWARD:
                 self._run_step(step, grad=True)
-                u.grads = max(u.grads, Grads.COMPLETE, key=_GRAD_ORDER.index)
+                if u.grads in (Grads.IDLE, Grads.RUNNING):  # passed without a reduction (no_sync, dynamic)
+                    u.grads = Grads.COMPLETE
                 continue
             self._run_step(step, grad=True)
             self._prepare(u)
@@ -206,13 +207,6 @@ class Executor:
         if u.got >= u.expected and name != ROOT:
             self._complete(u)
 
-    def inputs_done(self, name: str) -> None:
-        """The gradient of one forward call's inputs arrived: that call's backward is over."""
-        u = self.units[name]
-        u.fired += 1
-        if u.fired >= u.calls:
-            self._complete(u)
-
     def _complete(self, u: UnitRuntime) -> None:
         if u.grads in (Grads.IDLE, Grads.RUNNING):
             u.grads = Grads.COMPLETE
@@ -238,19 +232,25 @@ class Executor:
 
     # -- running ops ---------------------------------------------------------------------------------
     def _run_step(self, step: Step, *, grad: bool) -> None:
-        for i in step.ops:
-            op = self.ops[i]
-            if op.applies(stale=self.stale, grad=grad, sync=self.sync):
-                self.run(op)
+        key = (step.event, step.at, self.stale, grad, self.sync)
+        todo = self._todo.get(key)
+        if todo is None:  # which ops of this step run under these facts, with their handlers: once
+            todo = self._todo[key] = [(self.ops[i], self._run_op[(self.ops[i].kind, self.ops[i].what)])
+                                      for i in step.ops if self.ops[i].applies(stale=key[2], grad=grad, sync=key[4])]
+        for op, fn in todo:
+            self.run(op, fn)
 
-    def run(self, op: Op) -> None:
+    def run(self, op: Op, fn=None) -> None:
         if self.record is not None:
             self.record.append(op)
-        ctx = torch.profiler.record_function(f"shardplan.{op.kind} {op.what} unit={op.unit} at={op.trigger}") \
-            if _profiling() else contextlib.nullcontext()
-        with ctx:
-            self._run_op[(op.kind, op.what)](op)
-        self._account()
+        fn = fn or self._run_op[(op.kind, op.what)]
+        if _profiling():
+            with torch.profiler.record_function(f"shardplan.{op.kind} {op.what} unit={op.unit} at={op.trigger}"):
+                fn(op)
+        else:
+            fn(op)
+        if self.track_memory:
+            self._account()
 
     def _unit(self, op: Op) -> UnitRuntime:
         return self.units[op.unit]
@@ -354,7 +354,7 @@ class Executor:
             self.buffer[i].release_grads()
 
     def _exchange_used(self, op: Op) -> None:
-        flags = torch.frombuffer(bytearray(self.used), dtype=torch.uint8).to(torch.int32)
+        flags = torch.frombuffer(self.used, dtype=torch.uint8).to(torch.int32)  # a copy: the collective writes it
         group = self.groups.used
         work = self._call(C.all_reduce, op, flags, group, async_op=True, op=dist.ReduceOp.MAX)
         self.used_pending = (work, flags)
@@ -365,9 +365,10 @@ class Executor:
         self.used_pending = None
         if not self.created:
             return
-        unused = set(torch.nonzero(flags == 0).flatten().tolist())
-        for i in self.created & unused:  # no rank used it: plain PyTorch leaves its gradient None
-            self.local_by_index[i].grad = None
+        used = flags.tolist()
+        for i in self.created:
+            if not used[i]:  # no rank used it: plain PyTorch leaves its gradient None
+                self.local_by_index[i].grad = None
 
     # -- helpers -----------------------------------------------------------------------------------
     def _prepare(self, u: UnitRuntime) -> None:
@@ -396,7 +397,8 @@ class Executor:
     def _release_leftovers(self) -> None:
         """After end_backward every unit must be sharded again (units the step never reached included)."""
         for u in self.unit_list:
-            self._reshard(u)
+            if u.params is not Params.SHARDED:
+                self._reshard(u)
 
     def _reshard(self, u: UnitRuntime, buffers=None) -> None:
         """The modules hold ``u``'s local shards again and its gathered storage is released."""

@@ -5,8 +5,6 @@
 * each unit module's pre/post forward hooks: ``pre_forward(u)`` / ``post_forward(u)`` (a merged unit
   starts with its first module and ends with its last);
 * a hook on every output tensor of a unit: ``pre_backward(u)`` when its gradient arrives;
-* an identity autograd function around a unit's inputs (FSDP2's idea): its backward runs once the
-  unit's backward is over, which completes the unit even when some of its parameters got no gradient;
 * a post-accumulate-grad hook on every full parameter: ``on_grad``; one on every local shard raises,
   since a gradient there means the shard was used where shardplan cannot see it.
 """
@@ -16,7 +14,6 @@ from __future__ import annotations
 import time
 import weakref
 
-import optree
 import torch
 import torch.nn as nn
 
@@ -42,33 +39,6 @@ def tensors_in(obj, out=None) -> list[torch.Tensor]:
         for k in obj.__dataclass_fields__:
             tensors_in(getattr(obj, k, None), out)
     return out
-
-
-class _InputsDone(torch.autograd.Function):
-    """Identity on a unit's inputs; its backward reports that the unit's backward is over."""
-
-    @staticmethod
-    def forward(ctx, notify, *tensors):
-        ctx.notify = notify
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.notify()
-        return (None,) + grads
-
-
-def wrap_inputs(args, kwargs, notify):
-    """``(args, kwargs)`` with every tensor that requires grad passed through :class:`_InputsDone`;
-    ``None`` when there is none (the unit then completes by counting its gradients)."""
-    leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
-    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
-    if not idx:
-        return None
-    wrapped = _InputsDone.apply(notify, *[leaves[i] for i in idx])
-    for i, t in zip(idx, wrapped):
-        leaves[i] = t
-    return optree.tree_unflatten(spec, leaves)
 
 
 def cast_inputs(args, kwargs, dtype_name):
@@ -97,14 +67,13 @@ def install(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn.Modu
     def timed(fn):
         # dynamo must not trace the runtime (storage resizes, collectives, module attribute swaps): under
         # torch.compile(model) each hook is a graph break and runs eagerly, as FSDP2's hooks do
-        @torch._dynamo.disable
         def run(*args):
             t = clock()
             try:
                 return fn(*args)
             finally:
                 exe.hook_seconds += clock() - t
-        return run
+        return torch._dynamo.disable(run)
 
     def watch_outputs(name: str, output) -> None:
         if not torch.is_grad_enabled() or in_backward_pass():
@@ -129,17 +98,10 @@ def install(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn.Modu
     handles.append(module.register_forward_pre_hook(root_pre, with_kwargs=True))
     handles.append(module.register_forward_hook(root_post))
     for name, mods in modules_of.items():
-        u = exe.units[name]
 
         @timed
-        def pre(_m, args, kwargs, _name=name, _u=u):
+        def pre(_m, _args, _name=name):
             exe.pre_forward(_name)
-            if torch.is_grad_enabled() and not in_backward_pass():
-                wrapped = wrap_inputs(args, kwargs, lambda _n=_name: me().inputs_done(_n))
-                if wrapped is not None:
-                    _u.calls += 1
-                    return wrapped
-            return None
 
         @timed
         def post(_m, _args, output, _name=name):
@@ -148,7 +110,7 @@ def install(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn.Modu
             return output
 
         for mod in mods:
-            handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(mod.register_forward_pre_hook(pre))
         handles.append(mods[-1].register_forward_hook(post))
     for u in exe.unit_list:
         _hook_params(exe, u)

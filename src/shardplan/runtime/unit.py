@@ -61,8 +61,6 @@ class UnitRuntime:
     grads: Grads = Grads.IDLE
     expected: int = 0     # parameters that take gradients
     got: int = 0          # of those, how many got one in this backward
-    calls: int = 0        # forward calls whose inputs carry the completion trigger
-    fired: int = 0        # of those, how many triggered in backward
     entered: int = 0      # forward calls in this step
     gather: Optional[PendingGather] = None
     reduce: Optional[PendingReduce] = None
@@ -83,10 +81,10 @@ class UnitRuntime:
 
     def start_pass(self) -> None:
         self.grads = Grads.IDLE
-        self.got = self.fired = 0
+        self.got = 0
 
     def start_forward(self) -> None:
-        self.calls = self.entered = 0
+        self.entered = 0
 
     def tensors(self) -> list[Optional[torch.Tensor]]:
         out = [t for b in self.buffers for t in b.tensors()]
