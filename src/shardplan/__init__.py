@@ -22,6 +22,10 @@ from .spec import P
 from .runtime import clip_grad_norm_, compile_units, mark_shards_changed, memory_stats, no_sync, record_ops, reset_peak, shard
 from .runtime import checkpoint
 from .runtime.checkpoint import full_state_dict, load_full_state_dict, load_state_dict, state_dict
+from .runtime.functional import functional_call, grad, value_and_grad
+from .tree import assemble, shard_tree, unshard_tree
+from . import optim
+from .optim import clip_by_global_norm
 
 __version__ = "0.1.0"
 
@@ -31,4 +35,6 @@ __all__ = [
     "RuntimeShardingError", "CollectiveError", "CheckpointError", "UnusedRuleWarning", "PlanWarning",
     "shard", "no_sync", "clip_grad_norm_", "record_ops", "memory_stats", "reset_peak", "mark_shards_changed",
     "compile_units", "checkpoint", "state_dict", "load_state_dict", "full_state_dict", "load_full_state_dict",
+    "shard_tree", "unshard_tree", "assemble", "functional_call", "value_and_grad", "grad", "optim",
+    "clip_by_global_norm",
 ]

@@ -45,7 +45,9 @@ def collect_leaves(model_or_tree) -> tuple[list[LeafInfo], list[Any], list[str],
         shape = getattr(leaf, "shape", None)
         if shape is None:
             raise PlanError(f"leaf {path!r} ({type(leaf).__name__}) has no shape; plan() takes a pytree of tensors")
-        infos.append(LeafInfo(path, tuple(shape), leaf.dtype, bool(getattr(leaf, "requires_grad", True))))
+        # a pytree is JAX-style: every floating-point leaf is trained (tensors default to requires_grad=False)
+        trains = bool(getattr(leaf, "requires_grad", False)) or bool(getattr(leaf, "is_floating_point", lambda: False)())
+        infos.append(LeafInfo(path, tuple(shape), leaf.dtype, trains))
         kept.append(leaf)
     prefixes: dict[str, None] = {}
     for path in paths:

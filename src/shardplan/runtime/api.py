@@ -16,14 +16,22 @@ from ..plan.schedule import ROOT
 from . import collectives as C
 from .buffers import BufferState
 from .executor import Executor
+from .faces import ModuleFace
 from .hooks import install
 from .unit import UnitRuntime
 
 _ATTR = "_shardplan"
 
 
-def engine_of(module: nn.Module) -> Executor:
-    """The executor running ``module``'s plan (``shard`` attaches it)."""
+def engine_of(module: nn.Module, plan: Optional[Plan] = None) -> Executor:
+    """The executor running ``module``'s plan (``shard`` attaches it; with ``plan``, the one
+    ``functional_call(module, plan, ...)`` made)."""
+    if plan is not None:
+        from .functional import _RUNTIMES
+        rt = _RUNTIMES.get(module, {}).get(plan.fingerprint())
+        if rt is None:
+            raise RuntimeShardingError("functional_call has not run this module with this plan yet")
+        return rt.exe
     eng = module.__dict__.get(_ATTR)
     if eng is None:
         raise RuntimeShardingError("this module is not sharded; call shardplan.shard(module, plan) first")
@@ -63,10 +71,10 @@ def _check_module(module: nn.Module, plan: Plan) -> tuple[dict[str, list[tuple[n
     return slots, problems
 
 
-def _startup(module: nn.Module, plan: Plan, world: int, rank: int, timeout_s: float):
+def _startup(module: nn.Module, plan: Plan, world: int, rank: int, timeout_s: float, problems: Optional[list] = None):
     """Local checks on every rank, then one bounded exchange of their findings and plans: a problem on any
     rank raises on every rank, naming it, before the first collective."""
-    problems: list[str] = []
+    problems = list(problems or [])
     try:
         from ..plan.validate import validate
         validate(plan)  # an edited or hand-written plan is checked before anything runs
@@ -134,7 +142,7 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     groups = C.build_groups(plan, rank, backend, timeout_s)
     originals = {n: p for n, p in module.named_parameters()}
     modules = dict(module.named_modules())
-    units, modules_of = [], {}
+    units, modules_of, unit_slots = [], {}, {}
     for up in plan.units:
         bufs = [BufferState(plan, plan.buffers[i], rank, device) for i in up.buffers]
         names = [n for b in bufs for n in b.bp.params]
@@ -150,15 +158,17 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
             b.make_params()
         del unit_full
         u = UnitRuntime(up.name, bufs)
-        for b in bufs:
-            for pp, lp, fp in zip(b.infos, b.local, b.full_params):
-                u.slots += [(m, attr, lp, fp) for m, attr in slots[pp.name]]
-        u.unbind()  # drops the module's full tensors (meta init: the only full copy of this unit)
+        unit_slots[up.name] = [(m, attr, lp, fp) for b in bufs for pp, lp, fp in zip(b.infos, b.local, b.full_params)
+                               for m, attr in slots[pp.name]]
+        for m, attr, lp, _ in unit_slots[up.name]:
+            m._parameters[attr] = lp  # drops the module's full tensors (meta init: the only full copy of this unit)
         units.append(u)
         if up.name != ROOT:
             modules_of[up.name] = [modules[m] for m in up.module_paths]
     del originals
-    exe = Executor(plan, units, groups, device, rank, timeout_s)
+    face = ModuleFace(unit_slots)
+    face.attach(units, plan)
+    exe = Executor(plan, units, groups, device, rank, timeout_s, face)
     exe.handles = install(module, exe, modules_of)
     module.__dict__[_ATTR] = exe
     if sync_buffers and world > 1:
@@ -182,10 +192,10 @@ def no_sync(module: nn.Module):
 
 
 @contextlib.contextmanager
-def record_ops(module: nn.Module):
+def record_ops(module: nn.Module, plan: Optional[Plan] = None):
     """Record the schedule ops the runtime runs: ``with record_ops(m) as ops: ...`` -> [Op, ...], the plan's
-    own op objects (compare with ``plan.ops(...)``)."""
-    eng = engine_of(module)
+    own op objects (compare with ``plan.ops(...)``). With ``plan``: the functional face's runtime."""
+    eng = engine_of(module, plan)
     ops: list = []
     prev, eng.record = eng.record, ops
     try:

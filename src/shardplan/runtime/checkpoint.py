@@ -35,16 +35,21 @@ warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWa
 
 def _sharded(eng, name: str, local: torch.Tensor):
     """``local`` (this rank's box of ``name``) as a DCP value."""
+    return sharded_value(eng.plan, eng.groups, eng.rank, name, local)
+
+
+def sharded_value(plan, groups, rank: int, name: str, local: torch.Tensor):
+    """``local`` (``rank``'s box of parameter ``name``, or a state tensor shaped like it) as a DCP value:
+    a ``ShardedTensor`` whose shards are the boxes ``plan.local_slices`` gives each rank of the group."""
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-    plan = eng.plan
     p = plan.param(name)
     b = plan.buffers[p.buffer]
-    group = eng.groups.gather(b.axes) if b.sharded else None
+    group = groups.gather(b.axes) if b.sharded else None
     if group is None or group.size == 1:
         return local
-    members = plan.mesh.group_of(eng.rank, b.axes)
+    members = plan.mesh.group_of(rank, b.axes)
     dev = local.device.type if local.device.type == "cpu" else f"cuda:{local.device.index}"
     mds, mine = [], None
     for r in members:
@@ -55,7 +60,7 @@ def _sharded(eng, name: str, local: torch.Tensor):
         # torch maps the placement's global rank into the group
         md = ShardMetadata([s.start for s in box], [s.stop - s.start for s in box], f"rank:{r}/{dev}")
         mds.append(md)
-        if r == eng.rank:
+        if r == rank:
             mine = md
     props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
                              memory_format=torch.contiguous_format, pin_memory=False)
@@ -193,16 +198,13 @@ def load_state_dict(model: nn.Module, state: dict, optimizer: Optional[torch.opt
 
 # -- files -----------------------------------------------------------------------------------------
 
-def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, step: int = 0) -> None:
-    """Save atomically: DCP writes into ``path`` + a unique suffix, then rank 0 renames it into place,
-    so a run killed mid-save leaves the previous checkpoint at ``path`` loadable."""
-    eng = engine_of(model)
-    sd = state_dict(model, optimizer)
-    sd["extra"] = {"step": torch.tensor(step)}
-    tmp = C.broadcast_str(f"{path.rstrip('/')}.tmp-{uuid.uuid4().hex[:8]}", eng.groups.world)
+def _save_atomic(sd: dict, path: str, world, rank: int) -> None:
+    """DCP writes into ``path`` + a unique suffix, then rank 0 renames it into place, so a run killed
+    mid-save leaves the previous checkpoint at ``path`` loadable."""
+    tmp = C.broadcast_str(f"{path.rstrip('/')}.tmp-{uuid.uuid4().hex[:8]}", world)
     dcp.save(sd, checkpoint_id=tmp)
-    C.barrier(eng.groups.world)
-    if eng.rank == 0:
+    C.barrier(world)
+    if rank == 0:
         old = None
         if os.path.exists(path):
             old = f"{path.rstrip('/')}.old-{uuid.uuid4().hex[:8]}"
@@ -210,7 +212,77 @@ def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
         os.rename(tmp, path)
         if old:
             shutil.rmtree(old, ignore_errors=True)
-    C.barrier(eng.groups.world)
+    C.barrier(world)
+
+
+def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, step: int = 0) -> None:
+    """Save atomically (written aside, then renamed into place); loads at any world size, strategy,
+    rules or units with :func:`load`."""
+    eng = engine_of(model)
+    sd = state_dict(model, optimizer)
+    sd["extra"] = {"step": torch.tensor(step)}
+    _save_atomic(sd, path, eng.groups.world, eng.rank)
+
+
+# -- functional trees: (local params, optimizer state), any pytree -----------------------------------------
+
+def _tree_state_dict(plan, tree, rank: int, timeout_s: float):
+    """{dotted path: value} for DCP: a leaf whose path ends in a plan parameter's name and which has that
+    parameter's local shape on this rank is sharded like it; any other leaf (a step count) is plain."""
+    from ..rules import leaves_with_paths
+    from .functional import groups_for
+    groups = groups_for(plan, timeout_s)
+    paths, leaves, spec = leaves_with_paths(tree)
+    out = {}
+    for path, leaf in zip(paths, leaves):
+        parts = path.split(".")
+        name = next((".".join(parts[k:]) for k in range(len(parts)) if ".".join(parts[k:]) in plan._index), None)
+        if isinstance(leaf, torch.Tensor) and name is not None and tuple(leaf.shape) == plan.local_shape(name, rank):
+            out[path] = sharded_value(plan, groups, rank, plan.param(name).name, leaf.detach())
+        else:
+            out[path] = leaf
+    return out, (paths, spec)
+
+
+def save_tree(path: str, plan, tree, *, step: int = 0, timeout_s: float = 300.0) -> None:
+    """Save a pytree of local shards (``{"params": local, "opt": state}``, say) atomically; loads at any
+    world size, strategy or rules with :func:`load_tree`.
+
+    >>> sp.checkpoint.save_tree("ckpt", plan, {"params": local, "opt": state}, step=100)
+    """
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    sd, _ = _tree_state_dict(plan, tree, rank, timeout_s)
+    _save_atomic({"tree": sd, "extra": {"step": torch.tensor(step)}}, path, C.world(), rank)
+
+
+def load_tree(path: str, plan, template, *, timeout_s: float = 300.0):
+    """``(tree, step)``: the saved tree resharded for ``plan`` on this rank. ``template`` has the tree's
+    structure with this rank's local shapes (e.g. ``shard_tree`` of the model and ``opt.init`` of it);
+    its tensors are filled in place and returned.
+
+    >>> tree, step = sp.checkpoint.load_tree("ckpt", plan, {"params": local, "opt": state})
+    """
+    import optree
+    import torch.distributed as dist
+    if not os.path.isdir(path):
+        raise CheckpointError(f"no checkpoint at {path!r}")
+    rank = dist.get_rank()
+    sd, (paths, spec) = _tree_state_dict(plan, template, rank, timeout_s)
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    missing = [p for p in paths if f"tree.{p}" not in meta]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} has no entry for {missing[:10]}; the template must have the "
+                              f"saved tree's structure")
+    full = {"tree": sd, "extra": {"step": torch.tensor(0)}}
+    dcp.load(full, checkpoint_id=path)
+    from ..rules import leaves_with_paths
+    leaves = []
+    for p, t in zip(paths, leaves_with_paths(template)[1]):
+        v = _local_value(sd[p])  # the template's tensor, now loaded (an empty box: this rank holds none)
+        leaves.append(t if v is None else v)
+    tree = dict(zip(paths, leaves)) if spec is None else optree.tree_unflatten(spec, leaves)
+    return tree, int(full["extra"]["step"])
 
 
 def _shape_of(md) -> Optional[tuple]:

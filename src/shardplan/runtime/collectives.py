@@ -86,6 +86,13 @@ def broadcast_str(s: str, group: Group) -> str:
     return obj[0]
 
 
+def world() -> Group:
+    """The default process group (every rank), or a group of one where there is none."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return ONE
+    return Group(dist.group.WORLD, dist.get_world_size(), dist.get_rank())
+
+
 def barrier(group: Group) -> None:
     if group.pg is not None:
         dist.barrier(group=group.pg)

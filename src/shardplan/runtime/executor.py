@@ -50,12 +50,13 @@ class Executor:
     """The runtime state of one sharded model. Attached as ``module._shardplan`` by :func:`shard`."""
 
     def __init__(self, plan: Plan, units: list[UnitRuntime], groups: C.Groups, device: torch.device, rank: int,
-                 timeout_s: float):
+                 timeout_s: float, face=None):
         self.plan, self.rank, self.device, self.groups, self.timeout_s = plan, rank, device, groups, timeout_s
         self.units = {u.name: u for u in units}
         self.unit_list = units
         self.buffer = {b.bp.index: b for u in units for b in u.buffers}
-        self.local_by_index = {i: lp for b in self.buffer.values() for i, lp in b.local_grad_by_index().items()}
+        # the face: how gathered parameters reach the compute and where reduced gradients go (runtime/faces.py)
+        self.face = face
         self.streams = Streams(device)
         self.ops = plan.schedule
         self.prog = plan.program
@@ -68,7 +69,6 @@ class Executor:
         self.in_backward = False
         self.awaiting_backward = False
         self.used = bytearray(len(plan.params))  # parameters that got a gradient on this rank in this window
-        self.created: set[int] = set()           # parameters whose local .grad this window created
         self.used_pending: Optional[tuple] = None
         self.versions = -1
         self.record: Optional[list] = None
@@ -195,17 +195,26 @@ class Executor:
         self.begin_backward()
         self.used[index] = 1
         u = self.units[name]
-        if u.grads in (Grads.REDUCING, Grads.DONE) and self.sync:
-            raise RuntimeShardingError(
-                f"shardplan: parameter {self.plan.params[index].name!r} of unit {name!r} received a gradient after "
-                f"the unit's gradients were reduced: it is used outside the unit's forward, or the units' backward "
-                f"ran in another order than the plan's. Move it to the root unit (units=...), use it inside its "
-                f"unit's forward, or plan with order='dynamic' (reduces every gradient at the end of backward)")
+        self.check_not_reduced(u, [self.plan.params[index].name])
         u.got += 1
         if u.grads is Grads.IDLE:
             u.grads = Grads.RUNNING
         if u.got >= u.expected and name != ROOT:
             self._complete(u)
+
+    def check_not_reduced(self, u: UnitRuntime, names: list[str]) -> None:
+        """A gradient arriving for ``u`` after its reduction would be lost: raise instead."""
+        if u.grads in (Grads.REDUCING, Grads.DONE) and self.sync:
+            raise RuntimeShardingError(
+                f"shardplan: parameter {names[0]!r} of unit {u.name!r} received a gradient after the unit's gradients "
+                f"were reduced: it is used outside the unit's forward, or the units' backward ran in another order "
+                f"than the plan's. Move it to the root unit (units=...), use it inside its unit's forward, or plan "
+                f"with order='dynamic' (reduces every gradient at the end of backward)")
+
+    def complete(self, name: str) -> None:
+        """Every gradient of unit ``name`` has arrived (the functional face knows it exactly)."""
+        if name != ROOT:
+            self._complete(self.units[name])
 
     def _complete(self, u: UnitRuntime) -> None:
         if u.grads in (Grads.IDLE, Grads.RUNNING):
@@ -223,9 +232,9 @@ class Executor:
             self.in_backward = False
             if self.sync:
                 self.window += 1
-                self.stale = True
+                self.stale = self.stale or self.face.stale_after_sync
                 self.used = bytearray(len(self.plan.params))
-                self.created.clear()
+                self.face.window_ended()
             for u in self.unit_list:
                 u.start_pass()
             self._account()
@@ -294,7 +303,7 @@ class Executor:
             raise RuntimeShardingError(f"shardplan: {op.trigger} waits for unit {u.name!r}'s parameters but nothing "
                                        f"gathered them; the schedule is inconsistent")
         u.params = Params.UNSHARDED
-        u.bind()
+        self.face.bind(u)
 
     def _free_params(self, op: Op) -> None:
         self._reshard(self._unit(op), [self.buffer[i] for i in op.buffers])
@@ -344,7 +353,7 @@ class Executor:
         self.streams.wait(rec.event)
         for i in op.buffers:
             b = self.buffer[i]
-            self.created.update(b.assign_local_grads(rec.results.get(i, rec.inputs[i])))
+            self.face.deliver(b, rec.results.get(i, rec.inputs[i]))
             b.detach_grads()
         u.reduce = None
         u.grads = Grads.DONE
@@ -363,12 +372,7 @@ class Executor:
         work, flags = self.used_pending
         self._wait(work, op)
         self.used_pending = None
-        if not self.created:
-            return
-        used = flags.tolist()
-        for i in self.created:
-            if not used[i]:  # no rank used it: plain PyTorch leaves its gradient None
-                self.local_by_index[i].grad = None
+        self.face.unused([i for i, f in enumerate(flags.tolist()) if not f])
 
     # -- helpers -----------------------------------------------------------------------------------
     def _prepare(self, u: UnitRuntime) -> None:
@@ -377,7 +381,7 @@ class Executor:
         self._account()
 
     def _versions(self) -> int:
-        return sum(lp._version for lp in self.local_by_index.values())
+        return self.face.shard_version()
 
     def _abandon(self) -> None:
         """A step ended without its backward (or was interrupted): finish what is in flight and release what
@@ -404,7 +408,7 @@ class Executor:
         """The modules hold ``u``'s local shards again and its gathered storage is released."""
         if u.gather is not None:
             self._finish_gather(u)
-        u.unbind()
+        self.face.unbind(u)
         for b in (u.buffers if buffers is None else buffers):
             b.release_full()
         if u.params is not Params.SHARDED and u.name in self.transient:
@@ -445,9 +449,9 @@ class Executor:
         self.live_bytes = sum(seen.values())
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
 
-    def local_params(self) -> dict[str, torch.nn.Parameter]:
+    def local_params(self) -> dict[str, torch.Tensor]:
         """This rank's shard of every parameter, by plan name (what the optimizer steps)."""
-        return {p.name: self.local_by_index[i] for i, p in enumerate(self.plan.params)}
+        return self.face.local_params()
 
     def shard_of(self, buffer_index: int) -> torch.Tensor:
         """This rank's flat shard of a buffer (``plan.buffers[buffer_index]``)."""

@@ -58,8 +58,10 @@ def cast_inputs(args, kwargs, dtype_name):
     return cast(args), cast(kwargs)
 
 
-def install(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn.Module]]) -> list:
-    """Register every hook; returns the handles. Hooks hold the executor weakly where they live in C++."""
+def install(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn.Module]], *, param_hooks: bool = True) -> list:
+    """Register every hook; returns the module hooks' handles (``param_hooks``: also the gradient hooks of
+    the module face's parameters, which live as long as they do). Hooks hold the executor weakly where
+    they live in C++."""
     handles: list = []
     clock = time.perf_counter
     me = weakref.ref(exe)
@@ -112,8 +114,9 @@ def install(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn.Modu
         for mod in mods:
             handles.append(mod.register_forward_pre_hook(pre))
         handles.append(mods[-1].register_forward_hook(post))
-    for u in exe.unit_list:
-        _hook_params(exe, u)
+    if param_hooks:
+        for u in exe.unit_list:
+            _hook_params(exe, u)
     return handles
 
 

@@ -56,7 +56,6 @@ class PendingReduce:
 class UnitRuntime:
     name: str
     buffers: list[BufferState]
-    slots: list = field(default_factory=list)      # (module, attribute, local param, full param)
     params: Params = Params.SHARDED
     grads: Grads = Grads.IDLE
     expected: int = 0     # parameters that take gradients
@@ -68,16 +67,6 @@ class UnitRuntime:
     @property
     def with_grads(self) -> list[BufferState]:
         return [b for b in self.buffers if b.requires_grad]
-
-    def bind(self) -> None:
-        """The modules hold the full parameters."""
-        for m, attr, _, fp in self.slots:
-            m._parameters[attr] = fp
-
-    def unbind(self) -> None:
-        """The modules hold the local shards."""
-        for m, attr, lp, _ in self.slots:
-            m._parameters[attr] = lp
 
     def start_pass(self) -> None:
         self.grads = Grads.IDLE

@@ -1,0 +1,149 @@
+"""Pure optimizers over pytrees of local shards, in optax's shape: tensors in, tensors out.
+
+>>> opt = sp.optim.adamw(lr=3e-4, weight_decay=0.1)
+>>> state = opt.init(local_params)
+>>> local_params, state = opt.update(grads, state, local_params)   # nothing the caller holds is changed
+
+Updates use ``torch._foreach_*`` (out of place) with the arithmetic, in the order, of
+``torch.optim.AdamW`` / ``SGD``, so a shard trains bit for bit like the same elements under torch's
+optimizers. ``clip_by_global_norm`` needs the plan: a parameter replicated over some mesh axes is
+counted once, not once per replica.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import optree
+import torch
+
+from .errors import ShardingError
+
+
+class Optimizer(NamedTuple):
+    """``init(params) -> state`` and ``update(grads, state, params) -> (params, state)``."""
+
+    init: Callable[[Any], Any]
+    update: Callable[[Any, Any, Any], tuple[Any, Any]]
+
+
+def _flat(tree, what: str, like=None):
+    leaves, spec = optree.tree_flatten(tree)
+    if like is not None and spec != like:
+        raise ShardingError(f"{what} has another tree structure than the parameters: {spec} vs {like}")
+    return leaves, spec
+
+
+def trainable(plan) -> Callable[[str], bool]:
+    """A ``mask`` for the optimizers: the parameters the plan's module trains (``requires_grad``)."""
+    return lambda path: plan.param(path).requires_grad
+
+
+def _selected(params, mask) -> list[int]:
+    """Indices of the leaves ``mask`` lets the optimizer change (all of them without a mask)."""
+    from .rules import leaves_with_paths
+    paths = leaves_with_paths(params)[0]
+    return [i for i, p in enumerate(paths) if mask is None or mask(p)]
+
+
+def _masked(update_some):
+    """Run ``update_some`` on the selected leaves only; the others, and their state, pass through."""
+    def run(lists: list[list], sel: list[int]):
+        picked = update_some(*[[xs[i] for i in sel] for xs in lists])
+        out = [list(xs) for xs in lists[:len(picked)]]
+        for new, old in zip(picked, out):
+            for i, t in zip(sel, new):
+                old[i] = t
+        return out
+    return run
+
+
+def adamw(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+          weight_decay: float = 1e-2, mask: Callable[[str], bool] = None) -> Optimizer:
+    """AdamW (decoupled weight decay), as ``torch.optim.AdamW``. State: ``{"step", "exp_avg", "exp_avg_sq"}``.
+
+    ``mask(path) -> bool`` picks the leaves to train (``trainable(plan)``: those that require grad); the
+    others keep their values, as torch's optimizers skip parameters without gradients.
+    """
+    b1, b2 = betas
+
+    def init(params):
+        leaves, spec = _flat(params, "params")
+        zeros = lambda: optree.tree_unflatten(spec, [torch.zeros_like(p) for p in leaves])
+        return {"step": torch.tensor(0.0), "exp_avg": zeros(), "exp_avg_sq": zeros()}
+
+    def step_some(p, g, m, v, t):
+        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+        p = torch._foreach_mul(p, 1 - lr * weight_decay)
+        m = torch._foreach_lerp(m, g, 1 - b1)
+        v = torch._foreach_addcmul(torch._foreach_mul(v, b2), g, g, value=1 - b2)
+        denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(v), math.sqrt(bc2)), eps)
+        return torch._foreach_addcdiv(p, m, denom, value=-lr / bc1), m, v
+
+    def update(grads, state, params):
+        p, spec = _flat(params, "params")
+        g, _ = _flat(grads, "grads", spec)
+        m, _ = _flat(state["exp_avg"], "exp_avg", spec)
+        v, _ = _flat(state["exp_avg_sq"], "exp_avg_sq", spec)
+        step = state["step"] + 1
+        t = float(step)
+        p, m, v = _masked(lambda p_, g_, m_, v_: step_some(p_, g_, m_, v_, t))([p, g, m, v], _selected(params, mask))
+        rebuild = lambda xs: optree.tree_unflatten(spec, xs)
+        return rebuild(p), {"step": step, "exp_avg": rebuild(m), "exp_avg_sq": rebuild(v)}
+
+    return Optimizer(init, update)
+
+
+def sgd(lr: float, momentum: float = 0.0, weight_decay: float = 0.0, mask: Callable[[str], bool] = None) -> Optimizer:
+    """SGD with optional momentum and (coupled) weight decay, as ``torch.optim.SGD``; ``mask`` as for adamw."""
+
+    def init(params):
+        leaves, spec = _flat(params, "params")
+        return {"momentum_buffer": optree.tree_unflatten(spec, [torch.zeros_like(p) for p in leaves]),
+                "step": torch.tensor(0.0)}
+
+    def update(grads, state, params):
+        p, spec = _flat(params, "params")
+        g, _ = _flat(grads, "grads", spec)
+        buf, _ = _flat(state["momentum_buffer"], "momentum_buffer", spec)
+        first = float(state["step"]) == 0
+
+        def step_some(p_, g_, b_):
+            if weight_decay:
+                g_ = torch._foreach_add(g_, p_, alpha=weight_decay)
+            if momentum:
+                b_ = [x.clone() for x in g_] if first else torch._foreach_add(torch._foreach_mul(b_, momentum), g_)
+                g_ = b_
+            return torch._foreach_add(p_, g_, alpha=-lr), b_
+
+        p, buf = _masked(step_some)([p, g, buf], _selected(params, mask))
+        return optree.tree_unflatten(spec, p), {"momentum_buffer": optree.tree_unflatten(spec, buf),
+                                                "step": state["step"] + 1}
+
+    return Optimizer(init, update)
+
+
+def clip_by_global_norm(grads, max_norm: float, plan) -> tuple[Any, torch.Tensor]:
+    """``(clipped, norm)``: the gradients scaled so their global L2 norm over every rank is at most
+    ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model). Collective: every rank
+    calls it. Pure: returns new tensors.
+
+    >>> grads, norm = sp.clip_by_global_norm(grads, 1.0, plan)
+    """
+    from .rules import leaves_with_paths
+    from .runtime import collectives as C
+    paths, leaves, spec = leaves_with_paths(grads)
+    dev = leaves[0].device if leaves else torch.device("cpu")
+    acc = torch.zeros((), dtype=torch.float64 if dev.type == "cpu" else torch.float32, device=dev)
+    for path, g in zip(paths, leaves):
+        if not g.numel():
+            continue
+        b = plan.buffers[plan.param(path).buffer]
+        replicas = plan.mesh.axis_size(b.replica_axes) if b.replica_axes else 1
+        acc = acc + torch.linalg.vector_norm(g, 2).to(acc.dtype) ** 2 / replicas
+    C.all_reduce(acc, C.world(), async_op=False, op=torch.distributed.ReduceOp.SUM)
+    norm = acc.sqrt().float()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    out = torch._foreach_mul(leaves, coef) if leaves else []
+    return (dict(zip(paths, out)) if spec is None else optree.tree_unflatten(spec, out)), norm

@@ -1,0 +1,185 @@
+"""Faces: how one executor meets the code it serves. The executor decides *when* (the plan's ops);
+a face decides *where*: how a unit's gathered parameters reach the compute (``bind``/``unbind``) and
+where its reduced gradient goes (``deliver``).
+
+* :class:`ModuleFace` (``shard``): the modules hold local-shard ``nn.Parameter``\\ s between steps and
+  the full parameters while a unit computes; reduced gradients become the local shards' ``.grad``.
+* :class:`TreeFace` (``functional_call``): the caller's local pytree goes in, an autograd function per
+  unit produces the full parameters from it (its backward is the unit's gradient), and reduced
+  gradients come back as tensors shaped like the local shards.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .buffers import BufferState, alias
+from .unit import UnitRuntime
+
+
+class ModuleFace:
+    stale_after_sync = True  # the optimizer steps the registered shards in place after a synced backward
+
+    def __init__(self, slots: dict[str, list]):
+        self.slots = slots  # unit name -> [(module, attribute, local param, full param)]
+        self.by_index: dict[int, nn.Parameter] = {}
+        self.by_name: dict[str, nn.Parameter] = {}
+        self.created: set[int] = set()  # parameters whose local .grad this window created
+
+    def attach(self, units: list[UnitRuntime], plan) -> None:
+        self.by_index = {i: lp for u in units for b in u.buffers for i, lp in b.local_grad_by_index().items()}
+        self.by_name = {p.name: self.by_index[i] for i, p in enumerate(plan.params)}
+
+    def bind(self, u: UnitRuntime) -> None:
+        for m, attr, _, fp in self.slots[u.name]:
+            m._parameters[attr] = fp
+
+    def unbind(self, u: UnitRuntime) -> None:
+        for m, attr, lp, _ in self.slots[u.name]:
+            m._parameters[attr] = lp
+
+    def deliver(self, b: BufferState, result: torch.Tensor) -> None:
+        self.created.update(b.assign_local_grads(result))
+
+    def unused(self, indices: list[int]) -> None:
+        for i in indices:  # no rank used it: plain PyTorch leaves its gradient None
+            if i in self.created:
+                self.by_index[i].grad = None
+
+    def window_ended(self) -> None:
+        self.created.clear()
+
+    def shard_version(self) -> int:
+        return sum(lp._version for lp in self.by_index.values())
+
+    def local_params(self) -> dict:
+        return dict(self.by_name)
+
+
+class _UnitGather(torch.autograd.Function):
+    """Full parameters of one unit as a function of its local shards: the forward returns tensors over
+    the unit's gathered storage (own version counters: the re-gather in backward must not look like an
+    in-place change); the backward hands the full gradients to the executor, which reduces them, and
+    returns the local-shard gradients the reduction will have filled before backward returns."""
+
+    @staticmethod
+    def forward(ctx, face, unit, *locals_):
+        ctx.face, ctx.unit = face, unit
+        return tuple(face.full_tensors(unit))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None) + tuple(ctx.face.unit_backward(ctx.unit, grads))
+
+
+class TreeFace:
+    """The functional face: see :func:`shardplan.functional_call`."""
+
+    stale_after_sync = False  # new shards arrive as a new tree: load() sees them
+
+    def __init__(self, plan, exe_ref):
+        self.plan = plan
+        self.exe = exe_ref  # a weak reference: the executor owns the face
+        self.leaves: dict[str, torch.Tensor] = {}       # plan name -> the caller's local leaf, this call
+        self.slots: dict[str, list] = {}                 # unit -> per parameter, [(module, attribute)] it is bound to
+        self.grads: dict[str, torch.Tensor] = {}         # plan name -> reduced local gradient, this backward
+        self.dst: dict[int, torch.Tensor] = {}           # buffer -> flat local gradient (param dtype)
+        self.versions: dict[str, tuple] = {}
+
+    # -- loading the caller's tree ---------------------------------------------------------------------
+    def load(self, leaves: dict[str, torch.Tensor], sources: Optional[dict] = None) -> bool:
+        """Take this call's local leaves; copy them into the shards where they changed. Returns whether
+        any shard changed (the executor then re-gathers, as after an optimizer step). ``sources``: the
+        caller's own tensors behind ``leaves`` (value_and_grad passes detached copies): a leaf is
+        unchanged when its source is the very tensor of the last call, at the same version."""
+        exe = self.exe()
+        sources = sources or leaves
+        changed = False
+        for u in exe.unit_list:
+            for b in u.buffers:
+                for (box, off, shape), info in zip(b.local_boxes, b.infos):
+                    src = sources[info.name]
+                    seen = self.versions.get(info.name)
+                    if seen is not None and seen[0]() is src and seen[1] == src._version:
+                        continue
+                    self.versions[info.name] = (weakref.ref(src), src._version)
+                    n = math.prod(shape)
+                    if n:
+                        with torch.no_grad():
+                            b.shard[off:off + n].copy_(leaves[info.name].reshape(-1))
+                    changed = True
+        self.leaves = leaves
+        return changed
+
+    # -- the executor's side --------------------------------------------------------------------------
+    def bind(self, u: UnitRuntime) -> None:
+        if torch._C._current_graph_task_id() != -1 or u.name not in self.slots:
+            return  # in backward the storage is re-gathered under tensors autograd already holds
+        names = [info.name for b in u.buffers for info in b.infos]
+        needs = [self.leaves[n] for n in names if self.leaves[n].requires_grad]
+        if needs and torch.is_grad_enabled():
+            fulls = _UnitGather.apply(self, u, *needs)
+        else:
+            fulls = self.full_tensors(u)
+        for places, t in zip(self.slots[u.name], fulls):
+            for m, attr in places:
+                m._parameters[attr] = t
+
+    def unbind(self, u: UnitRuntime) -> None:
+        return None  # the call restores the module's own parameters when it returns
+
+    def full_tensors(self, u: UnitRuntime) -> list[torch.Tensor]:
+        return [alias(b.full, off, info.shape) for b in u.buffers for off, info in zip(b.offsets, b.infos)]
+
+    def unit_backward(self, u: UnitRuntime, grads) -> list[Optional[torch.Tensor]]:
+        """The unit's full gradients arrived (complete: autograd summed every use): land them in the
+        unsharded gradient, complete the unit, and return views of the local gradients to be."""
+        exe = self.exe()
+        exe.begin_backward()
+        exe.check_not_reduced(u, [info.name for b in u.buffers for info in b.infos])
+        grads = iter(grads)  # one per full tensor, in buffer order (frozen parameters too)
+        out = []
+        for b in u.buffers:
+            b.prepare_grads(exe.window)
+            dst = self._dst(b) if b.requires_grad else None
+            for i, ((box, off, shape), info, idx) in enumerate(zip(b.local_boxes, b.infos, b.param_index)):
+                g = next(grads)
+                if g is not None and b.requires_grad:
+                    b.views[i].add_(g)
+                    exe.used[idx] = 1
+                if self.leaves[info.name].requires_grad:
+                    out.append(dst[off:off + math.prod(shape)].view(shape) if dst is not None else None)
+        exe.complete(u.name)
+        return out
+
+    def _dst(self, b: BufferState) -> torch.Tensor:
+        dst = self.dst.get(b.bp.index)
+        if dst is None:
+            dst = self.dst[b.bp.index] = torch.zeros(b.S if b.sharded else b.G, dtype=b.dtype, device=b.device)
+        return dst
+
+    def deliver(self, b: BufferState, result: torch.Tensor) -> None:
+        dst = self._dst(b)
+        with torch.no_grad():
+            dst.copy_(result[:dst.numel()])
+        for (box, off, shape), info in zip(b.local_boxes, b.infos):
+            if info.requires_grad:
+                self.grads[info.name] = dst[off:off + math.prod(shape)].view(shape)
+        del self.dst[b.bp.index]  # the next backward gets fresh tensors: these now belong to the caller
+
+    def unused(self, indices: list[int]) -> None:
+        return None  # a parameter no rank used gets zeros, not a missing gradient (JAX's convention)
+
+    def window_ended(self) -> None:
+        return None
+
+    def shard_version(self) -> int:
+        return 0  # staleness comes from load()
+
+    def local_params(self) -> dict:
+        return dict(self.leaves)

@@ -1,0 +1,183 @@
+"""The functional face: pure functions over local-shard pytrees, on the same executor as ``shard``.
+
+>>> local = sp.shard_tree(dict(model.named_parameters()), plan)
+>>> loss_fn = lambda params, batch: sp.functional_call(model, plan, params, batch)
+>>> loss, grads = sp.value_and_grad(loss_fn, plan)(local, batch)     # grads: local shards, same tree
+>>> local, state = opt.update(grads, state, local)                     # sp.optim.adamw(...)
+
+``functional_call`` never changes the module for longer than the call: the executor's hooks and the
+full parameters are put in place for the forward and taken away when it returns (as
+``torch.func.functional_call`` does with the tensors it is given). The backward runs later, through an
+autograd function per unit whose backward reduce-scatters the unit's gradient into its shard layout.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Callable, Optional, Sequence, Union
+
+import optree
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..errors import RuntimeShardingError, ShardingError
+from ..plan import Plan
+from ..plan.schedule import ROOT
+from ..rules import leaves_with_paths
+from ..tree import check_tree
+from . import collectives as C
+from .buffers import BufferState
+from .executor import Executor
+from .faces import TreeFace
+from .hooks import install
+from .unit import UnitRuntime
+
+_RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+_GROUPS: dict[str, C.Groups] = {}
+_SESSION = threading.local()
+
+
+def groups_for(plan: Plan, timeout_s: float = 300.0) -> C.Groups:
+    """The plan's process groups, made once per plan (every rank must ask in the same order)."""
+    key = plan.fingerprint()
+    if key not in _GROUPS:
+        _GROUPS[key] = C.build_groups(plan, dist.get_rank(), dist.get_backend(), timeout_s)
+    return _GROUPS[key]
+
+
+class FunctionalRuntime:
+    """The executor of one (module, plan) pair for the functional face, made at the first call."""
+
+    def __init__(self, module: nn.Module, plan: Plan, timeout_s: float, problems: Sequence[str] = ()):
+        from .api import _device_for, _startup, _world
+        world, rank = _world()
+        slots = _startup(module, plan, world, rank, timeout_s, list(problems))
+        backend = dist.get_backend()
+        device, _ = _device_for(module, backend)
+        groups = groups_for(plan, timeout_s)
+        units, self.modules_of = [], {}
+        modules = dict(module.named_modules())
+        for up in plan.units:
+            bufs = [BufferState(plan, plan.buffers[i], rank, device) for i in up.buffers]
+            for b in bufs:
+                b.make_params()
+            units.append(UnitRuntime(up.name, bufs))
+            if up.name != ROOT:
+                self.modules_of[up.name] = [modules[m] for m in up.module_paths]
+        self.rank, self.device = rank, device
+        self.exe = Executor(plan, units, groups, device, rank, timeout_s, None)
+        self.face = TreeFace(plan, weakref.ref(self.exe))
+        self.exe.face = self.face
+        self.face.slots = {u.name: [list(slots[info.name]) for b in u.buffers for info in b.infos] for u in units}
+        self.originals = [(m, attr, m._parameters[attr]) for places in slots.values() for m, attr in places]
+        self.checked: set = set()
+
+    def leaves_of(self, local_params) -> dict[str, torch.Tensor]:
+        paths, leaves, spec = leaves_with_paths(local_params)
+        key = (spec, tuple(paths), tuple((tuple(l.shape), l.dtype) for l in leaves)) if spec is not None else None
+        if key is None or key not in self.checked:
+            check_tree(self.exe.plan, paths, leaves, rank=self.rank, what="local_params")
+            if key is not None:
+                self.checked.add(key)
+        return dict(zip(paths, leaves))
+
+
+def runtime_of(module: nn.Module, plan: Plan, timeout_s: float = 300.0, local_params=None) -> FunctionalRuntime:
+    """The (module, plan) runtime, made at the first call: every rank checks its module, plan and (given)
+    local tree, and all exchange the findings, so a rank with a bad tree ends every rank at once."""
+    per = _RUNTIMES.setdefault(module, {})
+    key = plan.fingerprint()
+    if key not in per:
+        problems = []
+        if local_params is not None:
+            try:
+                paths, leaves, _ = leaves_with_paths(local_params)
+                check_tree(plan, paths, leaves, rank=dist.get_rank() if dist.is_initialized() else 0,
+                           what="local_params")
+            except ShardingError as exc:
+                problems.append(str(exc))
+        per[key] = FunctionalRuntime(module, plan, timeout_s, problems)
+    return per[key]
+
+
+def functional_call(module: nn.Module, plan: Plan, local_params, args=(), kwargs: Optional[dict] = None, *,
+                    buffers: Optional[dict] = None, timeout_s: float = 300.0):
+    """Run ``module`` statelessly with the parameters whose local shards are ``local_params``.
+
+    >>> out = sp.functional_call(model, plan, local, (tokens, targets))
+    >>> grads = torch.autograd.grad(out, list(local.values()))   # local-shard gradients (leaves that require grad)
+
+    Units are gathered, prefetched and freed as ``plan.schedule`` says; backward re-gathers (ZeRO-3)
+    and reduce-scatters each unit's gradient into its shard layout. ``local_params`` is any pytree whose
+    dotted leaf paths are the plan's parameter names, holding this rank's local shards (``shard_tree``).
+    ``buffers`` (a ``{name: tensor}`` dict) replaces module buffers for the call. Gradients come back
+    from ``torch.autograd.grad`` or :func:`value_and_grad`, not into ``.grad``.
+    """
+    if not isinstance(args, tuple):
+        args = (args,)
+    rt = runtime_of(module, plan, timeout_s, local_params)
+    leaves = rt.leaves_of(local_params)
+    session = getattr(_SESSION, "current", None)
+    sources = getattr(_SESSION, "sources", None) if session is not None else None
+    if rt.face.load(leaves, sources):
+        rt.exe.mark_shards_changed()
+    if session is not None:
+        session.append(rt)
+    handles = install(module, rt.exe, rt.modules_of, param_hooks=False)
+    try:
+        return torch.func.functional_call(module, dict(buffers or {}), args, kwargs or {}, strict=False)
+    finally:
+        for h in handles:
+            h.remove()
+        for m, attr, p in rt.originals:
+            m._parameters[attr] = p
+
+
+def value_and_grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool = False):
+    """Like ``jax.value_and_grad``: ``(loss, grads) = sp.value_and_grad(loss_fn, plan)(local, batch)``.
+
+    ``fn(params, ...)`` calls :func:`functional_call` with ``params`` (argument ``argnums``) and returns a
+    scalar loss (or ``(loss, aux)`` with ``has_aux``). ``grads`` has the structure of ``params`` and holds
+    each local shard's reduced gradient; a parameter the step did not use gets zeros, not a missing
+    entry. The caller's tree is not modified.
+    """
+    def wrapped(*args, **kwargs):
+        params = args[argnums]
+        paths, leaves, spec = leaves_with_paths(params)
+        trains = [plan.param(p).requires_grad if p in plan._index else False for p in paths]
+        fresh = [l.detach().requires_grad_(t and l.is_floating_point()) for l, t in zip(leaves, trains)]
+        tree = dict(zip(paths, fresh)) if spec is None else optree.tree_unflatten(spec, fresh)
+        call = args[:argnums] + (tree,) + args[argnums + 1:]
+        prev = getattr(_SESSION, "current", None), getattr(_SESSION, "sources", None)
+        _SESSION.current, _SESSION.sources = [], dict(zip(paths, leaves))
+        try:
+            out = fn(*call, **kwargs)
+            loss, aux = out if has_aux else (out, None)
+            runtimes = _SESSION.current
+        finally:
+            _SESSION.current, _SESSION.sources = prev
+        if len({id(rt) for rt in runtimes}) != 1:
+            raise ShardingError(f"value_and_grad: fn must call shardplan.functional_call exactly once with the plan "
+                                f"(it called it {len(runtimes)} times)")
+        rt = runtimes[0]
+        want = [t for t in fresh if t.requires_grad]
+        if isinstance(loss, torch.Tensor) and loss.requires_grad and want:
+            torch.autograd.grad(loss, want, allow_unused=True)  # drives backward; the executor fills the grads
+        got, rt.face.grads = rt.face.grads, {}
+        grads = [got[p].to(l.dtype) if p in got else torch.zeros_like(l) for p, l in zip(paths, leaves)]
+        gtree = dict(zip(paths, grads)) if spec is None else optree.tree_unflatten(spec, grads)
+        value = loss.detach() if isinstance(loss, torch.Tensor) else loss
+        return ((value, aux), gtree) if has_aux else (value, gtree)
+    return wrapped
+
+
+def grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool = False):
+    """Like ``jax.grad``: the gradient tree only (and ``aux`` with ``has_aux``)."""
+    vg = value_and_grad(fn, plan, argnums=argnums, has_aux=has_aux)
+
+    def wrapped(*args, **kwargs):
+        (value, grads) = vg(*args, **kwargs)
+        return (grads, value[1]) if has_aux else grads
+    return wrapped

@@ -1,0 +1,144 @@
+"""Sharded pytrees: a rank's local shards of a tree of full tensors, and the full tensors back.
+
+>>> local = shardplan.shard_tree(params, plan)          # this rank's boxes, same structure
+>>> full = shardplan.unshard_tree(local, plan)          # all-gathered: full tensors on every rank
+
+Any optree pytree the planner accepts works (dicts, lists, tuples, namedtuples, registered nodes); a
+leaf's dotted path is its name in the plan. ``shard_tree`` and ``assemble`` are pure (no process
+group); ``unshard_tree`` all-gathers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, Optional
+
+import optree
+import torch
+
+from .errors import ShardingError
+from .plan import Plan
+from .rules import leaves_with_paths
+
+
+def _rank(rank: Optional[int]) -> int:
+    if rank is not None:
+        return rank
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def check_tree(plan: Plan, paths, leaves, *, rank: Optional[int] = None, what: str = "tree") -> None:
+    """Raise :class:`ShardingError` naming the first path whose name, shape or dtype does not fit the plan
+    (``rank`` given: local shapes; else full shapes)."""
+    known = plan._index
+    names = set(paths)
+    for path, leaf in zip(paths, leaves):
+        if path not in known:
+            close = [p.name for p in plan.params if path.split(".")[-1] in p.name][:3]
+            raise ShardingError(f"{what} leaf {path!r} is not a parameter of the plan (close names: {close}); the tree "
+                                f"must have the structure the plan was built from")
+        p = plan.param(path)
+        want = plan.local_shape(p.name, rank) if rank is not None else p.shape
+        if tuple(getattr(leaf, "shape", ())) != tuple(want):
+            raise ShardingError(f"{what} leaf {path!r} has shape {tuple(leaf.shape)}, the plan says "
+                                f"{tuple(want)}{' on rank %d' % rank if rank is not None else ''}")
+        if str(leaf.dtype).replace("torch.", "") != p.dtype:
+            raise ShardingError(f"{what} leaf {path!r} has dtype {leaf.dtype}, the plan says {p.dtype}")
+    missing = [p.name for p in plan.params if p.name not in names and not any(a in names for a in p.aliases)]
+    if missing:
+        raise ShardingError(f"{what} lacks plan parameter(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+def shard_tree(tree, plan: Plan, *, rank: Optional[int] = None,
+               init_fn: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None):
+    """This rank's local shards of ``tree`` (full tensors), same structure. Pure: no collectives.
+
+    >>> local = shardplan.shard_tree({"w": torch.randn(8, 4)}, plan, rank=1)
+
+    A leaf on the meta device is made full by ``init_fn(path, leaf)`` first, one leaf at a time.
+    Every local leaf is a fresh contiguous tensor (an empty box where the rank holds none of it).
+    """
+    rank = _rank(rank)
+    paths, leaves, spec = leaves_with_paths(tree)
+    check_tree(plan, paths, leaves)
+    out = []
+    for path, leaf in zip(paths, leaves):
+        if leaf.device.type == "meta":
+            if init_fn is None:
+                raise ShardingError(f"leaf {path!r} is on the meta device; pass shard_tree(..., init_fn=fn) with "
+                                    f"fn(path, leaf) -> the full tensor")
+            leaf = init_fn(path, leaf)
+        leaf = leaf.detach()
+        box = plan.local_slices(path, rank)
+        out.append(leaf[box].clone() if box is not None else leaf.new_empty(plan.local_shape(path, rank)))
+    return _rebuild(tree, spec, paths, out)
+
+
+def _rebuild(tree, spec, paths, leaves):
+    if spec is None:  # an nn.Module: a {name: tensor} dict
+        return dict(zip(paths, leaves))
+    return optree.tree_unflatten(spec, leaves)
+
+
+def place(plan: Plan, name: str, piece_of: Callable[[int], Optional[torch.Tensor]], like: torch.Tensor) -> torch.Tensor:
+    """The full tensor of ``name`` from every rank's local piece (``piece_of(rank)``; one rank per group)."""
+    p = plan.param(name)
+    b = plan.buffers[p.buffer]
+    full = torch.empty(p.shape, dtype=like.dtype, device=like.device)
+    first = plan.mesh.rank_of([0] * len(plan.mesh.axis_names))
+    for r in (plan.mesh.group_of(first, b.axes) if b.sharded else (first,)):
+        box = plan.local_slices(name, r)
+        piece = piece_of(r)
+        if box is not None and piece is not None and piece.numel():
+            full[box] = piece.reshape([s.stop - s.start for s in box])
+    return full
+
+
+def assemble(plan: Plan, trees_by_rank: Mapping[int, Any]):
+    """Full tensors from every rank's local tree (a pure ``unshard_tree``: tests and offline tools)."""
+    any_tree = next(iter(trees_by_rank.values()))
+    paths, leaves, spec = leaves_with_paths(any_tree)
+    flat = {r: dict(zip(*leaves_with_paths(t)[:2])) for r, t in trees_by_rank.items()}
+    out = [place(plan, path, lambda r, _p=path: flat[r][_p] if r in flat else None, leaf)
+           for path, leaf in zip(paths, leaves)]
+    return _rebuild(any_tree, spec, paths, out)
+
+
+def unshard_tree(local_tree, plan: Plan, *, timeout_s: float = 300.0):
+    """Full tensors on *every* rank from each rank's local tree (one all-gather per buffer).
+
+    >>> full = shardplan.unshard_tree(local, plan)     # collective: every rank calls it
+    """
+    from .runtime import collectives as C
+    from .runtime.functional import groups_for
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    paths, leaves, spec = leaves_with_paths(local_tree)
+    check_tree(plan, paths, leaves, rank=rank, what="local tree")
+    local = dict(zip(paths, leaves))
+    groups = groups_for(plan, timeout_s)
+    out: dict[str, torch.Tensor] = {}
+    for b in plan.buffers:
+        like = local[b.params[0]]
+        if not b.sharded:
+            for name in b.params:
+                out[name] = local[name].detach().clone()
+            continue
+        flat = torch.zeros(b.shard_numel, dtype=like.dtype, device=like.device)
+        for name in b.params:
+            n = local[name].numel()
+            if n:
+                off = plan.local_offset(name, rank)
+                flat[off:off + n] = local[name].detach().reshape(-1)
+        gathered = torch.empty(b.gathered_numel, dtype=like.dtype, device=like.device)
+        C.all_gather(gathered, flat, groups.gather(b.axes), async_op=False)
+        for name in b.params:
+            def piece(r, _n=name):
+                box = plan.local_slices(_n, r)
+                if box is None:
+                    return None
+                seg, off = plan.segment(b, r), plan.local_offset(_n, r)
+                return gathered[seg * b.shard_numel + off: seg * b.shard_numel + off + math.prod(s.stop - s.start for s in box)]
+            out[name] = place(plan, name, piece, like)
+    return _rebuild(local_tree, spec, paths, [out[p] for p in paths])
