@@ -72,6 +72,12 @@ def make_system(name, args, dev, world):
         info["plan_peak"] = plan.memory().peak
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         return model, opt, None, info
+    if name == "functional":  # the same plan through functional_call / value_and_grad / a pure AdamW
+        plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[r"layers\.\d+"], compute_dtype=dt,
+                       reduce_dtype=torch.float32 if dt else None, prefetch=args.prefetch,
+                       min_unit_bytes=args.min_unit_bytes)
+        system = FunctionalSystem(model, plan)
+        return system, system, None, info
     if name == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=dt, reduce_dtype=torch.float32) if dt else MixedPrecisionPolicy()
@@ -104,6 +110,40 @@ def batches(args, dev, rank, world, n):
         x = x[rank * per:(rank + 1) * per]
         out.append((x[:, :-1].to(dev), x[:, 1:].to(dev)))
     return out
+
+
+class FunctionalSystem:
+    """The functional face behind train_step's loop: calling it runs forward and backward
+    (value_and_grad), ``step()`` applies the pure optimizer."""
+
+    class _Loss:
+        def __init__(self, value):
+            self.value = value
+
+        def backward(self):
+            pass
+
+        def detach(self):
+            return self.value
+
+    def __init__(self, model, plan):
+        self.model, self.plan = model, plan
+        self.params = sp.shard_tree(dict(model.named_parameters()), plan)
+        self.opt = sp.optim.adamw(lr=1e-4, mask=sp.optim.trainable(plan))
+        self.state = self.opt.init(self.params)
+        self.vg = sp.value_and_grad(lambda p, x, y: sp.functional_call(model, plan, p, (x, y)), plan)
+        self.grads = None
+        self.parameters = model.parameters  # for the parameter count only
+
+    def __call__(self, x, y):
+        loss, self.grads = self.vg(self.params, x, y)
+        return self._Loss(loss)
+
+    def step(self):
+        self.params, self.state = self.opt.update(self.grads, self.state, self.params)
+
+    def zero_grad(self, set_to_none=True):
+        self.grads = None
 
 
 def run_steps(model, opt, ctx, data, dev, breakdown=False):
@@ -142,7 +182,7 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--dtype", default=None)
-    ap.add_argument("--systems", default="unsharded,shardplan,fsdp2,megatron")
+    ap.add_argument("--systems", default="unsharded,shardplan,functional,fsdp2,megatron")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)

@@ -42,6 +42,13 @@ def _readme_worker(rank, world, code, where):
 
 
 @pytest.mark.timeout(200)
+def test_functional_doc_runs_on_two_ranks(tmp_path):
+    code = "\n".join(blocks(DOCS / "functional.md"))
+    assert "value_and_grad" in code
+    run(_readme_worker, 2, code, str(tmp_path), init=False)
+
+
+@pytest.mark.timeout(200)
 def test_readme_example_runs_on_two_ranks(tmp_path):
     code = blocks(ROOT / "README.md")[0]
     out = run(_readme_worker, 2, code, str(tmp_path), init=False)

@@ -10,10 +10,10 @@ import sys
 import pytest
 
 
-def torchrun(n, *args, timeout=240):
+def torchrun(n, *args, timeout=240, script="examples/train_gpt.py"):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDPLAN_FORCE_CPU": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-           "examples/train_gpt.py", *args]
+           script, *args]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
@@ -39,3 +39,11 @@ def test_save_at_2_resume_at_1_matches_uninterrupted(tmp_path):
     torchrun(2, "--steps", "6", "--save", ck, "--quiet-plan")
     resumed = losses(torchrun(1, "--steps", "12", "--resume", ck, "--strategy", "no_shard", "--quiet-plan"))
     assert resumed == pytest.approx(full[6:], abs=2e-4)
+
+
+@pytest.mark.timeout(300)
+def test_functional_example_trains_like_the_module_example():
+    functional = losses(torchrun(2, "--steps", "12", script="examples/train_functional.py"))
+    module = losses(torchrun(2, "--steps", "12", "--quiet-plan"))
+    assert len(functional) == 12 and functional[-1] < 0.7 * functional[0]
+    assert functional == pytest.approx(module, abs=1e-4)

@@ -40,11 +40,19 @@ def trainable(plan) -> Callable[[str], bool]:
     return lambda path: plan.param(path).requires_grad
 
 
+_SELECTED: dict = {}
+
+
 def _selected(params, mask) -> list[int]:
-    """Indices of the leaves ``mask`` lets the optimizer change (all of them without a mask)."""
+    """Indices of the leaves ``mask`` lets the optimizer change (all of them without a mask); once per
+    tree structure and mask."""
     from .rules import leaves_with_paths
-    paths = leaves_with_paths(params)[0]
-    return [i for i, p in enumerate(paths) if mask is None or mask(p)]
+    spec = optree.tree_structure(params)
+    key = (spec, id(mask))
+    if key not in _SELECTED:
+        paths = leaves_with_paths(params)[0]
+        _SELECTED[key] = (mask, [i for i, p in enumerate(paths) if mask is None or mask(p)])
+    return _SELECTED[key][1]
 
 
 def _masked(update_some):

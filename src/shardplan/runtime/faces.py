@@ -99,7 +99,7 @@ class TreeFace:
         unchanged when its source is the very tensor of the last call, at the same version."""
         exe = self.exe()
         sources = sources or leaves
-        changed = False
+        dsts, srcs = [], []
         for u in exe.unit_list:
             for b in u.buffers:
                 for (box, off, shape), info in zip(b.local_boxes, b.infos):
@@ -110,9 +110,15 @@ class TreeFace:
                     self.versions[info.name] = (weakref.ref(src), src._version)
                     n = math.prod(shape)
                     if n:
-                        with torch.no_grad():
-                            b.shard[off:off + n].copy_(leaves[info.name].reshape(-1))
-                    changed = True
+                        dsts.append(b.shard[off:off + n])
+                        srcs.append(leaves[info.name].detach().reshape(-1))
+                    else:
+                        dsts.append(None)
+        changed = bool(dsts)
+        pairs = [(d, s_) for d, s_ in zip([d for d in dsts if d is not None], srcs)]
+        if pairs:
+            with torch.no_grad():
+                torch._foreach_copy_([d for d, _ in pairs], [s_ for _, s_ in pairs])
         self.leaves = leaves
         return changed
 
@@ -147,13 +153,17 @@ class TreeFace:
         for b in u.buffers:
             b.prepare_grads(exe.window)
             dst = self._dst(b) if b.requires_grad else None
+            views, arrived = [], []
             for i, ((box, off, shape), info, idx) in enumerate(zip(b.local_boxes, b.infos, b.param_index)):
                 g = next(grads)
                 if g is not None and b.requires_grad:
-                    b.views[i].add_(g)
+                    views.append(b.views[i])
+                    arrived.append(g)
                     exe.used[idx] = 1
                 if self.leaves[info.name].requires_grad:
                     out.append(dst[off:off + math.prod(shape)].view(shape) if dst is not None else None)
+            if views:
+                torch._foreach_add_(views, arrived)
         exe.complete(u.name)
         return out
 
