@@ -35,7 +35,7 @@ def parity(strategy, dev, dtype=None):
         ropt.step()
         ropt.zero_grad()
     model = Toy().to(dev)
-    plan = sp.plan(model, toy_rules(), sp.Mesh(dp=1), strategy=strategy, units=[r"blocks\.\d+"], compute_dtype=dtype)
+    plan = sp.plan(model, toy_rules(), sp.Mesh(dp=1), strategy=strategy, units=[r"blocks\.\d+"], compute_dtype=dtype, min_unit_bytes=0)
     sp.shard(model, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with sp.record_ops(model) as ops:
@@ -58,7 +58,7 @@ def dynamic(dev):
         data = [(x.to(dev), y.to(dev)) for x, y in rank_batches(4, 1)]
         ref, model = Dynamic(mode).to(dev), Dynamic(mode).to(dev)
         ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-        plan = sp.plan(model, [(r"gain", sp.P()), (r".*", sp.P("dp"))], sp.Mesh(dp=1), units=[units], order=order)
+        plan = sp.plan(model, [(r"gain", sp.P()), (r".*", sp.P("dp"))], sp.Mesh(dp=1), units=[units], order=order, min_unit_bytes=0)
         sp.shard(model, plan)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         for step, (x, y) in enumerate(data):
@@ -74,7 +74,7 @@ def dynamic(dev):
 
 def trace(path, dev):
     model = gpt.build("small").init_weights(0).to(dev)
-    plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=1), units=[r"layers\.\d+"], compute_dtype=torch.bfloat16)
+    plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=1), units=[r"layers\.\d+"], compute_dtype=torch.bfloat16, min_unit_bytes=0)
     sp.shard(model, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, 512, (8, 128), device=dev)

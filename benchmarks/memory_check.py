@@ -44,7 +44,7 @@ def main():
             with torch.device("meta"):
                 model = gpt.build(args.config)
             plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), strategy=strategy, units=[r"layers\.\d+"],
-                           compute_dtype=dtype)
+                           compute_dtype=dtype, min_unit_bytes=0)
             sp.shard(model, plan)  # meta init: only shards are materialised
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
             x = torch.randint(0, gpt.CONFIGS[args.config].vocab, (1, 16), device=dev)

@@ -22,7 +22,7 @@ SPLIT = 3  # checkpoint after this many
 
 def _make(rank, world, strategy, units=(r"blocks\.\d+",), odd=True, seed=0):
     model = Toy(seed=seed)
-    plan = sp.plan(model, toy_rules(odd=odd), sp.Mesh(dp=world), strategy=strategy, units=list(units))
+    plan = sp.plan(model, toy_rules(odd=odd), sp.Mesh(dp=world), strategy=strategy, units=list(units), min_unit_bytes=0)
     sp.shard(model, plan)
     return model, torch.optim.AdamW(model.parameters(), lr=LR), plan
 
@@ -127,7 +127,7 @@ def test_roundtrip_every_strategy(tmp_path, world):
 
 def _mismatch_worker(rank, world, path):
     model = Toy(h=31)
-    plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=[r"blocks\.\d+"])
+    plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=[r"blocks\.\d+"], min_unit_bytes=0)
     sp.shard(model, plan)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     try:
@@ -199,7 +199,7 @@ def _meta_worker(rank, world):
     with torch.device("meta"):
         model = Toy()
     names = {id(m): n for n, m in model.named_modules()}
-    plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=[r"blocks\.\d+"])
+    plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=[r"blocks\.\d+"], min_unit_bytes=0)
     ref_params = dict(ref.named_parameters())
     materialized: list = []  # (weak reference to a full tensor init_fn filled, its unit)
     seen_full_elsewhere = []
@@ -244,7 +244,7 @@ def _make_on(rank, world, mesh_key, strategy, seed=0):
     mesh = sp.Mesh(**MESHES[mesh_key])
     axis = "shard" if "shard" in mesh.axis_names else "dp"
     model = Toy(seed=seed)
-    plan = sp.plan(model, toy_rules(axis), mesh, strategy=strategy, units=[r"blocks\.\d+"])
+    plan = sp.plan(model, toy_rules(axis), mesh, strategy=strategy, units=[r"blocks\.\d+"], min_unit_bytes=0)
     sp.shard(model, plan, timeout_s=60)
     return model, torch.optim.AdamW(model.parameters(), lr=LR)
 

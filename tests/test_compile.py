@@ -31,7 +31,7 @@ def _worker(rank, world, cases):
     for how, backend, strategy in cases:
         torch._dynamo.reset()
         model = Toy()
-        plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), strategy=strategy, units=[r"blocks\.\d+"])
+        plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), strategy=strategy, units=[r"blocks\.\d+"], min_unit_bytes=0)
         sp.shard(model, plan)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         runner = sp.compile_units(model, backend=backend) if how == "units" else torch.compile(model, backend=backend)

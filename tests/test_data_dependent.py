@@ -43,7 +43,7 @@ def _sharded(rank, world, case, data):
     model = Dynamic(case["mode"])
     opts = {k: case[k] for k in ("order",) if k in case}
     plan = sp.plan(model, [(r"gain", sp.P()), (r".*", sp.P("dp"))], sp.Mesh(dp=world), strategy=case["strategy"],
-                   units=case.get("units", BLOCKS), **opts)
+                   units=case.get("units", BLOCKS), **opts, min_unit_bytes=0)
     sp.shard(model, plan, timeout_s=20)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     per = data[0][0].shape[0] // world

@@ -25,7 +25,7 @@ UNITS = [r"blocks\.\d+"]
 def _plan(model, world, case):
     mesh = sp.Mesh(**case.get("mesh", {"dp": world}))
     return sp.plan(model, toy_rules("shard" if "shard" in mesh.axis_names else "dp"), mesh, strategy=case["strategy"],
-                   units=UNITS)
+                   units=UNITS, min_unit_bytes=0)
 
 
 def _reference(data, clip):
@@ -228,7 +228,7 @@ def test_tree_errors_name_the_path():
 def _bad_tree_worker(rank, world):
     import time
     model = Toy()
-    plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=UNITS)
+    plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=UNITS, min_unit_bytes=0)
     local = sp.shard_tree(dict(model.named_parameters()), plan)
     if rank == 1:  # a rank-dependent mistake
         local["blocks.0.fc1.weight"] = torch.zeros(3, 3)
@@ -253,7 +253,7 @@ def _ckpt_worker(rank, world, path, phase):
     data = batches(6)
     model = Toy(seed=0 if phase == "save" else 3)
     plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), strategy="optim_grads_params" if world == 4 else "optim_grads",
-                   units=UNITS)
+                   units=UNITS, min_unit_bytes=0)
     local = sp.shard_tree(dict(model.named_parameters()), plan)
     opt = sp.optim.adamw(lr=LR, mask=sp.optim.trainable(plan))
     state = opt.init(local)

@@ -24,7 +24,7 @@ def _llama():
 def _worker(rank, world):
     ref = _llama()
     model = _llama()
-    plan = sp.plan(model, RULES, sp.Mesh(dp=world), units=[r"model\.layers\.\d+"])
+    plan = sp.plan(model, RULES, sp.Mesh(dp=world), units=[r"model\.layers\.\d+"], min_unit_bytes=0)
     sp.shard(model, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)

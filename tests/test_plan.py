@@ -88,7 +88,7 @@ def _simulate_gather(plan, values):
 @given(problems())
 def test_every_element_held_once_per_group_and_gather_reassembles(problem):
     mesh, flat, rules, strategy, compute = problem
-    plan = sp.plan(_nested(flat), rules, mesh, strategy=strategy, units=[r"u\d"], compute_dtype=compute)
+    plan = sp.plan(_nested(flat), rules, mesh, strategy=strategy, units=[r"u\d"], compute_dtype=compute, min_unit_bytes=0)
     values = {}
     for name, t in flat.items():
         values[name] = (torch.arange(t.numel(), dtype=torch.float64) % 251 - 125).to(t.dtype).view(t.shape)
@@ -115,7 +115,7 @@ def test_every_element_held_once_per_group_and_gather_reassembles(problem):
 @given(problems())
 def test_layout_aligned_disjoint_and_memory_is_sum_of_buffers(problem):
     mesh, flat, rules, strategy, compute = problem
-    plan = sp.plan(_nested(flat), rules, mesh, strategy=strategy, units=[r"u\d"], compute_dtype=compute)
+    plan = sp.plan(_nested(flat), rules, mesh, strategy=strategy, units=[r"u\d"], compute_dtype=compute, min_unit_bytes=0)
     for b in plan.buffers:
         A = L.align_elems(itemsize(b.dtype), itemsize(b.compute_dtype))
         if b.layout != L.REPLICATED:
@@ -173,7 +173,7 @@ HSDP = [(r".*bias", P()), (r".*", P("shard"))]
 
 def test_units_order_schedule_and_trace():
     net = Net()
-    plan = sp.plan(net, RULES, Mesh(dp=4), units=[r"layers\.\d+"], prefetch=1)
+    plan = sp.plan(net, RULES, Mesh(dp=4), units=[r"layers\.\d+"], prefetch=1, min_unit_bytes=0)
     assert [u.name for u in plan.units] == ["<root>", "layers.0", "layers.1", "layers.2"]
     assert plan.param("head.weight").name == "embed.weight" and plan.param("embed.weight").aliases == ("head.weight",)
     kinds = [(o.kind, o.unit, o.trigger, o.prefetch) for o in plan.schedule]
@@ -197,26 +197,26 @@ def test_units_order_schedule_and_trace():
     with torch.device("meta"):
         meta_net = Net()
     traced = sp.plan(meta_net, RULES, Mesh(dp=4), units=[r"layers\.\d+"],
-                     trace=((torch.zeros(2, 3, dtype=torch.long, device="meta"),), {}))
+                     trace=((torch.zeros(2, 3, dtype=torch.long, device="meta"),), {}), min_unit_bytes=0)
     assert [u.name for u in traced.units] == ["<root>", "layers.2", "layers.1", "layers.0"]
-    deep = sp.plan(net, RULES, Mesh(dp=4), units=[r"layers\.\d+"], prefetch=2, reshard_after_forward=False)
+    deep = sp.plan(net, RULES, Mesh(dp=4), units=[r"layers\.\d+"], prefetch=2, reshard_after_forward=False, min_unit_bytes=0)
     assert not any(o.kind == "free" and o.phase == "forward" for o in deep.ops())
     assert sum(o.prefetch for o in deep.schedule if o.phase == "forward") == 3
 
 
 def test_strategies_change_what_is_sharded():
     net = Net()
-    mems = {s: sp.plan(net, RULES, Mesh(dp=4), strategy=s, units=[r"layers\.\d+"]).memory() for s in range(4)}
+    mems = {s: sp.plan(net, RULES, Mesh(dp=4), strategy=s, units=[r"layers\.\d+"], min_unit_bytes=0).memory() for s in range(4)}
     assert mems[1].params > 3 * mems[3].params and mems[0].params > 3 * mems[3].params  # only ZeRO-3 shards params
     assert mems[1].grads > mems[2].grads == mems[3].grads
     assert mems[0].optimizer > mems[1].optimizer == mems[3].optimizer
-    z0 = sp.plan(net, RULES, Mesh(dp=4), strategy="no_shard", units=[r"layers\.\d+"])
+    z0 = sp.plan(net, RULES, Mesh(dp=4), strategy="no_shard", units=[r"layers\.\d+"], min_unit_bytes=0)
     assert {o.kind for o in z0.schedule if o.is_collective} == {"all_reduce"}
     assert z0.local_slices("embed.weight", 3) == (slice(0, 50), slice(0, 16))
-    z1 = sp.plan(net, RULES, Mesh(dp=4), strategy="optim", units=[r"layers\.\d+"])
+    z1 = sp.plan(net, RULES, Mesh(dp=4), strategy="optim", units=[r"layers\.\d+"], min_unit_bytes=0)
     assert {(o.kind, o.phase, o.when) for o in z1.schedule if o.is_collective} == {
         ("all_gather", "step", "stale"), ("reduce_scatter", "backward", "sync"), ("all_reduce", "backward", "sync")}
-    hsdp = sp.plan(net, [(r".*bias", P()), (r".*", P("shard"))], Mesh(replica=2, shard=2), units=[r"layers\.\d+"])
+    hsdp = sp.plan(net, [(r".*bias", P()), (r".*", P("shard"))], Mesh(replica=2, shard=2), units=[r"layers\.\d+"], min_unit_bytes=0)
     rs = [o for o in hsdp.schedule if o.kind == "reduce_scatter"]
     ar = [o for o in hsdp.schedule if o.kind == "all_reduce"]
     assert all(o.axes == ("shard",) for o in rs) and any(o.axes == ("replica",) for o in ar)
@@ -226,22 +226,22 @@ def test_strategies_change_what_is_sharded():
 
 def test_mixed_precision_bytes_and_copy_out():
     net = Net()
-    p32 = sp.plan(net, RULES, Mesh(dp=4), units=[r"layers\.\d+"])
-    p16 = sp.plan(net, RULES, Mesh(dp=4), units=[r"layers\.\d+"], compute_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    p32 = sp.plan(net, RULES, Mesh(dp=4), units=[r"layers\.\d+"], min_unit_bytes=0)
+    p16 = sp.plan(net, RULES, Mesh(dp=4), units=[r"layers\.\d+"], compute_dtype=torch.bfloat16, reduce_dtype=torch.float32, min_unit_bytes=0)
     ag = lambda p: sum(o.bytes for o in p.ops() if o.kind == "all_gather")
     assert ag(p16) * 2 == ag(p32) or ag(p16) < ag(p32)
     assert p16.buffers[0].reduce_dtype == "float32" and p16.buffers[0].compute_dtype == "bfloat16"
     col = sp.plan(net, [(r".*bias", P()), (r"layers\.0\.0\.weight", P(None, "dp")), (r".*", P("dp"))], Mesh(dp=4),
-                  units=[r"layers\.\d+"])
+                  units=[r"layers\.\d+"], min_unit_bytes=0)
     assert any(b.copy_out for b in col.buffers) and any("copy-out" in w for w in col.warnings)
     assert col.local_slices("layers.0.0.weight", 2) == (slice(0, 32), slice(8, 12))
 
 
 def test_json_fingerprint_stable_across_processes():
-    plan = sp.plan(Net(), HSDP, Mesh(replica=2, shard=2), units=[r"layers\.\d+"])
+    plan = sp.plan(Net(), HSDP, Mesh(replica=2, shard=2), units=[r"layers\.\d+"], min_unit_bytes=0)
     assert sp.Plan.from_json(plan.to_json()) == plan
     code = ("import sys; sys.path.insert(0, 'tests'); import test_plan as t, shardplan as sp; "
-            "print(sp.plan(t.Net(), t.HSDP, sp.Mesh(replica=2, shard=2), units=[r'layers\\.\\d+']).fingerprint())")
+            "print(sp.plan(t.Net(), t.HSDP, sp.Mesh(replica=2, shard=2), units=[r'layers\\.\\d+'], min_unit_bytes=0).fingerprint())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=".")
     assert out.stdout.strip() == plan.fingerprint()
     text = str(plan)
@@ -282,7 +282,7 @@ def test_70b_plans_in_a_fraction_of_a_second():
 
 def test_chrome_trace_lists_every_op(tmp_path):
     import json
-    plan = sp.plan(Net(), RULES, Mesh(dp=4), units=[r"layers\.\d+"])
+    plan = sp.plan(Net(), RULES, Mesh(dp=4), units=[r"layers\.\d+"], min_unit_bytes=0)
     path = tmp_path / "plan.json"
     plan.to_chrome_trace(str(path))
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
@@ -299,13 +299,16 @@ def test_min_unit_bytes_merges_neighbours():
     assert plan.unit("layers.0..layers.1").module_paths == ("layers.0", "layers.1")
     assert plan.param("layers.1.0.weight").unit == "layers.0..layers.1"
     assert sp.Plan.from_json(plan.to_json()) == plan
-    plain = sp.plan(net, RULES, Mesh(dp=4), units=[r"layers\.\d+"])
+    plain = sp.plan(net, RULES, Mesh(dp=4), units=[r"layers\.\d+"], min_unit_bytes=0)
     count = lambda p: sum(o.kind == "all_gather" for o in p.ops())
     assert count(plan) < count(plain)
+    auto = sp.plan(net, RULES, Mesh(dp=4), units=[r"layers\.\d+"])  # tiny blocks: merged by default, and said so
+    assert count(auto) < count(plain) and auto.min_unit_bytes > 0 and "automatic" in auto.notes[0]
+    assert "planner's choices" in str(auto)
 
 
 def test_transformations_rebuild_the_schedule():
-    plan = sp.plan(Net(), RULES, Mesh(dp=4), units=[r"layers\.\d+"], prefetch=1)
+    plan = sp.plan(Net(), RULES, Mesh(dp=4), units=[r"layers\.\d+"], prefetch=1, min_unit_bytes=0)
     assert plan.with_prefetch(2).prefetch == 2 and sum(o.prefetch for o in plan.with_prefetch(0).schedule) == 0
     kept = plan.with_reshard_after_forward({"layers.0": False})
     assert not any(o.kind == "free" and o.unit == "layers.0" and o.event == "post_forward" for o in kept.ops())
@@ -318,7 +321,7 @@ def test_transformations_rebuild_the_schedule():
 
 
 def test_invalid_edited_schedules_name_the_op():
-    plan = sp.plan(Net(), RULES, Mesh(dp=4), units=[r"layers\.\d+"], prefetch=1)
+    plan = sp.plan(Net(), RULES, Mesh(dp=4), units=[r"layers\.\d+"], prefetch=1, min_unit_bytes=0)
     ops = list(plan.schedule)
     first = lambda pred: next(i for i, o in enumerate(ops) if pred(o))
     ag1 = first(lambda o: o.kind == "all_gather" and o.unit == "layers.1" and o.event == "pre_forward")

@@ -191,16 +191,16 @@ def _error_worker(rank, world):
     out = {}
     model = Toy()
     # a plan that differs between ranks: the error names the option that differs
-    plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=UNITS, prefetch=1 + rank)
+    plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=UNITS, prefetch=1 + rank, min_unit_bytes=0)
     out["fingerprint"] = _error_of(lambda: sp.shard(model, plan))
-    bad = sp.plan(Toy(), toy_rules(), sp.Mesh(dp=2 * world), units=UNITS)
+    bad = sp.plan(Toy(), toy_rules(), sp.Mesh(dp=2 * world), units=UNITS, min_unit_bytes=0)
     out["world"] = _error_of(lambda: sp.shard(Toy(), bad))
     # a check only rank 1 fails (its plan is for another mesh) ends every rank at once, not at a timeout
     t = time.monotonic()
-    mine = sp.plan(Toy(), toy_rules(), sp.Mesh(dp=world if rank == 0 else 2 * world), units=UNITS)
+    mine = sp.plan(Toy(), toy_rules(), sp.Mesh(dp=world if rank == 0 else 2 * world), units=UNITS, min_unit_bytes=0)
     out["one_rank"] = _error_of(lambda: sp.shard(Toy(), mine, timeout_s=60))
     out["one_rank_s"] = time.monotonic() - t
-    good = sp.plan(Toy(), toy_rules(), sp.Mesh(dp=world), units=UNITS)
+    good = sp.plan(Toy(), toy_rules(), sp.Mesh(dp=world), units=UNITS, min_unit_bytes=0)
     m = sp.shard(Toy(), good)
     out["twice"] = _error_of(lambda: sp.shard(m, good))
     out["mismatch"] = _error_of(lambda: sp.shard(Toy(h=31), good))
@@ -238,7 +238,7 @@ def test_errors_instead_of_hangs():
 
 def test_shard_without_process_group():
     assert not dist.is_initialized()
-    plan = sp.plan(Toy(), toy_rules(), sp.Mesh(dp=1), units=UNITS)
+    plan = sp.plan(Toy(), toy_rules(), sp.Mesh(dp=1), units=UNITS, min_unit_bytes=0)
     with pytest.raises(sp.RuntimeShardingError, match="init_process_group"):
         sp.shard(Toy(), plan)
 
@@ -254,7 +254,7 @@ def _memory_worker(rank, world, cases):
             x = (torch.randint(0, 512, (2, 16)),) * 2
         else:  # interleaved (copy-out), replicated and frozen buffers, a tied parameter
             model, rules, units, x = Toy(), toy_rules(), UNITS, batches(1, batch=2)[0]
-        plan = sp.plan(model, rules, sp.Mesh(dp=world), strategy=strategy, units=units, compute_dtype=dtype)
+        plan = sp.plan(model, rules, sp.Mesh(dp=world), strategy=strategy, units=units, compute_dtype=dtype, min_unit_bytes=0)
         sp.shard(model, plan)
         opt = torch.optim.AdamW(model.parameters())
         for step in range(2):
@@ -282,7 +282,7 @@ def test_runtime_memory_matches_plan():
 def _hang_worker(rank, world):
     import time
     model = Toy()
-    plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=UNITS)
+    plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=UNITS, min_unit_bytes=0)
     sp.shard(model, plan, timeout_s=3)
     if rank == 1:
         time.sleep(8)  # never joins the forward's all-gather

@@ -26,6 +26,7 @@ from .runtime.functional import functional_call, grad, value_and_grad
 from .tree import assemble, shard_tree, unshard_tree
 from . import optim
 from .optim import clip_by_global_norm
+from .auto import auto_rules
 
 __version__ = "0.1.0"
 
@@ -36,5 +37,5 @@ __all__ = [
     "shard", "no_sync", "clip_grad_norm_", "record_ops", "memory_stats", "reset_peak", "mark_shards_changed",
     "compile_units", "checkpoint", "state_dict", "load_state_dict", "full_state_dict", "load_full_state_dict",
     "shard_tree", "unshard_tree", "assemble", "functional_call", "value_and_grad", "grad", "optim",
-    "clip_by_global_norm",
+    "clip_by_global_norm", "auto_rules",
 ]

@@ -78,6 +78,39 @@ class Rules:
     def __len__(self) -> int:
         return len(self.rules)
 
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Rules):
+            return NotImplemented
+        return [(r.pattern, r.spec) for r in self.rules] == [(r.pattern, r.spec) for r in other.rules] \
+            and self.axis_rules == other.axis_rules
+
+    __hash__ = None
+
+    def to_source(self, name: str = "rules") -> str:
+        """Python for a rules file: importing it gives back an equal ``Rules``.
+
+        >>> print(sp.auto_rules(model, sp.Mesh(dp=8)).to_source())
+        """
+        lines = ["from shardplan import P, Rules", "", f"{name} = Rules(["]
+        comments = getattr(self, "comments", {})
+        for r in self.rules:
+            if not isinstance(r.spec, P):
+                raise RuleError(f"rule {r.describe()} has a callable spec, which cannot be written as source; "
+                                f"replace it with the P(...) specs it returns")
+            raw = "\\" in r.pattern and "'" not in r.pattern and "\n" not in r.pattern and not r.pattern.endswith("\\")
+            pat = f"r'{r.pattern}'" if raw else repr(r.pattern)
+            why = comments.get(r.pattern)
+            lines.append(f"    ({pat}, {r.spec!r}),{'  # ' + why if why else ''}")
+        tail = f"], axis_rules={list(self.axis_rules)!r})" if self.axis_rules else "])"
+        lines.append(tail)
+        return "\n".join(lines) + "\n"
+
+    def __str__(self) -> str:
+        try:
+            return self.to_source()
+        except RuleError:
+            return repr(self)
+
     def __iter__(self):
         return iter((r.pattern, r.spec) for r in self.rules)
 

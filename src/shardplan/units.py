@@ -39,6 +39,7 @@ def collect_leaves(model_or_tree) -> tuple[list[LeafInfo], list[Any], list[str],
             leaves.append(p)
         modules = [n for n, _ in model_or_tree.named_modules() if n]
         return infos, leaves, modules, model_or_tree
+
     paths, leaves, _ = leaves_with_paths(model_or_tree)
     infos, kept = [], []
     for path, leaf in zip(paths, leaves):
@@ -57,14 +58,26 @@ def collect_leaves(model_or_tree) -> tuple[list[LeafInfo], list[Any], list[str],
     return infos, kept, list(prefixes), None
 
 
-def _compile(patterns: Sequence[str]) -> list[re.Pattern]:
-    out = []
-    for i, u in enumerate(patterns):
-        try:
-            out.append(re.compile(u))
-        except re.error as exc:
-            raise RuleError(f"unit rule #{i}: invalid regex {u!r}: {exc}") from None
-    return out
+def class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _matcher(i: int, u, classes: dict[str, type]):
+    """A unit rule as a predicate over (module path, module class): a class (or subclass) object, a class
+    named by its import path or bare name (when a module of the model has that class), or a regex over
+    module paths."""
+    if isinstance(u, type):
+        return lambda path, cls: cls is not None and issubclass(cls, u)
+    if not isinstance(u, str):
+        raise RuleError(f"unit rule #{i} {u!r} must be a regex over module paths, a module class or a class's import path")
+    names = {class_name(c) for c in classes.values()} | {c.__name__ for c in classes.values()}
+    if u in names:
+        return lambda path, cls: cls is not None and (class_name(cls) == u or cls.__name__ == u)
+    try:
+        rx = re.compile(u)
+    except re.error as exc:
+        raise RuleError(f"unit rule #{i}: invalid regex {u!r}: {exc}") from None
+    return lambda path, cls: rx.fullmatch(path) is not None
 
 
 def _owner(name: str, unit_paths: set[str]) -> str:
@@ -76,20 +89,26 @@ def _owner(name: str, unit_paths: set[str]) -> str:
     return ROOT
 
 
-def assign_units(infos: Sequence[LeafInfo], candidates: Sequence[str], patterns: Sequence[str]) -> tuple[dict[str, str], list[str], list[str]]:
-    """Map each leaf to its unit; return (unit of leaf, units in registration order, notes)."""
-    compiled = _compile(patterns)
-    used = [False] * len(compiled)
+def assign_units(infos: Sequence[LeafInfo], candidates: Sequence[str], patterns: Sequence,
+                 classes: Optional[dict[str, type]] = None) -> tuple[dict[str, str], list[str], list[str]]:
+    """Map each leaf to its unit; return (unit of leaf, units in registration order, notes).
+
+    ``patterns``: regexes over module paths, module classes, or class import paths / names
+    (``classes``: each candidate path's module class, when planning a module)."""
+    classes = classes or {}
+    matchers = [_matcher(i, u, classes) for i, u in enumerate(patterns)]
+    used = [False] * len(matchers)
     unit_paths: dict[str, None] = {}
     for path in candidates:
-        for i, rx in enumerate(compiled):
-            if rx.fullmatch(path):
+        for i, m in enumerate(matchers):
+            if m(path, classes.get(path)):
                 unit_paths[path] = None
                 used[i] = True
                 break
     for i, u in enumerate(patterns):
         if not used[i]:
-            warnings.warn(f"unit rule {u!r} matches no module path; every parameter it was meant for stays in the root unit",
+            what = class_name(u) if isinstance(u, type) else u
+            warnings.warn(f"unit rule {what!r} matches no module; every parameter it was meant for stays in the root unit",
                           PlanWarning, stacklevel=3)
     paths = set(unit_paths)
     owner: dict[str, str] = {}
@@ -131,3 +150,8 @@ def trace_order(model, units: Sequence[str], trace) -> list[str]:
     if missing:
         warnings.warn(f"the traced forward never entered units {missing}; they are scheduled last", PlanWarning, stacklevel=3)
     return seen + missing
+
+
+def module_classes(module) -> dict[str, type]:
+    """Each submodule path's class (the classes unit rules may name)."""
+    return {n: type(m) for n, m in module.named_modules() if n}

@@ -12,7 +12,8 @@ from ..errors import MeshError, PlanError
 from ..mesh import Mesh
 from ..rules import as_rules, match_leaves
 from ..spec import P
-from ..units import assign_units, collect_leaves, trace_order
+from ..units import assign_units, collect_leaves, module_classes, trace_order
+from ..auto import choose_min_unit_bytes
 from . import geometry
 from .accounting import plan_warnings
 from .schedule import ORDERS, ROOT, STRATEGIES, build_schedule
@@ -59,18 +60,22 @@ def _merge_small_units(order: list[str], members: dict, min_bytes: int, parent: 
     return new_order, new_members, covers
 
 
-def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", units: Sequence[str] = (),
+def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", units: Sequence = (),
          compute_dtype=None, reduce_dtype=None, prefetch: int = 1, reshard_after_forward: bool = True,
-         trace=None, optimizer_states: int = 2, world_size: Optional[int] = None, min_unit_bytes: int = 0,
-         order: str = "static") -> Plan:
+         trace=None, optimizer_states: int = 2, world_size: Optional[int] = None,
+         min_unit_bytes: Optional[int] = None, order: str = "static") -> Plan:
     """Compile rules, a mesh and options into a :class:`Plan`. Pure: no process group, no GPU.
 
     >>> plan = shardplan.plan(model, rules, Mesh(dp=8), units=[r"layers\\.\\d+"], compute_dtype=torch.bfloat16)
+    >>> plan = shardplan.plan(model, rules, Mesh(dp=8), units=[LlamaDecoderLayer])   # units by class
 
+    ``units``: regexes over module paths, module classes, or classes' import paths (or bare names).
     ``min_unit_bytes`` merges neighbouring units (in forward order) until each holds at least that many
-    parameter bytes: one collective per direction for several tiny blocks. ``order="dynamic"`` keeps
-    units gathered until the forward ends, for models whose units run in a data-dependent order or more
-    than once (the default, ``"static"``, raises when a freed unit runs again).
+    parameter bytes: one collective per direction for several tiny blocks. ``None`` (the default) lets
+    the planner choose from the unit sizes and say why in ``plan.notes``; ``0`` keeps one unit per
+    module. ``order="dynamic"`` keeps units gathered until the forward ends, for models whose units run
+    in a data-dependent order or more than once (the default, ``"static"``, raises when a freed unit
+    runs again).
     """
     if not isinstance(mesh, Mesh):
         raise MeshError(f"mesh must be a shardplan.Mesh, e.g. Mesh(dp=8); got {type(mesh).__name__}")
@@ -82,8 +87,9 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", uni
         raise PlanError(f"prefetch must be a non-negative integer (units gathered ahead); got {prefetch!r}")
     if order not in ORDERS:
         raise PlanError(f"order must be one of {ORDERS}; got {order!r}")
-    if not isinstance(min_unit_bytes, int) or min_unit_bytes < 0:
-        raise PlanError(f"min_unit_bytes must be a non-negative integer number of bytes; got {min_unit_bytes!r}")
+    if min_unit_bytes is not None and (not isinstance(min_unit_bytes, int) or min_unit_bytes < 0):
+        raise PlanError(f"min_unit_bytes must be None (chosen for you) or a non-negative number of bytes; "
+                        f"got {min_unit_bytes!r}")
     compute, reduce = dtype_name(compute_dtype), dtype_name(reduce_dtype)
     rules = as_rules(rules)
     infos, leaves, candidates, module = collect_leaves(model_or_tree)
@@ -92,7 +98,8 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", uni
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         matched = match_leaves(rules, [i.name for i in infos], leaves, mesh=mesh)
-        owner, unit_order, notes = assign_units(infos, candidates, tuple(units))
+        owner, unit_order, notes = assign_units(infos, candidates, tuple(units),
+                                                module_classes(module) if module is not None else None)
         if trace is not None:
             if module is None:
                 raise PlanError("trace= needs an nn.Module; a plain pytree has no forward to trace")
@@ -107,7 +114,15 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", uni
         members[owner[info.name]].append((info, spec))
         rule_of[info.name] = rule.describe()
     parent = _parents(unit_order, {u: (u,) for u in unit_order})
+    choices: list[str] = []
+    if min_unit_bytes is None:
+        sizes = [sum(math.prod(i.shape) * i.dtype.itemsize for i, _ in members[u]) for u in unit_order]
+        min_unit_bytes, why = choose_min_unit_bytes(sizes)
+        choices.append(f"min_unit_bytes={min_unit_bytes} (automatic): {why}")
+    before = len(unit_order)
     unit_order, members, covers = _merge_small_units(unit_order, members, min_unit_bytes, parent)
+    if len(unit_order) != before:
+        choices.append(f"{before} units merged into {len(unit_order)} (min_unit_bytes={min_unit_bytes})")
     paths = {u: covers.get(u, (u,)) for u in unit_order}
     parent = _parents(unit_order, paths)
 
@@ -134,7 +149,8 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", uni
         unit_plans.append(UnitPlan(uname, tuple(idxs), raf, covers.get(uname, ()), parent.get(uname, ROOT)))
     schedule = build_schedule(unit_plans, buffers, mesh, level, prefetch, order, len(infos))
     result = Plan(mesh, STRATEGIES[level], compute, reduce, prefetch, reshard_after_forward, optimizer_states,
-                  tuple(params[i.name] for i in infos), tuple(buffers), tuple(unit_plans), schedule, (), order)
+                  tuple(params[i.name] for i in infos), tuple(buffers), tuple(unit_plans), schedule, (), order,
+                  tuple(choices), min_unit_bytes)
     validate(result)  # the builder's own schedules obey the rules edited ones must
     object.__setattr__(result, "warnings", tuple(notes) + plan_warnings(result))
     return result

@@ -78,6 +78,10 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
     out.append(f"sent per step per rank: all_gather {fmt_bytes(c['all_gather'])}, reduce_scatter "
                f"{fmt_bytes(c['reduce_scatter'])}, all_reduce {fmt_bytes(c['all_reduce'])}, total {fmt_bytes(c['total'])}")
     out.append(f"schedule: {len(plan.schedule)} ops ({sum(o.is_collective for o in plan.schedule)} collectives)")
+    if plan.notes:
+        out.append("")
+        out.append("planner's choices:")
+        out += [f"  - {n}" for n in plan.notes]
     if plan.warnings:
         out.append("")
         out.append("warnings:")

@@ -41,6 +41,8 @@ def to_dict(plan: "Plan") -> dict[str, Any]:
         "schedule": [dict(kind=o.kind, unit=o.unit, what=o.what, event=o.event, at=o.at, buffers=list(o.buffers),
                           axes=list(o.axes), bytes=o.bytes, prefetch=o.prefetch, when=o.when) for o in plan.schedule],
         "warnings": list(plan.warnings),
+        "notes": list(plan.notes),
+        "min_unit_bytes": plan.min_unit_bytes,
     }
 
 
@@ -64,7 +66,7 @@ def from_json(text: str, *, cls, param, buffer, unit) -> "Plan":
                                 "params": tup(b["params"])}) for b in d["buffers"]),
         units=tuple(unit(**{**u, "buffers": tup(u["buffers"]), "modules": tup(u["modules"])}) for u in d["units"]),
         schedule=tuple(Op(**{**o, "buffers": tup(o["buffers"]), "axes": tup(o["axes"])}) for o in d["schedule"]),
-        warnings=tuple(d["warnings"]),
+        warnings=tuple(d["warnings"]), notes=tuple(d.get("notes", ())), min_unit_bytes=d.get("min_unit_bytes", 0),
     )
 
 
@@ -76,5 +78,5 @@ def summary(plan: "Plan") -> dict[str, Any]:
         "reshard_after_forward": plan.reshard_after_forward, "order": plan.order,
         "optimizer_states": plan.optimizer_states, "parameters": len(plan.params),
         "elements": sum(p.numel for p in plan.params), "units": [u.name for u in plan.units],
-        "ops": len(plan.schedule),
+        "ops": len(plan.schedule), "min_unit_bytes": plan.min_unit_bytes,
     }

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -178,6 +179,8 @@ class Plan:
     schedule: tuple[Op, ...]
     warnings: tuple[str, ...] = field(default=())
     order: str = "static"
+    notes: tuple[str, ...] = field(default=())  # choices the planner made and why (unit sizing)
+    min_unit_bytes: int = 0                     # the merging threshold used (chosen or given)
 
     # -- lookups -----------------------------------------------------------------------------------
     @cached_property
@@ -349,6 +352,30 @@ class Plan:
     def fingerprint(self) -> str:
         """A short hash of the plan's JSON: equal on every process that built the same plan."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    def declarative(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`shardplan.plan` that rebuild this plan from its module: rules (one
+        per parameter name, block indices generalised), units (exact module paths), options.
+
+        >>> again = sp.plan(model, **plan.declarative())      # equal to plan (a traced order needs trace=)
+        """
+        from ..auto import rules_from_specs
+        specs = [(p.name, p.spec if self.level else self.param(p.name).spec) for p in self.params]
+        paths = [m for u in self.units[1:] for m in u.module_paths]
+        rafs = {u.reshard_after_forward for u in self.units[1:-1]}
+        return dict(rules=rules_from_specs(specs), mesh=self.mesh, strategy=self.strategy,
+                    units=[re.escape(m) for m in paths], compute_dtype=self.compute_dtype,
+                    reduce_dtype=self.reduce_dtype, prefetch=self.prefetch,
+                    reshard_after_forward=rafs.pop() if len(rafs) == 1 else self.reshard_after_forward,
+                    optimizer_states=self.optimizer_states, min_unit_bytes=self.min_unit_bytes, order=self.order)
+
+    def to_source(self) -> str:
+        """A Python file that rebuilds this plan for ``model``: the rules, the units and the options."""
+        d = self.declarative()
+        head = d.pop("rules").to_source().replace("from shardplan import P, Rules", "import shardplan as sp\nfrom shardplan import P, Rules")
+        mesh = d.pop("mesh")
+        opts = ", ".join(f"{k}={v!r}" for k, v in d.items())
+        return head + f"\nplan = sp.plan(model, rules, sp.{mesh!r}, {opts})\n"
 
     def summary(self) -> dict[str, Any]:
         """The plan's options and sizes, for telling two plans apart (ranks that disagree, say)."""
