@@ -39,7 +39,7 @@ def test_json_round_trips_and_hsdp_mesh(tmp_path):
     rules = tmp_path / "rules.py"
     rules.write_text("from shardplan import P\nrules = [(r'.*norm.*', P()), (r'.*', P('shard'))]\n")
     out = cli("plan", "examples/gpt.py:tiny", "--mesh", "replica=2,shard=2", "--rules", str(rules),
-              "--units", r"layers\.\d+", "--strategy", "2", "--json")
+              "--units", r"layers\.\d+", "--strategy", "2", "--json", "--min-unit-bytes", "0")
     assert out.returncode == 0, out.stderr
     plan = sp.Plan.from_json(out.stdout)
     assert plan.strategy == "optim_grads" and plan.mesh == sp.Mesh(replica=2, shard=2)
@@ -50,7 +50,8 @@ def test_explain_and_schedule():
     out = cli("plan", "examples/gpt.py:tiny", "--mesh", "dp=2", "--rules", "examples/gpt_rules.py",
               "--explain", "layers.0.attention.wq.weight")
     assert out.returncode == 0 and "MATCHES" in out.stdout
-    out = cli("plan", "examples/gpt.py:tiny", "--mesh", "dp=2", "--rules", "examples/gpt_rules.py", "--schedule")
+    out = cli("plan", "examples/gpt.py:tiny", "--mesh", "dp=2", "--rules", "examples/gpt_rules.py", "--schedule",
+              "--min-unit-bytes", "0")
     assert "reduce_scatter" in out.stdout and " prefetch" in out.stdout and "wait params" in out.stdout
     assert "post_backward(layers.1):" in out.stdout  # ops are listed under the event that triggers them
 

@@ -27,6 +27,7 @@ from .tree import assemble, shard_tree, unshard_tree
 from . import optim
 from .optim import clip_by_global_norm
 from .auto import auto_rules
+from .dropin import MixedPrecisionPolicy, fully_shard, fully_shard_model, fully_shard_optimizer, plan_of
 
 __version__ = "0.1.0"
 
@@ -37,5 +38,6 @@ __all__ = [
     "shard", "no_sync", "clip_grad_norm_", "record_ops", "memory_stats", "reset_peak", "mark_shards_changed",
     "compile_units", "checkpoint", "state_dict", "load_state_dict", "full_state_dict", "load_full_state_dict",
     "shard_tree", "unshard_tree", "assemble", "functional_call", "value_and_grad", "grad", "optim",
-    "clip_by_global_norm", "auto_rules",
+    "clip_by_global_norm", "auto_rules", "fully_shard", "MixedPrecisionPolicy", "fully_shard_model",
+    "fully_shard_optimizer", "plan_of",
 ]

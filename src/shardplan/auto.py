@@ -89,7 +89,11 @@ def auto_rules(model_or_tree, mesh: Mesh, *, min_shard_bytes: int = 2 ** 20,
         if reason:
             why[info.name] = reason
     out = rules_from_specs(named)
-    out.comments = {pat: why[name] for name, pat in _patterns_of(named).items() if name in why}
+    comments: dict[str, list[str]] = {}
+    for name, reason in why.items():  # on the rule that takes the parameter, the catch-all included
+        comments.setdefault(out.find(name).pattern, []).append(f"{name}: {reason}")
+    out.comments = {pat: "; ".join(notes[:3]) + (f"; and {len(notes) - 3} more" if len(notes) > 3 else "")
+                    for pat, notes in comments.items()}
     return out
 
 

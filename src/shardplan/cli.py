@@ -1,4 +1,5 @@
-"""``shardplan plan TARGET --mesh dp=8 --rules RULES.py``: print a plan without launching anything.
+"""``shardplan plan TARGET --mesh dp=8 [--rules RULES.py]``: print a plan without launching anything;
+``shardplan rules TARGET --mesh dp=8``: propose a rules file.
 
 Exit status 0 on success, 2 with one line on stderr for bad input (a missing file, a bad mesh, a rule
 that does not fit, a parameter name that does not exist).
@@ -89,17 +90,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"shardplan {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="print the plan for a model, mesh and rules")
-    p.add_argument("target", help="path/to/file.py:fn or package.module:fn returning an nn.Module")
+    p.add_argument("target", help="path/to/file.py:fn or package.module:fn returning an nn.Module, or "
+                                  "hf:path/to/config.json (a Hugging Face model, built on the meta device)")
     p.add_argument("--mesh", required=True, help="axes, e.g. dp=8 or replica=2,shard=4")
-    p.add_argument("--rules", required=True, help="a .py file defining `rules`, or FILE.py:NAME for another variable")
+    p.add_argument("--rules", default=None, help="a .py file defining `rules`, or FILE.py:NAME for another variable "
+                                                 "(default: shardplan.auto_rules of the model)")
     p.add_argument("--strategy", default="optim_grads_params",
                    help="no_shard | optim | optim_grads | optim_grads_params (or 0..3)")
     p.add_argument("--units", nargs="*", default=None, help="regexes over module paths; default: the rules file's UNITS")
     p.add_argument("--dtype", default=None, help="compute dtype, e.g. bf16")
     p.add_argument("--reduce-dtype", default=None, help="gradient reduction dtype, e.g. fp32")
     p.add_argument("--prefetch", type=int, default=1)
-    p.add_argument("--min-unit-bytes", type=parse_size, default=0,
-                   help="merge neighbouring units up to this size, e.g. 16MiB (default 0: no merging)")
+    p.add_argument("--min-unit-bytes", type=parse_size, default=None,
+                   help="merge neighbouring units up to this size, e.g. 16MiB; 0: no merging (default: chosen)")
     p.add_argument("--order", default="static", choices=("static", "dynamic"))
     p.add_argument("--no-reshard-after-forward", action="store_true")
     p.add_argument("--rank", type=int, default=0, help="rank whose local shapes and memory are shown")
@@ -107,41 +110,75 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary", action="store_true", help="sizes, memory and bytes only: no per-parameter table")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (with memory and bytes per step)")
     p.add_argument("--explain", metavar="NAME", default=None, help="say which rule matches parameter NAME and why")
+    p.add_argument("--param-dtype", default=None, help="store parameters in this dtype (default: the model's), e.g. fp32")
+    r = sub.add_parser("rules", help="propose partition rules for a model (shardplan.auto_rules) as a rules file")
+    r.add_argument("target", help="path/to/file.py:fn, package.module:fn or hf:path/to/config.json")
+    r.add_argument("--mesh", required=True, help="axes, e.g. dp=8 or replica=2,shard=4")
+    r.add_argument("--min-shard-bytes", type=parse_size, default=2 ** 20, help="replicate parameters below this size")
     return ap
 
 
-def run(args) -> str:
+def build_model(target: str, param_dtype=None):
+    """The module a TARGET names, on the meta device."""
     import torch
+    if target.startswith("hf:"):
+        from .hf import model_from_config
+        model = model_from_config(target[3:])
+    else:
+        builder = load_target(target)
+        try:
+            with torch.device("meta"):
+                model = builder()
+        except ShardingError:
+            raise
+        except Exception as exc:
+            raise CliError(f"{target}() failed: {type(exc).__name__}: {exc}") from None
+        if not isinstance(model, torch.nn.Module):
+            raise CliError(f"{target} returned {type(model).__name__}, not an nn.Module")
+    if param_dtype:
+        from .dtypes import dtype_name, to_torch
+        model.to(to_torch(dtype_name(param_dtype)))
+    return model
 
+
+def run_rules(args) -> str:
+    from .auto import auto_rules
+    from .mesh import Mesh
+    mesh = Mesh.parse(args.mesh)
+    model = build_model(args.target)
+    return auto_rules(model, mesh, min_shard_bytes=args.min_shard_bytes).to_source()
+
+
+def run(args) -> str:
+    if args.command == "rules":
+        return run_rules(args)
+    from .auto import auto_rules
     from .mesh import Mesh
     from .plan import plan, strategy_level
     from .plan.render import render, render_schedule
     from .rules import explain
 
     mesh = Mesh.parse(args.mesh)
-    rules_obj, file_units = load_rules(args.rules)
-    builder = load_target(args.target)
-    try:
-        with torch.device("meta"):
-            model = builder()
-    except ShardingError:
-        raise
-    except Exception as exc:
-        raise CliError(f"{args.target}() failed: {type(exc).__name__}: {exc}") from None
-    if not isinstance(model, torch.nn.Module):
-        raise CliError(f"{args.target} returned {type(model).__name__}, not an nn.Module")
+    rules_obj, file_units = load_rules(args.rules) if args.rules else (None, None)
+    model = build_model(args.target, args.param_dtype)
+    if rules_obj is None:
+        rules_obj = auto_rules(model, mesh)
     if args.explain:
         names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         if args.explain not in names:
             close = [n for n in names if args.explain.split(".")[-1] in n][:5] or names[:5]
             raise CliError(f"{args.target} has no parameter {args.explain!r}; it has e.g. {close}")
         return explain(rules_obj, args.explain)
-    units = args.units if args.units is not None else (file_units or ())
+    units = args.units if args.units is not None else file_units
+    if units is None and args.target.startswith("hf:"):
+        from .hf import block_class
+        block = block_class(model)
+        units = [block] if block is not None else ()
     strategy = int(args.strategy) if args.strategy.isdigit() else args.strategy
     strategy_level(strategy)
     if not 0 <= args.rank < mesh.size:
         raise CliError(f"--rank {args.rank} is outside the mesh's {mesh.size} ranks")
-    p = plan(model, rules_obj, mesh, strategy=strategy, units=units, compute_dtype=args.dtype,
+    p = plan(model, rules_obj, mesh, strategy=strategy, units=units or (), compute_dtype=args.dtype,
              reduce_dtype=args.reduce_dtype, prefetch=args.prefetch, order=args.order,
              reshard_after_forward=not args.no_reshard_after_forward, min_unit_bytes=args.min_unit_bytes)
     if args.json:

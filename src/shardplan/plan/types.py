@@ -353,11 +353,22 @@ class Plan:
         """A short hash of the plan's JSON: equal on every process that built the same plan."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
+    def equivalent(self, other: "Plan") -> bool:
+        """Whether ``other`` shards and schedules exactly like this plan (only the rules' wording, the
+        planner's notes and the warnings may differ): the test for a plan rebuilt from :meth:`declarative`."""
+        def core(p):
+            d = p.to_dict()
+            for q in d["params"]:
+                q.pop("rule")
+            d.pop("notes"), d.pop("warnings")
+            return d
+        return core(self) == core(other)
+
     def declarative(self) -> dict[str, Any]:
         """Keyword arguments of :func:`shardplan.plan` that rebuild this plan from its module: rules (one
         per parameter name, block indices generalised), units (exact module paths), options.
 
-        >>> again = sp.plan(model, **plan.declarative())      # equal to plan (a traced order needs trace=)
+        >>> sp.plan(model, **plan.declarative()).equivalent(plan)      # True (a traced order needs trace=)
         """
         from ..auto import rules_from_specs
         specs = [(p.name, p.spec if self.level else self.param(p.name).spec) for p in self.params]

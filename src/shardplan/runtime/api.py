@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -169,6 +170,8 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     face = ModuleFace(unit_slots)
     face.attach(units, plan)
     exe = Executor(plan, units, groups, device, rank, timeout_s, face)
+    for lp in face.by_index.values():
+        lp._shardplan_engine = weakref.ref(exe)  # who steps it (fully_shard_optimizer checks)
     exe.handles = install(module, exe, modules_of)
     module.__dict__[_ATTR] = exe
     if sync_buffers and world > 1:

@@ -1,0 +1,321 @@
+"""Drop-in entry points: switch from FSDP2 or Megatron-FSDP by changing an import. Each one compiles an
+ordinary :class:`Plan` (``shardplan.plan_of(model)``), which prints, dry-runs and turns back into rules
+(``plan.to_source()``) like any other.
+
+>>> from shardplan import fully_shard, MixedPrecisionPolicy            # was: torch.distributed.fsdp
+>>> for block in model.layers: fully_shard(block, mp_policy=mp)
+>>> fully_shard(model, mp_policy=mp)                                    # the root call compiles one plan
+
+>>> from shardplan import fully_shard_model, fully_shard_optimizer     # was: megatron_fsdp
+>>> model = fully_shard_model(model, fsdp_unit_modules=[Block], zero_dp_strategy=3)
+>>> optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters()))
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .errors import ShardingError
+from .mesh import Mesh
+from .plan import Plan, plan as make_plan
+from .plan.schedule import ROOT, STRATEGIES
+from .runtime.api import engine_of, shard
+from .spec import P
+
+_MARK = "_shardplan_fully_shard"
+
+
+def plan_of(module: nn.Module) -> Plan:
+    """The plan a sharded module runs (whichever entry point sharded it)."""
+    return engine_of(module).plan
+
+
+def _unsupported(where: str, **given) -> None:
+    for name, (value, ok) in given.items():
+        if not ok(value):
+            raise ShardingError(f"{where}: {name}={value!r} is not supported by shardplan (it would be ignored); "
+                                f"leave it at its default or remove it")
+
+
+def _mesh_from(device_mesh, default_axis: str) -> Mesh:
+    if device_mesh is None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return Mesh(**{default_axis: world})
+    if device_mesh.mesh_dim_names is None:
+        if device_mesh.ndim == 1:
+            return Mesh(**{default_axis: device_mesh.size()})
+        if device_mesh.ndim == 2:  # FSDP2's HSDP convention: (replicate, shard)
+            return Mesh(replicate=device_mesh.size(0), shard=device_mesh.size(1))
+        raise ShardingError("a DeviceMesh of more than two dimensions needs mesh_dim_names")
+    return Mesh.from_device_mesh(device_mesh)
+
+
+def _dim0_rules(axis: str, placement_fn: Optional[Callable] = None):
+    """Every parameter sharded on dim 0 over ``axis`` (FSDP2's and Megatron-FSDP's default); scalars
+    replicated; ``placement_fn(param) -> Shard(d) | None`` (FSDP2's ``shard_placement_fn``) picks another dim."""
+    def spec(path, leaf):
+        if leaf.dim() == 0:
+            return P()
+        d = 0
+        if placement_fn is not None:
+            placement = placement_fn(leaf)
+            if placement is not None:
+                d = getattr(placement, "dim", 0)
+        return P(*([None] * d + [axis]))
+    return [(r".*", spec)]
+
+
+# -- FSDP2 ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """FSDP2's ``MixedPrecisionPolicy``: ``param_dtype`` is the compute dtype parameters are gathered in,
+    ``reduce_dtype`` the gradient reduction dtype. FSDP2's own policy objects are accepted too."""
+
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    output_dtype: Optional[torch.dtype] = None
+    cast_forward_inputs: bool = True
+
+
+class ShardPlanModule:
+    """Mixed into the class of a module ``fully_shard`` was called on (as FSDP2 does): the first use of
+    its parameters or forward compiles the plan if no call on an ancestor did."""
+
+    def parameters(self, recurse: bool = True):
+        _ensure_compiled(self)
+        return super().parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        _ensure_compiled(self)
+        return super().named_parameters(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        _ensure_compiled(self)
+        return super().__call__(*args, **kwargs)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """FSDP2's switch for gradient accumulation: ``False`` skips the reductions (``shardplan.no_sync``)."""
+        root = self.__dict__[_MARK].get("root") or self
+        engine_of(root).sync = bool(requires_gradient_sync)
+
+
+_CLASSES: dict[type, type] = {}
+_COMPILING = [False]
+
+
+def _swap_class(module: nn.Module) -> None:
+    cls = type(module)
+    if issubclass(cls, ShardPlanModule):
+        return
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"ShardPlan{cls.__name__}", (ShardPlanModule, cls), {"__module__": cls.__module__})
+    module.__class__ = _CLASSES[cls]
+
+
+def _ensure_compiled(module: nn.Module) -> None:
+    opts = module.__dict__.get(_MARK)
+    if _COMPILING[0] or opts is None or opts.get("root") is not None or "_shardplan" in module.__dict__:
+        return
+    _compile_root(module)
+
+
+def _compile_root(root: nn.Module) -> None:
+    opts = root.__dict__[_MARK]
+    marked = [(name, m) for name, m in root.named_modules() if name and _MARK in m.__dict__]
+    policies = {(getattr(o, "param_dtype", None), getattr(o, "reduce_dtype", None))
+                for o in [opts["mp_policy"]] + [m.__dict__[_MARK]["mp_policy"] for _, m in marked] if o is not None}
+    if len(policies) > 1:
+        raise ShardingError(f"fully_shard: shardplan runs one mixed-precision policy per plan; the calls under this "
+                            f"root use {sorted(map(str, policies))}. Give every call the same mp_policy")
+    compute, reduce = policies.pop() if policies else (None, None)
+    mesh = _mesh_from(opts["mesh"], "dp")
+    axis = "shard" if "shard" in mesh.axis_names else mesh.axis_names[-1]
+    _COMPILING[0] = True
+    try:
+        p = make_plan(root, _dim0_rules(axis, opts["shard_placement_fn"]), mesh, strategy="optim_grads_params",
+                      units=[re.escape(name) for name, _ in marked], compute_dtype=compute, reduce_dtype=reduce,
+                      min_unit_bytes=0)
+        flags = {u.name: root.get_submodule(u.name).__dict__[_MARK]["reshard_after_forward"]
+                 for u in p.units[1:] if u.name in dict(marked)}
+        flags = {u: f for u, f in flags.items() if u != p.units[-1].name or not f}  # the last unit stays gathered
+        if any(f is False for f in flags.values()):
+            p = p.with_reshard_after_forward(flags)
+        shard(root, p)
+    finally:
+        _COMPILING[0] = False
+    opts["root"] = root
+    for _, m in marked:
+        m.__dict__[_MARK]["root"] = root
+
+
+def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = True,
+                shard_placement_fn: Optional[Callable] = None, mp_policy: Optional[Any] = None,
+                offload_policy: Optional[Any] = None, ignored_params: Optional[set] = None) -> nn.Module:
+    """FSDP2's ``fully_shard``, built on one shardplan plan: call it on each block, then on the root.
+
+    >>> for block in model.layers: fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    >>> fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    >>> optimizer = torch.optim.AdamW(model.parameters())     # local shards, as with FSDP2's DTensors
+
+    Each call marks a unit; the call on a module that contains marked ones (or the first use of a lone
+    marked module's parameters) compiles the plan: every parameter sharded on dim 0 (or the dim
+    ``shard_placement_fn`` picks) over the mesh (a 2-D ``DeviceMesh`` is HSDP: replicate, shard),
+    ZeRO-3, each unit resharded after forward unless its call said ``False``. The module's class gains
+    FSDP2's ``set_requires_gradient_sync``.
+    """
+    offload_ok = offload_policy is None or type(offload_policy).__name__ == "OffloadPolicy"
+    _unsupported("fully_shard", offload_policy=(offload_policy, lambda v: offload_ok),
+                 ignored_params=(ignored_params, lambda v: not v),
+                 reshard_after_forward=(reshard_after_forward, lambda v: isinstance(v, bool)))
+    if mp_policy is not None:
+        _unsupported("fully_shard(mp_policy)", output_dtype=(getattr(mp_policy, "output_dtype", None), lambda v: v is None),
+                     cast_forward_inputs=(getattr(mp_policy, "cast_forward_inputs", True), lambda v: v is True))
+    if "_shardplan" in module.__dict__:
+        raise ShardingError("fully_shard: this module is already sharded (its plan was compiled)")
+    module.__dict__[_MARK] = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                                  shard_placement_fn=shard_placement_fn, root=None)
+    _swap_class(module)
+    if any(_MARK in m.__dict__ for name, m in module.named_modules() if name):
+        _compile_root(module)
+    return module
+
+
+# -- Megatron-FSDP --------------------------------------------------------------------------------------------
+
+_NOT_OURS = dict(  # Megatron-FSDP arguments shardplan has no counterpart for, with the defaults it accepts
+    hybrid_fsdp_expt_group=None, expt_device_mesh=None, calculate_per_token_loss=False, keep_fp8_transpose_cache=False,
+    nccl_ub=False, fsdp_double_buffer=False, fsdp_db_use_persist_buf_on_alloc_fail=False,
+    disable_symmetric_registration=False, enable_fine_grained_param_gather=False, disable_bucketing=False,
+    overlap_grad_reduce=True, sync_model_each_microbatch=True,
+)
+
+
+def fully_shard_model(module: nn.Module, device_mesh=None, dp_shard_dim: Optional[str] = None,
+                      dp_outer_dim: Optional[str] = None, tp_dim: Optional[str] = None, hybrid_fsdp_group=None,
+                      fsdp_unit_modules: Optional[Sequence] = None, zero_dp_strategy=3,
+                      outer_dp_sharding_strategy=0, device: Optional[torch.device] = None,
+                      init_model_with_meta_device: bool = False, grad_reduce_in_fp32: bool = False,
+                      preserve_fp32_weights: bool = True, overlap_param_gather: bool = True,
+                      preproc_state_dict_for_dcp_ckpt: bool = True, check_for_nan_in_grad: bool = True,
+                      average_in_collective: bool = False, mixed_precision_policy: Optional[Any] = None,
+                      **rest) -> nn.Module:
+    """Megatron-FSDP's ``fully_shard_model`` (same argument names and meanings), built on one plan.
+
+    >>> model = fully_shard_model(model, fsdp_unit_modules=[Block], zero_dp_strategy="optim_grads_params")
+
+    ``zero_dp_strategy`` 0-3 or its names; ``device_mesh`` with ``dp_shard_dim`` (and ``dp_outer_dim`` for
+    HSDP: replicated over it); ``fsdp_unit_modules`` classes or import paths. The model computes in its
+    own dtype; with ``preserve_fp32_weights`` (or a policy's ``main_params_dtype=float32``) low-precision
+    parameters are kept as fp32 masters and gathered in the model's dtype; ``grad_reduce_in_fp32`` (or
+    ``grad_comm_dtype``) sets the reduction dtype. Returns the module, sharded in place; an argument
+    shardplan cannot honour raises, naming it.
+    """
+    where = "fully_shard_model"
+    unknown = [k for k in rest if k not in _NOT_OURS]
+    if unknown:
+        raise ShardingError(f"{where}: unknown argument(s) {unknown}")
+    _unsupported(where, **{k: (v, lambda v, d=_NOT_OURS[k]: v == d) for k, v in rest.items()},
+                 outer_dp_sharding_strategy=(outer_dp_sharding_strategy, lambda v: v in (0, "no_shard")))
+    level = STRATEGIES.index(zero_dp_strategy) if zero_dp_strategy in STRATEGIES else zero_dp_strategy
+    if level not in (0, 1, 2, 3):
+        raise ShardingError(f"{where}: zero_dp_strategy={zero_dp_strategy!r}; use 0-3 or one of {STRATEGIES}")
+    shard_dim = dp_shard_dim or "fsdp"
+    mesh = _mesh_from(device_mesh, shard_dim)
+    if tp_dim is not None and tp_dim in mesh.axis_names and mesh.shape[tp_dim] > 1:
+        raise ShardingError(f"{where}: tp_dim={tp_dim!r} has size {mesh.shape[tp_dim]}; tensor parallelism is not "
+                            f"available through this entry point")
+    if shard_dim not in mesh.axis_names:
+        raise ShardingError(f"{where}: dp_shard_dim={shard_dim!r} is not a dimension of the mesh {mesh!r}")
+    if dp_outer_dim is not None and dp_outer_dim not in mesh.axis_names:
+        raise ShardingError(f"{where}: dp_outer_dim={dp_outer_dim!r} is not a dimension of the mesh {mesh!r}")
+    if hybrid_fsdp_group is not None and dp_outer_dim is not None:
+        want = mesh.axis_size((dp_outer_dim, shard_dim))
+        if dist.get_world_size(hybrid_fsdp_group) != want:
+            raise ShardingError(f"{where}: hybrid_fsdp_group has {dist.get_world_size(hybrid_fsdp_group)} ranks, "
+                                f"dp_outer x dp_shard is {want}")
+    if init_model_with_meta_device and level == 0:
+        raise ShardingError(f"{where}: init_model_with_meta_device is not supported with the no_shard strategy "
+                            f"(as in Megatron-FSDP)")
+    compute, reduce = _megatron_dtypes(module, where, preserve_fp32_weights, grad_reduce_in_fp32, mixed_precision_policy)
+    if device is not None and not init_model_with_meta_device:
+        module.to(device)
+    p = make_plan(module, _dim0_rules(shard_dim), mesh, strategy=level, units=list(fsdp_unit_modules or ()),
+                  compute_dtype=compute, reduce_dtype=reduce, prefetch=1 if overlap_param_gather else 0,
+                  min_unit_bytes=0)
+    sharded = shard(module, p)
+    engine_of(sharded).check_for_nan_in_grad = check_for_nan_in_grad
+    return sharded
+
+
+def _megatron_dtypes(module: nn.Module, where: str, preserve_fp32: bool, reduce_fp32: bool, policy):
+    """(compute dtype, reduce dtype) from Megatron-FSDP's precision arguments; converts low-precision
+    parameters to fp32 masters when they are to be preserved."""
+    dtypes = {p.dtype for p in module.parameters() if p.is_floating_point()}
+    model_dtype = dtypes.pop() if len(dtypes) == 1 else None
+    main = torch.float32 if preserve_fp32 else None
+    reduce = torch.float32 if reduce_fp32 else None
+    if policy is not None:
+        main = getattr(policy, "main_params_dtype", main)
+        comm = getattr(policy, "grad_comm_dtype", None)
+        reduce = comm if comm is not None else reduce
+        grads = getattr(policy, "main_grads_dtype", None)
+        if grads is not None and grads != (main or model_dtype):
+            raise ShardingError(f"{where}: main_grads_dtype={grads} must equal the main parameters' dtype "
+                                f"({main or model_dtype}): the local gradients are in the optimizer's dtype")
+        accum = getattr(policy, "grad_accum_dtype", None)
+        if accum is not None and accum not in (model_dtype, reduce):
+            raise ShardingError(f"{where}: grad_accum_dtype={accum} is not supported: gradients accumulate in the "
+                                f"compute dtype ({model_dtype}) and reduce in {reduce or model_dtype}; pass "
+                                f"grad_accum_dtype=None")
+    compute = None
+    if main is not None and model_dtype is not None and model_dtype != main:
+        if model_dtype.itemsize >= main.itemsize:
+            raise ShardingError(f"{where}: main_params_dtype={main} is narrower than the model's {model_dtype}")
+        compute = model_dtype
+        module.to(main)  # fp32 masters: the shards the optimizer steps; gathered in the model's dtype
+    return compute, reduce
+
+
+def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_for_dcp_ckpt: bool = True):
+    """Megatron-FSDP's ``fully_shard_optimizer``: checks the optimizer steps a sharded model's local shards
+    and, if the model asked for ``check_for_nan_in_grad``, makes ``step`` refuse non-finite gradients."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not params:
+        raise ShardingError("fully_shard_optimizer: the optimizer has no parameters")
+    engines = {id(e): e for e in (getattr(p, "_shardplan_engine", lambda: None)() for p in params) if e is not None}
+    if len(engines) != 1 or any(getattr(p, "_shardplan_engine", None) is None for p in params):
+        raise ShardingError("fully_shard_optimizer: build the optimizer on model.parameters() after "
+                            "fully_shard_model(model, ...) (its parameters are then the local shards)")
+    eng = next(iter(engines.values()))
+    base = type(optimizer).step
+
+    def step(self, *args, sync_grad_before_optimizer_step: bool = True, install_optimized_model_weights: bool = True,
+             **kwargs):
+        if getattr(eng, "check_for_nan_in_grad", False):
+            _check_finite(eng, params)
+        return base(self, *args, **kwargs)  # gradients are synced by backward; weights gathered by the next forward
+
+    optimizer.step = step.__get__(optimizer)
+    return optimizer
+
+
+def _check_finite(eng, params) -> None:
+    from .runtime import collectives as C
+    grads = [p.grad for p in params if p.grad is not None and p.grad.numel()]
+    bad = torch.zeros((), device=eng.device)
+    if grads:
+        bad = (~torch.stack([g.isfinite().all() for g in grads])).any().float()
+    C.all_reduce(bad, eng.groups.world, async_op=False, op=dist.ReduceOp.MAX)
+    if bad.item():
+        names = {id(lp): n for n, lp in eng.local_params().items()}
+        local = [names.get(id(p), "?") for p in params if p.grad is not None and not p.grad.isfinite().all()]
+        raise FloatingPointError(f"fully_shard_optimizer: non-finite gradients (check_for_nan_in_grad=True); "
+                                 f"on this rank: {local[:5] or 'none (another rank)'}")
