@@ -68,6 +68,8 @@ def make_system(name, args, dev, world):
                        min_unit_bytes=args.min_unit_bytes)
         sp.shard(model, plan)
         info["planned_memory"] = plan.memory().__dict__
+        info["units"] = len(plan.units)
+        info["notes"] = list(plan.notes)
         info["comm_bytes"] = plan.comm_bytes()["total"]
         info["plan_peak"] = plan.memory().peak
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
@@ -187,7 +189,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prefetch", type=int, default=1)
-    ap.add_argument("--min-unit-bytes", type=int, default=0, help="shardplan: merge neighbouring blocks up to this size")
+    ap.add_argument("--min-unit-bytes", type=int, default=None,
+                    help="shardplan: merge neighbouring blocks up to this size (default: the planner chooses; 0: never)")
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -254,7 +257,7 @@ def main():
             entry["forward_ms"] = 1000 * statistics.median(p[0] for p in res["parts"])
             entry["backward_ms"] = 1000 * statistics.median(p[1] for p in res["parts"])
             entry["optimizer_ms"] = 1000 * statistics.median(p[2] for p in res["parts"])
-        for k in ("comm_bytes", "plan_peak", "planned_memory", "hook_us_per_unit"):
+        for k in ("comm_bytes", "plan_peak", "planned_memory", "hook_us_per_unit", "units", "notes"):
             if k in res:
                 entry[k] = res[k]
         summary["systems"][s] = entry
