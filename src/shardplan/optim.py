@@ -82,12 +82,17 @@ def adamw(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: floa
         return {"step": torch.tensor(0.0), "exp_avg": zeros(), "exp_avg_sq": zeros()}
 
     def step_some(p, g, m, v, t):
+        # one new tensor per output (params, moments) plus one temporary; then in place on those only
         bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
         p = torch._foreach_mul(p, 1 - lr * weight_decay)
         m = torch._foreach_lerp(m, g, 1 - b1)
-        v = torch._foreach_addcmul(torch._foreach_mul(v, b2), g, g, value=1 - b2)
-        denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(v), math.sqrt(bc2)), eps)
-        return torch._foreach_addcdiv(p, m, denom, value=-lr / bc1), m, v
+        v = torch._foreach_mul(v, b2)
+        torch._foreach_addcmul_(v, g, g, value=1 - b2)
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_div_(denom, math.sqrt(bc2))
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(p, m, denom, value=-lr / bc1)
+        return p, m, v
 
     def update(grads, state, params):
         p, spec = _flat(params, "params")

@@ -351,6 +351,10 @@ class Plan:
 
     def fingerprint(self) -> str:
         """A short hash of the plan's JSON: equal on every process that built the same plan."""
+        return self._fingerprint
+
+    @cached_property
+    def _fingerprint(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
     def equivalent(self, other: "Plan") -> bool:

@@ -171,8 +171,40 @@ class BufferState:
                     v.add_(fp.grad)
                 fp.grad = v
 
-    def reduction_input(self, window: int) -> torch.Tensor:
-        """The gradient as the reduction reads it: gathered layout, reduce dtype."""
+    def land_grads(self, window: int, arrived: list) -> None:
+        """Add ``(parameter index, gradient)`` pairs into the unsharded gradient; the first arrival of a
+        window copies instead of zeroing and adding (the other parameters' pieces are zeroed)."""
+        fresh = self.flat is None or self.flat_window != window
+        if self.flat is None:
+            self.flat = torch.empty(self.bp.grad_numel, dtype=self.cdtype, device=self.device)
+            self.views = [self.flat[off:off + p.numel].view(p.shape) for off, p in zip(self.offsets, self.infos)]
+        views = [self.views[i] for i, _ in arrived]
+        grads = [g for _, g in arrived]
+        if not fresh:
+            torch._foreach_add_(views, grads)
+            return
+        self.flat_window = window
+        given = {i for i, _ in arrived}
+        rest = [v for i, v in enumerate(self.views) if i not in given]
+        torch._foreach_copy_(views, grads)
+        if rest:
+            torch._foreach_zero_(rest)
+        if self.bp.grad_numel != sum(p.numel for p in self.infos):
+            self._zero_gaps()
+
+    def _zero_gaps(self) -> None:
+        """Zero the padding between parameters (it is reduced too: keep it finite)."""
+        c = 0
+        for off, p in sorted(zip(self.offsets, (p.numel for p in self.infos))):
+            if off > c:
+                self.flat[c:off].zero_()
+            c = max(c, off + p)
+        if c < self.flat.numel():
+            self.flat[c:].zero_()
+
+    def reduction_input(self, window: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The gradient as the reduction reads it: gathered layout, reduce dtype (written into ``out`` when
+        given: a reduction that moves nothing then leaves its result there)."""
         self.prepare_grads(window)
         g = self.flat
         if self.packed is not None:  # copy-in: parameter layout -> packed segments
@@ -181,6 +213,9 @@ class BufferState:
             for i, p in enumerate(self.infos):
                 for seg, box, n in self.copy_plans[i]:
                     view[seg, p.offset:p.offset + n].copy_(self.views[i][box].reshape(-1))
+        if out is not None:
+            out.copy_(g[:out.numel()])
+            return out
         return g if self.rdtype == self.cdtype else g.to(self.rdtype)
 
     def assign_local_grads(self, result: torch.Tensor) -> list[int]:

@@ -273,7 +273,7 @@ class Executor:
             for b, out in outs:
                 group = self.groups.gather(b.bp.axes) if b.sharded else C.Group(None, 1, 0)
                 collective = group.pg is not None
-                send = b.gather_input(collective)
+                send = self.face.gather_input(b, collective)
                 if collective:
                     keep.append(send)
                     works.append(self._call(C.all_gather, op, out, send, group, async_op=not cuda))
@@ -311,7 +311,7 @@ class Executor:
     def _reduce(self, op: Op) -> None:
         u = self._unit(op)
         if u.reduce is None:
-            inputs = {b.bp.index: b.reduction_input(self.window) for b in u.with_grads}
+            inputs = {b.bp.index: b.reduction_input(self.window, self._local_result(b)) for b in u.with_grads}
             u.reduce = PendingReduce(op, {i: [] for i in inputs}, inputs, {})
             u.grads = Grads.REDUCING
         rec = u.reduce
@@ -323,7 +323,7 @@ class Executor:
                 if group.pg is None:  # a group of one: the (cast) gradient is the result
                     rec.results[i] = rec.inputs[i]
                     continue
-                rec.results[i] = torch.empty(b.S, dtype=b.rdtype, device=self.device)
+                rec.results[i] = self.face.reduce_output(b)
                 todo.append((i, group))
             with self.streams.on("reduce"):
                 for i, group in todo:
@@ -341,11 +341,17 @@ class Executor:
                     rec.works[i].append(self._call(C.all_reduce, op, target, group, async_op=not cuda))
         rec.event = self.streams.event("reduce")
 
+    def _local_result(self, b) -> Optional[torch.Tensor]:
+        """Where a reduction that moves nothing (a shard group of one, replicated) should leave its result,
+        if the face has a place for it; else the reduction's input is the result."""
+        local = (not b.sharded) or self.groups.reduce(b.bp.axes).pg is None
+        return self.face.local_reduce_output(b) if local else None
+
     def _wait_grads(self, op: Op) -> None:
         u = self._unit(op)
         rec = u.reduce
         if rec is None:  # nothing to reduce on this mesh: the gradient is its own result
-            inputs = {b.bp.index: b.reduction_input(self.window) for b in u.with_grads}
+            inputs = {b.bp.index: b.reduction_input(self.window, self._local_result(b)) for b in u.with_grads}
             rec = PendingReduce(op, {}, inputs, {})
         for ws in rec.works.values():
             for w in ws:

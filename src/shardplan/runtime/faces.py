@@ -43,6 +43,15 @@ class ModuleFace:
         for m, attr, lp, _ in self.slots[u.name]:
             m._parameters[attr] = lp
 
+    def gather_input(self, b: BufferState, collective: bool) -> torch.Tensor:
+        return b.gather_input(collective)
+
+    def reduce_output(self, b: BufferState) -> torch.Tensor:
+        return torch.empty(b.S, dtype=b.rdtype, device=b.device)
+
+    def local_reduce_output(self, b: BufferState) -> Optional[torch.Tensor]:
+        return None  # the local gradients become views of the (cast) unsharded gradient
+
     def deliver(self, b: BufferState, result: torch.Tensor) -> None:
         self.created.update(b.assign_local_grads(result))
 
@@ -93,12 +102,14 @@ class TreeFace:
 
     # -- loading the caller's tree ---------------------------------------------------------------------
     def load(self, leaves: dict[str, torch.Tensor], sources: Optional[dict] = None) -> bool:
-        """Take this call's local leaves; copy them into the shards where they changed. Returns whether
-        any shard changed (the executor then re-gathers, as after an optimizer step). ``sources``: the
-        caller's own tensors behind ``leaves`` (value_and_grad passes detached copies): a leaf is
-        unchanged when its source is the very tensor of the last call, at the same version."""
+        """Take this call's local leaves. Returns whether any changed (the executor then re-gathers, as
+        after an optimizer step). ``sources``: the caller's own tensors behind ``leaves`` (value_and_grad
+        passes detached copies): a leaf is unchanged when its source is the very tensor of the last
+        call, at the same version. The all-gather sends straight from the leaves; only buffers whose
+        shard is part of the full parameters (ZeRO-1/2 without a cast) take a copy."""
         exe = self.exe()
         sources = sources or leaves
+        changed = False
         dsts, srcs = [], []
         for u in exe.unit_list:
             for b in u.buffers:
@@ -108,19 +119,38 @@ class TreeFace:
                     if seen is not None and seen[0]() is src and seen[1] == src._version:
                         continue
                     self.versions[info.name] = (weakref.ref(src), src._version)
+                    changed = True
                     n = math.prod(shape)
-                    if n:
+                    if b.bp.alias and n:
                         dsts.append(b.shard[off:off + n])
                         srcs.append(leaves[info.name].detach().reshape(-1))
-                    else:
-                        dsts.append(None)
-        changed = bool(dsts)
-        pairs = [(d, s_) for d, s_ in zip([d for d in dsts if d is not None], srcs)]
-        if pairs:
+        if dsts:
             with torch.no_grad():
-                torch._foreach_copy_([d for d, _ in pairs], [s_ for _, s_ in pairs])
+                torch._foreach_copy_(dsts, srcs)
         self.leaves = leaves
         return changed
+
+    def gather_input(self, b: BufferState, collective: bool) -> torch.Tensor:
+        if b.bp.alias:
+            return b.gather_input(collective)
+        send = torch.empty(b.S, dtype=b.cdtype, device=b.device)  # gaps between pieces are never read
+        dsts, srcs = [], []
+        for (box, off, shape), info in zip(b.local_boxes, b.infos):
+            n = math.prod(shape)
+            if n:
+                dsts.append(send[off:off + n])
+                srcs.append(self.leaves[info.name].detach().reshape(-1))
+        if dsts:
+            with torch.no_grad():
+                torch._foreach_copy_(dsts, srcs)  # the cast to the compute dtype happens in the same pass
+        return send
+
+    def reduce_output(self, b: BufferState) -> torch.Tensor:
+        """The reduce-scatter writes straight into the local gradients the backward handed to autograd."""
+        return self._dst(b) if b.rdtype == b.dtype else torch.empty(b.S, dtype=b.rdtype, device=b.device)
+
+    def local_reduce_output(self, b: BufferState) -> Optional[torch.Tensor]:
+        return self._dst(b) if b.rdtype == b.dtype else None
 
     # -- the executor's side --------------------------------------------------------------------------
     def bind(self, u: UnitRuntime) -> None:
@@ -151,19 +181,17 @@ class TreeFace:
         grads = iter(grads)  # one per full tensor, in buffer order (frozen parameters too)
         out = []
         for b in u.buffers:
-            b.prepare_grads(exe.window)
             dst = self._dst(b) if b.requires_grad else None
-            views, arrived = [], []
+            arrived = []
             for i, ((box, off, shape), info, idx) in enumerate(zip(b.local_boxes, b.infos, b.param_index)):
                 g = next(grads)
                 if g is not None and b.requires_grad:
-                    views.append(b.views[i])
-                    arrived.append(g)
+                    arrived.append((i, g))
                     exe.used[idx] = 1
                 if self.leaves[info.name].requires_grad:
                     out.append(dst[off:off + math.prod(shape)].view(shape) if dst is not None else None)
-            if views:
-                torch._foreach_add_(views, arrived)
+            if arrived:
+                b.land_grads(exe.window, arrived)
         exe.complete(u.name)
         return out
 
@@ -175,8 +203,9 @@ class TreeFace:
 
     def deliver(self, b: BufferState, result: torch.Tensor) -> None:
         dst = self._dst(b)
-        with torch.no_grad():
-            dst.copy_(result[:dst.numel()])
+        if result.data_ptr() != dst.data_ptr():
+            with torch.no_grad():
+                dst.copy_(result[:dst.numel()])
         for (box, off, shape), info in zip(b.local_boxes, b.infos):
             if info.requires_grad:
                 self.grads[info.name] = dst[off:off + math.prod(shape)].view(shape)

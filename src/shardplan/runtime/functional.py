@@ -28,7 +28,7 @@ from ..plan.schedule import ROOT
 from ..rules import leaves_with_paths
 from ..tree import check_tree
 from . import collectives as C
-from .buffers import BufferState
+from .buffers import BufferState, free_storage
 from .executor import Executor
 from .faces import TreeFace
 from .hooks import install
@@ -68,6 +68,10 @@ class FunctionalRuntime:
                 self.modules_of[up.name] = [modules[m] for m in up.module_paths]
         self.rank, self.device = rank, device
         self.exe = Executor(plan, units, groups, device, rank, timeout_s, None)
+        for u in units:
+            for b in u.buffers:
+                if not b.bp.alias:  # the all-gather sends straight from the caller's leaves: no shard of ours
+                    free_storage(b.shard)
         self.face = TreeFace(plan, weakref.ref(self.exe))
         self.exe.face = self.face
         self.face.slots = {u.name: [list(slots[info.name]) for b in u.buffers for info in b.infos] for u in units}
@@ -127,7 +131,9 @@ def functional_call(module: nn.Module, plan: Plan, local_params, args=(), kwargs
         session.append(rt)
     handles = install(module, rt.exe, rt.modules_of, param_hooks=False)
     try:
-        return torch.func.functional_call(module, dict(buffers or {}), args, kwargs or {}, strict=False)
+        if buffers:
+            return torch.func.functional_call(module, dict(buffers), args, kwargs or {}, strict=False)
+        return module(*args, **(kwargs or {}))  # the parameters are already the call's own (bound per unit)
     finally:
         for h in handles:
             h.remove()
