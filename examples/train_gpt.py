@@ -48,8 +48,21 @@ def batches(data: torch.Tensor, batch: int, seq: int, seed: int):
         yield x, y
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def local_batches(args, rank: int, world: int, start: int, cuda: bool):
+    """(step, x, y): this rank's slice of each global batch, in the data order of an uninterrupted run."""
+    per = args.batch // world
+    stream = batches(corpus(200_000, seed=args.seed), args.batch, args.seq, seed=args.seed + 1)
+    for _ in range(start):
+        next(stream)
+    for step in range(start, args.steps):
+        x, y = next(stream)
+        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        yield (step, x.cuda(), y.cuda()) if cuda else (step, x, y)
+
+
+def common_args(doc: str) -> argparse.ArgumentParser:
+    """The options both examples share (model, data, mesh, rules, checkpoints)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="tiny", choices=sorted(gpt.CONFIGS))
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch", type=int, default=8, help="global batch (split over ranks)")
@@ -58,20 +71,25 @@ def parse_args(argv=None):
     ap.add_argument("--strategy", default="optim_grads_params")
     ap.add_argument("--mesh", default=None, help="e.g. dp=2 or replica=2,shard=2 (default: dp=world size)")
     ap.add_argument("--rules", default="rules", help="a rules list of examples/gpt_rules.py: rules or HSDP_RULES")
-    ap.add_argument("--order", default="static", choices=("static", "dynamic"))
     ap.add_argument("--dtype", default=None, help="compute dtype, e.g. bf16")
-    ap.add_argument("--prefetch", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save", default=None, help="checkpoint directory to save into at the end")
     ap.add_argument("--resume", default=None, help="checkpoint directory to resume from")
+    return ap
+
+
+def parse_args(argv=None):
+    ap = common_args(__doc__)
+    ap.add_argument("--order", default="static", choices=("static", "dynamic"))
+    ap.add_argument("--prefetch", type=int, default=1)
     ap.add_argument("--quiet-plan", action="store_true")
     return ap.parse_args(argv)
 
 
-def main(argv=None) -> list[float]:
-    args = parse_args(argv)
+def launch(args, script: str):
+    """Checks before anything starts, then the process group: ``(cuda, rank, world, rules)``."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise SystemExit("run this under torchrun, e.g.: torchrun --nproc-per-node 2 examples/train_gpt.py")
+        raise SystemExit(f"run this under torchrun, e.g.: torchrun --nproc-per-node 2 examples/{script}")
     world = int(os.environ["WORLD_SIZE"])
     if args.batch % world:
         raise SystemExit(f"--batch {args.batch} must be divisible by the world size {world}")
@@ -82,7 +100,12 @@ def main(argv=None) -> list[float]:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
-    rank = dist.get_rank()
+    return cuda, dist.get_rank(), world, rules
+
+
+def main(argv=None) -> list[float]:
+    args = parse_args(argv)
+    cuda, rank, world, rules = launch(args, "train_gpt.py")
     torch.manual_seed(args.seed)
     model = gpt.build(args.config, max_seq=max(args.seq, gpt.CONFIGS[args.config].max_seq)).init_weights(args.seed)
     if cuda:
@@ -101,19 +124,10 @@ def main(argv=None) -> list[float]:
             print(f"resumed from {args.resume} at step {start}", flush=True)
             if start >= args.steps:
                 print(f"the checkpoint is at step {start}, at or past --steps {args.steps}: nothing to train", flush=True)
-    per = args.batch // world
-    data = corpus(200_000, seed=args.seed)
-    stream = batches(data, args.batch, args.seq, seed=args.seed + 1)
-    for _ in range(start):  # the data order of the uninterrupted run
-        next(stream)
     losses, times = [], []
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    for step in range(start, args.steps):
-        x, y = next(stream)
-        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
-        if cuda:
-            x, y = x.cuda(), y.cuda()
+    for step, x, y in local_batches(args, rank, world, start, cuda):
         t0 = time.perf_counter()
         loss = model(x, y)
         loss.backward()

@@ -31,7 +31,7 @@ def _data(world, rank):
     return out, [(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]) for x, y in out]
 
 
-def _train(model, batches, *, accumulate=None):
+def _train(model, batches, *, reduce=True):
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for x, y in batches:
@@ -40,7 +40,7 @@ def _train(model, batches, *, accumulate=None):
         opt.step()
         opt.zero_grad()
         t = loss.detach().clone()
-        if dist.is_initialized():
+        if reduce and dist.is_initialized():
             dist.all_reduce(t)
             t /= dist.get_world_size()
         losses.append(t.item())
@@ -49,16 +49,7 @@ def _train(model, batches, *, accumulate=None):
 
 def _reference(world):
     full, _ = _data(world, 0)
-    model = gpt.build("tiny").init_weights(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for x, y in full:
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return _train(gpt.build("tiny").init_weights(0), full, reduce=False)
 
 
 def _build(system, rank, world, case):
