@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpt  # noqa: E402
-import gpt_rules  # noqa: E402
 from train_gpt import common_args, launch, local_batches  # noqa: E402
 
 import shardplan as sp  # noqa: E402
@@ -36,8 +35,7 @@ def main(argv=None) -> list[float]:
     if cuda:
         model = model.cuda()
     mesh = sp.Mesh.parse(args.mesh) if args.mesh else sp.Mesh(dp=world)
-    plan = sp.plan(model, rules, mesh, strategy=args.strategy, units=gpt_rules.UNITS,
-                   compute_dtype=args.dtype)
+    plan = sp.plan(model, mesh=mesh, strategy=args.strategy, compute_dtype=args.dtype, **rules)
 
     params = sp.shard_tree(dict(model.named_parameters()), plan)     # this rank's shards, a plain dict
     opt = sp.optim.adamw(lr=args.lr, weight_decay=0.0, mask=sp.optim.trainable(plan))
@@ -52,7 +50,7 @@ def main(argv=None) -> list[float]:
 
     step_fn = sp.value_and_grad(loss_fn, plan)
     losses = []
-    for step, x, y in local_batches(args, rank, world, start, cuda):
+    for step, x, y in local_batches(args, plan.data_index(rank), plan.data_size, start, cuda):
         t0 = time.perf_counter()
         loss, grads = step_fn(params, x, y)
         grads, norm = sp.clip_by_global_norm(grads, 1.0, plan)

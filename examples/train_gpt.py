@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/train_gpt.py            # CPU, gloo
     torchrun --nproc-per-node 4 examples/train_gpt.py --mesh replica=2,shard=2 --rules HSDP_RULES   # HSDP
+    torchrun --nproc-per-node 4 examples/train_gpt.py --mesh dp=2,tp=2 --rules examples/gpt_rules_tp.py  # FSDP x TP
     torchrun --nproc-per-node 8 examples/train_gpt.py --config 1B --dtype bf16   # GPUs, NCCL
 
 The text is generated here (sums written out, byte-level), so nothing is downloaded. Rank 0
@@ -48,9 +49,12 @@ def batches(data: torch.Tensor, batch: int, seq: int, seed: int):
         yield x, y
 
 
-def local_batches(args, rank: int, world: int, start: int, cuda: bool):
-    """(step, x, y): this rank's slice of each global batch, in the data order of an uninterrupted run."""
-    per = args.batch // world
+def local_batches(args, index: int, count: int, start: int, cuda: bool):
+    """(step, x, y): slice ``index`` of ``count`` of each global batch, in the data order of an uninterrupted
+    run (``plan.data_index(rank)`` of ``plan.data_size``: tensor-parallel ranks share their slice)."""
+    if args.batch % count:
+        raise SystemExit(f"--batch {args.batch} must be divisible by the {count} data-parallel slices")
+    rank, per = index, args.batch // count
     stream = batches(corpus(200_000, seed=args.seed), args.batch, args.seq, seed=args.seed + 1)
     for _ in range(start):
         next(stream)
@@ -70,7 +74,9 @@ def common_args(doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--strategy", default="optim_grads_params")
     ap.add_argument("--mesh", default=None, help="e.g. dp=2 or replica=2,shard=2 (default: dp=world size)")
-    ap.add_argument("--rules", default="rules", help="a rules list of examples/gpt_rules.py: rules or HSDP_RULES")
+    ap.add_argument("--rules", default="rules", help="a rules list of examples/gpt_rules.py (rules or HSDP_RULES), or a "
+                                                     "rules file such as examples/gpt_rules_tp.py (its rules, UNITS "
+                                                     "and compute_axes)")
     ap.add_argument("--dtype", default=None, help="compute dtype, e.g. bf16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save", default=None, help="checkpoint directory to save into at the end")
@@ -86,16 +92,26 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
+def rules_of(name: str) -> dict:
+    """``--rules`` as plan() keywords: a list of examples/gpt_rules.py, or a rules file with its options."""
+    if name.endswith(".py"):
+        from shardplan.cli import _load_file
+        mod = _load_file(name, "_example_rules")
+        return dict(rules=mod.rules, units=getattr(mod, "UNITS", gpt_rules.UNITS),
+                    compute_axes=getattr(mod, "compute_axes", ()), styles=getattr(mod, "styles", None))
+    rules = getattr(gpt_rules, name, None)
+    if not isinstance(rules, list):
+        raise SystemExit(f"--rules {name!r}: examples/gpt_rules.py has no such rules list (try rules or HSDP_RULES, "
+                         f"or a file like examples/gpt_rules_tp.py)")
+    return dict(rules=rules, units=gpt_rules.UNITS)
+
+
 def launch(args, script: str):
-    """Checks before anything starts, then the process group: ``(cuda, rank, world, rules)``."""
+    """Checks before anything starts, then the process group: ``(cuda, rank, world, plan keywords)``."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise SystemExit(f"run this under torchrun, e.g.: torchrun --nproc-per-node 2 examples/{script}")
     world = int(os.environ["WORLD_SIZE"])
-    if args.batch % world:
-        raise SystemExit(f"--batch {args.batch} must be divisible by the world size {world}")
-    rules = getattr(gpt_rules, args.rules, None)
-    if not isinstance(rules, list):
-        raise SystemExit(f"--rules {args.rules!r}: examples/gpt_rules.py has no such rules list (try rules or HSDP_RULES)")
+    rules = rules_of(args.rules)
     cuda = torch.cuda.is_available() and os.environ.get("SHARDPLAN_FORCE_CPU") != "1"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -111,8 +127,8 @@ def main(argv=None) -> list[float]:
     if cuda:
         model = model.cuda()
     mesh = sp.Mesh.parse(args.mesh) if args.mesh else sp.Mesh(dp=world)
-    plan = sp.plan(model, rules, mesh, strategy=args.strategy, units=gpt_rules.UNITS, compute_dtype=args.dtype,
-                   prefetch=args.prefetch, order=args.order)
+    plan = sp.plan(model, mesh=mesh, strategy=args.strategy, compute_dtype=args.dtype, prefetch=args.prefetch,
+                   order=args.order, **rules)
     if rank == 0 and not args.quiet_plan:
         print(plan, flush=True)
     model = sp.shard(model, plan)
@@ -127,7 +143,7 @@ def main(argv=None) -> list[float]:
     losses, times = [], []
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    for step, x, y in local_batches(args, rank, world, start, cuda):
+    for step, x, y in local_batches(args, plan.data_index(rank), plan.data_size, start, cuda):
         t0 = time.perf_counter()
         loss = model(x, y)
         loss.backward()

@@ -152,9 +152,7 @@ def clip_by_global_norm(grads, max_norm: float, plan) -> tuple[Any, torch.Tensor
     for path, g in zip(paths, leaves):
         if not g.numel():
             continue
-        b = plan.buffers[plan.param(path).buffer]
-        replicas = plan.mesh.axis_size(b.replica_axes) if b.replica_axes else 1
-        acc = acc + torch.linalg.vector_norm(g, 2).to(acc.dtype) ** 2 / replicas
+        acc = acc + torch.linalg.vector_norm(g, 2).to(acc.dtype) ** 2 / plan.replicas(path)
     C.all_reduce(acc, C.world(), async_op=False, op=torch.distributed.ReduceOp.SUM)
     norm = acc.sqrt().float()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

@@ -39,7 +39,7 @@ def check_tree(plan: Plan, paths, leaves, *, rank: Optional[int] = None, what: s
             raise ShardingError(f"{what} leaf {path!r} is not a parameter of the plan (close names: {close}); the tree "
                                 f"must have the structure the plan was built from")
         p = plan.param(path)
-        want = plan.local_shape(p.name, rank) if rank is not None else p.shape
+        want = plan.local_shape(p.name, rank) if rank is not None else p.global_shape
         if tuple(getattr(leaf, "shape", ())) != tuple(want):
             raise ShardingError(f"{what} leaf {path!r} has shape {tuple(leaf.shape)}, the plan says "
                                 f"{tuple(want)}{' on rank %d' % rank if rank is not None else ''}")
@@ -84,10 +84,9 @@ def _rebuild(tree, spec, paths, leaves):
 def place(plan: Plan, name: str, piece_of: Callable[[int], Optional[torch.Tensor]], like: torch.Tensor) -> torch.Tensor:
     """The full tensor of ``name`` from every rank's local piece (``piece_of(rank)``; one rank per group)."""
     p = plan.param(name)
-    b = plan.buffers[p.buffer]
-    full = torch.empty(p.shape, dtype=like.dtype, device=like.device)
+    full = torch.empty(p.global_shape, dtype=like.dtype, device=like.device)
     first = plan.mesh.rank_of([0] * len(plan.mesh.axis_names))
-    for r in (plan.mesh.group_of(first, b.axes) if b.sharded else (first,)):
+    for r in plan.mesh.group_of(first, plan.owner_axes(name)):
         box = plan.local_slices(name, r)
         piece = piece_of(r)
         if box is not None and piece is not None and piece.numel():
@@ -113,6 +112,9 @@ def unshard_tree(local_tree, plan: Plan, *, timeout_s: float = 300.0):
     from .runtime import collectives as C
     from .runtime.functional import groups_for
     import torch.distributed as dist
+    if plan.compute_axes:
+        raise ShardingError("unshard_tree does not gather over compute axes yet; use shardplan.assemble on every "
+                            "rank's tree, or a module's checkpoint.full_state_dict")
     rank = dist.get_rank()
     paths, leaves, spec = leaves_with_paths(local_tree)
     check_tree(plan, paths, leaves, rank=rank, what="local tree")

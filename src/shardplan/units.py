@@ -125,13 +125,17 @@ def assign_units(infos: Sequence[LeafInfo], candidates: Sequence[str], patterns:
     return owner, order, notes
 
 
+def trace_args(trace) -> tuple[tuple, dict]:
+    """``trace=`` as (args, kwargs): one input, a tuple of inputs, or ``(args, kwargs)``."""
+    args, kwargs = trace if isinstance(trace, tuple) and len(trace) == 2 and isinstance(trace[1], dict) else (trace, {})
+    return (args if isinstance(args, tuple) else (args,)), kwargs
+
+
 def trace_order(model, units: Sequence[str], trace) -> list[str]:
     """Order in which a forward pass (on meta tensors, ideally) enters the unit modules."""
     import torch
 
-    args, kwargs = trace if isinstance(trace, tuple) and len(trace) == 2 and isinstance(trace[1], dict) else (trace, {})
-    if not isinstance(args, tuple):
-        args = (args,)
+    args, kwargs = trace_args(trace)
     modules = dict(model.named_modules())
     seen: list[str] = []
     handles = []

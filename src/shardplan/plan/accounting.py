@@ -12,6 +12,7 @@ import math
 from typing import TYPE_CHECKING
 
 from .. import layout as L
+from . import tensor_parallel as tp
 from .schedule import ALL_GATHER, ALL_REDUCE, FREE, GRADS, PARAMS, PRE_BACKWARD, REDUCE_SCATTER, ROOT, WAIT
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -138,7 +139,7 @@ def _apply(op, plan, per, live, lent, collected, put) -> None:
                 live.pop(("flat", b.index), None)
 
 
-def comm_bytes(plan: "Plan") -> dict[str, int]:
+def comm_bytes(plan: "Plan") -> dict:
     out = {ALL_GATHER: 0, REDUCE_SCATTER: 0, ALL_REDUCE: 0}
     for op in plan.ops():
         if not op.is_collective:
@@ -147,6 +148,11 @@ def comm_bytes(plan: "Plan") -> dict[str, int]:
         factor = 2 if op.kind == ALL_REDUCE else 1
         out[op.kind] += op.bytes * factor * (n - 1) // n
     out["total"] = sum(out.values())
+    if plan.compute_axes:
+        acts = plan.tp_activations
+        out["tensor_parallel"] = None if acts is None else tp.activation_bytes(plan.tp_modules, acts, plan.mesh)
+        if acts is not None:
+            out["total"] += out["tensor_parallel"]
     return out
 
 
@@ -175,8 +181,9 @@ def coverage(plan: "Plan", p) -> tuple[int, bool]:
         lens = {r1 - r0 for r0, r1 in sizes}
         return last - first + 1, len(lens) > 1 or last - first + 1 < W
     held, uneven = 1, False
+    spec = p.storage_spec
     for d, size in enumerate(p.shape):
-        axes = p.spec.dim_axes(d)
+        axes = spec.dim_axes(d)
         if axes:
             parts = plan.mesh.axis_size(axes)
             c = -(-size // parts)

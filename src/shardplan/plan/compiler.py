@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from typing import Optional, Sequence
@@ -15,6 +16,7 @@ from ..spec import P
 from ..units import assign_units, collect_leaves, module_classes, trace_order
 from ..auto import choose_min_unit_bytes
 from . import geometry
+from . import tensor_parallel as tp
 from .accounting import plan_warnings
 from .schedule import ORDERS, ROOT, STRATEGIES, build_schedule
 from .validate import validate
@@ -63,7 +65,7 @@ def _merge_small_units(order: list[str], members: dict, min_bytes: int, parent: 
 def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", units: Sequence = (),
          compute_dtype=None, reduce_dtype=None, prefetch: int = 1, reshard_after_forward: bool = True,
          trace=None, optimizer_states: int = 2, world_size: Optional[int] = None,
-         min_unit_bytes: Optional[int] = None, order: str = "static") -> Plan:
+         min_unit_bytes: Optional[int] = None, order: str = "static", compute_axes=(), styles=None) -> Plan:
     """Compile rules, a mesh and options into a :class:`Plan`. Pure: no process group, no GPU.
 
     >>> plan = shardplan.plan(model, rules, Mesh(dp=8), units=[r"layers\\.\\d+"], compute_dtype=torch.bfloat16)
@@ -76,6 +78,12 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", uni
     module. ``order="dynamic"`` keeps units gathered until the forward ends, for models whose units run
     in a data-dependent order or more than once (the default, ``"static"``, raises when a freed unit
     runs again).
+
+    ``compute_axes`` names mesh axes that shard *compute* (tensor parallelism): a spec naming one keeps
+    that dimension sharded while computing, and the module runs a tensor-parallel style inferred from
+    the specs (or named in ``styles=[(module regex, style)]``); see :mod:`shardplan.plan.tensor_parallel`.
+
+    >>> plan = shardplan.plan(model, rules, Mesh(dp=2, tp=2), compute_axes=("tp",))
     """
     if not isinstance(mesh, Mesh):
         raise MeshError(f"mesh must be a shardplan.Mesh, e.g. Mesh(dp=8); got {type(mesh).__name__}")
@@ -91,6 +99,7 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", uni
         raise PlanError(f"min_unit_bytes must be None (chosen for you) or a non-negative number of bytes; "
                         f"got {min_unit_bytes!r}")
     compute, reduce = dtype_name(compute_dtype), dtype_name(reduce_dtype)
+    compute_axes = tp.as_compute_axes(compute_axes, mesh)
     rules = as_rules(rules)
     infos, leaves, candidates, module = collect_leaves(model_or_tree)
     if not infos:
@@ -108,11 +117,14 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", uni
         warnings.warn(w.message, w.category, stacklevel=2)
     notes += [str(w.message) for w in caught]
 
+    rule_of = {info.name: rule.describe() for info, (_, rule) in zip(infos, matched)}
+    tp_of, spec_of, tp_modules = tp.resolve(module, [(i, s, rule_of[i.name]) for i, (s, _) in zip(infos, matched)],
+                                            compute_axes, mesh, styles)
     members: dict[str, list] = {u: [] for u in [ROOT] + unit_order}
-    rule_of: dict[str, str] = {}
-    for info, (spec, rule) in zip(infos, matched):
-        members[owner[info.name]].append((info, spec))
-        rule_of[info.name] = rule.describe()
+    for info in infos:  # the layout sees what one tensor-parallel rank stores: its local shape, storage axes
+        c = tp_of[info.name]
+        local = dataclasses.replace(info, shape=tp.local_shape(info.shape, c))
+        members[owner[info.name]].append((local, tp.storage_spec(spec_of[info.name], compute_axes)))
     parent = _parents(unit_order, {u: (u,) for u in unit_order})
     choices: list[str] = []
     if min_unit_bytes is None:
@@ -137,20 +149,28 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", uni
             rdt = reduce if reduce and is_floating(dtype) else cdt
             group = mesh.axis_size(axes) if axes else 1
             b = BufferPlan(len(buffers), uname, dtype, cdt, rdt, placement.layout, axes,
-                           tuple(a for a in mesh.axis_names if a not in axes), group, placement.shard_numel,
+                           tuple(a for a in mesh.axis_names if a not in axes and a not in compute_axes), group,
+                           placement.shard_numel,
                            sum(math.prod(i.shape) for i, _ in mem), tuple(i.name for i, _ in mem), rg,
                            **buffer_facts(placement.layout, level, group, dtype, cdt, rdt))
             buffers.append(b)
             idxs.append(b.index)
-            for (info, spec), off in zip(mem, placement.offsets):
-                params[info.name] = ParamPlan(info.name, info.shape, dtype, spec if level else P(), rule_of[info.name],
-                                              uname, b.index, off, info.requires_grad, info.aliases)
+            for (info, _), off in zip(mem, placement.offsets):
+                c = tp_of[info.name]
+                spec = spec_of[info.name] if level else (tp.with_compute(P(), c.dim, c.axis) if c else P())
+                params[info.name] = ParamPlan(info.name, info.shape, dtype, spec, rule_of[info.name], uname, b.index,
+                                              off, info.requires_grad, info.aliases, *((c.dim, c.axis, c.size) if c else ()))
         raf = reshard_after_forward and uname not in (ROOT, last)
         unit_plans.append(UnitPlan(uname, tuple(idxs), raf, covers.get(uname, ()), parent.get(uname, ROOT)))
     schedule = build_schedule(unit_plans, buffers, mesh, level, prefetch, order, len(infos))
+    activations = None
+    if tp_modules:
+        choices.append(tp.modules_note(tp_modules))
+        if trace is not None:
+            activations = tp.trace_activations(module, tp_modules, trace, itemsize(compute) if compute else None)
     result = Plan(mesh, STRATEGIES[level], compute, reduce, prefetch, reshard_after_forward, optimizer_states,
                   tuple(params[i.name] for i in infos), tuple(buffers), tuple(unit_plans), schedule, (), order,
-                  tuple(choices), min_unit_bytes)
+                  tuple(choices), min_unit_bytes, compute_axes, tp_modules, activations)
     validate(result)  # the builder's own schedules obey the rules edited ones must
     object.__setattr__(result, "warnings", tuple(notes) + plan_warnings(result))
     return result

@@ -23,6 +23,18 @@ def segment(mesh: Mesh, b: "BufferPlan", rank: int) -> int:
 
 
 def local_slices(plan: "Plan", name: str, rank: int) -> Optional[tuple[slice, ...]]:
+    """The global box: the storage box moved to ``rank``'s tensor-parallel block."""
+    box = storage_slices(plan, name, rank)
+    p = plan.param(name)
+    if box is None or p.tp_dim < 0:
+        return box
+    start = plan.mesh.axis_index(rank, (p.tp_axis,)) * p.shape[p.tp_dim]
+    s = box[p.tp_dim]
+    return box[:p.tp_dim] + (slice(start + s.start, start + s.stop),) + box[p.tp_dim + 1:]
+
+
+def storage_slices(plan: "Plan", name: str, rank: int) -> Optional[tuple[slice, ...]]:
+    """The box of ``rank``'s shard inside the tensor-parallel-local tensor (``p.shape``)."""
     p = plan.param(name)
     b = plan.buffers[p.buffer]
     full = tuple(slice(0, d) for d in p.shape)
@@ -32,8 +44,9 @@ def local_slices(plan: "Plan", name: str, rank: int) -> Optional[tuple[slice, ..
         r0, r1 = L.contiguous_rows(p.offset, p.numel, p.row, b.shard_numel, segment(plan.mesh, b, rank))
         return None if r1 <= r0 else (slice(r0, r1),) + full[1:]
     box = []
+    spec = p.storage_spec
     for d, size in enumerate(p.shape):
-        axes = p.spec.dim_axes(d)
+        axes = spec.dim_axes(d)
         parts = plan.mesh.axis_size(axes) if axes else 1
         s, e = L.chunk_range(size, parts, plan.mesh.axis_index(rank, axes)) if axes else (0, size)
         if e <= s:
@@ -43,7 +56,7 @@ def local_slices(plan: "Plan", name: str, rank: int) -> Optional[tuple[slice, ..
 
 
 def local_shape(plan: "Plan", name: str, rank: int) -> tuple[int, ...]:
-    box = local_slices(plan, name, rank)
+    box = storage_slices(plan, name, rank)
     p = plan.param(name)
     if box is None:
         return (0,) + tuple(p.shape[1:]) if p.shape else (0,)

@@ -38,22 +38,24 @@ def header(plan: "Plan") -> str:
 
 def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
     """The parameter table, units, memory, bytes per step and warnings; ``max_rows=0`` for a summary."""
-    head = ("parameter", "shape", "dtype", "spec", "local shape", "unit", "bytes/rank")
+    tp = bool(plan.compute_axes)  # then: the global shape, what a tensor-parallel rank computes with, its shard
+    head = ("parameter", "shape", "dtype", "spec") + (("tp-local shape",) if tp else ()) + \
+        ("local shape", "unit", "bytes/rank")
     rows = []
     for p in plan.params[:max_rows]:
         local = plan.local_shape(p.name, rank)
-        rows.append((p.name + (" (tied)" if p.aliases else ""), _shape(p.shape), p.dtype, repr(p.spec), _shape(local),
-                     p.unit, f"{math.prod(local) * itemsize(p.dtype):,}"))
+        rows.append((p.name + (" (tied)" if p.aliases else ""), _shape(p.global_shape), p.dtype, repr(p.spec))
+                    + ((_shape(p.shape),) if tp else ()) + (_shape(local), p.unit, f"{math.prod(local) * itemsize(p.dtype):,}"))
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
-    line = lambda r: "  ".join(c.ljust(w) if i < 6 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    line = lambda r: "  ".join(c.ljust(w) if i < len(head) - 1 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
     out = [header(plan)]
     if rows:
         out += [line(head), line(tuple("-" * w for w in widths))] + [line(r) for r in rows]
     if len(plan.params) > max_rows and max_rows:
         out.append(f"... {len(plan.params) - max_rows} more parameters")
-    total = sum(p.numel for p in plan.params)
+    total = sum(math.prod(p.global_shape) for p in plan.params)
     out.append(f"{len(plan.params)} parameters, {total:,} elements, {len(plan.units)} units, {len(plan.buffers)} buffers, "
-               f"padding {plan.padding:,} elements ({100 * plan.padding / max(total, 1):.3f}%)")
+               f"padding {plan.padding:,} elements ({100 * plan.padding / max(sum(p.numel for p in plan.params), 1):.3f}%)")
     packed = sum(1 for p in plan.params if plan.buffers[p.buffer].layout == L.CONTIGUOUS
                  and coverage(plan, p)[0] < plan.buffers[p.buffer].group_size)
     if packed:
@@ -75,8 +77,16 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
                f"optimizer {fmt_bytes(m.optimizer)} ({plan.optimizer_states} fp32 states), "
                f"gathered peak {fmt_bytes(m.gathered_peak)}, peak {fmt_bytes(m.peak)} (activations not counted)")
     c = plan.comm_bytes(rank)
+    tp_part = ""
+    if plan.compute_axes:
+        tp_part = (f", tensor-parallel activations {fmt_bytes(c['tensor_parallel'])}" if c["tensor_parallel"] is not None
+                   else ", tensor-parallel activations not estimated (plan with trace=example inputs)")
     out.append(f"sent per step per rank: all_gather {fmt_bytes(c['all_gather'])}, reduce_scatter "
-               f"{fmt_bytes(c['reduce_scatter'])}, all_reduce {fmt_bytes(c['all_reduce'])}, total {fmt_bytes(c['total'])}")
+               f"{fmt_bytes(c['reduce_scatter'])}, all_reduce {fmt_bytes(c['all_reduce'])}{tp_part}, "
+               f"total {fmt_bytes(c['total'])}")
+    if plan.compute_axes:
+        out.append(f"compute axes {', '.join(plan.compute_axes)}: {len(plan.tp_modules)} modules tensor-parallel; the batch "
+                   f"is split {plan.data_size} ways over {', '.join(plan.data_axes)}")
     out.append(f"schedule: {len(plan.schedule)} ops ({sum(o.is_collective for o in plan.schedule)} collectives)")
     if plan.notes:
         out.append("")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..errors import PlanError
 from ..mesh import Mesh
 from ..spec import P
+from . import tensor_parallel as tp
 from .schedule import Op
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -29,7 +31,8 @@ def to_dict(plan: "Plan") -> dict[str, Any]:
         "order": plan.order,
         "params": [dict(name=p.name, shape=list(p.shape), dtype=p.dtype, spec=p.spec.to_list(), rule=p.rule,
                         unit=p.unit, buffer=p.buffer, offset=p.offset, requires_grad=p.requires_grad,
-                        aliases=list(p.aliases)) for p in plan.params],
+                        aliases=list(p.aliases), **({"tp_dim": p.tp_dim, "tp_axis": p.tp_axis, "tp_size": p.tp_size}
+                                                   if p.tp_axis else {})) for p in plan.params],
         "buffers": [dict(index=b.index, unit=b.unit, dtype=b.dtype, compute_dtype=b.compute_dtype,
                          reduce_dtype=b.reduce_dtype, layout=b.layout, axes=list(b.axes),
                          replica_axes=list(b.replica_axes), group_size=b.group_size, shard_numel=b.shard_numel,
@@ -43,6 +46,9 @@ def to_dict(plan: "Plan") -> dict[str, Any]:
         "warnings": list(plan.warnings),
         "notes": list(plan.notes),
         "min_unit_bytes": plan.min_unit_bytes,
+        **({"compute_axes": list(plan.compute_axes), "tp_modules": [dataclasses.asdict(m) for m in plan.tp_modules],
+            "tp_activations": None if plan.tp_activations is None else [dataclasses.asdict(a) for a in plan.tp_activations]}
+           if plan.compute_axes else {}),
     }
 
 
@@ -67,6 +73,8 @@ def from_json(text: str, *, cls, param, buffer, unit) -> "Plan":
         units=tuple(unit(**{**u, "buffers": tup(u["buffers"]), "modules": tup(u["modules"])}) for u in d["units"]),
         schedule=tuple(Op(**{**o, "buffers": tup(o["buffers"]), "axes": tup(o["axes"])}) for o in d["schedule"]),
         warnings=tuple(d["warnings"]), notes=tuple(d.get("notes", ())), min_unit_bytes=d.get("min_unit_bytes", 0),
+        compute_axes=tuple(d.get("compute_axes", ())), tp_modules=tuple(tp.TPModule(**m) for m in d.get("tp_modules", ())),
+        tp_activations=None if d.get("tp_activations") is None else tuple(tp.Activation(**a) for a in d["tp_activations"]),
     )
 
 
@@ -78,5 +86,6 @@ def summary(plan: "Plan") -> dict[str, Any]:
         "reshard_after_forward": plan.reshard_after_forward, "order": plan.order,
         "optimizer_states": plan.optimizer_states, "parameters": len(plan.params),
         "elements": sum(p.numel for p in plan.params), "units": [u.name for u in plan.units],
-        "ops": len(plan.schedule), "min_unit_bytes": plan.min_unit_bytes,
+        "ops": len(plan.schedule), "min_unit_bytes": plan.min_unit_bytes, "compute_axes": list(plan.compute_axes),
+        "tp_modules": len(plan.tp_modules),
     }

@@ -20,6 +20,7 @@ from ..errors import PlanError
 from ..mesh import Mesh
 from ..spec import P
 from . import accounting, geometry, render, serialize
+from . import tensor_parallel as tp
 from . import schedule as S
 from .schedule import ROOT, STRATEGIES, Op, Program
 
@@ -45,10 +46,25 @@ class ParamPlan:
     offset: int  # contiguous: offset in the gathered buffer; interleaved: offset in every segment; replicated: in buffer
     requires_grad: bool
     aliases: tuple[str, ...] = ()
+    tp_dim: int = -1   # the dimension a compute axis keeps sharded while computing (-1: none)
+    tp_axis: str = ""  # that compute axis
+    tp_size: int = 1   # its size; ``shape`` is the tensor-parallel-local shape (global dim / tp_size)
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        """The whole tensor's shape (``shape`` is what one tensor-parallel rank computes with)."""
+        if self.tp_dim < 0:
+            return self.shape
+        return tuple(s * self.tp_size if d == self.tp_dim else s for d, s in enumerate(self.shape))
+
+    @property
+    def storage_spec(self) -> P:
+        """The spec over the storage (data) axes: how the tensor-parallel-local tensor is sharded."""
+        return tp.storage_spec(self.spec, (self.tp_axis,)) if self.tp_axis else self.spec
 
     @property
     def row(self) -> int:
@@ -181,6 +197,9 @@ class Plan:
     order: str = "static"
     notes: tuple[str, ...] = field(default=())  # choices the planner made and why (unit sizing)
     min_unit_bytes: int = 0                     # the merging threshold used (chosen or given)
+    compute_axes: tuple[str, ...] = ()          # mesh axes that shard compute (tensor parallelism)
+    tp_modules: tuple[tp.TPModule, ...] = ()    # modules run tensor-parallel, with their styles
+    tp_activations: Optional[tuple[tp.Activation, ...]] = None  # traced activation sizes (None: not traced)
 
     # -- lookups -----------------------------------------------------------------------------------
     @cached_property
@@ -237,6 +256,43 @@ class Plan:
 
     def local_shape(self, name: str, rank: int) -> tuple[int, ...]:
         return geometry.local_shape(self, name, rank)
+
+    def storage_slices(self, name: str, rank: int) -> Optional[tuple[slice, ...]]:
+        """The box of ``rank``'s shard inside the tensor-parallel-local tensor it computes with (equal
+        to :meth:`local_slices` where no compute axis shards ``name``)."""
+        return geometry.storage_slices(self, name, rank)
+
+    def owner_axes(self, name: str) -> tuple[str, ...]:
+        """Mesh axes along which ranks hold different pieces of ``name`` (storage and compute), mesh order."""
+        p = self.param(name)
+        b = self.buffers[p.buffer]
+        axes = set(b.axes if b.sharded else ()) | ({p.tp_axis} if p.tp_axis else set())
+        return tuple(a for a in self.mesh.axis_names if a in axes)
+
+    def replicas(self, name: str) -> int:
+        """How many ranks hold each element of ``name`` (copies over the axes that do not shard it)."""
+        return self.mesh.size // self.mesh.axis_size(self.owner_axes(name))
+
+    # -- data parallelism -------------------------------------------------------------------------------
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The mesh axes that split the batch: every axis but the compute axes."""
+        return tuple(a for a in self.mesh.axis_names if a not in self.compute_axes)
+
+    @property
+    def data_size(self) -> int:
+        """Into how many slices the global batch is split (ranks of one tensor-parallel group share one)."""
+        return self.mesh.axis_size(self.data_axes) if self.data_axes else 1
+
+    def data_index(self, rank: int) -> int:
+        """Which slice of the global batch ``rank`` computes.
+
+        >>> x_local = x.chunk(plan.data_size)[plan.data_index(rank)]
+        """
+        return self.mesh.axis_index(rank, self.data_axes)
+
+    def tp_module(self, path: str) -> Optional[tp.TPModule]:
+        return next((m for m in self.tp_modules if m.path == path), None)
 
     def local_offset(self, name: str, rank: int) -> int:
         """Offset of ``rank``'s piece of ``name`` inside its own shard of the buffer (elements)."""
@@ -320,8 +376,10 @@ class Plan:
         """Planned bytes on ``rank``: params, grads and optimizer state, and the peak over the schedule."""
         return Memory(**accounting.memory(self, rank))
 
-    def comm_bytes(self, rank: int = 0) -> dict[str, int]:
-        """Bytes each rank sends per training step, by op kind (ring algorithms: (n-1)/n of the payload)."""
+    def comm_bytes(self, rank: int = 0) -> dict[str, Optional[int]]:
+        """Bytes each rank sends per training step, by op kind (ring algorithms: (n-1)/n of the payload).
+        With compute axes, ``tensor_parallel`` adds the activations the styles move: estimated when the plan
+        was traced with example inputs (``trace=``), ``None`` ("not estimated") otherwise."""
         return accounting.comm_bytes(self)
 
     def max_gathered_units(self) -> int:
@@ -378,7 +436,9 @@ class Plan:
         specs = [(p.name, p.spec if self.level else self.param(p.name).spec) for p in self.params]
         paths = [m for u in self.units[1:] for m in u.module_paths]
         rafs = {u.reshard_after_forward for u in self.units[1:-1]}
-        return dict(rules=rules_from_specs(specs), mesh=self.mesh, strategy=self.strategy,
+        tp_opts = dict(compute_axes=self.compute_axes,
+                       styles=[(re.escape(m.path), m.style) for m in self.tp_modules]) if self.compute_axes else {}
+        return dict(rules=rules_from_specs(specs), mesh=self.mesh, strategy=self.strategy, **tp_opts,
                     units=[re.escape(m) for m in paths], compute_dtype=self.compute_dtype,
                     reduce_dtype=self.reduce_dtype, prefetch=self.prefetch,
                     reshard_after_forward=rafs.pop() if len(rafs) == 1 else self.reshard_after_forward,

@@ -15,6 +15,7 @@ from ..errors import RuntimeShardingError, ShardingError
 from ..plan import Plan
 from ..plan.schedule import ROOT
 from . import collectives as C
+from . import tensor_parallel as TP
 from .buffers import BufferState
 from .executor import Executor
 from .faces import ModuleFace
@@ -63,8 +64,8 @@ def _check_module(module: nn.Module, plan: Plan) -> tuple[dict[str, list[tuple[n
         except Exception:  # noqa: BLE001
             problems.append(f"  {name} {tuple(p.shape)}: not in the plan")
             continue
-        if tuple(p.shape) != pp.shape:
-            problems.append(f"  {name}: module has shape {tuple(p.shape)}, plan has {pp.shape}")
+        if tuple(p.shape) != pp.global_shape:
+            problems.append(f"  {name}: module has shape {tuple(p.shape)}, plan has {pp.global_shape}")
         if str(p.dtype).replace("torch.", "") != pp.dtype:
             problems.append(f"  {name}: module has dtype {p.dtype}, plan has {pp.dtype}")
         slots.setdefault(pp.name, []).append((mods[owner], attr))
@@ -121,6 +122,15 @@ def _device_for(module: nn.Module, backend: str) -> tuple[torch.device, bool]:
     return real[0], meta
 
 
+def _tp_local(plan: Plan, name: str, full: torch.Tensor, rank: int) -> torch.Tensor:
+    """The block of ``full`` that ``rank``'s tensor-parallel group member computes with."""
+    p = plan.param(name)
+    if p.tp_dim < 0:
+        return full
+    size = p.shape[p.tp_dim]
+    return full.narrow(p.tp_dim, plan.mesh.axis_index(rank, (p.tp_axis,)) * size, size)
+
+
 # -- shard ---------------------------------------------------------------------------------------------
 
 def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Module], None]] = None,
@@ -141,6 +151,8 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     backend = dist.get_backend()
     device, meta = _device_for(module, backend)
     groups = C.build_groups(plan, rank, backend, timeout_s)
+    meshes = TP.device_meshes(plan, device) if plan.tp_modules else {}
+    wrappers = TP.param_wrappers(plan, meshes) if plan.tp_modules else {}
     originals = {n: p for n, p in module.named_parameters()}
     modules = dict(module.named_modules())
     units, modules_of, unit_slots = [], {}, {}
@@ -155,8 +167,8 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
         else:
             unit_full = {n: originals[n].detach() for n in names}
         for b in bufs:
-            b.fill_local([unit_full[n] for n in b.bp.params])
-            b.make_params()
+            b.fill_local([_tp_local(plan, n, unit_full[n], rank) for n in b.bp.params])
+            b.make_params([wrappers.get(n) for n in b.bp.params])
         del unit_full
         u = UnitRuntime(up.name, bufs)
         unit_slots[up.name] = [(m, attr, lp, fp) for b in bufs for pp, lp, fp in zip(b.infos, b.local, b.full_params)
@@ -172,7 +184,7 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     exe = Executor(plan, units, groups, device, rank, timeout_s, face)
     for lp in face.by_index.values():
         lp._shardplan_engine = weakref.ref(exe)  # who steps it (fully_shard_optimizer checks)
-    exe.handles = install(module, exe, modules_of)
+    exe.handles = install(module, exe, modules_of) + TP.install_styles(module, plan, meshes)
     module.__dict__[_ATTR] = exe
     if sync_buffers and world > 1:
         for b in module.buffers():
@@ -252,14 +264,16 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
     else:
         acc = torch.zeros((), dtype=torch.float64 if dev.type == "cpu" else torch.float32, device=dev)
         for b in eng.buffer.values():
-            gs = [lp.grad for lp in b.local if lp.grad is not None and lp.grad.numel()]
-            if not gs:
+            held = [(lp.grad, info.name) for lp, info in zip(b.local, b.infos) if lp.grad is not None and lp.grad.numel()]
+            if not held:
                 continue
+            gs = [g for g, _ in held]
             grads += gs
             norms = torch._foreach_norm(gs, norm_type) if foreach is not False else [torch.linalg.vector_norm(g, norm_type) for g in gs]
-            # every element is owned by one rank per shard group and copied across its replicas
-            replicas = eng.plan.mesh.axis_size(b.bp.replica_axes) if b.bp.replica_axes else 1
-            acc = acc + torch.stack([n.to(acc.dtype) for n in norms]).pow(norm_type).sum() / replicas
+            # each element is held by `replicas` ranks (copies across data replicas and compute axes that
+            # replicate it): count it once
+            weights = torch.tensor([1.0 / eng.plan.replicas(n) for _, n in held], dtype=acc.dtype, device=dev)
+            acc = acc + (torch.stack([n.to(acc.dtype) for n in norms]).pow(norm_type) * weights).sum()
         C.all_reduce(acc, world, async_op=False, op=dist.ReduceOp.SUM)
         total = acc.pow(1.0 / norm_type)
     total = total.float()

@@ -71,15 +71,17 @@ class BufferState:
         for p in self.infos:
             self.offsets.append(c if bp.copy_out else p.offset)
             c += p.numel
-        self.local_boxes = []  # (global box or None, offset in shard, local shape)
+        self.local_boxes = []  # (box in the tensor-parallel-local tensor or None, offset in shard, local shape)
         for p in self.infos:
-            box = plan.local_slices(p.name, rank)
+            box = plan.storage_slices(p.name, rank)
             self.local_boxes.append((box, plan.local_offset(p.name, rank) if box is not None else 0,
                                      plan.local_shape(p.name, rank)))
         self.copy_plans = self._copy_plans(plan) if bp.copy_out else None
         self.flat: Optional[torch.Tensor] = None  # the unsharded gradient, in compute dtype
         self.flat_window = -1
         self.views: list[torch.Tensor] = []
+        self.handles: list[torch.Tensor] = []  # what the full parameters' .grad are: the views (or DTensors over them)
+        self.wraps: list = [None] * len(self.infos)  # tensor-parallel parameters: local tensor -> DTensor
         self.local: list[nn.Parameter] = []
         self.full_params: list[nn.Parameter] = []
         if self.packed is not None:
@@ -93,7 +95,7 @@ class BufferState:
         for p in self.infos:
             pieces = []
             for seg, r in enumerate(group):
-                box = plan.local_slices(p.name, r)
+                box = plan.storage_slices(p.name, r)
                 if box is not None:
                     pieces.append((seg, box, math.prod(s.stop - s.start for s in box)))
             out.append(pieces)
@@ -108,11 +110,14 @@ class BufferState:
                     continue
                 self.shard[off:off + math.prod(shape)].copy_(t[box].reshape(-1))
 
-    def make_params(self) -> None:
+    def make_params(self, wraps: Optional[list] = None) -> None:
+        """The local shards and the full parameters; ``wraps[i]`` (tensor parallelism) turns parameter i's
+        full tensor into the DTensor its module computes with, over the same storage."""
+        self.wraps = list(wraps) if wraps is not None else self.wraps
         self.local = [nn.Parameter(self.shard[off:off + math.prod(shape)].view(shape), requires_grad=p.requires_grad)
                       for (box, off, shape), p in zip(self.local_boxes, self.infos)]
-        self.full_params = [nn.Parameter(alias(self.full, off, p.shape), requires_grad=p.requires_grad)
-                            for off, p in zip(self.offsets, self.infos)]
+        self.full_params = [nn.Parameter(self._wrap(i, alias(self.full, off, p.shape)), requires_grad=p.requires_grad)
+                            for i, (off, p) in enumerate(zip(self.offsets, self.infos))]
         if not self.bp.persistent:
             free_storage(self.full)
 
@@ -160,24 +165,30 @@ class BufferState:
         if self.flat is None or self.flat_window != window:
             lent = self.flat is not None and any(same_storage(lp.grad, self.flat) for lp in self.local)
             if self.flat is None or lent:  # the old one still holds the local shards' gradients
-                self.flat = torch.zeros(self.bp.grad_numel, dtype=self.cdtype, device=self.device)
-                self.views = [self.flat[off:off + p.numel].view(p.shape) for off, p in zip(self.offsets, self.infos)]
+                self._new_flat(torch.zeros)
             else:
                 self.flat.zero_()
             self.flat_window = window
-        for fp, v in zip(self.full_params, self.views):
-            if fp.requires_grad and fp.grad is not v:
+        for fp, h in zip(self.full_params, self.handles):
+            if fp.requires_grad and fp.grad is not h:
                 if fp.grad is not None:
-                    v.add_(fp.grad)
-                fp.grad = v
+                    h.add_(fp.grad)
+                fp.grad = h
+
+    def _wrap(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        return self.wraps[i](t) if self.wraps[i] is not None else t
+
+    def _new_flat(self, make) -> None:
+        self.flat = make(self.bp.grad_numel, dtype=self.cdtype, device=self.device)
+        self.views = [self.flat[off:off + p.numel].view(p.shape) for off, p in zip(self.offsets, self.infos)]
+        self.handles = [self._wrap(i, v) for i, v in enumerate(self.views)]
 
     def land_grads(self, window: int, arrived: list) -> None:
         """Add ``(parameter index, gradient)`` pairs into the unsharded gradient; the first arrival of a
         window copies instead of zeroing and adding (the other parameters' pieces are zeroed)."""
         fresh = self.flat is None or self.flat_window != window
         if self.flat is None:
-            self.flat = torch.empty(self.bp.grad_numel, dtype=self.cdtype, device=self.device)
-            self.views = [self.flat[off:off + p.numel].view(p.shape) for off, p in zip(self.offsets, self.infos)]
+            self._new_flat(torch.empty)
         views = [self.views[i] for i, _ in arrived]
         grads = [g for _, g in arrived]
         if not fresh:
@@ -243,7 +254,7 @@ class BufferState:
 
     def release_grads(self) -> None:
         self.detach_grads()
-        self.flat, self.views, self.flat_window = None, [], -1
+        self.flat, self.views, self.handles, self.flat_window = None, [], [], -1
 
     def local_grad_by_index(self) -> dict[int, nn.Parameter]:
         return dict(zip(self.param_index, self.local))

@@ -45,11 +45,11 @@ def sharded_value(plan, groups, rank: int, name: str, local: torch.Tensor):
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
     p = plan.param(name)
-    b = plan.buffers[p.buffer]
-    group = groups.gather(b.axes) if b.sharded else None
+    axes = plan.owner_axes(name)  # the buffer's shard axes, and the compute axis sharding it
+    group = groups.gather(axes) if axes else None
     if group is None or group.size == 1:
         return local
-    members = plan.mesh.group_of(rank, b.axes)
+    members = plan.mesh.group_of(rank, axes)
     dev = local.device.type if local.device.type == "cpu" else f"cuda:{local.device.index}"
     mds, mine = [], None
     for r in members:
@@ -64,7 +64,7 @@ def sharded_value(plan, groups, rank: int, name: str, local: torch.Tensor):
             mine = md
     props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
                              memory_format=torch.contiguous_format, pin_memory=False)
-    meta = ShardedTensorMetadata(mds, torch.Size(p.shape), props)
+    meta = ShardedTensorMetadata(mds, torch.Size(p.global_shape), props)
     shards = [Shard(local, mine)] if mine is not None else []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -362,7 +362,12 @@ def full_state_dict(model: nn.Module, *, cpu: bool = True) -> dict[str, torch.Te
     plan = eng.plan
     locals_ = eng.local_params()
     out: dict[str, torch.Tensor] = {}
-    for bp in plan.buffers:
+    if plan.compute_axes:
+        out = _full_by_boxes(eng, locals_, cpu)
+        bufs = ()
+    else:
+        bufs = plan.buffers
+    for bp in bufs:
         if not bp.sharded:
             if eng.rank == 0:
                 for name in bp.params:
@@ -396,6 +401,23 @@ def full_state_dict(model: nn.Module, *, cpu: bool = True) -> dict[str, torch.Te
     return out
 
 
+def _full_by_boxes(eng, locals_, cpu: bool) -> dict[str, torch.Tensor]:
+    """Full tensors on rank 0 from every rank's box, one parameter at a time (any plan, compute axes too):
+    each box is written by one of its replicas and summed over the world."""
+    plan, out = eng.plan, {}
+    for pp in plan.params:
+        lp = locals_[pp.name].detach()
+        full = torch.zeros(pp.global_shape, dtype=lp.dtype, device=lp.device)
+        box = plan.local_slices(pp.name, eng.rank)
+        others = [a for a in plan.mesh.axis_names if a not in plan.owner_axes(pp.name)]
+        if box is not None and plan.mesh.axis_index(eng.rank, others) == 0:
+            full[box] = lp.reshape([s.stop - s.start for s in box])
+        C.all_reduce(full, eng.groups.world, async_op=False, op=torch.distributed.ReduceOp.SUM)
+        if eng.rank == 0:
+            out[pp.name] = full.cpu() if cpu else full
+    return out
+
+
 def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """Buffers that ``model.state_dict()`` holds (non-persistent ones are rebuilt by the module)."""
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
@@ -410,8 +432,8 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], *, str
         missing = [p.name for p in plan.params if p.name not in full and not any(a in full for a in p.aliases)]
         names = {p.name for p in plan.params} | {a for p in plan.params for a in p.aliases} | set(_persistent_buffers(model))
         unexpected = [k for k in full if k not in names]
-        bad = [f"{p.name}: {tuple(full[p.name].shape)} vs {p.shape}" for p in plan.params
-               if p.name in full and tuple(full[p.name].shape) != p.shape]
+        bad = [f"{p.name}: {tuple(full[p.name].shape)} vs {p.global_shape}" for p in plan.params
+               if p.name in full and tuple(full[p.name].shape) != p.global_shape]
         msg = ""
         if (missing or unexpected) and strict or bad:
             msg = f"full state dict does not fit: missing {missing[:20]}, unexpected {unexpected[:20]}, shapes {bad[:20]}"
@@ -425,7 +447,7 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], *, str
     with torch.no_grad():
         for pp in plan.params:
             lp = locals_[pp.name]
-            t = torch.empty(pp.shape, dtype=lp.dtype, device=lp.device)
+            t = torch.empty(pp.global_shape, dtype=lp.dtype, device=lp.device)
             if eng.rank == 0:
                 v = full.get(pp.name)
                 if v is None:

@@ -124,6 +124,10 @@ def build_groups(plan, rank: int, backend: str, timeout_s: float) -> Groups:
         for key in (("gather", b.axes), ("reduce", b.axes), ("reduce", b.replica_axes)):
             if key[1] and key not in wanted:
                 wanted.append(key)
+    for p in plan.params:  # checkpoints: the ranks holding different pieces of a tensor-parallel parameter
+        key = ("gather", plan.owner_axes(p.name))
+        if p.tp_axis and key not in wanted:
+            wanted.append(key)
     everyone = ("world", tuple(mesh.axis_names))
     wanted.append(everyone)
     force = os.environ.get("SHARDPLAN_SINGLETON_GROUPS") == "1"

@@ -52,6 +52,8 @@ class FunctionalRuntime:
 
     def __init__(self, module: nn.Module, plan: Plan, timeout_s: float, problems: Sequence[str] = ()):
         from .api import _device_for, _startup, _world
+        from .tensor_parallel import check_functional
+        check_functional(plan)
         world, rank = _world()
         slots = _startup(module, plan, world, rank, timeout_s, list(problems))
         backend = dist.get_backend()

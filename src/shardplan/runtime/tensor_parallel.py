@@ -1,0 +1,102 @@
+"""Tensor-parallel execution of a plan's compute axes, with ``torch.distributed.tensor``.
+
+The plan decides everything (:mod:`shardplan.plan.tensor_parallel`): which modules run which style
+over which axis. Here each such module's full parameters become DTensors over the executor's own
+gathered storage (so FSDP gathers, frees and gradient reductions are untouched and gradients still
+accumulate straight into the flat buffers), and each module gets two thin hooks that give its input
+and output the placements of its style. Every activation collective is DTensor's own redistribution.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from ..plan.tensor_parallel import EMBEDDING, TPModule
+
+
+def _dt():
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    return DTensor, Replicate, Shard
+
+
+def device_meshes(plan, device: torch.device) -> dict:
+    """One ``DeviceMesh`` over the plan's whole mesh (every rank builds it: it creates process groups),
+    sliced per compute axis."""
+    from torch.distributed.device_mesh import DeviceMesh
+    shape = [s for _, s in plan.mesh.axes]
+    full = DeviceMesh(device.type, torch.arange(plan.mesh.size).view(shape), mesh_dim_names=plan.mesh.axis_names)
+    return {a: full[a] for a in plan.compute_axes}
+
+
+def param_wrappers(plan, meshes: dict) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """For every parameter a tensor-parallel module owns: how its tensor-parallel-local tensor becomes the
+    DTensor the module computes with (``Shard(dim)`` over its compute axis, or ``Replicate()``)."""
+    DTensor, Replicate, Shard = _dt()
+    owned: dict[str, str] = {}
+    for m in plan.tp_modules:
+        prefix = f"{m.path}." if m.path else ""
+        for p in plan.params:
+            for name in (p.name,) + p.aliases:
+                if name.startswith(prefix) and "." not in name[len(prefix):]:
+                    owned[p.name] = m.axis
+    out = {}
+    for name, axis in owned.items():
+        p = plan.param(name)
+        placement = Shard(p.tp_dim) if p.tp_axis else Replicate()
+        mesh = meshes[axis]
+        out[name] = lambda t, _m=mesh, _pl=placement: DTensor.from_local(t, _m, [_pl], run_check=False)
+    return out
+
+
+def install_styles(module: nn.Module, plan, meshes: dict) -> list:
+    """Register each tensor-parallel module's input and output hooks; returns their handles."""
+    handles = []
+    mods = dict(module.named_modules())
+    for m in plan.tp_modules:
+        mod = mods[m.path]
+        handles.append(mod.register_forward_pre_hook(_input_hook(m, meshes[m.axis])))
+        handles.append(mod.register_forward_hook(_output_hook(m, meshes[m.axis])))
+    return handles
+
+
+def _input_hook(m: TPModule, mesh):
+    DTensor, Replicate, Shard = _dt()
+    arrives = [Shard(-1)] if m.input_sharded else [Replicate()]
+    split = m.style == "rowwise_split" and m.kind != EMBEDDING
+
+    @torch._dynamo.disable
+    def hook(_mod, args):
+        if not args or not isinstance(args[0], torch.Tensor) or isinstance(args[0], DTensor):
+            return None
+        x = DTensor.from_local(args[0], mesh, arrives, run_check=False)
+        if split:  # a replicated input to a row-parallel layer: each rank keeps its slice (no communication)
+            x = x.redistribute(mesh, [Shard(-1)])
+        return (x,) + tuple(args[1:])
+
+    return hook
+
+
+def _output_hook(m: TPModule, mesh):
+    DTensor, Replicate, Shard = _dt()
+    leaves = [Shard(-1)] if m.output_sharded else [Replicate()]
+
+    @torch._dynamo.disable
+    def hook(_mod, _args, out):
+        if not isinstance(out, DTensor):
+            return None
+        if tuple(out.placements) != tuple(leaves):
+            out = out.redistribute(mesh, leaves)  # all-reduce of partial sums, or all-gather
+        return out.to_local()
+
+    return hook
+
+
+def check_functional(plan) -> None:
+    from ..errors import RuntimeShardingError
+    if plan.compute_axes and plan.tp_modules:
+        raise RuntimeShardingError(
+            "the functional face (functional_call / value_and_grad) does not run tensor-parallel plans yet: this plan "
+            f"has compute axes {plan.compute_axes}. Use shardplan.shard(module, plan), or plan without compute_axes")
