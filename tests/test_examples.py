@@ -1,4 +1,5 @@
-"""The README's main command, and examples/train_gpt.py --save / --resume across world sizes."""
+"""The README's main command, examples/train_gpt.py --save / --resume across world sizes, the functional and
+the FSDP x TP examples."""
 
 from __future__ import annotations
 
@@ -41,9 +42,13 @@ def test_save_at_2_resume_at_1_matches_uninterrupted(tmp_path):
     assert resumed == pytest.approx(full[6:], abs=2e-4)
 
 
-@pytest.mark.timeout(300)
-def test_functional_example_trains_like_the_module_example():
+@pytest.mark.timeout(400)
+def test_functional_and_tensor_parallel_examples_train_like_the_module_example():
     functional = losses(torchrun(2, "--steps", "12", script="examples/train_functional.py"))
     module = losses(torchrun(2, "--steps", "12", "--quiet-plan"))
     assert len(functional) == 12 and functional[-1] < 0.7 * functional[0]
     assert functional == pytest.approx(module, abs=1e-4)
+    # FSDP x TP on 4 processes: the batch is split over dp=2 as above, so the losses are the same run's
+    out = torchrun(4, "--steps", "12", "--mesh", "dp=2,tp=2", "--rules", "examples/gpt_rules_tp.py")
+    assert "Mesh(dp=2, tp=2)" in out and "compute axes tp" in out
+    assert losses(out) == pytest.approx(module, abs=2e-4)

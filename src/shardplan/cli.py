@@ -73,7 +73,8 @@ def load_target(target: str):
 
 
 def load_rules(spec: str):
-    """``RULES.py`` (its ``rules``) or ``RULES.py:NAME`` (its ``NAME``) -> (rules, the file's UNITS or None)."""
+    """``RULES.py`` (its ``rules``) or ``RULES.py:NAME`` (its ``NAME``) -> (rules, the file's UNITS or None).
+    The file's ``compute_axes`` and ``styles``, if any, are read by :func:`rules_file_options`."""
     path, _, name = spec.partition(":") if spec.count(":") == 1 and not re.match(r"^[A-Za-z]:\\", spec) else (spec, "", "")
     mod = _load_file(path, "_shardplan_rules")
     name = name or "rules"
@@ -82,6 +83,15 @@ def load_rules(spec: str):
         raise CliError(f"{path} defines no {name!r} (a shardplan.Rules or a list of (regex, spec) pairs); "
                        f"it has {found}; pick one with --rules {path}:NAME")
     return getattr(mod, name), getattr(mod, "UNITS", None)
+
+
+def rules_file_options(spec: Optional[str]) -> dict:
+    """A rules file's tensor-parallel options: ``compute_axes`` and ``styles`` (absent: none)."""
+    if not spec:
+        return {}
+    path = spec.partition(":")[0] if spec.count(":") == 1 and not re.match(r"^[A-Za-z]:\\", spec) else spec
+    mod = _load_file(path, "_shardplan_rules")
+    return {k: getattr(mod, k) for k in ("compute_axes", "styles") if getattr(mod, k, None) is not None}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as JSON (with memory and bytes per step)")
     p.add_argument("--explain", metavar="NAME", default=None, help="say which rule matches parameter NAME and why")
     p.add_argument("--param-dtype", default=None, help="store parameters in this dtype (default: the model's), e.g. fp32")
+    p.add_argument("--compute-axes", default=None, help="mesh axes that shard compute (tensor parallelism), e.g. tp "
+                                                        "(default: the rules file's compute_axes)")
     r = sub.add_parser("rules", help="propose partition rules for a model (shardplan.auto_rules) as a rules file")
     r.add_argument("target", help="path/to/file.py:fn, package.module:fn or hf:path/to/config.json")
     r.add_argument("--mesh", required=True, help="axes, e.g. dp=8 or replica=2,shard=4")
@@ -178,9 +190,12 @@ def run(args) -> str:
     strategy_level(strategy)
     if not 0 <= args.rank < mesh.size:
         raise CliError(f"--rank {args.rank} is outside the mesh's {mesh.size} ranks")
+    tp_opts = rules_file_options(args.rules)
+    if args.compute_axes is not None:
+        tp_opts["compute_axes"] = tuple(a.strip() for a in args.compute_axes.split(",") if a.strip())
     p = plan(model, rules_obj, mesh, strategy=strategy, units=units or (), compute_dtype=args.dtype,
              reduce_dtype=args.reduce_dtype, prefetch=args.prefetch, order=args.order,
-             reshard_after_forward=not args.no_reshard_after_forward, min_unit_bytes=args.min_unit_bytes)
+             reshard_after_forward=not args.no_reshard_after_forward, min_unit_bytes=args.min_unit_bytes, **tp_opts)
     if args.json:
         d = p.to_dict()
         d["memory"] = vars(p.memory(args.rank)) | {"rank": args.rank}
