@@ -56,6 +56,23 @@ def test_migrating_doc_runs_on_two_ranks(tmp_path):
 
 
 @pytest.mark.timeout(200)
+def test_tensor_parallel_doc_runs_on_four_ranks(tmp_path):
+    code = "\n".join(blocks(DOCS / "tensor_parallel.md"))
+    assert "compute_axes" in code and "data_index" in code
+    run(_readme_worker, 4, code, str(tmp_path), init=False)
+    from shardplan.cli import main
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        for line in (l.strip() for b in blocks(DOCS / "tensor_parallel.md", "bash") for l in b.splitlines()):
+            if line.startswith("shardplan plan"):
+                with contextlib.redirect_stdout(io.StringIO()):
+                    assert main(shlex.split(line)[1:]) == 0, line
+    finally:
+        os.chdir(cwd)
+
+
+@pytest.mark.timeout(200)
 def test_readme_example_runs_on_two_ranks(tmp_path):
     code = blocks(ROOT / "README.md")[0]
     out = run(_readme_worker, 2, code, str(tmp_path), init=False)

@@ -249,12 +249,16 @@ def _memory_worker(rank, world, cases):
     import gpt
     out = []
     for kind, strategy, dtype in cases:
-        if kind == "gpt":  # contiguous buffers only
+        mesh, tp = sp.Mesh(dp=world), {}
+        if kind.startswith("gpt"):  # contiguous buffers only
             model, rules, units, x = gpt.build("small").init_weights(0), [(r".*", sp.P("dp"))], [r"layers\.\d+"], None
             x = (torch.randint(0, 512, (2, 16)),) * 2
+            if kind == "gpt_tp":  # tensor-parallel-local storage, DTensor parameters and gradients
+                import gpt_rules_tp
+                rules, mesh, tp = gpt_rules_tp.rules, sp.Mesh(dp=1, tp=world), dict(compute_axes=("tp",))
         else:  # interleaved (copy-out), replicated and frozen buffers, a tied parameter
             model, rules, units, x = Toy(), toy_rules(), UNITS, batches(1, batch=2)[0]
-        plan = sp.plan(model, rules, sp.Mesh(dp=world), strategy=strategy, units=units, compute_dtype=dtype, min_unit_bytes=0)
+        plan = sp.plan(model, rules, mesh, strategy=strategy, units=units, compute_dtype=dtype, min_unit_bytes=0, **tp)
         sp.shard(model, plan)
         opt = torch.optim.AdamW(model.parameters())
         for step in range(2):
@@ -273,7 +277,7 @@ def test_runtime_memory_matches_plan():
     """The runtime's accounted peak (every tensor it holds for parameters and gradients: shards, gathered
     buffers, send copies, unsharded gradients, reduction inputs and outputs, local gradients; not optimizer
     state or activations) equals plan.memory()'s op-by-op walk exactly, in fp32 and in bf16."""
-    cases = [(k, s, d) for k in ("gpt", "toy") for s in range(4) for d in (None, torch.bfloat16)]
+    cases = [(k, s, d) for k in ("gpt", "toy", "gpt_tp") for s in range(4) for d in (None, torch.bfloat16)]
     for rank_out in run(_memory_worker, 2, cases):
         for case, (measured, planned) in zip(cases, rank_out):
             assert measured == planned, (case, measured, planned)
