@@ -264,7 +264,11 @@ def _parity_worker(rank, world, hf):
         plan = sp.plan(model, rules, mesh, strategy=strategy, compute_axes=("tp",), min_unit_bytes=0,
                        units=[r"layers\.\d+"] if loss_fn is _gpt_loss else [r"model\.layers\.\d+"])
         sp.shard(model, plan)
+        seen = []  # a compute axis of one rank computes with plain tensors, not DTensors
+        tp_module = model.get_submodule(plan.tp_modules[0].path)
+        tp_module.register_forward_pre_hook(lambda m, a: seen.append(type(m.weight).__name__))
         losses, norms, _ = _sharded(model, plan, loss_fn, data, rank, accumulate)
+        assert set(seen) == {"DTensor" if mesh.axis_size("tp") > 1 else "Parameter"}, (what, seen)
         full = _full(model)
         diff = max((full[n] - p).abs().max().item() for n, p in ref_params.items()) if rank == 0 else 0.0
         out.append((what, losses, ref_losses, norms, ref_norms, diff))
@@ -276,6 +280,7 @@ def _parity_worker(rank, world, hf):
     check("gpt untied, 2 micro-batches", tiny(tie_embeddings=False), gpt_rules_tp.rules, mesh, "optim_grads_params",
           accumulate=2)
     check("gpt tp=4", tiny(), gpt_rules_tp.tp_rules(data=None), sp.Mesh(tp=4), "optim_grads_params")
+    check("gpt tp=1", tiny(), gpt_rules_tp.rules, sp.Mesh(dp=4, tp=1), "optim_grads_params")
     if hf is not None:
         import transformers
         for strategy in STRATEGIES:
@@ -299,7 +304,7 @@ def test_tensor_parallel_training_matches_one_process():
         assert losses == pytest.approx(ref_losses, abs=1e-5), what
         assert norms == pytest.approx(ref_norms, abs=1e-5), what  # the global norm counts each element once
         assert diff < 1e-5, (what, diff)
-    assert len(results[0]) == (6 + 5 if hf else 6)
+    assert len(results[0]) == (7 + 5 if hf else 7)
     assert all(r == results[0] or [x[:5] for x in r] == [x[:5] for x in results[0]] for r in results)
 
 

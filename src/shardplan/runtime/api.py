@@ -151,8 +151,8 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     backend = dist.get_backend()
     device, meta = _device_for(module, backend)
     groups = C.build_groups(plan, rank, backend, timeout_s)
-    meshes = TP.device_meshes(plan, device) if plan.tp_modules else {}
-    wrappers = TP.param_wrappers(plan, meshes) if plan.tp_modules else {}
+    meshes = TP.device_meshes(plan, device) if TP.active_modules(plan) else {}
+    wrappers = TP.param_wrappers(plan, meshes) if meshes else {}
     originals = {n: p for n, p in module.named_parameters()}
     modules = dict(module.named_modules())
     units, modules_of, unit_slots = [], {}, {}

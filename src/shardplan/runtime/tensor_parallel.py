@@ -9,6 +9,7 @@ and output the placements of its style. Every activation collective is DTensor's
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -20,6 +21,15 @@ from ..plan.tensor_parallel import EMBEDDING, TPModule
 def _dt():
     from torch.distributed.tensor import DTensor, Replicate, Shard
     return DTensor, Replicate, Shard
+
+
+def active_modules(plan) -> list[TPModule]:
+    """The tensor-parallel modules that need DTensor: a compute axis of one rank shards nothing, so its
+    modules run as plain modules (DTensor's dispatch costs ~0.6 ms per module and step on a 1B model), as a
+    shard group of one is a local copy. ``SHARDPLAN_SINGLETON_GROUPS=1`` runs them through DTensor anyway, so
+    one GPU exercises the path many take."""
+    force = os.environ.get("SHARDPLAN_SINGLETON_GROUPS") == "1"
+    return [m for m in plan.tp_modules if force or plan.mesh.axis_size(m.axis) > 1]
 
 
 def device_meshes(plan, device: torch.device) -> dict:
@@ -36,7 +46,7 @@ def param_wrappers(plan, meshes: dict) -> dict[str, Callable[[torch.Tensor], tor
     DTensor the module computes with (``Shard(dim)`` over its compute axis, or ``Replicate()``)."""
     DTensor, Replicate, Shard = _dt()
     owned: dict[str, str] = {}
-    for m in plan.tp_modules:
+    for m in active_modules(plan):
         prefix = f"{m.path}." if m.path else ""
         for p in plan.params:
             for name in (p.name,) + p.aliases:
@@ -55,7 +65,7 @@ def install_styles(module: nn.Module, plan, meshes: dict) -> list:
     """Register each tensor-parallel module's input and output hooks; returns their handles."""
     handles = []
     mods = dict(module.named_modules())
-    for m in plan.tp_modules:
+    for m in active_modules(plan):
         mod = mods[m.path]
         handles.append(mod.register_forward_pre_hook(_input_hook(m, meshes[m.axis])))
         handles.append(mod.register_forward_hook(_output_hook(m, meshes[m.axis])))
