@@ -29,6 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 import gpt  # noqa: E402
+import gpt_rules_tp  # noqa: E402
 
 import shardplan as sp  # noqa: E402
 
@@ -74,6 +75,18 @@ def make_system(name, args, dev, world):
         info["plan_peak"] = plan.memory().peak
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         return model, opt, None, info
+    if name in ("shardplan_tp", "shardplan_tp_dtensor"):  # FSDP x TP from examples/gpt_rules_tp.py (--tp N)
+        plan = sp.plan(model, gpt_rules_tp.rules, sp.Mesh(dp=world // args.tp, tp=args.tp),
+                       compute_axes=gpt_rules_tp.compute_axes, units=gpt_rules_tp.UNITS, compute_dtype=dt,
+                       reduce_dtype=torch.float32 if dt else None, prefetch=args.prefetch,
+                       min_unit_bytes=args.min_unit_bytes)
+        force = name == "shardplan_tp_dtensor"  # tp=1 through DTensor anyway (the path tp>1 takes)
+        os.environ["SHARDPLAN_SINGLETON_GROUPS"] = "1" if force else "0"
+        sp.shard(model, plan)
+        info.update(data_index=plan.data_index(dist.get_rank()), data_size=plan.data_size,
+                    comm_bytes=plan.comm_bytes()["total"], plan_peak=plan.memory().peak, units=len(plan.units))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        return model, opt, None, info
     if name == "functional":  # the same plan through functional_call / value_and_grad / a pure AdamW
         plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[r"layers\.\d+"], compute_dtype=dt,
                        reduce_dtype=torch.float32 if dt else None, prefetch=args.prefetch,
@@ -102,14 +115,15 @@ def make_system(name, args, dev, world):
     raise SystemExit(f"unknown system {name}")
 
 
-def batches(args, dev, rank, world, n):
+def batches(args, dev, index, size, n):
+    """Slice ``index`` of ``size`` of every global batch (a rank's data index, not its rank, under TP)."""
     g = torch.Generator().manual_seed(123)
     vocab = gpt.CONFIGS[args.config].vocab
-    per = args.batch // world
+    per = args.batch // size
     out = []
     for _ in range(n):
         x = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=g)
-        x = x[rank * per:(rank + 1) * per]
+        x = x[index * per:(index + 1) * per]
         out.append((x[:, :-1].to(dev), x[:, 1:].to(dev)))
     return out
 
@@ -167,7 +181,10 @@ def run_steps(model, opt, ctx, data, dev, breakdown=False):
         times.append(t3 - t0)
         parts.append((t1 - t0, t2 - t1, t3 - t2))
         losses.append(loss.detach().float().item())
-    return times, losses, parts
+    # the world mean: every system's losses cover the whole batch (TP ranks of one data slice agree)
+    mean = torch.tensor(losses, dtype=torch.float64, device=dev)
+    dist.all_reduce(mean)
+    return times, (mean / dist.get_world_size()).tolist(), parts
 
 
 class _null:
@@ -191,6 +208,7 @@ def main():
     ap.add_argument("--prefetch", type=int, default=1)
     ap.add_argument("--min-unit-bytes", type=int, default=None,
                     help="shardplan: merge neighbouring blocks up to this size (default: the planner chooses; 0: never)")
+    ap.add_argument("--tp", type=int, default=1, help="shardplan_tp: size of the tensor-parallel axis")
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -208,6 +226,7 @@ def main():
     if world > 1:
         systems = [s for s in systems if s != "unsharded"]
     data = batches(args, dev, rank, world, args.warmup + args.steps)
+    assert world % args.tp == 0, f"--tp {args.tp} must divide the world size {world}"
     results = {s: {"times": [], "losses": None, "peak": [], "parts": [], "error": None} for s in systems}
     for r in range(args.rounds):
         for s in systems:
@@ -221,7 +240,10 @@ def main():
                 model, opt, ctx, info = make_system(s, args, dev, world)
                 if s == "shardplan":
                     sp.runtime.engine_of(model).hook_seconds = 0.0
-                times, losses, parts = run_steps(model, opt, ctx, data, dev, args.breakdown)
+                steps = data
+                if info.get("data_size", world) != world:
+                    steps = batches(args, dev, info["data_index"], info["data_size"], len(data))
+                times, losses, parts = run_steps(model, opt, ctx, steps, dev, args.breakdown)
                 if s == "shardplan":
                     info["hook_us_per_unit"] = 1e6 * sp.runtime.engine_of(model).hook_seconds / len(times) / (
                         gpt.CONFIGS[args.config].layers + 1)
@@ -244,7 +266,7 @@ def main():
         n_params = sum(p.numel() for p in gpt.build(args.config).parameters())
     summary = {"config": args.config, "params": n_params, "world": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
                "torch": torch.__version__, "dtype": args.dtype or "fp32", "batch": args.batch, "seq": args.seq,
-               "prefetch": args.prefetch, "min_unit_bytes": args.min_unit_bytes, "systems": {}}
+               "prefetch": args.prefetch, "tp": args.tp, "min_unit_bytes": args.min_unit_bytes, "systems": {}}
     for s, res in results.items():
         if res["error"]:
             summary["systems"][s] = {"error": res["error"]}
@@ -257,7 +279,7 @@ def main():
             entry["forward_ms"] = 1000 * statistics.median(p[0] for p in res["parts"])
             entry["backward_ms"] = 1000 * statistics.median(p[1] for p in res["parts"])
             entry["optimizer_ms"] = 1000 * statistics.median(p[2] for p in res["parts"])
-        for k in ("comm_bytes", "plan_peak", "planned_memory", "hook_us_per_unit", "units", "notes"):
+        for k in ("comm_bytes", "plan_peak", "planned_memory", "hook_us_per_unit", "units", "notes", "data_size"):
             if k in res:
                 entry[k] = res[k]
         summary["systems"][s] = entry
@@ -274,13 +296,13 @@ def main():
         print(f"{args.config} ({n_params / 1e6:.0f}M params), world {world}, {summary['device']}, {summary['dtype']}, "
               f"batch {args.batch}x{args.seq}")
         parts = f" {'fwd ms':>8} {'bwd ms':>8} {'opt ms':>8}" if args.breakdown else ""
-        print(f"{'system':<10} {'step ms':>9} {'peak GiB':>9} {'loss[0]':>9}{parts} {'hook us/unit':>12}")
+        print(f"{'system':<20} {'step ms':>9} {'peak GiB':>9} {'loss[0]':>9}{parts} {'hook us/unit':>12}")
         for s, e in summary["systems"].items():
             if "error" in e:
-                print(f"{s:<10} error: {e['error'][:200]}")
+                print(f"{s:<20} error: {e['error'][:200]}")
                 continue
             peak = f"{e['peak_bytes'] / 2**30:.2f}" if e["peak_bytes"] else "-"
-            row = f"{s:<10} {e['median_step_ms']:>9.1f} {peak:>9} {e['first_losses'][0]:>9.4f}"
+            row = f"{s:<20} {e['median_step_ms']:>9.1f} {peak:>9} {e['first_losses'][0]:>9.4f}"
             if args.breakdown:
                 row += f" {e['forward_ms']:>8.1f} {e['backward_ms']:>8.1f} {e['optimizer_ms']:>8.1f}"
             hook = e.get("hook_us_per_unit")
