@@ -25,9 +25,9 @@ def _dt():
 
 def active_modules(plan) -> list[TPModule]:
     """The tensor-parallel modules that need DTensor: a compute axis of one rank shards nothing, so its
-    modules run as plain modules (DTensor's dispatch costs ~0.6 ms per module and step on a 1B model), as a
-    shard group of one is a local copy. ``SHARDPLAN_SINGLETON_GROUPS=1`` runs them through DTensor anyway, so
-    one GPU exercises the path many take."""
+    modules run as plain modules, as a shard group of one is a local copy (DTensor's dispatch costs ~1 ms
+    per module and step on a 1B model: docs/performance.md). ``SHARDPLAN_SINGLETON_GROUPS=1`` runs them
+    through DTensor anyway, so one GPU exercises the path many take."""
     force = os.environ.get("SHARDPLAN_SINGLETON_GROUPS") == "1"
     return [m for m in plan.tp_modules if force or plan.mesh.axis_size(m.axis) > 1]
 
