@@ -131,25 +131,31 @@ def trace_args(trace) -> tuple[tuple, dict]:
     return (args if isinstance(args, tuple) else (args,)), kwargs
 
 
-def trace_order(model, units: Sequence[str], trace) -> list[str]:
-    """Order in which a forward pass (on meta tensors, ideally) enters the unit modules."""
+def run_traced(model, trace, hooks: dict) -> None:
+    """Run the traced forward once, without autograd, with ``hooks`` ({module path: (kind, fn)}, kind
+    ``"pre"`` or ``"post"``) registered for that run only."""
     import torch
 
     args, kwargs = trace_args(trace)
     modules = dict(model.named_modules())
-    seen: list[str] = []
-    handles = []
-    for u in units:
-        def hook(_m, _a, _u=u):
-            if _u not in seen:
-                seen.append(_u)
-        handles.append(modules[u].register_forward_pre_hook(hook))
+    handles = [modules[path].register_forward_pre_hook(fn) if kind == "pre" else modules[path].register_forward_hook(fn)
+               for path, (kind, fn) in hooks.items()]
     try:
         with torch.no_grad():
             model(*args, **kwargs)
     finally:
         for h in handles:
             h.remove()
+
+
+def trace_order(model, units: Sequence[str], trace) -> list[str]:
+    """Order in which a forward pass (on meta tensors, ideally) enters the unit modules."""
+    seen: list[str] = []
+
+    def entered(unit):
+        return lambda _m, _a: None if unit in seen else seen.append(unit)
+
+    run_traced(model, trace, {u: ("pre", entered(u)) for u in units})
     missing = [u for u in units if u not in seen]
     if missing:
         warnings.warn(f"the traced forward never entered units {missing}; they are scheduled last", PlanWarning, stacklevel=3)

@@ -277,11 +277,8 @@ class Activation:
 def trace_activations(model, modules: Sequence[TPModule], trace, itemsize: Optional[int]) -> tuple[Activation, ...]:
     """Run the traced forward once and record each tensor-parallel module's activation sizes."""
     import torch
-    from ..units import trace_args
-    args, kwargs = trace_args(trace)
-    mods = dict(model.named_modules())
+    from ..units import run_traced
     seen: list[Activation] = []
-    handles = []
 
     def first_tensor(x):
         if isinstance(x, torch.Tensor):
@@ -290,18 +287,14 @@ def trace_activations(model, modules: Sequence[TPModule], trace, itemsize: Optio
             return next((t for t in map(first_tensor, x) if t is not None), None)
         return None
 
-    for m in modules:
-        def hook(_m, inputs, output, _p=m.path):
+    def record(path):
+        def hook(_m, inputs, output):
             i, o = first_tensor(inputs), first_tensor(output)
             size = itemsize or (o.element_size() if o is not None else 4)
-            seen.append(Activation(_p, i.numel() if i is not None else 0, o.numel() if o is not None else 0, size))
-        handles.append(mods[m.path].register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            model(*args, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
+            seen.append(Activation(path, i.numel() if i is not None else 0, o.numel() if o is not None else 0, size))
+        return hook
+
+    run_traced(model, trace, {m.path: ("post", record(m.path)) for m in modules})
     return tuple(seen)
 
 
