@@ -257,6 +257,13 @@ def _parity_worker(rank, world, hf):
     largest parameter difference on rank 0)."""
     data = _data()
     out, mixed = [], []
+    # generators differing within a tensor-parallel group would draw other dropout masks per rank: refused
+    torch.manual_seed(rank)
+    with pytest.raises(sp.RuntimeShardingError, match=r"ranks \[\d, \d\] form one tensor-parallel group.*seed"):
+        sp.shard(gpt.build("tiny"), sp.plan(gpt.build("tiny"), gpt_rules_tp.rules, sp.Mesh(dp=2, tp=2), **TP))
+    torch.manual_seed(sp.plan(gpt.build("tiny"), gpt_rules_tp.rules, sp.Mesh(dp=2, tp=2), **TP).data_index(rank))
+    sp.shard(gpt.build("tiny"), sp.plan(gpt.build("tiny"), gpt_rules_tp.rules, sp.Mesh(dp=2, tp=2), **TP))  # dp may differ
+    torch.manual_seed(0)
 
     def train(build, rules, mesh, strategy, loss_fn, accumulate, compute_axes=("tp",), **options):
         model = build()

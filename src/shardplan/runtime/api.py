@@ -190,6 +190,8 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
         for b in module.buffers():
             if b.device.type != "meta":
                 C.broadcast(b.data, 0, groups.world)
+    if meshes:  # after initialisation: the states the first forward draws from
+        TP.check_generators_alike(plan, groups.world, device)
     exe._account()
     return module
 

@@ -104,6 +104,35 @@ def _output_hook(m: TPModule, mesh):
     return hook
 
 
+def check_generators_alike(plan, world_group, device: torch.device) -> None:
+    """Ranks of one tensor-parallel group compute on the same replicated activations: a dropout mask (or any
+    random op) drawn from different generator states would give each rank other activations and train a
+    model no single process would, silently. Their generator states must agree when training starts."""
+    import zlib
+
+    import torch.distributed as dist
+    from ..errors import RuntimeShardingError
+    axes = sorted({m.axis for m in active_modules(plan)})
+    if not axes or world_group.pg is None:
+        return
+    states = [torch.random.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    mine = torch.tensor([zlib.crc32(s.numpy().tobytes()) for s in states], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(plan.mesh.size)]
+    dist.all_gather(every, mine, group=world_group.pg)
+    for axis in axes:
+        for group in plan.mesh.groups([axis]):
+            differ = [r for r in group if not torch.equal(every[r], every[group[0]])]
+            if differ:
+                raise RuntimeShardingError(
+                    f"shardplan.shard(): ranks {list(group)} form one tensor-parallel group over compute axis "
+                    f"{axis!r}, but the random generators of ranks {differ} differ from rank {group[0]}'s: dropout "
+                    "or any random op on the activations they share would differ between them and silently train "
+                    "another model. Seed every rank of a tensor-parallel group alike before shard(), e.g. "
+                    "torch.manual_seed(seed + plan.data_index(rank)) (data-parallel ranks may differ)")
+
+
 def check_functional(plan) -> None:
     from ..errors import RuntimeShardingError
     if plan.compute_axes and plan.tp_modules:
