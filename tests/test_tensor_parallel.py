@@ -47,6 +47,10 @@ def test_styles_inferred_from_specs():
     assert styles["output"] == ("linear", "colwise_gather")              # LM head: no row-parallel sibling
     assert styles["tok_embeddings"] == ("embedding", "rowwise")          # vocabulary-parallel
     assert "pos_embeddings" not in styles and "norm" not in styles
+    every = sp.plan(_Styles(), STYLES_RULES, sp.Mesh(dp=2, tp=2), compute_axes="tp")  # the parity test's model
+    assert {m.path: m.style for m in every.tp_modules} == {
+        "emb": "colwise_gather", "pairs.0.up": "colwise", "pairs.0.down": "rowwise", "pairs.1.up": "colwise",
+        "pairs.1.down": "rowwise", "split.proj": "rowwise_split", "head.proj": "colwise_gather"}
     wq = plan.param("layers.0.attention.wq.weight")
     assert (wq.global_shape, wq.shape, wq.tp_dim, wq.tp_axis) == ((64, 64), (32, 64), 0, "tp")
     wo = plan.param("layers.0.attention.wo.weight")
@@ -208,6 +212,56 @@ def _gpt_loss(model, x, y):
     return model(x, y)
 
 
+class _Styles(nn.Module):
+    """Every style with biases: an embedding-parallel embedding (dim 1), a column/row pair, a lone row-parallel
+    linear on a replicated input (rowwise_split) and a lone column-parallel one with gathered output."""
+
+    class Pair(nn.Module):
+        def __init__(self, d, h):
+            super().__init__()
+            self.up, self.down, self.norm = nn.Linear(d, h), nn.Linear(h, d), nn.LayerNorm(d)
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(self.norm(x))))
+
+    class Lone(nn.Module):
+        def __init__(self, d_in, d_out):
+            super().__init__()
+            self.proj = nn.Linear(d_in, d_out)
+
+        def forward(self, x):
+            return self.proj(torch.tanh(x))
+
+    def __init__(self, vocab=96, d=8, h=16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, d)
+        self.pairs = nn.ModuleList([self.Pair(d, h), self.Pair(d, h)])
+        self.split, self.head = self.Lone(d, d), self.Lone(d, vocab)
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        for pair in self.pairs:
+            h = pair(h)
+        logits = self.head(self.split(h))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _styles_loss(model, x, y):
+    return model(x, y)
+
+
+STYLES_RULES = [
+    (r"emb\.weight", sp.P("dp", "tp")),                               # embedding-parallel (dim 1)
+    (r"pairs\.\d+\.up\.(weight|bias)", sp.P(("tp", "dp"))),          # colwise, bias sharded with it
+    (r"pairs\.\d+\.down\.weight", sp.P("dp", "tp")),                 # rowwise, bias replicated compute
+    (r"split\.proj\.weight", sp.P("dp", "tp")),                       # rowwise_split: no colwise sibling
+    (r"head\.proj\.(weight|bias)", sp.P(("tp", "dp"))),                # colwise_gather: no rowwise sibling
+    (r".*", sp.P("dp")),
+]
+_UNITS = {_gpt_loss: [r"layers\.\d+"], _styles_loss: [r"pairs\.\d+"]}
+
+
 def _llama_loss(model, x, y):
     return model(input_ids=x, labels=x).loss
 
@@ -268,7 +322,7 @@ def _parity_worker(rank, world, hf):
     def train(build, rules, mesh, strategy, loss_fn, accumulate, compute_axes=("tp",), **options):
         model = build()
         plan = sp.plan(model, rules, mesh, strategy=strategy, compute_axes=compute_axes, min_unit_bytes=0,
-                       units=[r"layers\.\d+"] if loss_fn is _gpt_loss else [r"model\.layers\.\d+"], **options)
+                       units=_UNITS.get(loss_fn, [r"model\.layers\.\d+"]), **options)
         sp.shard(model, plan)
         seen = []  # the compute tensors: DTensors over tp > 1, plain tensors when the compute axis has one rank
         if plan.tp_modules:
@@ -303,6 +357,8 @@ def _parity_worker(rank, world, hf):
     check("gpt tp=4", tiny(), gpt_rules_tp.tp_rules(data=None), sp.Mesh(tp=4), "optim_grads_params")
     check("gpt tp=1", tiny(), gpt_rules_tp.rules, sp.Mesh(dp=4, tp=1), "optim_grads_params")
     check_mixed("gpt bf16 compute dp=2 x tp=2", tiny(), gpt_rules_tp.rules, mesh)
+    for strategy in ("optim_grads_params", "optim"):
+        check(f"every style with biases {strategy}", _Styles, STYLES_RULES, mesh, strategy, _styles_loss)
     if hf is not None:
         import transformers
         for strategy in STRATEGIES:
@@ -340,7 +396,7 @@ def test_tensor_parallel_training_matches_one_process():
         if max(abs(a - b) for a, b in zip(losses + norms, ref_losses + ref_norms)) >= 5e-3 or diff >= len(losses) * LR:
             worst.append(f"{what}: losses {losses} vs {ref_losses}, norms {norms} vs {ref_norms}, params {diff:.2e}")
     assert not worst, "sharded training differs from one process:\n" + "\n".join(worst)
-    assert len(checks) == (7 + 5 if hf else 7) and len(mixed) == 1
+    assert len(checks) == (9 + 5 if hf else 9) and len(mixed) == 1
     assert all([x[:5] for x in r[0]] == [x[:5] for x in checks] for r in results)  # every rank saw the same
 
 
