@@ -316,8 +316,12 @@ def _parity_worker(rank, world, hf):
     with pytest.raises(sp.RuntimeShardingError, match=r"ranks \[\d, \d\] form one tensor-parallel group.*seed"):
         sp.shard(gpt.build("tiny"), sp.plan(gpt.build("tiny"), gpt_rules_tp.rules, sp.Mesh(dp=2, tp=2), **TP))
     torch.manual_seed(sp.plan(gpt.build("tiny"), gpt_rules_tp.rules, sp.Mesh(dp=2, tp=2), **TP).data_index(rank))
-    sp.shard(gpt.build("tiny"), sp.plan(gpt.build("tiny"), gpt_rules_tp.rules, sp.Mesh(dp=2, tp=2), **TP))  # dp may differ
-    torch.manual_seed(0)
+    model = sp.shard(gpt.build("tiny"), sp.plan(gpt.build("tiny"), gpt_rules_tp.rules, sp.Mesh(dp=2, tp=2), **TP))
+    torch.manual_seed(0)  # (data-parallel ranks may differ: that shard() passed)
+    # a batch split by rank rather than by data index gives one tensor-parallel group two inputs: refused
+    x, y = data[0]
+    with pytest.raises(sp.RuntimeShardingError, match=r"were given other inputs.*data_index"):
+        model(x.chunk(4)[rank], y.chunk(4)[rank])
 
     def train(build, rules, mesh, strategy, loss_fn, accumulate, compute_axes=("tp",), **options):
         model = build()

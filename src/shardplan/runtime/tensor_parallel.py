@@ -104,33 +104,70 @@ def _output_hook(m: TPModule, mesh):
     return hook
 
 
-def check_generators_alike(plan, world_group, device: torch.device) -> None:
-    """Ranks of one tensor-parallel group compute on the same replicated activations: a dropout mask (or any
-    random op) drawn from different generator states would give each rank other activations and train a
-    model no single process would, silently. Their generator states must agree when training starts."""
-    import zlib
-
+def _agree_within_groups(plan, mine: torch.Tensor, world_group, device) -> list[tuple[str, tuple, list]]:
+    """Gather every rank's small int64 ``mine`` and list (axis, group, ranks that differ from the group's
+    first) for each tensor-parallel group whose ranks disagree. Every rank computes the same answer."""
     import torch.distributed as dist
-    from ..errors import RuntimeShardingError
     axes = sorted({m.axis for m in active_modules(plan)})
     if not axes or world_group.pg is None:
-        return
-    states = [torch.random.get_rng_state()]
-    if device.type == "cuda":
-        states.append(torch.cuda.get_rng_state(device))
-    mine = torch.tensor([zlib.crc32(s.numpy().tobytes()) for s in states], dtype=torch.int64, device=device)
+        return []
     every = [torch.empty_like(mine) for _ in range(plan.mesh.size)]
-    dist.all_gather(every, mine, group=world_group.pg)
+    dist.all_gather(every, mine.to(device), group=world_group.pg)
+    out = []
     for axis in axes:
         for group in plan.mesh.groups([axis]):
             differ = [r for r in group if not torch.equal(every[r], every[group[0]])]
             if differ:
-                raise RuntimeShardingError(
-                    f"shardplan.shard(): ranks {list(group)} form one tensor-parallel group over compute axis "
-                    f"{axis!r}, but the random generators of ranks {differ} differ from rank {group[0]}'s: dropout "
-                    "or any random op on the activations they share would differ between them and silently train "
-                    "another model. Seed every rank of a tensor-parallel group alike before shard(), e.g. "
-                    "torch.manual_seed(seed + plan.data_index(rank)) (data-parallel ranks may differ)")
+                out.append((axis, group, differ))
+    return out
+
+
+def _crc(tensors) -> int:
+    import zlib
+    crc = 0
+    for t in tensors:
+        crc = zlib.crc32(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes(), crc)
+    return crc
+
+
+def check_generators_alike(plan, world_group, device: torch.device) -> None:
+    """Ranks of one tensor-parallel group compute on the same replicated activations: a dropout mask (or any
+    random op) drawn from different generator states would give each rank other activations and train a
+    model no single process would, silently. Their generator states must agree when training starts."""
+    from ..errors import RuntimeShardingError
+    states = [torch.random.get_rng_state()] + ([torch.cuda.get_rng_state(device)] if device.type == "cuda" else [])
+    for axis, group, differ in _agree_within_groups(plan, torch.tensor([_crc(states)]), world_group, device):
+        raise RuntimeShardingError(
+            f"shardplan.shard(): ranks {list(group)} form one tensor-parallel group over compute axis {axis!r}, "
+            f"but the random generators of ranks {differ} differ from rank {group[0]}'s: dropout or any random op "
+            "on the activations they share would differ between them and silently train another model. Seed "
+            "every rank of a tensor-parallel group alike before shard(), e.g. torch.manual_seed(seed + "
+            "plan.data_index(rank)) (data-parallel ranks may differ)")
+
+
+def install_input_check(module: nn.Module, plan, world_group, device: torch.device):
+    """A root pre-forward hook (ahead of the executor's) that checks, on the first forward, that the ranks of
+    each tensor-parallel group were given the same inputs: a batch split by rank instead of by
+    ``plan.data_index(rank)`` would otherwise train on mixed activations without an error."""
+    from ..errors import RuntimeShardingError
+    from torch.utils._pytree import tree_leaves
+    done = []
+
+    @torch._dynamo.disable
+    def hook(_mod, args, kwargs):
+        if done:
+            return None
+        done.append(True)
+        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        for axis, group, differ in _agree_within_groups(plan, torch.tensor([_crc(leaves)]), world_group, device):
+            raise RuntimeShardingError(
+                f"forward: ranks {list(group)} form one tensor-parallel group over compute axis {axis!r}, but "
+                f"ranks {differ} were given other inputs than rank {group[0]}. Every rank of a tensor-parallel "
+                f"group computes on the same batch slice: split the batch by plan.data_index(rank) into "
+                f"plan.data_size parts (here {plan.data_size}), not by rank")
+        return None
+
+    return module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
 
 
 def check_functional(plan) -> None:
