@@ -111,8 +111,9 @@ def _agree_within_groups(plan, mine: torch.Tensor, world_group, device) -> list[
     axes = sorted({m.axis for m in active_modules(plan)})
     if not axes or world_group.pg is None:
         return []
+    mine = mine.to(device)  # NCCL gathers device tensors
     every = [torch.empty_like(mine) for _ in range(plan.mesh.size)]
-    dist.all_gather(every, mine.to(device), group=world_group.pg)
+    dist.all_gather(every, mine, group=world_group.pg)
     out = []
     for axis in axes:
         for group in plan.mesh.groups([axis]):
