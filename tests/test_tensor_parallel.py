@@ -404,6 +404,32 @@ def test_tensor_parallel_training_matches_one_process():
     assert all([x[:5] for x in r[0]] == [x[:5] for x in checks] for r in results)  # every rank saw the same
 
 
+def _three_d_worker(rank, world):
+    """HSDP x TP on 8 ranks: replicas of an FSDP x TP model; the batch splits over replica and dp."""
+    data = _data(batch=8)
+    build = lambda: gpt.build("tiny").init_weights(0)  # noqa: E731
+    ref_losses, ref_norms, ref_params = _reference(build, _gpt_loss, data)
+    out = []
+    for strategy in ("optim_grads_params", "optim_grads"):
+        model = build()
+        plan = sp.plan(model, gpt_rules_tp.rules, sp.Mesh(replica=2, dp=2, tp=2), strategy=strategy, **TP)
+        sp.shard(model, plan)
+        losses, norms, _ = _sharded(model, plan, _gpt_loss, data, rank)
+        full = _full(model)
+        diff = max((full[n] - p).abs().max().item() for n, p in ref_params.items()) if rank == 0 else 0.0
+        out.append((strategy, plan.data_axes, plan.data_size, losses, ref_losses, norms, ref_norms, diff))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_on_a_3d_mesh_at_eight_ranks():
+    for strategy, axes, size, losses, ref_losses, norms, ref_norms, diff in run(_three_d_worker, 8, timeout=240)[0]:
+        assert (axes, size) == (("replica", "dp"), 4)
+        assert losses == pytest.approx(ref_losses, abs=1e-5), strategy
+        assert norms == pytest.approx(ref_norms, abs=1e-5), strategy
+        assert diff < 1e-4, (strategy, diff)  # the parity test's parameter tolerance, for the same reason
+
+
 # -- checkpoints across parallelisms ----------------------------------------------------------------------
 
 SPLIT = 2
