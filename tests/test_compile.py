@@ -55,3 +55,28 @@ def test_compiled_units_train_like_eager_single_process():
             # inductor may fuse and reorder fp32 arithmetic; aot_eager runs the same kernels as eager
             assert diff <= (1e-4 if backend == "inductor" else 1e-5), (how, backend, strategy, diff)
             assert same_ops, f"{how} {backend}: executed ops differ from the plan"
+
+
+def _tp_worker(rank, world):
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import gpt
+    import gpt_rules_tp
+    from test_tensor_parallel import TP, _data, _gpt_loss, _reference, _sharded
+    data = _data()
+    ref_losses = _reference(lambda: gpt.build("tiny").init_weights(0), _gpt_loss, data)[0]
+    out = []
+    for backend in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+        model = gpt.build("tiny").init_weights(0)
+        plan = sp.plan(model, gpt_rules_tp.rules, sp.Mesh(dp=2, tp=2), **TP)
+        sp.compile_units(sp.shard(model, plan), backend=backend)  # DTensor parameters inside compiled blocks
+        out.append((backend, _sharded(model, plan, _gpt_loss, data, rank)[0], ref_losses))
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_compiled_units_under_tensor_parallelism():
+    for backend, losses, ref_losses in run(_tp_worker, 4, timeout=380)[0]:
+        assert losses == pytest.approx(ref_losses, abs=1e-4 if backend == "inductor" else 1e-5), backend
