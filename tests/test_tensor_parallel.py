@@ -486,14 +486,65 @@ def test_checkpoints_reshard_across_parallelisms(tmp_path):
         assert losses == pytest.approx(ref_losses[SPLIT:], abs=1e-5), key  # the uninterrupted run's losses
 
 
-def test_functional_face_refuses_tensor_parallel_plans():
-    def worker(rank, world):
-        model = gpt.build("tiny").init_weights(0)
-        plan = sp.plan(model, gpt_rules_tp.tp_rules(data=None), sp.Mesh(tp=1), **TP)
-        local = sp.shard_tree(dict(model.named_parameters()), plan)
-        try:
-            sp.functional_call(model, plan, local, (torch.zeros(1, 4, dtype=torch.long),))
-        except sp.ShardingError as exc:
-            return str(exc)
-        return "no error"
-    assert "does not run tensor-parallel plans" in run(worker, 1)[0]
+def _functional_steps(model, plan, params, state, opt, data, rank, world, seen=None):
+    vg = sp.value_and_grad(lambda p, x, y: sp.functional_call(model, plan, p, (x, y)), plan)
+    i, n = plan.data_index(rank), plan.data_size
+    losses, norms = [], []
+    for x, y in data:
+        loss, grads = vg(params, x.chunk(n)[i], y.chunk(n)[i])
+        grads, norm = sp.clip_by_global_norm(grads, CLIP, plan)
+        params, state = opt.update(grads, state, params)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+        norms.append(norm.item())
+    return losses, norms, params, state
+
+
+def _functional_worker(rank, world, path):
+    """The functional face on tensor-parallel plans: shard_tree, value_and_grad, clip_by_global_norm and the
+    pure AdamW at dp=2 x tp=2 and tp=4 train like one process with torch's AdamW; save_tree under
+    dp=2 x tp=2 resumes under dp=4 (no compute axis) with the uninterrupted losses."""
+    data = _data()
+    build = lambda: gpt.build("tiny").init_weights(0)  # noqa: E731
+    ref_losses, ref_norms, _ = _reference(build, _gpt_loss, data)
+    adamw = sp.optim.adamw(lr=LR, eps=EPS)
+    out = []
+    for rules, mesh in ((gpt_rules_tp.rules, sp.Mesh(dp=2, tp=2)), (gpt_rules_tp.tp_rules(data=None), sp.Mesh(tp=4))):
+        model = build()
+        plan = sp.plan(model, rules, mesh, **TP)
+        params = sp.shard_tree(dict(model.named_parameters()), plan)
+        seen = []
+        model.get_submodule(plan.tp_modules[0].path).register_forward_pre_hook(
+            lambda m, a: seen.append(type(m.weight).__name__))
+        losses, norms, params, state = _functional_steps(model, plan, params, adamw.init(params), adamw,
+                                                         data[:SPLIT], rank, world)
+        if "dp" in mesh.axis_names:
+            sp.checkpoint.save_tree(path, plan, {"params": params, "opt": state}, step=SPLIT)
+        more = _functional_steps(model, plan, params, state, adamw, data[SPLIT:], rank, world)
+        assert set(seen) == {"DTensor"}, seen
+        out.append((repr(mesh), losses + more[0], norms + more[1]))
+    model = build()  # resume without tensor parallelism
+    plan = sp.plan(model, gpt_rules.rules, sp.Mesh(dp=4), **{k: v for k, v in TP.items() if k != "compute_axes"})
+    params = sp.shard_tree(dict(model.named_parameters()), plan)
+    tree, step = sp.checkpoint.load_tree(path, plan, {"params": params, "opt": adamw.init(params)})
+    losses, norms, _, _ = _functional_steps(model, plan, tree["params"], tree["opt"], adamw, data[SPLIT:], rank, world)
+    out.append(("resumed under Mesh(dp=4)", [None] * SPLIT + losses, [None] * SPLIT + norms))
+    # the first call checks that a tensor-parallel group was given one batch slice
+    model = build()
+    plan = sp.plan(model, gpt_rules_tp.rules, sp.Mesh(dp=2, tp=2), **TP)
+    x, y = data[0]
+    with pytest.raises(sp.RuntimeShardingError, match="were given other inputs"):
+        sp.functional_call(model, plan, sp.shard_tree(dict(model.named_parameters()), plan),
+                           (x.chunk(4)[rank], y.chunk(4)[rank]))
+    return out, ref_losses, ref_norms
+
+
+@pytest.mark.timeout(300)
+def test_functional_face_runs_tensor_parallel_plans(tmp_path):
+    results, ref_losses, ref_norms = run(_functional_worker, 4, str(tmp_path / "tree"), timeout=240)[0]
+    assert len(results) == 3
+    for what, losses, norms in results:
+        keep = [k for k, v in enumerate(losses) if v is not None]
+        assert [losses[k] for k in keep] == pytest.approx([ref_losses[k] for k in keep], abs=1e-5), what
+        assert [norms[k] for k in keep] == pytest.approx([ref_norms[k] for k in keep], abs=1e-5), what

@@ -91,8 +91,9 @@ class TreeFace:
 
     stale_after_sync = False  # new shards arrive as a new tree: load() sees them
 
-    def __init__(self, plan, exe_ref):
+    def __init__(self, plan, exe_ref, wrappers: Optional[dict] = None):
         self.plan = plan
+        self.wrappers = wrappers or {}  # tensor parallelism: name -> full tensor to the DTensor its module uses
         self.exe = exe_ref  # a weak reference: the executor owns the face
         self.leaves: dict[str, torch.Tensor] = {}       # plan name -> the caller's local leaf, this call
         self.slots: dict[str, list] = {}                 # unit -> per parameter, [(module, attribute)] it is bound to
@@ -162,7 +163,9 @@ class TreeFace:
             fulls = _UnitGather.apply(self, u, *needs)
         else:
             fulls = self.full_tensors(u)
-        for places, t in zip(self.slots[u.name], fulls):
+        for name, places, t in zip(names, self.slots[u.name], fulls):
+            wrap = self.wrappers.get(name)
+            t = wrap(t) if wrap is not None else t  # differentiable: the gradient reaches the unit's backward
             for m, attr in places:
                 m._parameters[attr] = t
 

@@ -51,14 +51,15 @@ class FunctionalRuntime:
     """The executor of one (module, plan) pair for the functional face, made at the first call."""
 
     def __init__(self, module: nn.Module, plan: Plan, timeout_s: float, problems: Sequence[str] = ()):
+        from . import tensor_parallel as TP
         from .api import _device_for, _startup, _world
-        from .tensor_parallel import check_functional
-        check_functional(plan)
         world, rank = _world()
         slots = _startup(module, plan, world, rank, timeout_s, list(problems))
         backend = dist.get_backend()
         device, _ = _device_for(module, backend)
         groups = groups_for(plan, timeout_s)
+        self.meshes = TP.device_meshes(plan, device) if TP.active_modules(plan) else {}
+        self.inputs_checked = not self.meshes  # tensor parallelism: the first call checks its inputs
         units, self.modules_of = [], {}
         modules = dict(module.named_modules())
         for up in plan.units:
@@ -74,11 +75,13 @@ class FunctionalRuntime:
             for b in u.buffers:
                 if not b.bp.alias:  # the all-gather sends straight from the caller's leaves: no shard of ours
                     free_storage(b.shard)
-        self.face = TreeFace(plan, weakref.ref(self.exe))
+        self.face = TreeFace(plan, weakref.ref(self.exe), TP.param_wrappers(plan, self.meshes) if self.meshes else {})
         self.exe.face = self.face
         self.face.slots = {u.name: [list(slots[info.name]) for b in u.buffers for info in b.infos] for u in units}
         self.originals = [(m, attr, m._parameters[attr]) for places in slots.values() for m, attr in places]
         self.checked: set = set()
+        if self.meshes:
+            TP.check_generators_alike(plan, groups.world, device)
 
     def leaves_of(self, local_params) -> dict[str, torch.Tensor]:
         paths, leaves, spec = leaves_with_paths(local_params)
@@ -132,6 +135,12 @@ def functional_call(module: nn.Module, plan: Plan, local_params, args=(), kwargs
     if session is not None:
         session.append(rt)
     handles = install(module, rt.exe, rt.modules_of, param_hooks=False)
+    if rt.meshes:
+        from . import tensor_parallel as TP
+        handles += TP.install_styles(module, plan, rt.meshes)
+        if not rt.inputs_checked:
+            handles.append(TP.install_input_check(module, plan, rt.exe.groups.world, rt.device))
+            rt.inputs_checked = True
     try:
         if buffers:
             return torch.func.functional_call(module, dict(buffers), args, kwargs or {}, strict=False)

@@ -169,11 +169,3 @@ def install_input_check(module: nn.Module, plan, world_group, device: torch.devi
         return None
 
     return module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
-
-
-def check_functional(plan) -> None:
-    from ..errors import RuntimeShardingError
-    if plan.compute_axes and plan.tp_modules:
-        raise RuntimeShardingError(
-            "the functional face (functional_call / value_and_grad) does not run tensor-parallel plans yet: this plan "
-            f"has compute axes {plan.compute_axes}. Use shardplan.shard(module, plan), or plan without compute_axes")
