@@ -507,7 +507,7 @@ def _functional_worker(rank, world, path):
     dp=2 x tp=2 resumes under dp=4 (no compute axis) with the uninterrupted losses."""
     data = _data()
     build = lambda: gpt.build("tiny").init_weights(0)  # noqa: E731
-    ref_losses, ref_norms, _ = _reference(build, _gpt_loss, data)
+    ref_losses, ref_norms, ref_params = _reference(build, _gpt_loss, data)
     adamw = sp.optim.adamw(lr=LR, eps=EPS)
     out = []
     for rules, mesh in ((gpt_rules_tp.rules, sp.Mesh(dp=2, tp=2)), (gpt_rules_tp.tp_rules(data=None), sp.Mesh(tp=4))):
@@ -523,13 +523,16 @@ def _functional_worker(rank, world, path):
             sp.checkpoint.save_tree(path, plan, {"params": params, "opt": state}, step=SPLIT)
         more = _functional_steps(model, plan, params, state, adamw, data[SPLIT:], rank, world)
         assert set(seen) == {"DTensor"}, seen
-        out.append((repr(mesh), losses + more[0], norms + more[1]))
+        full = sp.unshard_tree(more[2], plan)  # every rank: full tensors across storage and compute axes
+        diff = max((full[n] - t).abs().max().item() for n, t in ref_params.items())
+        assert diff < 1e-4, (rank, diff)  # on every rank
+        out.append((repr(mesh), losses + more[0], norms + more[1], diff))
     model = build()  # resume without tensor parallelism
     plan = sp.plan(model, gpt_rules.rules, sp.Mesh(dp=4), **{k: v for k, v in TP.items() if k != "compute_axes"})
     params = sp.shard_tree(dict(model.named_parameters()), plan)
     tree, step = sp.checkpoint.load_tree(path, plan, {"params": params, "opt": adamw.init(params)})
     losses, norms, _, _ = _functional_steps(model, plan, tree["params"], tree["opt"], adamw, data[SPLIT:], rank, world)
-    out.append(("resumed under Mesh(dp=4)", [None] * SPLIT + losses, [None] * SPLIT + norms))
+    out.append(("resumed under Mesh(dp=4)", [None] * SPLIT + losses, [None] * SPLIT + norms, 0.0))
     # the first call checks that a tensor-parallel group was given one batch slice
     model = build()
     plan = sp.plan(model, gpt_rules_tp.rules, sp.Mesh(dp=2, tp=2), **TP)
@@ -544,7 +547,8 @@ def _functional_worker(rank, world, path):
 def test_functional_face_runs_tensor_parallel_plans(tmp_path):
     results, ref_losses, ref_norms = run(_functional_worker, 4, str(tmp_path / "tree"), timeout=240)[0]
     assert len(results) == 3
-    for what, losses, norms in results:
+    for what, losses, norms, diff in results:
+        assert diff < 1e-4, (what, diff)  # unshard_tree: the parity test's parameter tolerance
         keep = [k for k, v in enumerate(losses) if v is not None]
         assert [losses[k] for k in keep] == pytest.approx([ref_losses[k] for k in keep], abs=1e-5), what
         assert [norms[k] for k in keep] == pytest.approx([ref_norms[k] for k in keep], abs=1e-5), what

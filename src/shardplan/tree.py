@@ -81,12 +81,14 @@ def _rebuild(tree, spec, paths, leaves):
     return optree.tree_unflatten(spec, leaves)
 
 
-def place(plan: Plan, name: str, piece_of: Callable[[int], Optional[torch.Tensor]], like: torch.Tensor) -> torch.Tensor:
-    """The full tensor of ``name`` from every rank's local piece (``piece_of(rank)``; one rank per group)."""
+def place(plan: Plan, name: str, piece_of: Callable[[int], Optional[torch.Tensor]], like: torch.Tensor,
+          owners: Optional[tuple[int, ...]] = None) -> torch.Tensor:
+    """The full tensor of ``name`` from the local pieces (``piece_of(rank)``) of one group of ranks that
+    together hold all of it (``owners``; default: the one with rank 0)."""
     p = plan.param(name)
     full = torch.empty(p.global_shape, dtype=like.dtype, device=like.device)
     first = plan.mesh.rank_of([0] * len(plan.mesh.axis_names))
-    for r in plan.mesh.group_of(first, plan.owner_axes(name)):
+    for r in owners if owners is not None else plan.mesh.group_of(first, plan.owner_axes(name)):
         box = plan.local_slices(name, r)
         piece = piece_of(r)
         if box is not None and piece is not None and piece.numel():
@@ -112,9 +114,6 @@ def unshard_tree(local_tree, plan: Plan, *, timeout_s: float = 300.0):
     from .runtime import collectives as C
     from .runtime.functional import groups_for
     import torch.distributed as dist
-    if plan.compute_axes:
-        raise ShardingError("unshard_tree does not gather over compute axes yet; use shardplan.assemble on every "
-                            "rank's tree, or a module's checkpoint.full_state_dict")
     rank = dist.get_rank()
     paths, leaves, spec = leaves_with_paths(local_tree)
     check_tree(plan, paths, leaves, rank=rank, what="local tree")
@@ -136,6 +135,8 @@ def unshard_tree(local_tree, plan: Plan, *, timeout_s: float = 300.0):
         gathered = torch.empty(b.gathered_numel, dtype=like.dtype, device=like.device)
         C.all_gather(gathered, flat, groups.gather(b.axes), async_op=False)
         for name in b.params:
+            if plan.param(name).tp_axis:
+                continue  # gathered over its owner axes below
             def piece(r, _n=name):
                 box = plan.local_slices(_n, r)
                 if box is None:
@@ -143,4 +144,22 @@ def unshard_tree(local_tree, plan: Plan, *, timeout_s: float = 300.0):
                 seg, off = plan.segment(b, r), plan.local_offset(_n, r)
                 return gathered[seg * b.shard_numel + off: seg * b.shard_numel + off + math.prod(s.stop - s.start for s in box)]
             out[name] = place(plan, name, piece, like)
+    for p in plan.params:  # tensor-parallel pieces: one gather over the ranks holding different pieces
+        if p.tp_axis:
+            out[p.name] = _gather_pieces(plan, p.name, local[p.name], rank, groups)
     return _rebuild(local_tree, spec, paths, [out[p] for p in paths])
+
+
+def _gather_pieces(plan: Plan, name: str, mine: torch.Tensor, rank: int, groups) -> torch.Tensor:
+    """``name`` in full from the local pieces of this rank's owner group (pieces padded to the largest)."""
+    from .runtime import collectives as C
+    axes = plan.owner_axes(name)
+    owners = plan.mesh.group_of(rank, axes)
+    sizes = [math.prod(plan.local_shape(name, r)) for r in owners]
+    most = max(sizes)
+    send = torch.zeros(most, dtype=mine.dtype, device=mine.device)
+    send[:mine.numel()] = mine.detach().reshape(-1)
+    got = torch.empty(most * len(owners), dtype=mine.dtype, device=mine.device)
+    C.all_gather(got, send, groups.gather(axes), async_op=False)
+    pieces = {r: got[i * most:i * most + n] for i, (r, n) in enumerate(zip(owners, sizes))}
+    return place(plan, name, pieces.get, mine, owners)
