@@ -4,6 +4,7 @@ Llama, clipping, accumulation, checkpoints across parallelisms), on real gloo gr
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -188,6 +189,17 @@ def test_cli_prints_a_70b_fsdp_by_tp_plan():
     assert rc == 0
     text = buf.getvalue()
     assert "Mesh(dp=16, tp=8)" in text and "compute axes tp" in text and "linear rowwise over tp" in text
+    assert "tensor-parallel activations not estimated" in text
+    # --trace-tokens BxT traces on meta tensors: the CLI's figure is the API's with trace=
+    args = ["plan", "examples/gpt.py:tiny", "--mesh", "dp=2,tp=2", "--rules", "examples/gpt_rules_tp.py", "--json"]
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert main(args + ["--trace-tokens", "2x16"]) == 0
+    traced = sp.plan(gpt.build("tiny"), gpt_rules_tp.rules, sp.Mesh(dp=2, tp=2), **TP, trace=torch.zeros(2, 16, dtype=torch.long))
+    got = json.loads(out.getvalue())["comm_bytes_per_step"]["tensor_parallel"]
+    assert got == traced.comm_bytes()["tensor_parallel"] > 0
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        assert main(args + ["--trace-tokens", "2by16"]) == 2
+    assert "expected BxT" in err.getvalue()
 
 
 # -- training -----------------------------------------------------------------------------------------

@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as JSON (with memory and bytes per step)")
     p.add_argument("--explain", metavar="NAME", default=None, help="say which rule matches parameter NAME and why")
     p.add_argument("--param-dtype", default=None, help="store parameters in this dtype (default: the model's), e.g. fp32")
+    p.add_argument("--trace-tokens", default=None, metavar="BxT",
+                   help="trace the forward once with a (B, T) token tensor on the meta device, e.g. 1x4096: the "
+                        "unit order it takes and the tensor-parallel activation bytes per step")
     p.add_argument("--compute-axes", default=None, help="mesh axes that shard compute (tensor parallelism), e.g. tp "
                                                         "(default: the rules file's compute_axes)")
     r = sub.add_parser("rules", help="propose partition rules for a model (shardplan.auto_rules) as a rules file")
@@ -151,6 +154,17 @@ def build_model(target: str, param_dtype=None):
         from .dtypes import dtype_name, to_torch
         model.to(to_torch(dtype_name(param_dtype)))
     return model
+
+
+def trace_tokens(text: str):
+    """``"BxT"`` -> a (B, T) int64 token tensor on the meta device (no memory, no compute)."""
+    try:
+        b, t = (int(x) for x in text.lower().split("x"))
+        assert b > 0 and t > 0
+    except (ValueError, AssertionError):
+        raise CliError(f"--trace-tokens {text!r}: expected BxT with positive integers, e.g. 1x4096") from None
+    import torch
+    return torch.zeros(b, t, dtype=torch.long, device="meta")
 
 
 def run_rules(args) -> str:
@@ -193,6 +207,8 @@ def run(args) -> str:
     tp_opts = rules_file_options(args.rules)
     if args.compute_axes is not None:
         tp_opts["compute_axes"] = tuple(a.strip() for a in args.compute_axes.split(",") if a.strip())
+    if args.trace_tokens is not None:
+        tp_opts["trace"] = trace_tokens(args.trace_tokens)
     p = plan(model, rules_obj, mesh, strategy=strategy, units=units or (), compute_dtype=args.dtype,
              reduce_dtype=args.reduce_dtype, prefetch=args.prefetch, order=args.order,
              reshard_after_forward=not args.no_reshard_after_forward, min_unit_bytes=args.min_unit_bytes, **tp_opts)
