@@ -323,13 +323,18 @@ def _parity_worker(rank, world, hf):
     largest parameter difference on rank 0)."""
     data = _data()
     out, mixed = [], []
-    # generators differing within a tensor-parallel group would draw other dropout masks per rank: refused
+    # shard() gives each tensor-parallel group its first rank's generators (dropout on the activations the
+    # group shares must agree); data-parallel ranks keep their own
     torch.manual_seed(rank)
-    with pytest.raises(sp.RuntimeShardingError, match=r"ranks \[\d, \d\] form one tensor-parallel group.*seed"):
-        sp.shard(gpt.build("tiny"), sp.plan(gpt.build("tiny"), gpt_rules_tp.rules, sp.Mesh(dp=2, tp=2), **TP))
-    torch.manual_seed(sp.plan(gpt.build("tiny"), gpt_rules_tp.rules, sp.Mesh(dp=2, tp=2), **TP).data_index(rank))
     model = sp.shard(gpt.build("tiny"), sp.plan(gpt.build("tiny"), gpt_rules_tp.rules, sp.Mesh(dp=2, tp=2), **TP))
-    torch.manual_seed(0)  # (data-parallel ranks may differ: that shard() passed)
+    draws = [torch.zeros(4) for _ in range(world)]
+    dist.all_gather(draws, torch.rand(4))
+    assert torch.equal(draws[0], draws[1]) and torch.equal(draws[2], draws[3]), draws
+    assert not torch.equal(draws[0], draws[2]), "data-parallel ranks keep their own generators"
+    dropped = [torch.zeros(8, 16) for _ in range(world)]
+    dist.all_gather(dropped, nn.functional.dropout(torch.ones(8, 16), 0.5))
+    assert torch.equal(dropped[0], dropped[1]) and torch.equal(dropped[2], dropped[3])
+    torch.manual_seed(0)
     # a batch split by rank rather than by data index gives one tensor-parallel group two inputs: refused
     x, y = data[0]
     with pytest.raises(sp.RuntimeShardingError, match=r"were given other inputs.*data_index"):

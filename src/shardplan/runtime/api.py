@@ -191,7 +191,7 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
             if b.device.type != "meta":
                 C.broadcast(b.data, 0, groups.world)
     if meshes:  # after initialisation: the states the first forward draws from
-        TP.check_generators_alike(plan, groups.world, device)
+        TP.align_generators(plan, groups.world, device)
         exe.handles.append(TP.install_input_check(module, plan, groups.world, device))
     exe._account()
     return module

@@ -81,7 +81,7 @@ class FunctionalRuntime:
         self.originals = [(m, attr, m._parameters[attr]) for places in slots.values() for m, attr in places]
         self.checked: set = set()
         if self.meshes:
-            TP.check_generators_alike(plan, groups.world, device)
+            TP.align_generators(plan, groups.world, device)
 
     def leaves_of(self, local_params) -> dict[str, torch.Tensor]:
         paths, leaves, spec = leaves_with_paths(local_params)

@@ -104,23 +104,19 @@ def _output_hook(m: TPModule, mesh):
     return hook
 
 
-def _agree_within_groups(plan, mine: torch.Tensor, world_group, device) -> list[tuple[str, tuple, list]]:
-    """Gather every rank's small int64 ``mine`` and list (axis, group, ranks that differ from the group's
-    first) for each tensor-parallel group whose ranks disagree. Every rank computes the same answer."""
+def _gather_from_all(plan, mine: torch.Tensor, world_group, device) -> list[torch.Tensor]:
+    """Every rank's ``mine`` (same shape and dtype everywhere), indexed by rank."""
     import torch.distributed as dist
-    axes = sorted({m.axis for m in active_modules(plan)})
-    if not axes or world_group.pg is None:
-        return []
     mine = mine.to(device)  # NCCL gathers device tensors
     every = [torch.empty_like(mine) for _ in range(plan.mesh.size)]
     dist.all_gather(every, mine, group=world_group.pg)
-    out = []
-    for axis in axes:
-        for group in plan.mesh.groups([axis]):
-            differ = [r for r in group if not torch.equal(every[r], every[group[0]])]
-            if differ:
-                out.append((axis, group, differ))
-    return out
+    return every
+
+
+def _tp_groups(plan) -> list[tuple[int, ...]]:
+    """The ranks that compute together: they differ only along the active compute axes."""
+    axes = sorted({m.axis for m in active_modules(plan)})
+    return list(plan.mesh.groups(axes)) if axes else []
 
 
 def _crc(tensors) -> int:
@@ -131,19 +127,27 @@ def _crc(tensors) -> int:
     return crc
 
 
-def check_generators_alike(plan, world_group, device: torch.device) -> None:
-    """Ranks of one tensor-parallel group compute on the same replicated activations: a dropout mask (or any
-    random op) drawn from different generator states would give each rank other activations and train a
-    model no single process would, silently. Their generator states must agree when training starts."""
-    from ..errors import RuntimeShardingError
+def align_generators(plan, world_group, device: torch.device) -> bool:
+    """Give every rank of a tensor-parallel group its first rank's random generator states (CPU, and the
+    device's); returns whether this rank's changed. The ranks of a group compute on the same replicated
+    activations, so a dropout mask (or any random op) must come out the same on each, or they train a
+    model no single process would, silently. torch >= 2.13 seeds each process differently unless the
+    program seeds it; data-parallel ranks keep their own states."""
+    groups = _tp_groups(plan)
+    if not groups or world_group.pg is None:
+        return False
     states = [torch.random.get_rng_state()] + ([torch.cuda.get_rng_state(device)] if device.type == "cuda" else [])
-    for axis, group, differ in _agree_within_groups(plan, torch.tensor([_crc(states)]), world_group, device):
-        raise RuntimeShardingError(
-            f"shardplan.shard(): ranks {list(group)} form one tensor-parallel group over compute axis {axis!r}, "
-            f"but the random generators of ranks {differ} differ from rank {group[0]}'s: dropout or any random op "
-            "on the activations they share would differ between them and silently train another model. Seed "
-            "every rank of a tensor-parallel group alike before shard(), e.g. torch.manual_seed(seed + "
-            "plan.data_index(rank)) (data-parallel ranks may differ)")
+    every = _gather_from_all(plan, torch.cat(states), world_group, device)
+    rank = world_group.rank
+    leader = next(g[0] for g in groups if rank in g)
+    theirs = every[leader].cpu()
+    if torch.equal(theirs, every[rank].cpu()):
+        return False
+    n = states[0].numel()
+    torch.random.set_rng_state(theirs[:n].clone())
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(theirs[n:].clone(), device)
+    return True
 
 
 def install_input_check(module: nn.Module, plan, world_group, device: torch.device):
@@ -156,11 +160,16 @@ def install_input_check(module: nn.Module, plan, world_group, device: torch.devi
 
     @torch._dynamo.disable
     def hook(_mod, args, kwargs):
-        if done:
+        if done or world_group.pg is None:
             return None
         done.append(True)
         leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        for axis, group, differ in _agree_within_groups(plan, torch.tensor([_crc(leaves)]), world_group, device):
+        every = _gather_from_all(plan, torch.tensor([_crc(leaves)]), world_group, device)
+        for group in _tp_groups(plan):
+            differ = [r for r in group if not torch.equal(every[r], every[group[0]])]
+            if not differ:
+                continue
+            axis = ",".join(a for a in plan.compute_axes if plan.mesh.axis_size(a) > 1)
             raise RuntimeShardingError(
                 f"forward: ranks {list(group)} form one tensor-parallel group over compute axis {axis!r}, but "
                 f"ranks {differ} were given other inputs than rank {group[0]}. Every rank of a tensor-parallel "
