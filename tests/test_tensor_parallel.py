@@ -259,6 +259,13 @@ class _Styles(nn.Module):
         return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
+def _checkpointed(model, reentrant):
+    from torch.utils.checkpoint import checkpoint
+    for block in model.layers:
+        block.forward = (lambda x, _f=block.forward: checkpoint(_f, x, use_reentrant=reentrant))
+    return model
+
+
 def _styles_loss(model, x, y):
     return model(x, y)
 
@@ -380,6 +387,9 @@ def _parity_worker(rank, world, hf):
     check_mixed("gpt bf16 compute dp=2 x tp=2", tiny(), gpt_rules_tp.rules, mesh)
     for strategy in ("optim_grads_params", "optim"):
         check(f"every style with biases {strategy}", _Styles, STYLES_RULES, mesh, strategy, _styles_loss)
+    for reentrant in (False, True):  # activation checkpointing: the recomputed forward runs the styles again
+        check(f"gpt checkpointed blocks, reentrant={reentrant}", lambda: _checkpointed(tiny()(), reentrant),
+              gpt_rules_tp.rules, mesh, "optim_grads_params")
     if hf is not None:
         import transformers
         for strategy in STRATEGIES:
@@ -417,7 +427,7 @@ def test_tensor_parallel_training_matches_one_process():
         if max(abs(a - b) for a, b in zip(losses + norms, ref_losses + ref_norms)) >= 5e-3 or diff >= len(losses) * LR:
             worst.append(f"{what}: losses {losses} vs {ref_losses}, norms {norms} vs {ref_norms}, params {diff:.2e}")
     assert not worst, "sharded training differs from one process:\n" + "\n".join(worst)
-    assert len(checks) == (9 + 5 if hf else 9) and len(mixed) == 1
+    assert len(checks) == (11 + 5 if hf else 11) and len(mixed) == 1
     assert all([x[:5] for x in r[0]] == [x[:5] for x in checks] for r in results)  # every rank saw the same
 
 
