@@ -272,6 +272,7 @@ class Activation:
     input_numel: int
     output_numel: int
     itemsize: int
+    shares_input: bool = False  # a column-parallel sibling read the same input first: one gradient all-reduce
 
 
 def trace_activations(model, modules: Sequence[TPModule], trace, itemsize: Optional[int]) -> tuple[Activation, ...]:
@@ -287,14 +288,22 @@ def trace_activations(model, modules: Sequence[TPModule], trace, itemsize: Optio
             return next((t for t in map(first_tensor, x) if t is not None), None)
         return None
 
-    def record(path):
+    read: list = []  # the inputs column-parallel modules read, with their axes (kept alive: ids stay unique)
+
+    def record(m):
+        shares = m.kind != EMBEDDING and m.style in ("colwise", "colwise_gather")
+
         def hook(_m, inputs, output):
             i, o = first_tensor(inputs), first_tensor(output)
             size = itemsize or (o.element_size() if o is not None else 4)
-            seen.append(Activation(path, i.numel() if i is not None else 0, o.numel() if o is not None else 0, size))
+            again = shares and i is not None and any(t is i and a == m.axis for t, a in read)
+            if shares and i is not None and not again:
+                read.append((i, m.axis))
+            seen.append(Activation(m.path, i.numel() if i is not None else 0, o.numel() if o is not None else 0, size,
+                                   again))
         return hook
 
-    run_traced(model, trace, {m.path: ("post", record(m.path)) for m in modules})
+    run_traced(model, trace, {m.path: ("post", record(m)) for m in modules})
     return tuple(seen)
 
 
@@ -311,10 +320,10 @@ def activation_bytes(modules: Sequence[TPModule], activations: Sequence[Activati
         ag = lambda b: b * (n - 1) // n      # noqa: E731
         if m.kind == EMBEDDING:
             total += ag(out_b) if m.style == "colwise_gather" else ar(out_b) if m.style == "rowwise" else 0
-        elif m.style == "colwise":
-            total += ar(in_b)                  # backward: the input's gradient is a partial sum
+        elif m.style == "colwise":             # backward: the input's gradient is a partial sum, reduced
+            total += 0 if a.shares_input else ar(in_b)   # once for all siblings that read that input
         elif m.style == "colwise_gather":
-            total += ag(out_b) + ar(in_b)
+            total += ag(out_b) + (0 if a.shares_input else ar(in_b))
         elif m.style == "rowwise":
             total += ar(out_b)                 # forward: the output is a partial sum
         else:  # rowwise_split

@@ -10,6 +10,7 @@ and output the placements of its style. Every activation collective is DTensor's
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Callable
 
 import torch
@@ -61,27 +62,53 @@ def param_wrappers(plan, meshes: dict) -> dict[str, Callable[[torch.Tensor], tor
     return out
 
 
+class _SharedInputs:
+    """Replicated inputs already wrapped for a column-parallel module in this forward: siblings that read
+    the same tensor (wq, wk, wv; w1, w3) get the same DTensor, so autograd sums their partial input
+    gradients and DTensor all-reduces the sum once instead of once per module. Entries live for one
+    forward (cleared at the root's) and one graph task (an activation-checkpoint recompute in backward
+    wraps afresh); references are weak."""
+
+    def __init__(self):
+        self.entries: dict = {}
+
+    def clear(self, *_):
+        self.entries.clear()
+
+    def get(self, x: torch.Tensor, mesh, make):
+        key = (id(x), id(mesh), torch._C._current_graph_task_id())
+        hit = self.entries.get(key)
+        if hit is not None and hit[0]() is x and hit[1]() is not None and hit[2] == x._version:
+            return hit[1]()
+        dt = make()
+        self.entries[key] = (weakref.ref(x), weakref.ref(dt), x._version)
+        return dt
+
+
 def install_styles(module: nn.Module, plan, meshes: dict) -> list:
     """Register each tensor-parallel module's input and output hooks; returns their handles."""
-    handles = []
+    shared = _SharedInputs()
+    handles = [module.register_forward_pre_hook(shared.clear)]
     mods = dict(module.named_modules())
     for m in active_modules(plan):
         mod = mods[m.path]
-        handles.append(mod.register_forward_pre_hook(_input_hook(m, meshes[m.axis])))
+        handles.append(mod.register_forward_pre_hook(_input_hook(m, meshes[m.axis], shared)))
         handles.append(mod.register_forward_hook(_output_hook(m, meshes[m.axis])))
     return handles
 
 
-def _input_hook(m: TPModule, mesh):
+def _input_hook(m: TPModule, mesh, shared: _SharedInputs):
     DTensor, Replicate, Shard = _dt()
     arrives = [Shard(-1)] if m.input_sharded else [Replicate()]
     split = m.style == "rowwise_split" and m.kind != EMBEDDING
+    shares = m.kind != EMBEDDING and m.style in ("colwise", "colwise_gather")
 
     @torch._dynamo.disable
     def hook(_mod, args):
         if not args or not isinstance(args[0], torch.Tensor) or isinstance(args[0], DTensor):
             return None
-        x = DTensor.from_local(args[0], mesh, arrives, run_check=False)
+        make = lambda: DTensor.from_local(args[0], mesh, arrives, run_check=False)  # noqa: E731
+        x = shared.get(args[0], mesh, make) if shares else make()
         if split:  # a replicated input to a row-parallel layer: each rank keeps its slice (no communication)
             x = x.redistribute(mesh, [Shard(-1)])
         return (x,) + tuple(args[1:])
