@@ -126,6 +126,8 @@ def unshard_tree(local_tree, plan: Plan, *, timeout_s: float = 300.0):
             for name in b.params:
                 out[name] = local[name].detach().clone()
             continue
+        if all(plan.param(n).tp_axis for n in b.params):
+            continue  # every piece is gathered over its owner axes below
         flat = torch.zeros(b.shard_numel, dtype=like.dtype, device=like.device)
         for name in b.params:
             n = local[name].numel()

@@ -183,13 +183,12 @@ def install_input_check(module: nn.Module, plan, world_group, device: torch.devi
     ``plan.data_index(rank)`` would otherwise train on mixed activations without an error."""
     from ..errors import RuntimeShardingError
     from torch.utils._pytree import tree_leaves
-    done = []
 
     @torch._dynamo.disable
     def hook(_mod, args, kwargs):
-        if done or world_group.pg is None:
+        handle.remove()  # the first forward only
+        if world_group.pg is None:
             return None
-        done.append(True)
         leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         every = _gather_from_all(plan, torch.tensor([_crc(leaves)]), world_group, device)
         for group in _tp_groups(plan):
@@ -204,4 +203,5 @@ def install_input_check(module: nn.Module, plan, world_group, device: torch.devi
                 f"plan.data_size parts (here {plan.data_size}), not by rank")
         return None
 
-    return module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+    handle = module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+    return handle
