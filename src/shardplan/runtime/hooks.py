@@ -77,17 +77,35 @@ def install(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn.Modu
                 exe.hook_seconds += clock() - t
         return torch._dynamo.disable(run)
 
+    # [Note: passthrough outputs]
+    # A unit may return a tensor it was given (HF T5 blocks return ``position_bias`` unchanged). Its
+    # gradient is complete only once every consumer ran backward, the unit's own earlier use and the
+    # units *before* it included, so a hook on it would report ``pre_backward(u)`` long after ``u``'s
+    # backward finished and its gradients were reduced. Such a tensor says nothing about ``u``: only
+    # tensors the unit produced are watched. Inputs are held (not their ids) until the unit's post-forward.
+    inputs: dict[str, list] = {}
+
+    def note_inputs(name: str, args, kwargs) -> None:
+        if not torch.is_grad_enabled() or in_backward_pass():
+            return
+        seen = [t for t in tensors_in(args) + tensors_in(kwargs) if t.requires_grad]
+        if seen:
+            inputs.setdefault(name, []).extend(seen)
+
     def watch_outputs(name: str, output) -> None:
+        given = inputs.pop(name, ())
         if not torch.is_grad_enabled() or in_backward_pass():
             return
         for t in tensors_in(output):
-            if t.requires_grad:
+            if t.requires_grad and not any(t is g for g in given):
                 t.register_hook(lambda _g, _n=name: me().pre_backward(_n))
 
     @timed
     def root_pre(_m, args, kwargs):
         exe.before_forward()
+        inputs.clear()
         args, kwargs = cast_inputs(args, kwargs, exe.plan.compute_dtype)
+        note_inputs(ROOT, args, kwargs)
         exe.pre_forward(ROOT)
         return args, kwargs
 
@@ -102,7 +120,8 @@ def install(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn.Modu
     for name, mods in modules_of.items():
 
         @timed
-        def pre(_m, _args, _name=name):
+        def pre(_m, args, kwargs, _name=name):
+            note_inputs(_name, args, kwargs)
             exe.pre_forward(_name)
 
         @timed
@@ -112,7 +131,7 @@ def install(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn.Modu
             return output
 
         for mod in mods:
-            handles.append(mod.register_forward_pre_hook(pre))
+            handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(mods[-1].register_forward_hook(post))
     if param_hooks:
         for u in exe.unit_list:
