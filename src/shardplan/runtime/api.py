@@ -19,6 +19,7 @@ from . import tensor_parallel as TP
 from .buffers import BufferState
 from .executor import Executor
 from .faces import ModuleFace
+from . import identity
 from .hooks import install
 from .unit import UnitRuntime
 
@@ -73,9 +74,45 @@ def _check_module(module: nn.Module, plan: Plan) -> tuple[dict[str, list[tuple[n
     return slots, problems
 
 
-def _startup(module: nn.Module, plan: Plan, world: int, rank: int, timeout_s: float, problems: Optional[list] = None):
+def _fingerprints(module: nn.Module, plan: Plan) -> Optional[list[list[float]]]:
+    """Two float64 sums per planned parameter (all elements; every 7th), or None on the meta device."""
+    named = dict(module.named_parameters())
+    ts = [named.get(p.name) for p in plan.params]
+    if any(t is None or t.device.type == "meta" for t in ts):
+        return None
+    with torch.no_grad():
+        sums = [torch.stack([t.sum(dtype=torch.float64), t.reshape(-1)[::7].sum(dtype=torch.float64)])
+                for t in ts]
+    return torch.stack(sums).cpu().tolist() if sums else []
+
+
+def _differing(plan: Plan, reports: list[dict]) -> Optional[str]:
+    """Name the parameters whose values differ between ranks (seen from the start-up fingerprints)."""
+    prints = [(r["rank"], r.get("values")) for r in reports if r.get("values") is not None]
+    if len(prints) < 2:
+        return None
+    r0, base = prints[0]
+    bad = []
+    for i, p in enumerate(plan.params):
+        # [Note: exact]: the same values on the same kind of device sum to the same bits; a tolerance
+        # only guards against a reduction order that differs between ranks (different thread counts)
+        others = [r for r, v in prints[1:] if any(abs(a - b) > 1e-9 * (1 + abs(a)) for a, b in zip(base[i], v[i]))]
+        if others:
+            bad.append(f"{p.name} (rank {r0} vs ranks {others})")
+    if not bad:
+        return None
+    more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+    return (f"the ranks' models differ before sharding: {', '.join(bad[:5])}{more} hold different values. Sharding "
+            f"would train a mix of them (replicated parameters would drift apart). Build the model with the same "
+            f"seed on every rank (torch.manual_seed before constructing it), load the same weights everywhere, or "
+            f"pass shard(..., sync_module_states=True) to broadcast rank 0's values")
+
+
+def _startup(module: nn.Module, plan: Plan, world: int, rank: int, timeout_s: float, problems: Optional[list] = None,
+             check_values: bool = False):
     """Local checks on every rank, then one bounded exchange of their findings and plans: a problem on any
-    rank raises on every rank, naming it, before the first collective."""
+    rank raises on every rank, naming it, before the first collective. ``check_values``: the parameters'
+    values must agree across ranks too (a cheap fingerprint)."""
     problems = list(problems or [])
     try:
         from ..plan.validate import validate
@@ -91,7 +128,12 @@ def _startup(module: nn.Module, plan: Plan, world: int, rank: int, timeout_s: fl
         problems.append("the module does not match the plan:\n" + "\n".join(mismatch[:40]) + more +
                         "\nbuild the plan from this module (shardplan.plan(module, ...))")
     mine = {"rank": rank, "problems": problems, "fingerprint": plan.fingerprint(), "summary": plan.summary()}
+    if check_values and not mismatch and world > 1:
+        mine["values"] = _fingerprints(module, plan)
     reports = C.exchange(mine, timeout_s)
+    differ = _differing(plan, reports) if check_values else None
+    if differ:
+        reports[0]["problems"] = reports[0]["problems"] + [differ]
     failed = [r for r in reports if r["problems"]]
     if failed:
         detail = "\n".join(f"rank {r['rank']}: " + "\n".join(r["problems"]) for r in failed)
@@ -134,7 +176,7 @@ def _tp_local(plan: Plan, name: str, full: torch.Tensor, rank: int) -> torch.Ten
 # -- shard ---------------------------------------------------------------------------------------------
 
 def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Module], None]] = None,
-          timeout_s: float = 300.0, sync_buffers: bool = True) -> nn.Module:
+          timeout_s: float = 300.0, sync_buffers: bool = True, sync_module_states: bool = False) -> nn.Module:
     """Shard ``module`` in place by ``plan`` and return it: its parameters become this rank's shards.
 
     >>> model = shardplan.shard(model, plan)        # inside torchrun, after init_process_group
@@ -142,18 +184,24 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
 
     Every rank checks the world, the module and the plan, and all ranks exchange their findings before
     the first collective: a problem on one rank raises on all of them within ``timeout_s``, which also
-    bounds every collective on gloo (on NCCL, the process groups' timeout).
+    bounds every collective on gloo (on NCCL, the process groups' timeout). Ranks whose parameters hold
+    different values (models built with different seeds) are refused, naming the parameters; with
+    ``sync_module_states=True`` rank 0's values are broadcast instead (FSDP1's option of that name).
     """
     if _ATTR in module.__dict__:
         raise RuntimeShardingError("this module is already sharded; build a fresh module to shard it again")
     world, rank = _world()
-    slots = _startup(module, plan, world, rank, timeout_s)
+    slots = _startup(module, plan, world, rank, timeout_s, check_values=not sync_module_states)
     backend = dist.get_backend()
     device, meta = _device_for(module, backend)
     groups = C.build_groups(plan, rank, backend, timeout_s)
+    if sync_module_states and world > 1 and not meta:
+        with torch.no_grad():
+            for n, places in slots.items():
+                C.broadcast(getattr(places[0][0], places[0][1]).data, 0, groups.world)
     meshes = TP.device_meshes(plan, device) if TP.active_modules(plan) else {}
     wrappers = TP.param_wrappers(plan, meshes) if meshes else {}
-    originals = {n: p for n, p in module.named_parameters()}
+    originals = {n: getattr(places[0][0], places[0][1]) for n, places in slots.items()}  # by plan name
     modules = dict(module.named_modules())
     units, modules_of, unit_slots = [], {}, {}
     for up in plan.units:
@@ -169,6 +217,8 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
         for b in bufs:
             b.fill_local([_tp_local(plan, n, unit_full[n], rank) for n in b.bp.params])
             b.make_params([wrappers.get(n) for n in b.bp.params])
+            # the objects the user holds (an optimizer built before shard()) become the local shards
+            b.local = [identity.adopt(originals[n], lp, n) for n, lp in zip(b.bp.params, b.local)]
         del unit_full
         u = UnitRuntime(up.name, bufs)
         unit_slots[up.name] = [(m, attr, lp, fp) for b in bufs for pp, lp, fp in zip(b.infos, b.local, b.full_params)
@@ -179,6 +229,7 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
         if up.name != ROOT:
             modules_of[up.name] = [modules[m] for m in up.module_paths]
     del originals
+    identity.sharded()
     face = ModuleFace(unit_slots)
     face.attach(units, plan)
     exe = Executor(plan, units, groups, device, rank, timeout_s, face)

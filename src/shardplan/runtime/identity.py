@@ -1,0 +1,83 @@
+"""The parameters a user holds before sharding are the ones that train after it.
+
+``shard()`` turns every parameter into this rank's shard. Torch users build optimizers from
+``model.parameters()``, and some do it before sharding (or, with the FSDP2 drop-in, before the lazy
+compile at the first forward). So the local shards keep the Python identity of the original
+parameters: :func:`adopt` swaps the shard into the original object (``torch.utils.swap_tensors``,
+keeping its attributes), and an optimizer built earlier steps exactly what the runtime reduces into.
+
+Where the swap is impossible (a tensor subclass, a weak reference torch refuses to move), the original
+is marked, and :func:`check_optimizer` (a global optimizer step pre-hook) makes the first ``step()``
+that holds a marked parameter raise, naming it and the fix, rather than train nothing. It also refuses
+an optimizer whose state was built for the full, unsharded parameters.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ..errors import RuntimeShardingError
+
+_REPLACED = "_shardplan_replaced"  # on an original parameter the runtime could not adopt: its plan name
+_generation = [0]                   # bumped by every shard(): optimizers are checked again once after it
+_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+_installed = [False]
+
+
+def adopt(original: torch.Tensor, local: nn.Parameter, name: str) -> nn.Parameter:
+    """Make ``original`` (the parameter object the user holds) be the local shard ``local``; returns the
+    object to use from now on (``original``, or ``local`` where the swap is impossible)."""
+    if original is local:
+        return local
+    if type(original) is not type(local) or original.requires_grad != local.requires_grad:
+        original.__dict__[_REPLACED] = name
+        return local
+    attrs = dict(original.__dict__)
+    try:
+        # [Note: swap, not .data] ``original.data = shard`` cannot move a meta parameter to a device;
+        # swap_tensors exchanges the whole tensor (storage, shape, grad, version counter) and __dict__,
+        # so the attributes (hooks, framework flags) are put back on the original afterwards.
+        torch.utils.swap_tensors(original, local)
+    except RuntimeError:
+        original.__dict__[_REPLACED] = name
+        return local
+    original.__dict__.update(attrs)
+    return original
+
+
+def sharded() -> None:
+    """A ``shard()`` happened: check each optimizer once more at its next step."""
+    _generation[0] += 1
+    if not _installed[0]:
+        register_optimizer_step_pre_hook(check_optimizer)
+        _installed[0] = True
+
+
+def check_optimizer(opt: torch.optim.Optimizer, args, kwargs) -> None:
+    """Optimizer step pre-hook: refuse to step parameters sharding replaced, or state shaped for the full
+    parameters. Once per optimizer after each ``shard()``; a dictionary look-up otherwise."""
+    if _checked.get(opt) == _generation[0]:
+        return
+    for group in opt.param_groups:
+        for p in group["params"]:
+            name = p.__dict__.get(_REPLACED)
+            if name is not None:
+                raise RuntimeShardingError(
+                    f"shardplan: the optimizer steps parameter {name!r} as it was before sharding; shard() replaced it "
+                    f"with this rank's shard, so the step would train nothing. Build the optimizer after "
+                    f"shardplan.shard(model, plan) (or after the first forward of a fully_shard model), from "
+                    f"model.parameters()")
+            if "_shardplan_engine" not in p.__dict__:
+                continue
+            for key, v in opt.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != p.shape:
+                    raise RuntimeShardingError(
+                        f"shardplan: optimizer state {key!r} of a sharded parameter has shape {tuple(v.shape)}, the "
+                        f"parameter (this rank's shard) {tuple(p.shape)}: the state was built before sharding. Build "
+                        f"the optimizer after shardplan.shard(), or load its state with shardplan.checkpoint.load / "
+                        f"shardplan.load_state_dict, which reshard it")
+    _checked[opt] = _generation[0]
