@@ -12,7 +12,7 @@ import re
 from typing import Optional, Sequence
 
 from .mesh import Mesh
-from .rules import Rules
+from .rules import Rules, regex_list_source
 from .spec import P
 
 AUTO_UNIT_BYTES = 16 * 2 ** 20
@@ -40,6 +40,54 @@ def data_axes(mesh: Mesh) -> tuple[str, ...]:
     """The axes parameters are sharded over by default: every axis not named like a replica axis."""
     axes = tuple(a for a in mesh.axis_names if a not in REPLICA_AXIS_NAMES)
     return axes or mesh.axis_names
+
+
+ROOT_WARN_BYTES = 2 ** 30
+"""A root-only plan warns when its root unit gathers at least this many parameter bytes *and* more than a
+quarter of the model's (:func:`root_unit_warning`): the root unit stays gathered for the whole step, so
+its full size adds to every rank's peak (70B at dp=64 with one root unit: ~530 GiB per rank)."""
+
+
+def _container_pattern(path: str, container) -> str:
+    import torch.nn as nn
+    child = r"[^.]+" if isinstance(container, nn.ModuleDict) else r"\d+"
+    return (re.escape(path) + r"\." if path else "") + child
+
+
+def find_units(module) -> list[str]:
+    """Unit regexes for the repeated blocks of ``module``, as a torch user would ``fully_shard`` them: the
+    elements of every ``ModuleList``, ``ModuleDict`` or ``Sequential`` whose (at least two) elements that
+    hold parameters share one class and are blocks (own submodules), outermost containers only (a
+    decoder's layers, not the experts inside them). ``[]`` when there are none.
+
+    >>> sp.auto.find_units(llama)           # ['model\\.layers\\.\\d+']
+    >>> sp.auto.find_units(t5)              # ['encoder\\.block\\.\\d+', 'decoder\\.block\\.\\d+']
+    """
+    import torch.nn as nn
+    found: list[str] = []
+    taken: list[str] = []  # containers chosen: nothing inside their elements is considered
+    for path, mod in module.named_modules():
+        if not isinstance(mod, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            continue
+        if any(path.startswith(t + ".") for t in taken):
+            continue
+        elems = [m for m in mod.children() if any(True for _ in m.parameters())]
+        if len(elems) < 2 or len({type(m) for m in elems}) != 1 or not any(True for _ in elems[0].children()):
+            continue
+        found.append(_container_pattern(path, mod))
+        taken.append(path)
+    return found
+
+
+def root_unit_warning(root_bytes: int, total_bytes: int, suggestion: list) -> str:
+    """The warning for a plan whose root unit is large (``""`` when it is not; see ``ROOT_WARN_BYTES``)."""
+    if root_bytes < ROOT_WARN_BYTES or 4 * root_bytes <= total_bytes:
+        return ""
+    fix = (f"pass units={regex_list_source(suggestion)} (the model's repeated blocks)" if suggestion else
+           "pass units=[...] naming the model's blocks (regexes over module paths, or block classes)")
+    return (f"the root unit holds {root_bytes / 2 ** 30:.2f} GiB of {total_bytes / 2 ** 30:.2f} GiB of parameters and "
+            f"stays gathered for the whole step on every rank, so sharding saves little memory; {fix} so that "
+            f"each block is gathered only while it runs")
 
 
 def _best_dim(shape: tuple[int, ...], parts: int) -> tuple[int, str]:
@@ -72,9 +120,13 @@ def auto_rules(model_or_tree, mesh: Mesh, *, min_shard_bytes: int = 2 ** 20,
     a comment); smaller ones (norms, biases, scalars) are replicated. Tied parameters are one parameter.
     Names that differ only in block indices share one rule; the commonest sharded spec becomes a
     catch-all at the end.
+
+    The returned ``Rules`` also carries ``.units``: the units :func:`find_units` proposes for a module
+    (``[]`` for a pytree), which ``to_source()`` writes as ``UNITS = [...]`` (the CLI reads it back) and
+    which :func:`shardplan.plan` uses by default anyway: ``sp.plan(model, rules, mesh, units=rules.units)``.
     """
     from .units import collect_leaves
-    infos, _, _, _ = collect_leaves(model_or_tree)
+    infos, _, _, module = collect_leaves(model_or_tree)
     axes = tuple(axes) if axes is not None else data_axes(mesh)
     entry = axes[0] if len(axes) == 1 else tuple(axes)
     parts = mesh.axis_size(axes)
@@ -94,6 +146,7 @@ def auto_rules(model_or_tree, mesh: Mesh, *, min_shard_bytes: int = 2 ** 20,
         comments.setdefault(out.find(name).pattern, []).append(f"{name}: {reason}")
     out.comments = {pat: "; ".join(notes[:3]) + (f"; and {len(notes) - 3} more" if len(notes) > 3 else "")
                     for pat, notes in comments.items()}
+    out.units = find_units(module) if module is not None else []
     return out
 
 

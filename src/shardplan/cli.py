@@ -1,5 +1,5 @@
 """``shardplan plan TARGET --mesh dp=8 [--rules RULES.py]``: print a plan without launching anything;
-``shardplan rules TARGET --mesh dp=8``: propose a rules file.
+``shardplan rules TARGET --mesh dp=8``: propose a rules file (with the ``UNITS`` it proposes).
 
 Exit status 0 on success, 2 with one line on stderr for bad input (a missing file, a bad mesh, a rule
 that does not fit, a parameter name that does not exist).
@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "(default: shardplan.auto_rules of the model)")
     p.add_argument("--strategy", default="optim_grads_params",
                    help="no_shard | optim | optim_grads | optim_grads_params (or 0..3)")
-    p.add_argument("--units", nargs="*", default=None, help="regexes over module paths; default: the rules file's UNITS")
+    p.add_argument("--units", nargs="*", default=None, help="regexes over module paths; default: the rules file's UNITS, "
+                                                            "else the model's repeated blocks; --units alone: one root unit")
     p.add_argument("--dtype", default=None, help="compute dtype, e.g. bf16")
     p.add_argument("--reduce-dtype", default=None, help="gradient reduction dtype, e.g. fp32")
     p.add_argument("--prefetch", type=int, default=1)
@@ -195,11 +196,7 @@ def run(args) -> str:
             close = [n for n in names if args.explain.split(".")[-1] in n][:5] or names[:5]
             raise CliError(f"{args.target} has no parameter {args.explain!r}; it has e.g. {close}")
         return explain(rules_obj, args.explain)
-    units = args.units if args.units is not None else file_units
-    if units is None and args.target.startswith("hf:"):
-        from .hf import block_class
-        block = block_class(model)
-        units = [block] if block is not None else ()
+    units = args.units if args.units is not None else file_units  # None: the plan finds the repeated blocks
     strategy = int(args.strategy) if args.strategy.isdigit() else args.strategy
     strategy_level(strategy)
     if not 0 <= args.rank < mesh.size:
@@ -209,7 +206,7 @@ def run(args) -> str:
         tp_opts["compute_axes"] = tuple(a.strip() for a in args.compute_axes.split(",") if a.strip())
     if args.trace_tokens is not None:
         tp_opts["trace"] = trace_tokens(args.trace_tokens)
-    p = plan(model, rules_obj, mesh, strategy=strategy, units=units or (), compute_dtype=args.dtype,
+    p = plan(model, rules_obj, mesh, strategy=strategy, units=units, compute_dtype=args.dtype,
              reduce_dtype=args.reduce_dtype, prefetch=args.prefetch, order=args.order,
              reshard_after_forward=not args.no_reshard_after_forward, min_unit_bytes=args.min_unit_bytes, **tp_opts)
     if args.json:

@@ -31,6 +31,13 @@ class Rule:
         return f"#{self.index} ({self.pattern!r}, {spec})"
 
 
+def regex_list_source(patterns) -> str:
+    """A list of regexes as Python source, in raw strings where possible (what a user would paste)."""
+    def one(u):
+        return f"r'{u}'" if isinstance(u, str) and "'" not in u and "\n" not in u and not u.endswith("\\") else repr(u)
+    return "[" + ", ".join(one(u) for u in patterns) + "]"
+
+
 class Rules:
     """An ordered list of partition rules.
 
@@ -40,6 +47,7 @@ class Rules:
     """
 
     def __init__(self, rules: Iterable[tuple[str, SpecLike]] | "Rules", *, axis_rules: Sequence[tuple[str, Any]] = ()):
+        self.units: list = list(rules.units) if isinstance(rules, Rules) else []  # proposed units (auto_rules)
         if isinstance(rules, Rules):
             axis_rules = axis_rules or rules.axis_rules
             rules = [(r.pattern, r.spec) for r in rules.rules]
@@ -103,6 +111,9 @@ class Rules:
             lines.append(f"    ({pat}, {r.spec!r}),{'  # ' + why if why else ''}")
         tail = f"], axis_rules={list(self.axis_rules)!r})" if self.axis_rules else "])"
         lines.append(tail)
+        units = getattr(self, "units", None)  # set by auto_rules: the units it proposes, as a rules file's UNITS
+        if units:
+            lines += ["", f"UNITS = {regex_list_source(units)}"]
         return "\n".join(lines) + "\n"
 
     def __str__(self) -> str:

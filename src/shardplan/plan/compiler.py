@@ -9,12 +9,12 @@ from typing import Optional, Sequence
 
 from .. import layout as L
 from ..dtypes import dtype_name, is_floating, itemsize
-from ..errors import MeshError, PlanError
+from ..errors import MeshError, PlanError, PlanWarning
 from ..mesh import Mesh
-from ..rules import as_rules, match_leaves
+from ..rules import as_rules, match_leaves, regex_list_source
 from ..spec import P
 from ..units import assign_units, collect_leaves, module_classes, trace_order
-from ..auto import choose_min_unit_bytes
+from ..auto import choose_min_unit_bytes, find_units, root_unit_warning
 from . import geometry
 from . import tensor_parallel as tp
 from .accounting import plan_warnings
@@ -62,7 +62,16 @@ def _merge_small_units(order: list[str], members: dict, min_bytes: int, parent: 
     return new_order, new_members, covers
 
 
-def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", units: Sequence = (),
+def _large_root_warning(members: dict, level: int, suggest: list) -> str:
+    """A warning when the root unit (gathered all step) holds much of a large model (ZeRO-3 only: lower
+    strategies keep every parameter whole anyway)."""
+    if level < 3:
+        return ""
+    size = {u: sum(math.prod(i.shape) * i.dtype.itemsize for i, _ in m) for u, m in members.items()}
+    return root_unit_warning(size[ROOT], sum(size.values()), suggest)
+
+
+def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", units: Optional[Sequence] = None,
          compute_dtype=None, reduce_dtype=None, prefetch: int = 1, reshard_after_forward: bool = True,
          trace=None, optimizer_states: int = 2, world_size: Optional[int] = None,
          min_unit_bytes: Optional[int] = None, order: str = "static", compute_axes=(), styles=None) -> Plan:
@@ -72,6 +81,10 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", uni
     >>> plan = shardplan.plan(model, rules, Mesh(dp=8), units=[LlamaDecoderLayer])   # units by class
 
     ``units``: regexes over module paths, module classes, or classes' import paths (or bare names).
+    Not given (``None``): the model's repeated blocks (:func:`shardplan.auto.find_units`: the elements of
+    a ``ModuleList``/``ModuleDict``/``Sequential`` of one block class, e.g. ``model\\.layers\\.\\d+``),
+    said in ``plan.notes``. ``units=()`` means one root unit, gathered for the whole step; a large root
+    unit (see :data:`shardplan.auto.ROOT_WARN_BYTES`) warns with a ``PlanWarning`` naming the units to pass.
     ``min_unit_bytes`` merges neighbouring units (in forward order) until each holds at least that many
     parameter bytes: one collective per direction for several tiny blocks. ``None`` (the default) lets
     the planner choose from the unit sizes and say why in ``plan.notes``; ``0`` keeps one unit per
@@ -104,6 +117,14 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", uni
     infos, leaves, candidates, module = collect_leaves(model_or_tree)
     if not infos:
         raise PlanError("the model has no parameters to plan")
+    found = find_units(module) if module is not None else []
+    choices: list[str] = []
+    suggest = found  # what a large-root warning proposes: the found units, unless they are the units already
+    if units is None:
+        units, suggest = found, []
+        if found:
+            choices.append(f"units={regex_list_source(found)} (automatic: the model's repeated blocks); pass units=[...] to choose "
+                           f"others, units=() for one root unit")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         matched = match_leaves(rules, [i.name for i in infos], leaves, mesh=mesh)
@@ -126,7 +147,10 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", uni
         local = dataclasses.replace(info, shape=tp.local_shape(info.shape, c))
         members[owner[info.name]].append((local, tp.storage_spec(spec_of[info.name], compute_axes)))
     parent = _parents(unit_order, {u: (u,) for u in unit_order})
-    choices: list[str] = []
+    large_root = _large_root_warning(members, level, suggest)
+    if large_root:
+        warnings.warn(large_root, PlanWarning, stacklevel=2)
+        notes.append(large_root)
     if min_unit_bytes is None:
         sizes = [sum(math.prod(i.shape) * i.dtype.itemsize for i, _ in members[u]) for u in unit_order]
         min_unit_bytes, why = choose_min_unit_bytes(sizes)

@@ -37,6 +37,7 @@ from typing import Any, Mapping, Optional, Sequence
 from ..errors import PlanError, SpecError
 from ..mesh import Mesh
 from ..spec import P
+from .heads import check_whole_heads
 
 LINEAR, EMBEDDING = "linear", "embedding"
 STYLES = ("colwise", "colwise_gather", "rowwise", "rowwise_split")
@@ -220,6 +221,8 @@ def resolve(module, names_specs: list[tuple[Any, P, str]], compute_axes: tuple[s
                             f"dim {wc.dim} over {wc.axis!r}; change the style or the spec")
         if style not in WEIGHT_DIM[kind]:
             raise PlanError(f"style {style!r} does not apply to {kind} module {shown!r}; use one of {tuple(WEIGHT_DIM[kind])}")
+        if kind == LINEAR and style == "colwise":  # its output stays sharded: the model splits it into heads
+            check_whole_heads(module, mods[path.rpartition(".")[0]], path, wname, wrule, winfo.shape[0], wc.axis, wc.size)
         if "bias" in params:
             bname = params["bias"]
             bc = compute[bname]

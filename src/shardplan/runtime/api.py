@@ -18,6 +18,7 @@ from . import collectives as C
 from . import tensor_parallel as TP
 from .buffers import BufferState
 from .executor import Executor
+from .seams import guard_apply, unwrap_compiled
 from .faces import ModuleFace
 from . import identity
 from .hooks import install
@@ -35,7 +36,7 @@ def engine_of(module: nn.Module, plan: Optional[Plan] = None) -> Executor:
         if rt is None:
             raise RuntimeShardingError("functional_call has not run this module with this plan yet")
         return rt.exe
-    eng = module.__dict__.get(_ATTR)
+    eng = unwrap_compiled(module).__dict__.get(_ATTR)  # torch.compile(model): the module it wraps
     if eng is None:
         raise RuntimeShardingError("this module is not sharded; call shardplan.shard(module, plan) first")
     return eng
@@ -237,6 +238,7 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
         lp._shardplan_engine = weakref.ref(exe)  # who steps it (fully_shard_optimizer checks)
     exe.handles = install(module, exe, modules_of) + TP.install_styles(module, plan, meshes)
     module.__dict__[_ATTR] = exe
+    guard_apply(module)  # .to(bf16)/.half()/.cuda() from now on raise instead of detaching the shards
     if sync_buffers and world > 1:
         for b in module.buffers():
             if b.device.type != "meta":

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from ..dtypes import to_torch
+from ..errors import RuntimeShardingError
 from ..plan import BufferPlan, Plan
 
 
@@ -235,15 +236,24 @@ class BufferState:
         if result.dtype != self.dtype:
             result = result.to(self.dtype)
         created = []
-        for (box, off, shape), lp, idx in zip(self.local_boxes, self.local, self.param_index):
-            if not lp.requires_grad:
-                continue
-            g = result[off:off + math.prod(shape)].view(shape)
-            if lp.grad is None:
-                lp.grad = g
-                created.append(idx)
-            else:
-                lp.grad.add_(g)
+        try:
+            for (box, off, shape), lp, idx in zip(self.local_boxes, self.local, self.param_index):
+                if not lp.requires_grad:
+                    continue
+                g = result[off:off + math.prod(shape)].view(shape)
+                if lp.grad is None:
+                    lp.grad = g
+                    created.append(idx)
+                else:
+                    lp.grad.add_(g)
+        except RuntimeError:
+            # [Note: a child module's .to()/.half() after shard() replaced a local parameter's .data; torch's
+            # own error here is a bare grad dtype/device mismatch. Diagnosed only on failure: no per-step cost.]
+            from .seams import detached_local
+            why = detached_local(self)
+            if why:
+                raise RuntimeShardingError(why) from None
+            raise
         return created
 
     def detach_grads(self) -> None:

@@ -29,6 +29,7 @@ from .. import layout as L
 from ..errors import CheckpointError
 from . import collectives as C
 from .api import engine_of
+from .seams import unwrap_compiled
 
 warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
 
@@ -420,6 +421,7 @@ def _full_by_boxes(eng, locals_, cpu: bool) -> dict[str, torch.Tensor]:
 
 def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """Buffers that ``model.state_dict()`` holds (non-persistent ones are rebuilt by the module)."""
+    model = unwrap_compiled(model)  # torch.compile(model) names them "_orig_mod.<name>"
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     return {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in params}
 

@@ -1,0 +1,77 @@
+"""Where a sharded module meets ordinary torch calls: ``torch.compile``'s wrapper, and ``.to()``/``.half()``/
+``.cuda()`` after :func:`shardplan.shard` (which would detach the local shards from the runtime's buffers)."""
+
+from __future__ import annotations
+
+import types
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from ..errors import RuntimeShardingError
+
+FIX = ("set compute_dtype= (and reduce_dtype=) in shardplan.plan(...) for mixed precision, or call .to()/.half()/"
+       ".cuda() on the module before planning and sharding it")
+
+
+def unwrap_compiled(module):
+    """The module ``torch.compile(module)`` wraps (its ``OptimizedModule._orig_mod``), else ``module``."""
+    while isinstance(module, nn.Module) and "_orig_mod" in module._modules \
+            and type(module).__name__ == "OptimizedModule":
+        module = module._modules["_orig_mod"]
+    return module
+
+
+def _changes(fn, t: torch.Tensor) -> Optional[str]:
+    """How ``fn`` (a module ``_apply`` function) would change ``t``, probed on an empty tensor like it;
+    ``None`` when it returns the tensor itself (``.to()`` of its own dtype and device)."""
+    probe = torch.empty(0, dtype=t.dtype, device=t.device)
+    try:
+        out = fn(probe)
+    except Exception:  # noqa: BLE001 - a function that cannot run on a probe: let _apply decide
+        return None
+    if out is probe or not isinstance(out, torch.Tensor):
+        return None
+    if out.dtype != t.dtype:
+        return f"dtype {t.dtype} -> {out.dtype}"
+    if out.device != t.device:
+        return f"device {t.device} -> {out.device}"
+    return "new storage, as .to_empty() gives"
+
+
+def _guarded_apply(self, fn, recurse: bool = True):
+    """``nn.Module._apply`` that refuses to convert the parameters of a sharded module."""
+    for name, p in self.named_parameters():
+        change = _changes(fn, p)
+        if change:
+            fix = FIX if "to_empty" not in change else (
+                "drop that call: shard() already gave meta parameters storage and initialised them "
+                "(shardplan.shard(..., init_fn=...), else each module's reset_parameters())")
+            raise RuntimeShardingError(
+                f"this module is sharded: converting its parameters ({name!r}: {change}) would detach them from "
+                f"shardplan's shard buffers and break training; {fix}")
+    return type(self)._apply(self, fn, recurse)
+
+
+def guard_apply(module: nn.Module) -> None:
+    """Make ``.to()``, ``.half()``, ``.float()``, ``.cuda()`` ... on ``module`` raise when they would change a
+    parameter's dtype or device (a call that changes nothing, e.g. ``.to(its device)``, still runs).
+
+    [Note: an instance attribute, not a class swap: ``type(module)`` stays the user's class (a drop-in face
+    may have swapped it already). ``nn.Module.to`` calls ``self._apply``, which finds it first.]"""
+    module.__dict__["_apply"] = types.MethodType(_guarded_apply, module)
+
+
+def detached_local(buffer) -> Optional[str]:
+    """Why a local parameter of ``buffer`` (a BufferState) no longer lives in its shard, or ``None``: the
+    cheap diagnosis when handing out its gradient failed (a child module's ``.to()`` after sharding)."""
+    shard = buffer.shard
+    for (_, off, _), lp, info in zip(buffer.local_boxes, buffer.local, buffer.infos):
+        moved = lp.untyped_storage().data_ptr() != shard.untyped_storage().data_ptr() \
+            or lp.storage_offset() != shard.storage_offset() + off
+        if lp.dtype != shard.dtype or lp.device != shard.device or moved:
+            return (f"parameter {info.name!r} is {lp.dtype} on {lp.device} and no longer the shard shardplan keeps "
+                    f"({buffer.shard.dtype} on {buffer.shard.device}): a .to()/.half()/.cuda() after shardplan.shard "
+                    f"replaced it; {FIX}")
+    return None
