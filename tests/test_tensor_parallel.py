@@ -333,7 +333,8 @@ def _parity_worker(rank, world, hf):
     # shard() gives each tensor-parallel group its first rank's generators (dropout on the activations the
     # group shares must agree); data-parallel ranks keep their own
     torch.manual_seed(rank)
-    model = sp.shard(gpt.build("tiny"), sp.plan(gpt.build("tiny"), gpt_rules_tp.rules, sp.Mesh(dp=2, tp=2), **TP))
+    model = sp.shard(gpt.build("tiny"), sp.plan(gpt.build("tiny"), gpt_rules_tp.rules, sp.Mesh(dp=2, tp=2), **TP),
+                     sync_module_states=True)  # built under per-rank seeds: rank 0's values everywhere
     draws = [torch.zeros(4) for _ in range(world)]
     dist.all_gather(draws, torch.rand(4))
     assert torch.equal(draws[0], draws[1]) and torch.equal(draws[2], draws[3]), draws

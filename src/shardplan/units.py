@@ -148,14 +148,72 @@ def run_traced(model, trace, hooks: dict) -> None:
             h.remove()
 
 
+def has_forward(mod) -> bool:
+    """Whether calling ``mod`` runs code of its own: its class (or the instance) defines ``forward``.
+    A plain ``nn.Module()`` holding submodules, an ``nn.ModuleList`` or ``nn.ModuleDict`` does not: the
+    model calls its children directly, and hooks on the container itself never run."""
+    import torch.nn as nn
+    return "forward" in mod.__dict__ or type(mod).forward is not nn.Module.forward
+
+
+def _under(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def entry_points(model, path: str, unit_paths=()) -> list[str]:
+    """The module paths whose calls mean unit ``path`` computes: ``[path]`` when its module has a forward;
+    for a container without one, its outermost descendants with a forward that hold parameters of the
+    unit (subtrees of other units, ``unit_paths``, excluded: their parameters are theirs).
+
+    [Note: containers as units] ``blocks.0 = nn.Module(); blocks.0.q = nn.Linear(...)`` with the model's
+    forward calling ``blk.q(x)`` never calls ``blocks.0``: a unit hooked there would never gather, and its
+    modules would compute with their local shards (a shape error, or under tensor parallelism ``aten.mm
+    got mixed torch.Tensor and DTensor``). The runtime hooks these entry points instead: the first one
+    called gathers the unit, each one's outputs start its backward, and the unit is freed when the
+    schedule moves on (the next unit's forward, or the root's end)."""
+    mod = model.get_submodule(path)
+    if has_forward(mod):
+        return [path]
+    skip = [u for u in unit_paths if u != path]
+    out: list[str] = []
+    for name, child in mod.named_children():
+        sub = f"{path}.{name}" if path else name
+        if _under(sub, skip):
+            continue
+        if any(not _under(n, skip) for n, _ in child.named_parameters(prefix=sub, remove_duplicate=False)):
+            out += entry_points(model, sub, unit_paths)
+    return out
+
+
+def check_entries(model, unit_order: Sequence[str], infos: Sequence[LeafInfo], owner: dict[str, str]) -> None:
+    """Every parameter of a forward-less container unit must live in one of its entry points: one the
+    container holds directly (or through another forward-less holder) is only read by code outside any
+    forward shardplan sees, where the module holds its local shard."""
+    for u in unit_order:
+        mod = model.get_submodule(u)
+        if has_forward(mod):
+            continue
+        entries = entry_points(model, u, unit_order)
+        loose = [i.name for i in infos if owner[i.name] == u
+                 and not any(_under(n, entries) for n in (i.name,) + tuple(i.aliases))]
+        if loose:
+            raise PlanError(
+                f"unit {u!r} ({type(mod).__name__}) has no forward of its own, so shardplan gathers it when one of "
+                f"its submodules runs ({entries or 'none holds parameters'}); parameters {loose} belong to no "
+                f"submodule with a forward and would be read as local shards by the code that uses them. Fix: give "
+                f"{u!r} a forward that uses them, move them into a submodule, or choose units whose modules are "
+                f"called (units=[...] naming its submodules, or leave {u!r} out: its parameters join the root unit)")
+
+
 def trace_order(model, units: Sequence[str], trace) -> list[str]:
-    """Order in which a forward pass (on meta tensors, ideally) enters the unit modules."""
+    """Order in which a forward pass (on meta tensors, ideally) enters the unit modules (a container
+    without a forward: its entry points, see :func:`entry_points`)."""
     seen: list[str] = []
 
     def entered(unit):
         return lambda _m, _a: None if unit in seen else seen.append(unit)
 
-    run_traced(model, trace, {u: ("pre", entered(u)) for u in units})
+    run_traced(model, trace, {e: ("pre", entered(u)) for u in units for e in entry_points(model, u, units)})
     missing = [u for u in units if u not in seen]
     if missing:
         warnings.warn(f"the traced forward never entered units {missing}; they are scheduled last", PlanWarning, stacklevel=3)

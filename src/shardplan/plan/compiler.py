@@ -13,7 +13,7 @@ from ..errors import MeshError, PlanError, PlanWarning
 from ..mesh import Mesh
 from ..rules import as_rules, match_leaves, regex_list_source
 from ..spec import P
-from ..units import assign_units, collect_leaves, module_classes, trace_order
+from ..units import assign_units, check_entries, collect_leaves, module_classes, trace_order
 from ..auto import choose_min_unit_bytes, find_units, root_unit_warning
 from . import geometry
 from . import tensor_parallel as tp
@@ -130,6 +130,8 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", uni
         matched = match_leaves(rules, [i.name for i in infos], leaves, mesh=mesh)
         owner, unit_order, notes = assign_units(infos, candidates, tuple(units),
                                                 module_classes(module) if module is not None else None)
+        if module is not None:
+            check_entries(module, unit_order, infos, owner)
         if trace is not None:
             if module is None:
                 raise PlanError("trace= needs an nn.Module; a plain pytree has no forward to trace")

@@ -291,9 +291,11 @@ def compile_units(module: nn.Module, **compile_kwargs) -> nn.Module:
     each unit boundary the same way.
     """
     eng = engine_of(module)
+    from ..units import entry_points
+    unit_paths = [p for u in eng.plan.units[1:] for p in u.module_paths]
     for up in eng.plan.units[1:]:
-        for path in up.module_paths:
-            m = module.get_submodule(path)
+        for path in (e for p in up.module_paths for e in entry_points(module, p, unit_paths)):
+            m = module.get_submodule(path)  # a container without a forward: the submodules it is run through
             m.forward = torch.compile(m.forward, **compile_kwargs)
     return module
 

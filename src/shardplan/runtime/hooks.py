@@ -20,6 +20,7 @@ import torch.nn as nn
 from ..dtypes import to_torch
 from ..errors import RuntimeShardingError
 from ..plan.schedule import ROOT
+from ..units import entry_points, has_forward
 from .executor import Executor, in_backward_pass
 from .unit import UnitRuntime
 
@@ -117,6 +118,8 @@ def install(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn.Modu
 
     handles.append(module.register_forward_pre_hook(root_pre, with_kwargs=True))
     handles.append(module.register_forward_hook(root_post))
+    path_of = {id(m): p for p, m in module.named_modules()}
+    unit_paths = [p for u in exe.plan.units[1:] for p in u.module_paths]
     for name, mods in modules_of.items():
 
         @timed
@@ -125,14 +128,34 @@ def install(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn.Modu
             exe.pre_forward(_name)
 
         @timed
+        def pre_inner(_m, _args, _name=name):  # a later module of a merged unit: its inputs come from inside
+            exe.pre_forward(_name)
+
+        @timed
         def post(_m, _args, output, _name=name):
             exe.post_forward(_name)
             watch_outputs(_name, output)
             return output
 
-        for mod in mods:
-            handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(mods[-1].register_forward_hook(post))
+        @timed
+        def entered_post(_m, _args, output, _name=name):
+            watch_outputs(_name, output)  # the unit ends when the schedule moves past it
+            return output
+
+        for k, mod in enumerate(mods):
+            if has_forward(mod):
+                handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True) if k == 0
+                               else mod.register_forward_pre_hook(pre_inner))
+                if k == len(mods) - 1:
+                    handles.append(mod.register_forward_hook(post))
+                continue
+            # [Note: containers as units] (units.entry_points): a module without a forward is never
+            # called; its entry points gather the unit and watch their outputs for its backward. No
+            # post_forward: the unit's free runs when the next event moves the cursor past it.
+            for path in entry_points(module, path_of[id(mod)], unit_paths):
+                entry = module.get_submodule(path)
+                handles.append(entry.register_forward_pre_hook(pre, with_kwargs=True))
+                handles.append(entry.register_forward_hook(entered_post))
     if param_hooks:
         for u in exe.unit_list:
             _hook_params(exe, u)

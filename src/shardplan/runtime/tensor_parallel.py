@@ -90,14 +90,16 @@ def install_styles(module: nn.Module, plan, meshes: dict) -> list:
     shared = _SharedInputs()
     handles = [module.register_forward_pre_hook(shared.clear)]
     mods = dict(module.named_modules())
+    unit_of = {n: p.unit for p in plan.params for n in (p.name,) + p.aliases}
     for m in active_modules(plan):
         mod = mods[m.path]
-        handles.append(mod.register_forward_pre_hook(_input_hook(m, meshes[m.axis], shared)))
+        unit = unit_of.get(f"{m.path}.weight" if m.path else "weight")
+        handles.append(mod.register_forward_pre_hook(_input_hook(m, meshes[m.axis], shared, unit)))
         handles.append(mod.register_forward_hook(_output_hook(m, meshes[m.axis])))
     return handles
 
 
-def _input_hook(m: TPModule, mesh, shared: _SharedInputs):
+def _input_hook(m: TPModule, mesh, shared: _SharedInputs, unit=None):
     DTensor, Replicate, Shard = _dt()
     arrives = [Shard(-1)] if m.input_sharded else [Replicate()]
     split = m.style == "rowwise_split" and m.kind != EMBEDDING
@@ -105,6 +107,9 @@ def _input_hook(m: TPModule, mesh, shared: _SharedInputs):
 
     @torch._dynamo.disable
     def hook(_mod, args):
+        w = _mod._parameters.get("weight")
+        if w is not None and not isinstance(w, DTensor):
+            _not_gathered(m, unit, w)
         if not args or not isinstance(args[0], torch.Tensor) or isinstance(args[0], DTensor):
             return None
         make = lambda: DTensor.from_local(args[0], mesh, arrives, run_check=False)  # noqa: E731
@@ -114,6 +119,17 @@ def _input_hook(m: TPModule, mesh, shared: _SharedInputs):
         return (x,) + tuple(args[1:])
 
     return hook
+
+
+def _not_gathered(m: TPModule, unit, w: torch.Tensor):
+    from ..errors import RuntimeShardingError
+    raise RuntimeShardingError(
+        f"tensor-parallel module {m.path!r} ({m.kind} {m.style} over {m.axis!r}) was called while it holds its local "
+        f"shard (shape {tuple(w.shape)}), not the gathered DTensor its style computes with: it ran outside the forward "
+        f"of its unit {unit!r} (the model calls it directly, from outside that unit module's own forward, or after "
+        f"the unit was freed). Fix: call it from the forward of {unit!r}, or choose units whose modules the model "
+        f"calls (units=[...] naming {m.path!r} or a module whose forward calls it; a container without any forward "
+        f"is entered through its submodules), or leave it in the root unit")
 
 
 def _output_hook(m: TPModule, mesh):
