@@ -142,7 +142,7 @@ def _compile_root(root: nn.Module) -> None:
     try:
         p = make_plan(root, _dim0_rules(axis, opts["shard_placement_fn"]), mesh, strategy="optim_grads_params",
                       units=[re.escape(name) for name, _ in marked], compute_dtype=compute, reduce_dtype=reduce,
-                      min_unit_bytes=0)
+                      min_unit_bytes=0, layout="chunked")  # FSDP2's torch.chunk shards: DTensor state dicts
         flags = {u.name: root.get_submodule(u.name).__dict__[_MARK]["reshard_after_forward"]
                  for u in p.units[1:] if u.name in dict(marked)}
         flags = {u: f for u, f in flags.items() if u != p.units[-1].name or not f}  # the last unit stays gathered
@@ -167,9 +167,10 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
 
     Each call marks a unit; the call on a module that contains marked ones (or the first use of a lone
     marked module's parameters) compiles the plan: every parameter sharded on dim 0 (or the dim
-    ``shard_placement_fn`` picks) over the mesh (a 2-D ``DeviceMesh`` is HSDP: replicate, shard),
+    ``shard_placement_fn`` picks, ``torch.chunk`` pieces as FSDP2 makes) over the mesh (a 2-D ``DeviceMesh`` is HSDP: replicate, shard),
     ZeRO-3, each unit resharded after forward unless its call said ``False``. The module's class gains
-    FSDP2's ``set_requires_gradient_sync``.
+    FSDP2's ``set_requires_gradient_sync``. ``model.state_dict()`` gives DTensors, as FSDP2's does, so
+    ``torch.distributed.checkpoint`` and ``get_model_state_dict``/``set_model_state_dict`` work unchanged.
     """
     offload_ok = offload_policy is None or type(offload_policy).__name__ == "OffloadPolicy"
     _unsupported("fully_shard", offload_policy=(offload_policy, lambda v: offload_ok),

@@ -74,7 +74,8 @@ def _large_root_warning(members: dict, level: int, suggest: list) -> str:
 def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", units: Optional[Sequence] = None,
          compute_dtype=None, reduce_dtype=None, prefetch: int = 1, reshard_after_forward: bool = True,
          trace=None, optimizer_states: int = 2, world_size: Optional[int] = None,
-         min_unit_bytes: Optional[int] = None, order: str = "static", compute_axes=(), styles=None) -> Plan:
+         min_unit_bytes: Optional[int] = None, order: str = "static", compute_axes=(), styles=None,
+         layout: str = "auto") -> Plan:
     """Compile rules, a mesh and options into a :class:`Plan`. Pure: no process group, no GPU.
 
     >>> plan = shardplan.plan(model, rules, Mesh(dp=8), units=[r"layers\\.\\d+"], compute_dtype=torch.bfloat16)
@@ -97,6 +98,11 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", uni
     the specs (or named in ``styles=[(module regex, style)]``); see :mod:`shardplan.plan.tensor_parallel`.
 
     >>> plan = shardplan.plan(model, rules, Mesh(dp=2, tp=2), compute_axes=("tp",))
+
+    ``layout="chunked"`` gives every rank the ``torch.chunk`` piece of each sharded dimension (FSDP2's and
+    DTensor's layout: ``model.state_dict()`` then returns DTensors that are views of the shards) instead of
+    the planner's choice (``"auto"``: whole rows packed contiguously where that costs little padding, which
+    saves the copy-out after each gather).
     """
     if not isinstance(mesh, Mesh):
         raise MeshError(f"mesh must be a shardplan.Mesh, e.g. Mesh(dp=8); got {type(mesh).__name__}")
@@ -108,6 +114,8 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", uni
         raise PlanError(f"prefetch must be a non-negative integer (units gathered ahead); got {prefetch!r}")
     if order not in ORDERS:
         raise PlanError(f"order must be one of {ORDERS}; got {order!r}")
+    if layout not in geometry.LAYOUTS:
+        raise PlanError(f"layout must be one of {geometry.LAYOUTS}; got {layout!r}")
     if min_unit_bytes is not None and (not isinstance(min_unit_bytes, int) or min_unit_bytes < 0):
         raise PlanError(f"min_unit_bytes must be None (chosen for you) or a non-negative number of bytes; "
                         f"got {min_unit_bytes!r}")
@@ -170,7 +178,8 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", uni
     last = unit_order[-1] if unit_order else None
     for uname in [ROOT] + unit_order:
         idxs = []
-        for (dtype, rg, axes, _), (placement, mem) in geometry.layout_unit(members[uname], mesh, level, compute).items():
+        laid = geometry.layout_unit(members[uname], mesh, level, compute, layout)
+        for (dtype, rg, axes, _), (placement, mem) in laid.items():
             cdt = compute if compute and is_floating(dtype) else dtype
             rdt = reduce if reduce and is_floating(dtype) else cdt
             group = mesh.axis_size(axes) if axes else 1
@@ -196,7 +205,7 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", uni
             activations = tp.trace_activations(module, tp_modules, trace, itemsize(compute) if compute else None)
     result = Plan(mesh, STRATEGIES[level], compute, reduce, prefetch, reshard_after_forward, optimizer_states,
                   tuple(params[i.name] for i in infos), tuple(buffers), tuple(unit_plans), schedule, (), order,
-                  tuple(choices), min_unit_bytes, compute_axes, tp_modules, activations)
+                  tuple(choices), min_unit_bytes, compute_axes, tp_modules, activations, layout)
     validate(result)  # the builder's own schedules obey the rules edited ones must
     object.__setattr__(result, "warnings", tuple(notes) + plan_warnings(result))
     return result

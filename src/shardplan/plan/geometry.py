@@ -74,13 +74,18 @@ def local_offset(plan: "Plan", name: str, rank: int) -> int:
 
 # -- layout policy ---------------------------------------------------------------------------------
 
-def placement_kind(spec: P, mesh: Mesh, level: int) -> tuple[str, tuple[str, ...]]:
-    """The layout a spec gets and its shard axes in mesh order (ZeRO-0 replicates everything)."""
+LAYOUTS = ("auto", "chunked")  # plan(layout=...): the planner's choice, or torch.chunk per sharded dim everywhere
+
+
+def placement_kind(spec: P, mesh: Mesh, level: int, layout: str = "auto") -> tuple[str, tuple[str, ...]]:
+    """The layout a spec gets and its shard axes in mesh order (ZeRO-0 replicates everything).
+    ``layout="chunked"`` never packs contiguously: every rank holds ``torch.chunk`` pieces (FSDP2's and
+    DTensor's layout), so its shards can be described as DTensors."""
     if level == 0 or not spec.axes:
         return L.REPLICATED, ()
     order = {a: i for i, a in enumerate(mesh.axis_names)}
     axes = tuple(sorted(spec.axes, key=order.__getitem__))
-    if spec.sharded_dims == (0,) and spec.dim_axes(0) == axes:
+    if layout == "auto" and spec.sharded_dims == (0,) and spec.dim_axes(0) == axes:
         return L.CONTIGUOUS, axes
     return L.INTERLEAVED, axes
 
@@ -93,7 +98,8 @@ def _interleaved(members, mesh: Mesh, A: int) -> L.Placement:
     return L.place_interleaved(chunks, A)
 
 
-def layout_unit(members, mesh: Mesh, level: int, compute: Optional[str]) -> dict[tuple, tuple[L.Placement, list]]:
+def layout_unit(members, mesh: Mesh, level: int, compute: Optional[str],
+                layout: str = "auto") -> dict[tuple, tuple[L.Placement, list]]:
     """Group a unit's (info, spec) pairs into buffers: {(dtype, requires_grad, axes, kind): (placement, members)}.
 
     A contiguous group whose padding would exceed 1% of its data *and* twice the interleaved padding
@@ -101,7 +107,7 @@ def layout_unit(members, mesh: Mesh, level: int, compute: Optional[str]) -> dict
     """
     groups: dict[tuple, list] = {}
     for info, spec in members:
-        kind, axes = placement_kind(spec, mesh, level)
+        kind, axes = placement_kind(spec, mesh, level, layout)
         key = (dtype_name(info.dtype), info.requires_grad, axes, kind)
         groups.setdefault(key, []).append((info, spec))
     out: dict[tuple, tuple[L.Placement, list]] = {}

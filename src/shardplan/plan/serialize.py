@@ -46,6 +46,8 @@ def to_dict(plan: "Plan") -> dict[str, Any]:
         "warnings": list(plan.warnings),
         "notes": list(plan.notes),
         "min_unit_bytes": plan.min_unit_bytes,
+        # [Note: only a non-default layout is written, so plans made before the option keep their fingerprints]
+        **({"layout": plan.layout} if plan.layout != "auto" else {}),
         **({"compute_axes": list(plan.compute_axes), "tp_modules": [dataclasses.asdict(m) for m in plan.tp_modules],
             "tp_activations": None if plan.tp_activations is None else [dataclasses.asdict(a) for a in plan.tp_activations]}
            if plan.compute_axes else {}),
@@ -75,6 +77,7 @@ def from_json(text: str, *, cls, param, buffer, unit) -> "Plan":
         warnings=tuple(d["warnings"]), notes=tuple(d.get("notes", ())), min_unit_bytes=d.get("min_unit_bytes", 0),
         compute_axes=tuple(d.get("compute_axes", ())), tp_modules=tuple(tp.TPModule(**m) for m in d.get("tp_modules", ())),
         tp_activations=None if d.get("tp_activations") is None else tuple(tp.Activation(**a) for a in d["tp_activations"]),
+        layout=d.get("layout", "auto"),
     )
 
 
@@ -87,5 +90,5 @@ def summary(plan: "Plan") -> dict[str, Any]:
         "optimizer_states": plan.optimizer_states, "parameters": len(plan.params),
         "elements": sum(p.numel for p in plan.params), "units": [u.name for u in plan.units],
         "ops": len(plan.schedule), "min_unit_bytes": plan.min_unit_bytes, "compute_axes": list(plan.compute_axes),
-        "tp_modules": len(plan.tp_modules),
+        "tp_modules": len(plan.tp_modules), "layout": plan.layout,
     }

@@ -200,6 +200,7 @@ class Plan:
     compute_axes: tuple[str, ...] = ()          # mesh axes that shard compute (tensor parallelism)
     tp_modules: tuple[tp.TPModule, ...] = ()    # modules run tensor-parallel, with their styles
     tp_activations: Optional[tuple[tp.Activation, ...]] = None  # traced activation sizes (None: not traced)
+    layout: str = "auto"                        # "chunked": torch.chunk pieces everywhere (DTensor-describable)
 
     # -- lookups -----------------------------------------------------------------------------------
     @cached_property
@@ -442,7 +443,8 @@ class Plan:
                     units=[re.escape(m) for m in paths], compute_dtype=self.compute_dtype,
                     reduce_dtype=self.reduce_dtype, prefetch=self.prefetch,
                     reshard_after_forward=rafs.pop() if len(rafs) == 1 else self.reshard_after_forward,
-                    optimizer_states=self.optimizer_states, min_unit_bytes=self.min_unit_bytes, order=self.order)
+                    optimizer_states=self.optimizer_states, min_unit_bytes=self.min_unit_bytes, order=self.order,
+                    **({"layout": self.layout} if self.layout != "auto" else {}))
 
     def to_source(self) -> str:
         """A Python file that rebuilds this plan for ``model``: the rules, the units and the options."""

@@ -16,6 +16,7 @@ from ..plan import Plan
 from ..plan.schedule import ROOT
 from . import collectives as C
 from . import tensor_parallel as TP
+from . import state_dict as SD
 from .buffers import BufferState
 from .executor import Executor
 from .seams import guard_apply, unwrap_compiled
@@ -237,6 +238,7 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     for lp in face.by_index.values():
         lp._shardplan_engine = weakref.ref(exe)  # who steps it (fully_shard_optimizer checks)
     exe.handles = install(module, exe, modules_of) + TP.install_styles(module, plan, meshes)
+    exe.handles += SD.install(module, exe, meshes)  # model.state_dict() in DTensors, as FSDP2 gives it
     module.__dict__[_ATTR] = exe
     guard_apply(module)  # .to(bf16)/.half()/.cuda() from now on raise instead of detaching the shards
     if sync_buffers and world > 1:

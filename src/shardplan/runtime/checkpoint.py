@@ -420,10 +420,15 @@ def _full_by_boxes(eng, locals_, cpu: bool) -> dict[str, torch.Tensor]:
 
 
 def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Buffers that ``model.state_dict()`` holds (non-persistent ones are rebuilt by the module)."""
+    """Buffers that ``model.state_dict()`` holds (non-persistent ones are rebuilt by the module). Read from
+    the modules, not from ``model.state_dict()``, whose parameters are DTensors or refused (runtime/state_dict.py)."""
     model = unwrap_compiled(model)  # torch.compile(model) names them "_orig_mod.<name>"
-    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    return {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in params}
+    out = {}
+    for path, m in model.named_modules(remove_duplicate=False):
+        for name, buf in m._buffers.items():
+            if buf is not None and name not in m._non_persistent_buffers_set:
+                out[f"{path}.{name}" if path else name] = buf
+    return out
 
 
 def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], *, strict: bool = True) -> None:

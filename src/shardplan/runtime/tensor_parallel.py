@@ -33,12 +33,17 @@ def active_modules(plan) -> list[TPModule]:
     return [m for m in plan.tp_modules if force or plan.mesh.axis_size(m.axis) > 1]
 
 
-def device_meshes(plan, device: torch.device) -> dict:
-    """One ``DeviceMesh`` over the plan's whole mesh (every rank builds it: it creates process groups),
-    sliced per compute axis."""
+def full_device_mesh(plan, device: torch.device):
+    """One ``DeviceMesh`` over the plan's whole mesh, dimensions named like its axes (every rank builds
+    it: it creates process groups)."""
     from torch.distributed.device_mesh import DeviceMesh
     shape = [s for _, s in plan.mesh.axes]
-    full = DeviceMesh(device.type, torch.arange(plan.mesh.size).view(shape), mesh_dim_names=plan.mesh.axis_names)
+    return DeviceMesh(device.type, torch.arange(plan.mesh.size).view(shape), mesh_dim_names=plan.mesh.axis_names)
+
+
+def device_meshes(plan, device: torch.device) -> dict:
+    """:func:`full_device_mesh` sliced per compute axis."""
+    full = full_device_mesh(plan, device)
     return {a: full[a] for a in plan.compute_axes}
 
 

@@ -1,0 +1,208 @@
+"""``model.state_dict()`` of a sharded module as FSDP2 gives it: DTensors, so that torch's checkpoint code
+(``torch.distributed.checkpoint``, ``get_model_state_dict``, ``set_model_state_dict``) reshards correctly.
+
+A parameter's value is a DTensor over a ``DeviceMesh`` of the plan's mesh (one dimension per axis, named
+like it): ``Shard(d)`` on an axis that shards dim ``d``, ``Replicate()`` elsewhere, its local tensor a
+view of this rank's shard (zero copy: DCP loads straight into the shards). That is possible only where
+DTensor's placement semantics (``torch.chunk`` per sharded dim, mesh dims left to right) give every rank
+exactly the box the plan gives it (``plan.local_slices``): always with ``layout="chunked"`` (what
+``shardplan.fully_shard`` plans), rarely with the contiguous layout ``"auto"`` picks for dim-0 specs.
+Otherwise ``model.state_dict()`` raises :class:`CheckpointError` naming the parameter and the way out.
+
+``model.load_state_dict`` takes DTensors (any mesh or placement: redistributed or gathered), full plain
+tensors (what ``set_model_state_dict`` hands it) and this rank's plain local shards, for any layout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from ..errors import CheckpointError
+
+_WAYS_OUT = ("save and load sharded checkpoints with shardplan.state_dict(model, opt) / "
+             "shardplan.load_state_dict(model, sd, opt) (or shardplan.checkpoint.save(path, model, opt) / "
+             "shardplan.checkpoint.load), export with shardplan.full_state_dict(model), or plan with "
+             "layout=\"chunked\" (shardplan.plan(..., layout=\"chunked\")), whose shards are torch.chunk pieces "
+             "as with FSDP2")
+
+
+def _fmt(box) -> str:
+    return "nothing" if box is None else "[" + ", ".join(f"{s.start}:{s.stop}" for s in box) + "]"
+
+
+def _dtensor_box(global_shape, mesh_shape, coord, placements) -> Optional[tuple[slice, ...]]:
+    """The global box DTensor gives the rank at ``coord`` (``None``: an empty piece)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    shape, off = _compute_local_shape_and_global_offset(tuple(global_shape), tuple(mesh_shape), list(coord), placements)
+    if math.prod(shape) == 0 and len(shape):
+        return None
+    return tuple(slice(o, o + s) for o, s in zip(off, shape))
+
+
+def describe(plan) -> dict[str, tuple[Optional[tuple], str]]:
+    """``{name: (placements, "")}`` for every parameter whose plan boxes are DTensor placements, and
+    ``{name: (None, why)}`` for the others. Pure: every rank decides alike."""
+    from torch.distributed.tensor import Replicate, Shard
+    from .. import layout as L
+    mesh = plan.mesh
+    mesh_shape = [s for _, s in mesh.axes]
+    coords = [[mesh.axis_index(r, (a,)) for a in mesh.axis_names] for r in range(mesh.size)]
+    out: dict[str, tuple[Optional[tuple], str]] = {}
+    seen: dict[tuple, tuple[Optional[tuple], str]] = {}
+    for p in plan.params:
+        shape = p.global_shape
+        placements, why = [], ""
+        for a in mesh.axis_names:
+            dims = [d for d in range(len(shape)) if a in p.spec.dim_axes(d)]
+            if len(dims) > 1:
+                why = f"mesh axis {a!r} shards dims {dims}"
+            placements.append(Shard(dims[0]) if dims else Replicate())
+        layout = plan.buffers[p.buffer].layout
+        # [Note: a chunked box depends on the shape and spec only; a contiguous one on the offset too]
+        key = (shape, p.spec, p.tp_dim, p.tp_axis, layout) if layout != L.CONTIGUOUS else None
+        if not why and key in seen:
+            out[p.name] = seen[key]
+            continue
+        if not why:
+            for r, coord in enumerate(coords):
+                have = plan.local_slices(p.name, r)
+                if have is not None and any(s.stop <= s.start for s in have):
+                    have = None
+                want = _dtensor_box(shape, mesh_shape, coord, placements)
+                if have != want:
+                    kind = "packs whole rows contiguously" if layout == L.CONTIGUOUS else "splits it"
+                    why = (f"the plan {kind} (layout {layout!r}, spec {p.spec!r}): rank {r} holds {_fmt(have)}, "
+                           f"where a DTensor {tuple(placements)} would hold {_fmt(want)}")
+                    break
+        res = (None, why) if why else (tuple(placements), "")
+        out[p.name] = res
+        if key is not None and not why:
+            seen[key] = res
+    return out
+
+
+class StateDictHooks:
+    """The module hooks that give and take DTensor state dicts for one sharded module."""
+
+    def __init__(self, exe, meshes: Optional[dict] = None):
+        self.exe = exe
+        self.plan = exe.plan
+        self.layout = describe(self.plan)
+        self.bad = next((n for n, (pl, _) in self.layout.items() if pl is None), None)
+        self.mesh = None
+        if self.bad is None:  # every rank reaches this alike (the plan is the same): a collective is safe
+            self.mesh = self._device_mesh(meshes or {})
+            mesh_shape = [s for _, s in self.plan.mesh.axes]
+            coord = [self.plan.mesh.axis_index(exe.rank, (a,)) for a in self.plan.mesh.axis_names]
+            from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+            self.local_shape = {n: _compute_local_shape_and_global_offset(self.plan.param(n).global_shape, mesh_shape,
+                                                                          coord, pl)[0]
+                                for n, (pl, _) in self.layout.items()}
+
+    def _device_mesh(self, meshes: dict):
+        from .tensor_parallel import full_device_mesh
+        for m in meshes.values():  # tensor parallelism built one already: its slices share the root
+            root = m._get_root_mesh() if hasattr(m, "_get_root_mesh") else None
+            if root is not None and root.mesh_dim_names == self.plan.mesh.axis_names:
+                return root
+        return full_device_mesh(self.plan, self.exe.device)
+
+    def _refuse(self, name: str) -> CheckpointError:
+        why = self.layout[name][1]
+        return CheckpointError(f"model.state_dict(): parameter {name!r} cannot be given as a DTensor: {why}. "
+                               f"To checkpoint this model, {_WAYS_OUT}")
+
+    # -- state_dict --------------------------------------------------------------------------------------
+    def value(self, name: str, lp: torch.Tensor) -> torch.Tensor:
+        """This rank's shard ``lp`` of ``name`` as a DTensor view (zero copy)."""
+        from torch.distributed.tensor import DTensor
+        if self.mesh is None:
+            raise self._refuse(name if self.layout[name][0] is None else self.bad)
+        p = self.plan.param(name)
+        local = lp.detach()
+        shape = self.local_shape[p.name]
+        if tuple(local.shape) != tuple(shape):  # an empty piece: the plan's (0, ...) vs DTensor's zero on dim d
+            local = local.reshape(shape)
+        g = torch.Size(p.global_shape)
+        stride = tuple(math.prod(g[d + 1:]) for d in range(len(g)))
+        return DTensor.from_local(local, self.mesh, self.layout[p.name][0], run_check=False, shape=g, stride=stride)
+
+    # -- load_state_dict ---------------------------------------------------------------------------------
+    def local_value(self, name: str, key: str, v, lp: torch.Tensor):
+        """What ``load_state_dict`` copies into ``lp`` for a saved value ``v``: this rank's box of it."""
+        from torch.distributed.tensor import DTensor
+        p = self.plan.param(name)
+        box = self.plan.local_slices(p.name, self.exe.rank)
+        if not isinstance(v, torch.Tensor):
+            return v
+        if tuple(v.shape) != p.global_shape and (isinstance(v, DTensor) or tuple(v.shape) != tuple(lp.shape)):
+            raise CheckpointError(f"load_state_dict: {key!r} has shape {tuple(v.shape)}; the parameter's global shape "
+                                  f"is {p.global_shape} (this rank's shard: {tuple(lp.shape)})")
+        if isinstance(v, DTensor):
+            placements = self.layout[p.name][0]
+            if self.mesh is not None and v.device_mesh == self.mesh:
+                if tuple(v.placements) != placements:
+                    v = v.redistribute(self.mesh, placements)
+                local = v.to_local()
+            else:  # another mesh or a layout DTensor cannot describe: every rank gathers it and cuts its box
+                full = v.full_tensor()
+                local = None if box is None else full[box]
+        elif tuple(v.shape) == p.global_shape:
+            local = None if box is None else v[box]  # a full tensor (torch's full/broadcast loading gives these)
+        else:
+            return v  # this rank's plain local shard
+        if local is None or local.numel() == 0:
+            return lp.detach()  # this rank holds none of it: nothing to copy
+        return local.reshape(lp.shape)
+
+    # -- installation ------------------------------------------------------------------------------------
+    def install(self, module: nn.Module) -> list:
+        """Hooks on every module that owns parameters (each converts its own, under whatever prefix the
+        call gives it: ``model.state_dict()`` and ``model.layers[0].state_dict()`` alike)."""
+        locals_ = self.exe.local_params()
+        name_of = {id(lp): n for n, lp in locals_.items()}
+        handles = []
+        for m in module.modules():
+            own = {attr: name_of[id(prm)] for attr, prm in m._parameters.items()
+                   if prm is not None and id(prm) in name_of}
+            if own:
+                handles.append(m.register_state_dict_post_hook(self._save_hook(own, locals_)))
+                handles.append(m.register_load_state_dict_pre_hook(self._load_hook(own, locals_)))
+        return handles
+
+    def _save_hook(self, own: dict, locals_: dict):
+        def hook(_module, sd, prefix, _meta):
+            for attr, name in own.items():
+                if prefix + attr in sd:
+                    sd[prefix + attr] = self.value(name, locals_[name])
+        return hook
+
+    def _load_hook(self, own: dict, locals_: dict):
+        def hook(module, sd, prefix, meta, _strict, _missing, _unexpected, _errors):
+            hit = [attr for attr in own if prefix + attr in sd]
+            if not hit:
+                return
+            if (meta or {}).get("assign_to_params_buffers"):
+                raise CheckpointError("load_state_dict(assign=True) would replace the local shards the runtime "
+                                      "gathers from; load without assign=True")
+            if any(module._parameters.get(a) is not locals_[own[a]] for a in hit):
+                # [Note: a unit is still gathered (a forward without backward, or ZeRO-1/2's kept last unit):
+                # torch copies into whatever the module holds, so hand the modules their shards back first,
+                # as the next forward would (local work only)]
+                self.exe._abandon()
+            for attr in hit:
+                name = own[attr]
+                sd[prefix + attr] = self.local_value(name, prefix + attr, sd[prefix + attr], locals_[name])
+            # [Note: torch copies into the shards right after this hook; marking first is fine, the flag is
+            # read at the next forward]
+            self.exe.mark_shards_changed()
+        return hook
+
+
+def install(module: nn.Module, exe, meshes: Optional[dict] = None) -> list:
+    """Make ``module.state_dict()`` / ``load_state_dict`` speak DTensor for ``exe``'s plan; returns the handles."""
+    return StateDictHooks(exe, meshes).install(module)
