@@ -250,7 +250,7 @@ def fully_shard_model(module: nn.Module, device_mesh=None, dp_shard_dim: Optiona
         module.to(device)
     p = make_plan(module, _dim0_rules(shard_dim), mesh, strategy=level, units=list(fsdp_unit_modules or ()),
                   compute_dtype=compute, reduce_dtype=reduce, prefetch=1 if overlap_param_gather else 0,
-                  min_unit_bytes=0)
+                  min_unit_bytes=0, layout="chunked")  # DTensor state dicts, as Megatron-FSDP gives
     sharded = shard(module, p)
     engine_of(sharded).check_for_nan_in_grad = check_for_nan_in_grad
     return sharded
