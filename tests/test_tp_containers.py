@@ -231,3 +231,31 @@ def test_container_models_train_like_one_process():
     assert all([c[:5] for c in r[0]] == [c[:5] for c in checks] for r in results)  # every rank saw the same
     for w in ("'blocks.0.q'", "colwise", "local shard", "'blocks.0'", "Fix"):
         assert w in error, (w, error)
+
+
+def _two_rank_worker(rank, world):
+    """Two ranks: the container form under tensor parallelism alone (tp=2) and under plain FSDP (dp=2, no
+    compute axes), where a never-called container unit broke the same way before."""
+    data = _data()
+    out = []
+    for what, mesh, rule_set, compute in [("tp=2", sp.Mesh(tp=2), rules(data=None), ("tp",)),
+                                          ("dp=2 fsdp", sp.Mesh(dp=2), [(r".*", sp.P("dp"))], ())]:
+        for form in ("container", "class"):
+            ref_losses, ref_norms, ref_params = _reference(lambda: _Model(form), _loss, data)
+            model = _Model(form)
+            plan = sp.plan(model, rule_set, mesh, compute_axes=compute, units=UNITS, min_unit_bytes=0)
+            sp.shard(model, plan)
+            losses, norms, _ = _sharded(model, plan, _loss, data, rank)
+            full = _full(model)
+            diff = max((full[n] - p).abs().max().item() for n, p in ref_params.items()) if rank == 0 else 0.0
+            out.append((f"{form} {what}", losses, ref_losses, norms, ref_norms, diff))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_container_models_train_like_one_process_on_two_ranks():
+    for checks in run(_two_rank_worker, 2):
+        for what, losses, ref_losses, norms, ref_norms, diff in checks:
+            assert losses == pytest.approx(ref_losses, abs=1e-5), what
+            assert norms == pytest.approx(ref_norms, abs=1e-5), what
+            assert diff < 1e-4, (what, diff)
