@@ -112,7 +112,7 @@ def unshard_tree(local_tree, plan: Plan, *, timeout_s: float = 300.0):
     >>> full = shardplan.unshard_tree(local, plan)     # collective: every rank calls it
     """
     from .runtime import collectives as C
-    from .runtime.functional import groups_for
+    from .runtime.builder import groups_for
     import torch.distributed as dist
     rank = dist.get_rank()
     paths, leaves, spec = leaves_with_paths(local_tree)

@@ -15,36 +15,24 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence
 
 import optree
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..errors import RuntimeShardingError, ShardingError
+from ..errors import ShardingError
 from ..plan import Plan
-from ..plan.schedule import ROOT
 from ..rules import leaves_with_paths
 from ..tree import check_tree
-from . import collectives as C
-from .buffers import BufferState, free_storage
+from .buffers import free_storage
+from .builder import FUNCTIONAL, build, groups_for  # noqa: F401 (groups_for: an older import path)
 from .executor import Executor
 from .faces import TreeFace
 from .hooks import install
-from .unit import UnitRuntime
 
-_RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
-_GROUPS: dict[str, C.Groups] = {}
 _SESSION = threading.local()
-
-
-def groups_for(plan: Plan, timeout_s: float = 300.0) -> C.Groups:
-    """The plan's process groups, made once per plan (every rank must ask in the same order)."""
-    key = plan.fingerprint()
-    if key not in _GROUPS:
-        _GROUPS[key] = C.build_groups(plan, dist.get_rank(), dist.get_backend(), timeout_s)
-    return _GROUPS[key]
 
 
 class FunctionalRuntime:
@@ -52,36 +40,28 @@ class FunctionalRuntime:
 
     def __init__(self, module: nn.Module, plan: Plan, timeout_s: float, problems: Sequence[str] = ()):
         from . import tensor_parallel as TP
-        from .api import _device_for, _startup, _world
-        world, rank = _world()
-        slots = _startup(module, plan, world, rank, timeout_s, list(problems))
-        backend = dist.get_backend()
-        device, _ = _device_for(module, backend)
-        groups = groups_for(plan, timeout_s)
-        self.meshes = TP.device_meshes(plan, device) if TP.active_modules(plan) else {}
+        rt = build(module, plan, timeout_s=timeout_s, problems=problems)
+        self.meshes = rt.meshes
         self.inputs_checked = not self.meshes  # tensor parallelism: the first call checks its inputs
-        units, self.modules_of = [], {}
-        modules = dict(module.named_modules())
-        for up in plan.units:
-            bufs = [BufferState(plan, plan.buffers[i], rank, device) for i in up.buffers]
+        self.modules_of = rt.modules_of
+
+        def fill(_up, bufs):
             for b in bufs:
                 b.make_params()
-            units.append(UnitRuntime(up.name, bufs))
-            if up.name != ROOT:
-                self.modules_of[up.name] = [modules[m] for m in up.module_paths]
-        self.rank, self.device = rank, device
-        self.exe = Executor(plan, units, groups, device, rank, timeout_s, None)
-        for u in units:
-            for b in u.buffers:
                 if not b.bp.alias:  # the all-gather sends straight from the caller's leaves: no shard of ours
                     free_storage(b.shard)
-        self.face = TreeFace(plan, weakref.ref(self.exe), TP.param_wrappers(plan, self.meshes) if self.meshes else {})
+
+        units = rt.make_units(fill)
+        self.rank, self.device = rt.rank, rt.device
+        self.exe = Executor(plan, units, rt.groups, rt.device, rt.rank, timeout_s, None)
+        self.face = TreeFace(plan, weakref.ref(self.exe), rt.wrappers)
         self.exe.face = self.face
+        slots = rt.slots
         self.face.slots = {u.name: [list(slots[info.name]) for b in u.buffers for info in b.infos] for u in units}
         self.originals = [(m, attr, m._parameters[attr]) for places in slots.values() for m, attr in places]
         self.checked: set = set()
         if self.meshes:
-            TP.align_generators(plan, groups.world, device)
+            TP.align_generators(plan, rt.groups.world, rt.device)
 
     def leaves_of(self, local_params) -> dict[str, torch.Tensor]:
         paths, leaves, spec = leaves_with_paths(local_params)
@@ -96,7 +76,7 @@ class FunctionalRuntime:
 def runtime_of(module: nn.Module, plan: Plan, timeout_s: float = 300.0, local_params=None) -> FunctionalRuntime:
     """The (module, plan) runtime, made at the first call: every rank checks its module, plan and (given)
     local tree, and all exchange the findings, so a rank with a bad tree ends every rank at once."""
-    per = _RUNTIMES.setdefault(module, {})
+    per = FUNCTIONAL.setdefault(module, {})
     key = plan.fingerprint()
     if key not in per:
         problems = []

@@ -1,0 +1,87 @@
+"""One runtime from one plan: every face builds here.
+
+``shard`` (and through it ``fully_shard`` and ``fully_shard_model``), the functional face
+(``functional_call`` / ``value_and_grad``) and ``unshard_tree`` all get their process groups, start-up
+checks, device, tensor-parallel meshes and per-unit buffers from :func:`build`; what differs between
+faces is only how a unit's buffers are filled (from the module's parameters, or left to the caller's
+local tree) and which face the executor serves (runtime/faces.py).
+
+>>> rt = build(module, plan, timeout_s=300.0)                       # checks, groups, device
+>>> units = rt.make_units(lambda up, bufs: [b.make_params() for b in bufs])
+>>> exe = Executor(plan, units, rt.groups, rt.device, rt.rank, 300.0, face)
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..plan import Plan, UnitPlan
+from ..plan.schedule import ROOT
+from . import collectives as C
+from . import tensor_parallel as TP
+from .buffers import BufferState
+from .startup import Slots, device_for, startup, world_and_rank
+from .unit import UnitRuntime
+
+_GROUPS: dict[str, tuple[object, C.Groups]] = {}
+FUNCTIONAL: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+"""module -> {plan fingerprint: the functional face's runtime of that pair} (runtime/functional.py)."""
+
+
+def groups_for(plan: Plan, timeout_s: float = 300.0) -> C.Groups:
+    """The plan's process groups, made once per plan and default process group (every rank asks in the
+    same order, so every rank creates the same groups in the same order)."""
+    key = plan.fingerprint()
+    world_pg = dist.distributed_c10d._get_default_group()
+    held = _GROUPS.get(key)
+    if held is None or held[0] is not world_pg:  # a new init_process_group: the old groups are gone
+        held = _GROUPS[key] = (world_pg, C.build_groups(plan, dist.get_rank(), dist.get_backend(), timeout_s))
+    return held[1]
+
+
+@dataclass
+class Runtime:
+    """What one plan needs on this rank before a face fills its buffers."""
+
+    plan: Plan
+    module: nn.Module
+    world: int
+    rank: int
+    device: torch.device
+    meta: bool                      # the module's parameters are on the meta device
+    slots: Slots                    # plan name -> where the module holds it
+    groups: C.Groups
+    meshes: dict = field(default_factory=dict)     # tensor parallelism: compute axis -> DeviceMesh
+    wrappers: dict = field(default_factory=dict)   # tensor parallelism: plan name -> full tensor -> DTensor
+    modules_of: dict = field(default_factory=dict)  # unit -> the modules whose hooks report its events
+
+    def make_units(self, fill: Callable[[UnitPlan, list[BufferState]], None]) -> list[UnitRuntime]:
+        """Each unit's buffers, filled by ``fill(unit plan, buffers)`` one unit at a time (a unit's full
+        tensors exist only while it is filled: meta initialisation materialises one unit at a time)."""
+        units = []
+        for up in self.plan.units:
+            bufs = [BufferState(self.plan, self.plan.buffers[i], self.rank, self.device) for i in up.buffers]
+            fill(up, bufs)
+            units.append(UnitRuntime(up.name, bufs))
+        return units
+
+
+def build(module: nn.Module, plan: Plan, *, timeout_s: float = 300.0, problems: Sequence[str] = (),
+          check_values: bool = False) -> Runtime:
+    """Start-up checks on every rank (``problems`` found by the caller join them), then the device, the
+    process groups and the tensor-parallel meshes. No buffers yet: see :meth:`Runtime.make_units`."""
+    world, rank = world_and_rank()
+    slots = startup(module, plan, world, rank, timeout_s, list(problems), check_values=check_values)
+    device, meta = device_for(module, dist.get_backend())
+    groups = groups_for(plan, timeout_s)
+    meshes = TP.device_meshes(plan, device) if TP.active_modules(plan) else {}
+    modules = dict(module.named_modules())
+    modules_of = {up.name: [modules[m] for m in up.module_paths] for up in plan.units if up.name != ROOT}
+    return Runtime(plan, module, world, rank, device, meta, slots, groups, meshes,
+                   TP.param_wrappers(plan, meshes) if meshes else {}, modules_of)
