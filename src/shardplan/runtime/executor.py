@@ -17,24 +17,31 @@ steps, so every rank runs the same ops in the same order whatever its data does:
 Gradient accumulation windows end at each synchronising backward: the unsharded gradients are zeroed
 lazily at the first touch of the next window, and an all-reduce of "which parameters got a gradient"
 gives parameters no rank used a ``None`` gradient, as plain PyTorch does.
+
+The executor wires three parts, each in its own module: the :class:`~.cursor.Cursor` (where this
+rank is in the program), the :class:`~.comm.CommEngine` (collectives on streams, in-flight records,
+waits) and the :class:`~.grads.GradTracker` (gradients, windows, used parameters). It keeps each unit's
+state (:class:`~.unit.Params`, :class:`~.unit.Grads`) and runs each op through one handler per
+(kind, subject). A face (runtime/faces.py) says where parameters and gradients go.
 """
 
 from __future__ import annotations
 
 import weakref
-from datetime import timedelta
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
-from ..errors import CollectiveError, RuntimeShardingError
+from ..errors import RuntimeShardingError
 from ..plan import Plan
-from ..plan.schedule import (ALL_GATHER, ALL_REDUCE, FREE, GRADS, PARAMS, POST_BACKWARD, POST_FORWARD, PRE_BACKWARD,
+from ..plan.schedule import (ALL_GATHER, ALL_REDUCE, FREE, GRADS, PARAMS, POST_BACKWARD, POST_FORWARD,
                              PRE_FORWARD, REDUCE_SCATTER, ROOT, STALE, USED, WAIT, Op, Step)
 from . import collectives as C
-from .streams import Streams
-from .unit import Grads, Params, PendingGather, PendingReduce, UnitRuntime
+from .comm import CommEngine
+from .cursor import Cursor, Facts
+from .faces import Face
+from .grads import GradTracker
+from .unit import Grads, Params, PendingReduce, PendingUsed, UnitRuntime
 
 
 def _profiling() -> bool:
@@ -50,26 +57,19 @@ class Executor:
     """The runtime state of one sharded model. Attached as ``module._shardplan`` by :func:`shard`."""
 
     def __init__(self, plan: Plan, units: list[UnitRuntime], groups: C.Groups, device: torch.device, rank: int,
-                 timeout_s: float, face=None):
+                 timeout_s: float, face: Optional["Face"] = None):
         self.plan, self.rank, self.device, self.groups, self.timeout_s = plan, rank, device, groups, timeout_s
         self.units = {u.name: u for u in units}
         self.unit_list = units
         self.buffer = {b.bp.index: b for u in units for b in u.buffers}
         # the face: how gathered parameters reach the compute and where reduced gradients go (runtime/faces.py)
         self.face = face
-        self.streams = Streams(device)
-        self.ops = plan.schedule
-        self.prog = plan.program
-        self.fwd_at = {(s.event, s.at): k for k, s in enumerate(self.prog.forward)}
-        self.pre_at = {s.at: k for k, s in enumerate(self.prog.backward) if s.event == PRE_BACKWARD}
-        self.fwd_pos = self.bwd_pos = 0
+        self.cursor = Cursor(plan)
+        self.comm = CommEngine(self.buffer, groups, device, rank, timeout_s, lambda: self.face)
+        self.grads = GradTracker(plan)
         self.stale = True          # shards changed since the last gather (ZeRO-1/2 gather before the next forward)
-        self.sync = True           # this backward reduces gradients (False under no_sync)
-        self.window = 0            # gradient accumulation window; ends with each synchronising backward
         self.in_backward = False
         self.awaiting_backward = False
-        self.used = bytearray(len(plan.params))  # parameters that got a gradient on this rank in this window
-        self.used_pending: Optional[tuple] = None
         self.versions = -1
         self.record: Optional[list] = None
         self.hook_seconds = 0.0
@@ -78,19 +78,39 @@ class Executor:
         self.n_gathered = self.max_gathered = 0
         self.transient = {u.name for u in units if any(not b.bp.persistent for b in u.buffers)}
         # the plan keeps full parameters between steps and re-gathers them only when the shards went stale
-        self.regathers = any(op.when == STALE for op in self.ops)
-        self._todo: dict[tuple, list] = {}
+        self.regathers = any(op.when == STALE for op in plan.schedule)
         self._run_op = {(ALL_GATHER, PARAMS): self._all_gather, (WAIT, PARAMS): self._wait_params,
                         (FREE, PARAMS): self._free_params, (REDUCE_SCATTER, GRADS): self._reduce,
                         (ALL_REDUCE, GRADS): self._reduce, (WAIT, GRADS): self._wait_grads,
                         (FREE, GRADS): self._free_grads, (ALL_REDUCE, USED): self._exchange_used,
                         (WAIT, USED): self._wait_used}
 
+    # -- the tracker's switches, as attributes (no_sync and the drop-in set ``sync``) ---------------------
+    @property
+    def sync(self) -> bool:
+        return self.grads.sync
+
+    @sync.setter
+    def sync(self, value: bool) -> None:
+        self.grads.sync = bool(value)
+
+    @property
+    def window(self) -> int:
+        return self.grads.window
+
+    @property
+    def used(self) -> bytearray:
+        return self.grads.used
+
+    @property
+    def streams(self):
+        return self.comm.streams
+
     # -- events: forward -----------------------------------------------------------------------------
     def before_forward(self) -> None:
-        if self.in_backward or self.awaiting_backward or 0 < self.fwd_pos < len(self.prog.forward):
+        if self.in_backward or self.awaiting_backward or self.cursor.mid_forward:
             self._abandon()
-        self.fwd_pos = 0
+        self.cursor.reset()
         for u in self.unit_list:
             u.start_forward()
         if self.regathers and not self.stale and self._versions() != self.versions:
@@ -107,19 +127,19 @@ class Executor:
             self.pre_backward(name)
             return
         self.units[name].entered += 1
-        k = self.fwd_at[(PRE_FORWARD, name)]
-        if k >= self.fwd_pos:
+        k = self.cursor.forward_index[(PRE_FORWARD, name)]
+        if k >= self.cursor.fwd:
             self._advance_forward(k)
             return
         u = self.units[name]
         if u.params is not Params.UNSHARDED and u.buffers:
-            raise RuntimeShardingError(self._departure(f"pre_forward({name})", self.prog.forward, self.fwd_pos))
+            raise RuntimeShardingError(self.cursor.departure(f"pre_forward({name})", backward=False))
 
     def post_forward(self, name: str) -> None:
         if in_backward_pass():
             return
-        k = self.fwd_at[(POST_FORWARD, name)]
-        if k >= self.fwd_pos:
+        k = self.cursor.forward_index[(POST_FORWARD, name)]
+        if k >= self.cursor.fwd:
             self._advance_forward(k)
         if name == ROOT:
             self.awaiting_backward = torch.is_grad_enabled()
@@ -128,19 +148,8 @@ class Executor:
 
     def _advance_forward(self, k: int) -> None:
         grad = torch.is_grad_enabled()
-        while self.fwd_pos <= k:
-            step = self.prog.forward[self.fwd_pos]
-            self.fwd_pos += 1
+        for step in self.cursor.forward_to(k):
             self._run_step(step, grad=grad)
-
-    def _departure(self, event: str, steps, pos: int) -> str:
-        expected = steps[pos].name if pos < len(steps) else "the end of this pass"
-        unit = event[event.index("(") + 1:-1]
-        return (f"shardplan: {event} arrived but the plan already freed unit {unit!r}: the model ran it again or out of "
-                f"plan order (the schedule expected {expected} next). Units that run in a data-dependent order or "
-                f"more than once per step need plan(..., order='dynamic') (keeps units gathered until the forward "
-                f"ends) or plan.with_reshard_after_forward({{{unit!r}: False}}); a fixed order other than module "
-                f"registration needs plan(..., trace=(args, kwargs)) or other units=")
 
     # -- events: backward ------------------------------------------------------------------------------
     def begin_backward(self) -> None:
@@ -156,60 +165,48 @@ class Executor:
 
     def pre_backward(self, name: str) -> None:
         self.begin_backward()
-        k = self.pre_at.get(name)
+        k = self.cursor.pre_backward_index.get(name)
         if k is None:
             return
         u = self.units[name]
-        if k >= self.bwd_pos:
+        if k >= self.cursor.bwd:
             self._advance_backward(k)
             self._drain()
         elif u.params is not Params.UNSHARDED and u.buffers and u.grads in (Grads.REDUCING, Grads.DONE):
-            raise RuntimeShardingError(self._departure(f"pre_backward({name})", self.prog.backward, self.bwd_pos))
+            raise RuntimeShardingError(self.cursor.departure(f"pre_backward({name})", backward=True))
 
     def _advance_backward(self, k: int) -> None:
         """Run the backward steps up to ``k``. A ``post_backward`` step passed this way completes its unit:
         a later event needs what comes after it, so its gradients are as complete as they will get."""
-        while self.bwd_pos <= k:
-            step = self.prog.backward[self.bwd_pos]
-            self.bwd_pos += 1
+        for step in self.cursor.backward_to(k):
             u = self.units[step.at]
+            self._run_step(step, grad=True)
             if step.event == POST_BACKWARD:
-                self._run_step(step, grad=True)
                 if u.grads in (Grads.IDLE, Grads.RUNNING):  # passed without a reduction (no_sync, dynamic)
                     u.grads = Grads.COMPLETE
                 continue
-            self._run_step(step, grad=True)
             self._prepare(u)
             if u.grads is Grads.IDLE:
                 u.grads = Grads.RUNNING
 
     def _drain(self) -> None:
         """Run ``post_backward`` steps at the cursor whose units are complete."""
-        steps = self.prog.backward
-        while self.bwd_pos < len(steps) and steps[self.bwd_pos].event == POST_BACKWARD \
-                and self.units[steps[self.bwd_pos].at].grads is Grads.COMPLETE:
-            self._advance_backward(self.bwd_pos)
+        while True:
+            name = self.cursor.pending_post_backward()
+            if name is None or self.units[name].grads is not Grads.COMPLETE:
+                return
+            self._advance_backward(self.cursor.bwd)
 
     def on_grad(self, name: str, index: int) -> None:
         """A full parameter's gradient was accumulated (post-accumulate-grad hook)."""
         self.begin_backward()
-        self.used[index] = 1
         u = self.units[name]
-        self.check_not_reduced(u, [self.plan.params[index].name])
-        u.got += 1
-        if u.grads is Grads.IDLE:
-            u.grads = Grads.RUNNING
-        if u.got >= u.expected and name != ROOT:
+        if self.grads.arrived(u, index) and name != ROOT:
             self._complete(u)
 
     def check_not_reduced(self, u: UnitRuntime, names: list[str]) -> None:
         """A gradient arriving for ``u`` after its reduction would be lost: raise instead."""
-        if u.grads in (Grads.REDUCING, Grads.DONE) and self.sync:
-            raise RuntimeShardingError(
-                f"shardplan: parameter {names[0]!r} of unit {u.name!r} received a gradient after the unit's gradients "
-                f"were reduced: it is used outside the unit's forward, or the units' backward ran in another order "
-                f"than the plan's. Move it to the root unit (units=...), use it inside its unit's forward, or plan "
-                f"with order='dynamic' (reduces every gradient at the end of backward)")
+        self.grads.check_not_reduced(u, names)
 
     def complete(self, name: str) -> None:
         """Every gradient of unit ``name`` has arrived (the functional face knows it exactly)."""
@@ -224,16 +221,14 @@ class Executor:
     def end_backward(self) -> None:
         """The autograd engine's final callback: run every backward step left, then ``end_backward``."""
         try:
-            self._advance_backward(len(self.prog.backward) - 1)
-            self._run_step(self.prog.end, grad=True)
+            self._advance_backward(len(self.cursor.program.backward) - 1)
+            self._run_step(self.cursor.program.end, grad=True)
             self._release_leftovers()
         finally:
-            self.fwd_pos = self.bwd_pos = 0
+            self.cursor.reset()
             self.in_backward = False
-            if self.sync:
-                self.window += 1
+            if self.grads.end_pass():
                 self.stale = self.stale or self.face.stale_after_sync
-                self.used = bytearray(len(self.plan.params))
                 self.face.window_ended()
             for u in self.unit_list:
                 u.start_pass()
@@ -241,13 +236,8 @@ class Executor:
 
     # -- running ops ---------------------------------------------------------------------------------
     def _run_step(self, step: Step, *, grad: bool) -> None:
-        key = (step.event, step.at, self.stale, grad, self.sync)
-        todo = self._todo.get(key)
-        if todo is None:  # which ops of this step run under these facts, with their handlers: once
-            todo = self._todo[key] = [(self.ops[i], self._run_op[(self.ops[i].kind, self.ops[i].what)])
-                                      for i in step.ops if self.ops[i].applies(stale=key[2], grad=grad, sync=key[4])]
-        for op, fn in todo:
-            self.run(op, fn)
+        for op in self.cursor.ops_of(step, Facts(self.stale, grad, self.grads.sync)):
+            self.run(op)
 
     def run(self, op: Op, fn=None) -> None:
         if self.record is not None:
@@ -261,44 +251,18 @@ class Executor:
         if self.track_memory:
             self._account()
 
-    def _unit(self, op: Op) -> UnitRuntime:
-        return self.units[op.unit]
-
     def _all_gather(self, op: Op) -> None:
-        u = self._unit(op)
-        works, keep = [], []
-        cuda = self.streams.cuda
-        outs = [(self.buffer[i], self.buffer[i].gather_output()) for i in op.buffers]
-        with self.streams.on("gather"):
-            for b, out in outs:
-                group = self.groups.gather(b.bp.axes) if b.sharded else C.Group(None, 1, 0)
-                collective = group.pg is not None
-                send = self.face.gather_input(b, collective)
-                if collective:
-                    keep.append(send)
-                    works.append(self._call(C.all_gather, op, out, send, group, async_op=not cuda))
-                elif out.data_ptr() != send.data_ptr():
-                    with torch.no_grad():
-                        out.copy_(send)
-        u.gather = PendingGather(op, works, self.streams.event("gather"), keep)
+        u = self.units[op.unit]
+        self.comm.gather(op, u)
         if u.params is Params.SHARDED and u.name in self.transient:
             self.n_gathered += 1
             self.max_gathered = max(self.max_gathered, self.n_gathered)
         u.params = Params.GATHERING
 
-    def _finish_gather(self, u: UnitRuntime) -> None:
-        g = u.gather
-        for w in g.works:
-            self._wait(w, g.op)
-        self.streams.wait(g.event)
-        for i in g.op.buffers:
-            self.buffer[i].finish_gather()
-        u.gather = None
-
     def _wait_params(self, op: Op) -> None:
-        u = self._unit(op)
+        u = self.units[op.unit]
         if u.gather is not None:
-            self._finish_gather(u)
+            self.comm.finish_gather(u)
         elif u.params is Params.SHARDED and u.name in self.transient:
             raise RuntimeShardingError(f"shardplan: {op.trigger} waits for unit {u.name!r}'s parameters but nothing "
                                        f"gathered them; the schedule is inconsistent")
@@ -306,57 +270,23 @@ class Executor:
         self.face.bind(u)
 
     def _free_params(self, op: Op) -> None:
-        self._reshard(self._unit(op), [self.buffer[i] for i in op.buffers])
+        self._reshard(self.units[op.unit], [self.buffer[i] for i in op.buffers])
+
+    def _reduction_inputs(self, u: UnitRuntime) -> dict:
+        window = self.grads.window
+        return {b.bp.index: b.reduction_input(window, self.comm.local_result(b)) for b in u.with_grads}
 
     def _reduce(self, op: Op) -> None:
-        u = self._unit(op)
-        if u.reduce is None:
-            inputs = {b.bp.index: b.reduction_input(self.window, self._local_result(b)) for b in u.with_grads}
-            u.reduce = PendingReduce(op, {i: [] for i in inputs}, inputs, {})
-            u.grads = Grads.REDUCING
-        rec = u.reduce
-        cuda = self.streams.cuda
-        if op.kind == REDUCE_SCATTER:
-            todo = []
-            for i in op.buffers:
-                b, group = self.buffer[i], self.groups.reduce(self.buffer[i].bp.axes)
-                if group.pg is None:  # a group of one: the (cast) gradient is the result
-                    rec.results[i] = rec.inputs[i]
-                    continue
-                rec.results[i] = self.face.reduce_output(b)
-                todo.append((i, group))
-            with self.streams.on("reduce"):
-                for i, group in todo:
-                    rec.works[i].append(self._call(C.reduce_scatter, op, rec.results[i], rec.inputs[i], group,
-                                                   async_op=not cuda))
-        else:
-            for i in op.buffers:
-                group = self.groups.reduce(self.buffer[i].bp.replica_axes)
-                target = rec.results.setdefault(i, rec.inputs[i])
-                if not cuda:  # gloo: the all-reduce reads the reduce-scatter's output
-                    for w in rec.works[i]:
-                        self._wait(w, op)
-                    rec.works[i] = []
-                with self.streams.on("reduce"):
-                    rec.works[i].append(self._call(C.all_reduce, op, target, group, async_op=not cuda))
-        rec.event = self.streams.event("reduce")
-
-    def _local_result(self, b) -> Optional[torch.Tensor]:
-        """Where a reduction that moves nothing (a shard group of one, replicated) should leave its result,
-        if the face has a place for it; else the reduction's input is the result."""
-        local = (not b.sharded) or self.groups.reduce(b.bp.axes).pg is None
-        return self.face.local_reduce_output(b) if local else None
+        u = self.units[op.unit]
+        self.comm.reduce(op, u, lambda: self._reduction_inputs(u))
+        u.grads = Grads.REDUCING
 
     def _wait_grads(self, op: Op) -> None:
-        u = self._unit(op)
+        u = self.units[op.unit]
         rec = u.reduce
         if rec is None:  # nothing to reduce on this mesh: the gradient is its own result
-            inputs = {b.bp.index: b.reduction_input(self.window, self._local_result(b)) for b in u.with_grads}
-            rec = PendingReduce(op, {}, inputs, {})
-        for ws in rec.works.values():
-            for w in ws:
-                self._wait(w, op)
-        self.streams.wait(rec.event)
+            rec = PendingReduce(op, {}, self._reduction_inputs(u), {})
+        self.comm.finish_reduce(rec, op)
         for i in op.buffers:
             b = self.buffer[i]
             self.face.deliver(b, rec.results.get(i, rec.inputs[i]))
@@ -369,21 +299,19 @@ class Executor:
             self.buffer[i].release_grads()
 
     def _exchange_used(self, op: Op) -> None:
-        flags = torch.frombuffer(self.used, dtype=torch.uint8).to(torch.int32)  # a copy: the collective writes it
-        group = self.groups.used
-        work = self._call(C.all_reduce, op, flags, group, async_op=True, op=dist.ReduceOp.MAX)
-        self.used_pending = (work, flags)
+        flags = torch.frombuffer(self.grads.used, dtype=torch.uint8).to(torch.int32)  # a copy: the collective writes it
+        self.grads.pending_used = PendingUsed(op, self.comm.all_reduce_max(op, flags), flags)
 
     def _wait_used(self, op: Op) -> None:
-        work, flags = self.used_pending
-        self._wait(work, op)
-        self.used_pending = None
-        self.face.unused([i for i, f in enumerate(flags.tolist()) if not f])
+        rec = self.grads.pending_used
+        self.comm.wait(rec.work, op)
+        self.grads.pending_used = None
+        self.face.unused([i for i, f in enumerate(rec.flags.tolist()) if not f])
 
     # -- helpers -----------------------------------------------------------------------------------
     def _prepare(self, u: UnitRuntime) -> None:
         for b in u.with_grads:
-            b.prepare_grads(self.window)
+            b.prepare_grads(self.grads.window)
         self._account()
 
     def _versions(self) -> int:
@@ -394,14 +322,12 @@ class Executor:
         the schedule would have released. Only local work: every rank reaches here the same way."""
         for u in self.unit_list:
             if u.gather is not None:
-                self._finish_gather(u)
+                self.comm.finish_gather(u)
             if u.reduce is not None:
-                for ws in u.reduce.works.values():
-                    for w in ws:
-                        self._wait(w, u.reduce.op)
+                self.comm.finish_reduce(u.reduce, u.reduce.op)
                 u.reduce = None
             self._reshard(u)
-        self.fwd_pos = self.bwd_pos = 0
+        self.cursor.reset()
         self.in_backward = self.awaiting_backward = False
 
     def _release_leftovers(self) -> None:
@@ -413,32 +339,13 @@ class Executor:
     def _reshard(self, u: UnitRuntime, buffers=None) -> None:
         """The modules hold ``u``'s local shards again and its gathered storage is released."""
         if u.gather is not None:
-            self._finish_gather(u)
+            self.comm.finish_gather(u)
         self.face.unbind(u)
         for b in (u.buffers if buffers is None else buffers):
             b.release_full()
         if u.params is not Params.SHARDED and u.name in self.transient:
             self.n_gathered -= 1
         u.params = Params.SHARDED
-
-    def _wait(self, work, op: Op) -> None:
-        try:
-            if self.streams.cuda or work is C.DONE:
-                work.wait()  # NCCL: the compute stream waits; the process group's own timeout applies
-            elif not work.wait(timeout=timedelta(seconds=self.timeout_s)):
-                raise TimeoutError(f"no completion within {self.timeout_s:g} s")
-        except Exception as exc:  # noqa: BLE001 - re-raised with the op named
-            raise CollectiveError(f"shardplan: {op.kind} {op.what} unit={op.unit or 'all'} at {op.trigger} failed on "
-                                  f"rank {self.rank}: {exc}. Every rank must run the same schedule: check that all "
-                                  f"ranks called forward/backward") from exc
-
-    def _call(self, fn, sched_op: Op, *args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001
-            o = sched_op
-            raise CollectiveError(f"shardplan: {o.kind} {o.what} unit={o.unit or 'all'} at {o.trigger} failed "
-                                  f"on rank {self.rank}: {exc}") from exc
 
     # -- inspection ---------------------------------------------------------------------------------
     def _account(self) -> None:

@@ -13,13 +13,31 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Optional
+from typing import Optional, Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
 
 from .buffers import BufferState, alias
 from .unit import UnitRuntime
+
+
+@runtime_checkable
+class Face(Protocol):
+    """What the executor asks of the code it serves (the faces below implement it)."""
+
+    stale_after_sync: bool  # an optimizer steps the shards in place after a synchronising backward
+
+    def bind(self, u: UnitRuntime) -> None: ...                  # full parameters reach the compute
+    def unbind(self, u: UnitRuntime) -> None: ...                # the local shards are back
+    def gather_input(self, b: BufferState, collective: bool) -> torch.Tensor: ...   # what the all-gather sends
+    def reduce_output(self, b: BufferState) -> torch.Tensor: ...                    # where a reduce-scatter writes
+    def local_reduce_output(self, b: BufferState) -> Optional[torch.Tensor]: ...    # ... one that moves nothing
+    def deliver(self, b: BufferState, result: torch.Tensor) -> None: ...            # the reduced local gradient
+    def unused(self, indices: list[int]) -> None: ...            # parameters no rank used this window
+    def window_ended(self) -> None: ...
+    def shard_version(self) -> int: ...                          # changes when the shards were written
+    def local_params(self) -> dict: ...                          # plan name -> this rank's shard
 
 
 class ModuleFace:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -50,6 +50,15 @@ class PendingReduce:
     inputs: dict         # buffer index -> tensor the reduction read
     results: dict        # buffer index -> tensor holding the reduced gradient
     event: Any = None
+
+
+@dataclass
+class PendingUsed:
+    """The exchange of which parameters got a gradient on any rank, in flight: its op, work and flags."""
+
+    op: Op
+    work: Any
+    flags: torch.Tensor
 
 
 @dataclass
