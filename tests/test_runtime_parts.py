@@ -61,3 +61,27 @@ def _calls(path: pathlib.Path, names: set[str]) -> list[str]:
 def test_the_executor_issues_collectives_only_through_the_comm_engine():
     found = _calls(pathlib.Path(executor.__file__), {"all_gather", "reduce_scatter", "all_reduce", "broadcast"})
     assert not found, found
+
+
+COLLECTIVE_CALLS = {"all_gather", "all_gather_into_tensor", "all_gather_single", "all_reduce", "reduce_scatter",
+                    "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "broadcast_object_list",
+                    "all_gather_object", "all_to_all", "all_to_all_single", "barrier", "send", "recv", "isend",
+                    "irecv", "gather", "scatter", "reduce"}
+
+
+def test_every_torch_distributed_collective_lives_in_collectives_py():
+    """``dist.<collective>(...)`` (or ``torch.distributed.<collective>``) appears in runtime/collectives.py only."""
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path.name == "collectives.py" and path.parent.name == "runtime":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            if node.func.attr not in COLLECTIVE_CALLS:
+                continue
+            base = node.func.value
+            name = ast.unparse(base)
+            if name in ("dist", "torch.distributed", "_dist", "c10d"):
+                found.append(f"{path.relative_to(SRC)}:{node.lineno} {name}.{node.func.attr}")
+    assert not found, "collectives outside runtime/collectives.py:\n" + "\n".join(found)

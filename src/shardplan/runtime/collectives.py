@@ -70,6 +70,15 @@ def all_reduce(t: torch.Tensor, group: Group, async_op: bool = True, op=None):
     return dist.all_reduce(t, op=op if op is not None else dist.ReduceOp.AVG, group=group.pg, async_op=async_op) or DONE
 
 
+def all_gather_list(mine: torch.Tensor, group: Group) -> list[torch.Tensor]:
+    """Every rank's ``mine`` (same shape and dtype on every rank), indexed by the rank's place in the group."""
+    if group.pg is None:
+        return [mine]
+    every = [torch.empty_like(mine) for _ in range(group.size)]
+    dist.all_gather(every, mine, group=group.pg)
+    return every
+
+
 def broadcast(t: torch.Tensor, src_index: int, group: Group):
     """Broadcast from the group's ``src_index``-th rank."""
     if group.pg is None:

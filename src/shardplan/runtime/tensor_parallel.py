@@ -154,11 +154,8 @@ def _output_hook(m: TPModule, mesh):
 
 def _gather_from_all(plan, mine: torch.Tensor, world_group, device) -> list[torch.Tensor]:
     """Every rank's ``mine`` (same shape and dtype everywhere), indexed by rank."""
-    import torch.distributed as dist
-    mine = mine.to(device)  # NCCL gathers device tensors
-    every = [torch.empty_like(mine) for _ in range(plan.mesh.size)]
-    dist.all_gather(every, mine, group=world_group.pg)
-    return every
+    from . import collectives as C
+    return C.all_gather_list(mine.to(device), world_group)  # NCCL gathers device tensors
 
 
 def _tp_groups(plan) -> list[tuple[int, ...]]:
@@ -167,12 +164,15 @@ def _tp_groups(plan) -> list[tuple[int, ...]]:
     return list(plan.mesh.groups(axes)) if axes else []
 
 
-def _crc(tensors) -> int:
-    import zlib
-    crc = 0
+def _fingerprint(tensors) -> torch.Tensor:
+    """Three float64 numbers that differ between different inputs: element counts, sums, and sums
+    weighted by position (a permutation changes them). Equal inputs give equal bits on every rank."""
+    out = torch.zeros(3, dtype=torch.float64)
     for t in tensors:
-        crc = zlib.crc32(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes(), crc)
-    return crc
+        x = torch.nan_to_num(t.detach().reshape(-1).to("cpu", torch.float64), nan=7e7, posinf=3e7, neginf=-5e7)
+        w = torch.arange(x.numel(), dtype=torch.float64) % 1009 + 1
+        out += torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64), x.sum(), (x * w).sum()])
+    return out
 
 
 def align_generators(plan, world_group, device: torch.device) -> bool:
@@ -211,7 +211,7 @@ def install_input_check(module: nn.Module, plan, world_group, device: torch.devi
         if world_group.pg is None:
             return None
         leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        every = _gather_from_all(plan, torch.tensor([_crc(leaves)]), world_group, device)
+        every = _gather_from_all(plan, _fingerprint(leaves), world_group, device)
         for group in _tp_groups(plan):
             differ = [r for r in group if not torch.equal(every[r], every[group[0]])]
             if not differ:
