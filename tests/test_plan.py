@@ -330,15 +330,16 @@ def test_invalid_edited_schedules_name_the_op():
     wait2 = first(lambda o: o.kind == "wait" and o.what == "grads" and o.unit == "layers.2")
     wait0 = first(lambda o: o.kind == "wait" and o.unit == "layers.0" and o.event == "pre_forward")
     root_bufs = plan.unit("<root>").buffers  # the root computes from the first forward to the end of backward
-    early_free = ops[:free0 + 1] + [sp.Op("free", "<root>", "params", "post_forward", "layers.0", root_bufs)] + ops[free0 + 1:]
+    early_free = ops[:free0 + 1] + [sp.Op(kind="free", unit="<root>", what="params", event="post_forward", at="layers.0", buffers=root_bufs)] + ops[free0 + 1:]
     bad = {
         "before their gather": [o for i, o in enumerate(ops) if i != ag1],
         "still computes": early_free,
         "never issued": [o for i, o in enumerate(ops) if i != rs2],
         "unreduced": [o for i, o in enumerate(ops) if i not in (rs2, wait2, wait2 + 1)],
-        "never happens": ops[:3] + [sp.Op("wait", "layers.0", "params", "pre_forward", "nope")] + ops[3:],
+        "never happens": ops[:3] + [sp.Op(kind="wait", unit="layers.0", what="params", event="pre_forward", at="nope")] + ops[3:],
         "trigger order": [ops[wait0]] + [o for i, o in enumerate(ops) if i != wait0],
-        "runs over axes": [sp.Op(o.kind, o.unit, o.what, o.event, o.at, o.buffers, ("x",), o.bytes) if i == rs2 else o
+        "runs over axes": [sp.Op(kind=o.kind, unit=o.unit, what=o.what, event=o.event, at=o.at, buffers=o.buffers, axes=("x",),
+                                 bytes=o.bytes) if i == rs2 else o
                            for i, o in enumerate(ops)],
     }
     for needle, edited in bad.items():
