@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -330,15 +331,16 @@ def test_invalid_edited_schedules_name_the_op():
     wait2 = first(lambda o: o.kind == "wait" and o.what == "grads" and o.unit == "layers.2")
     wait0 = first(lambda o: o.kind == "wait" and o.unit == "layers.0" and o.event == "pre_forward")
     root_bufs = plan.unit("<root>").buffers  # the root computes from the first forward to the end of backward
-    early_free = ops[:free0 + 1] + [sp.Op("free", "<root>", "params", "post_forward", "layers.0", root_bufs)] + ops[free0 + 1:]
+    early_free = ops[:free0 + 1] + [sp.Op(kind="free", unit="<root>", what="params", event="post_forward", at="layers.0", buffers=root_bufs)] + ops[free0 + 1:]
     bad = {
         "before their gather": [o for i, o in enumerate(ops) if i != ag1],
         "still computes": early_free,
         "never issued": [o for i, o in enumerate(ops) if i != rs2],
         "unreduced": [o for i, o in enumerate(ops) if i not in (rs2, wait2, wait2 + 1)],
-        "never happens": ops[:3] + [sp.Op("wait", "layers.0", "params", "pre_forward", "nope")] + ops[3:],
+        "never happens": ops[:3] + [sp.Op(kind="wait", unit="layers.0", what="params", event="pre_forward", at="nope")] + ops[3:],
         "trigger order": [ops[wait0]] + [o for i, o in enumerate(ops) if i != wait0],
-        "runs over axes": [sp.Op(o.kind, o.unit, o.what, o.event, o.at, o.buffers, ("x",), o.bytes) if i == rs2 else o
+        "runs over axes": [sp.Op(kind=o.kind, unit=o.unit, what=o.what, event=o.event, at=o.at, buffers=o.buffers, axes=("x",),
+                                 bytes=o.bytes) if i == rs2 else o
                            for i, o in enumerate(ops)],
     }
     for needle, edited in bad.items():
@@ -346,3 +348,175 @@ def test_invalid_edited_schedules_name_the_op():
             plan.with_schedule(edited)
         assert "schedule op #" in str(err.value) or "unit" in str(err.value), str(err.value)
     assert plan.with_schedule(ops) == plan  # the builder's own schedule is valid
+
+
+# -- pieces: one geometry, the same answers as the formulas they replaced ------------------------------------
+
+def _old_storage_slices(plan, name, rank):
+    """The formula ``Plan.storage_slices`` used before pieces (kept here as the reference)."""
+    p = plan.param(name)
+    b = plan.buffers[p.buffer]
+    full = tuple(slice(0, d) for d in p.shape)
+    if not b.sharded or p.numel == 0:
+        return full
+    seg = plan.mesh.axis_index(rank, b.axes)
+    if b.layout == L.CONTIGUOUS:
+        r0, r1 = L.contiguous_rows(p.offset, p.numel, p.row, b.shard_numel, seg)
+        return None if r1 <= r0 else (slice(r0, r1),) + full[1:]
+    box = []
+    for d, size in enumerate(p.shape):
+        axes = p.storage_spec.dim_axes(d)
+        parts = plan.mesh.axis_size(axes) if axes else 1
+        s, e = L.chunk_range(size, parts, plan.mesh.axis_index(rank, axes)) if axes else (0, size)
+        if e <= s:
+            return None
+        box.append(slice(s, e))
+    return tuple(box)
+
+
+def _old_local_slices(plan, name, rank):
+    box, p = _old_storage_slices(plan, name, rank), plan.param(name)
+    if box is None or p.tp_dim < 0:
+        return box
+    start = plan.mesh.axis_index(rank, (p.tp_axis,)) * p.shape[p.tp_dim]
+    s = box[p.tp_dim]
+    return box[:p.tp_dim] + (slice(start + s.start, start + s.stop),) + box[p.tp_dim + 1:]
+
+
+def _old_local_offset(plan, name, rank):
+    p = plan.param(name)
+    b = plan.buffers[p.buffer]
+    if b.layout == L.CONTIGUOUS:
+        seg = plan.mesh.axis_index(rank, b.axes)
+        return max(p.offset, seg * b.shard_numel) - seg * b.shard_numel
+    return p.offset
+
+
+def _check_pieces(plan):
+    for r in range(plan.mesh.size):
+        pieces = plan.pieces(r)
+        assert [q.param for q in pieces] == [p.name for p in plan.params]
+        for i, (p, q) in enumerate(zip(plan.params, pieces)):
+            storage = _old_storage_slices(plan, p.name, r)
+            shape = tuple(s.stop - s.start for s in storage) if storage is not None else \
+                ((0,) + tuple(p.shape[1:]) if p.shape else (0,))
+            assert (q.index, q.buffer, q.rank) == (i, p.buffer, r)
+            assert q.storage_box == storage and q.box == _old_local_slices(plan, p.name, r)
+            assert q.shape == shape and q.numel == math.prod(shape)
+            assert q.shard_offset == _old_local_offset(plan, p.name, r)
+            assert plan.piece(p.name, r) == q and plan.local_slices(p.name, r) == q.box
+            assert (plan.local_shape(p.name, r), plan.local_offset(p.name, r), plan.storage_slices(p.name, r)) == \
+                (q.shape, q.shard_offset, q.storage_box)
+    for b in plan.buffers:  # full_offset: the offsets the runtime lays the full parameters out at
+        state = BufferState(plan, b, 0, torch.device("cpu"))
+        assert [q.full_offset for q in plan.buffer_pieces(b.index, 0)] == state.offsets
+    for p in plan.params:  # every element of the whole tensor is held by exactly replicas(name) ranks
+        count = torch.zeros(p.global_shape, dtype=torch.int32)
+        for r in range(plan.mesh.size):
+            box = plan.piece(p.name, r).box
+            if box is not None:
+                count[box] += 1
+        assert bool((count == plan.replicas(p.name)).all()), f"{p.name} {p.global_shape} {p.spec} on {plan.mesh}"
+
+
+@pytest.mark.filterwarnings("ignore::shardplan.PlanWarning")
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.sampled_from(["auto", "chunked"]))
+def test_pieces_agree_with_the_old_formulas_and_cover_every_element(problem, layout):
+    mesh, flat, rules, strategy, compute = problem
+    plan = sp.plan(_nested(flat), rules, mesh, strategy=strategy, units=[r"u\d"], compute_dtype=compute,
+                   min_unit_bytes=0, layout=layout)
+    _check_pieces(plan)
+
+
+def test_pieces_under_tensor_parallelism_and_their_cache():
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent.parent / "examples"))
+    import gpt
+    import gpt_rules_tp
+    model = gpt.build("tiny", tie_embeddings=False)
+    for strategy in ("optim", "optim_grads_params"):
+        plan = sp.plan(model, gpt_rules_tp.rules, Mesh(dp=2, tp=2), compute_axes=("tp",), units=gpt_rules_tp.UNITS,
+                       min_unit_bytes=0, strategy=strategy)
+        _check_pieces(plan)
+    assert plan.pieces(1) is plan.pieces(1)                       # computed once per rank
+    with pytest.raises(sp.PlanError, match="not a rank"):
+        plan.pieces(4)
+    with pytest.raises(sp.PlanError, match="no parameter"):
+        plan.piece("nope", 0)
+    name = plan.params[3].name
+    assert name in plan and plan.has_param(name) and "nope" not in plan and plan.params[plan.index(name)].name == name
+
+
+def test_pieces_stay_lazy_on_a_70b_plan():
+    """Building a 70B plan at dp=1024 computes no piece; one piece is O(1), one rank's O(params)."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent.parent / "examples"))
+    import gpt
+    from gpt_rules import UNITS, rules
+    with torch.device("meta"):
+        model = gpt.llama_70b()
+    plan = sp.plan(model, rules, Mesh(dp=1024), units=UNITS, compute_dtype=torch.bfloat16)
+    assert "_piece_cache" not in plan.__dict__
+    q = plan.piece(plan.params[5].name, 777)
+    assert q.box == _old_local_slices(plan, q.param, 777) and not plan.__dict__["_piece_cache"]
+    assert len(plan.pieces(777)) == len(plan.params)
+
+
+# -- values, not strings ------------------------------------------------------------------------------------
+
+def test_vocabularies_are_enums_whose_members_are_the_old_strings():
+    from shardplan.plan import schedule as S
+    plan = sp.plan(Net(), RULES, Mesh(dp=4), units=[r"layers\.\d+"], strategy="optim", order="dynamic", min_unit_bytes=0)
+    from shardplan.plan import OpKind, Order, Strategy, Subject
+    assert plan.strategy is Strategy.OPTIM and plan.order is Order.DYNAMIC and plan.strategy == "optim"
+    assert S.ALL_GATHER is OpKind.ALL_GATHER and S.ALL_GATHER == "all_gather" and S.GRADS is Subject.GRADS
+    assert all(isinstance(o.kind, OpKind) and isinstance(o.what, Subject) for o in plan.schedule)
+    assert f"{plan.strategy}" == str(plan.strategy) == "optim" and repr(plan.order) == "'dynamic'"
+    assert '"strategy": "optim"' in plan.to_json() and "strategy='optim'" in plan.to_source()
+    back = sp.Plan.from_json(plan.to_json())
+    assert back == plan and back.strategy is Strategy.OPTIM and isinstance(back.schedule[0].kind, OpKind)
+    for option, bad, choices in (("strategy", "zero9", "optim_grads_params"), ("order", "sideways", "'static', 'dynamic'"),
+                                 ("layout", "diagonal", "'auto', 'chunked'")):
+        with pytest.raises(sp.PlanError, match=choices):
+            sp.plan(Net(), RULES, Mesh(dp=4), **{option: bad})
+    with pytest.raises(sp.PlanError, match="order must be one of"):
+        plan.with_order("sideways")
+    with pytest.raises(TypeError):
+        sp.Op("wait", "layers.0", "params", "pre_forward")        # keyword-only
+    ops = list(plan.schedule)
+    ops[0] = dataclasses.replace(ops[0], kind="all_scatter")
+    with pytest.raises(sp.PlanError, match=r"schedule op #0 .*unknown kind 'all_scatter'; use one of \('all_gather'"):
+        plan.with_schedule(ops)
+    as_strings = [dataclasses.replace(o, kind=str(o.kind.value), when=str(o.when.value)) for o in plan.schedule]
+    edited = plan.with_schedule(as_strings)                       # strings accepted, stored as members
+    assert edited == plan and all(isinstance(o.kind, OpKind) for o in edited.schedule)
+    assert plan.param("layers.0.0.weight").compute is None and plan.param("layers.0.0.weight").tp_dim == -1
+
+
+# -- every with_* composes with an edited schedule ----------------------------------------------------------
+
+def test_with_transformations_refuse_to_drop_an_edited_schedule():
+    plan = sp.plan(Net(), RULES, Mesh(dp=4), units=[r"layers\.\d+"], prefetch=1, min_unit_bytes=0)
+    assert not plan.schedule_edited
+
+    def gather_late(ops):  # unit layers.1 gathered where it computes instead of being prefetched
+        ops = list(ops)
+        moved = ops.pop(next(i for i, o in enumerate(ops) if o.kind == "all_gather" and o.unit == "layers.1"
+                             and o.event == "pre_forward"))
+        w = next(i for i, o in enumerate(ops) if o.kind == "wait" and o.unit == "layers.1" and o.event == "pre_forward")
+        return ops[:w] + [dataclasses.replace(moved, at="layers.1", prefetch=False)] + ops[w:]
+
+    keep = gather_late(plan.schedule)
+    edited = plan.with_schedule(keep)
+    assert edited.schedule_edited and edited.schedule == tuple(keep)
+    for how, call in (("with_prefetch", lambda p: p.with_prefetch(2)),
+                      ("with_order", lambda p: p.with_order("dynamic")),
+                      ("with_reshard_after_forward", lambda p: p.with_reshard_after_forward({"layers.1": False}))):
+        with pytest.raises(sp.PlanError, match=f"{how}: this plan's schedule was edited"):
+            call(edited)
+        rebuilt = call(plan)                                      # the documented order: transform, then edit
+        assert not rebuilt.schedule_edited
+    assert edited.with_prefetch(1) is edited and edited.with_order("static") is edited   # no-ops keep the edit
+    two = plan.with_prefetch(2)
+    again = two.with_schedule(gather_late(two.schedule))
+    assert again.prefetch == 2 and again.schedule_edited
+    assert sp.Plan.from_json(edited.to_json()).schedule_edited    # the edit survives JSON, and so does the refusal

@@ -127,8 +127,8 @@ def _gather_late(plan):
              and o.event == "pre_forward")
     moved = ops.pop(k)
     w = next(i for i, o in enumerate(ops) if o.kind == "wait" and o.unit == "blocks.1" and o.event == "pre_forward")
-    ops.insert(w, sp.Op(moved.kind, moved.unit, moved.what, "pre_forward", "blocks.1", moved.buffers, moved.axes,
-                        moved.bytes))
+    ops.insert(w, sp.Op(kind=moved.kind, unit=moved.unit, what=moved.what, event="pre_forward", at="blocks.1",
+                        buffers=moved.buffers, axes=moved.axes, bytes=moved.bytes))
     return plan.with_schedule(ops)
 
 

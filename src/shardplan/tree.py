@@ -31,10 +31,9 @@ def _rank(rank: Optional[int]) -> int:
 def check_tree(plan: Plan, paths, leaves, *, rank: Optional[int] = None, what: str = "tree") -> None:
     """Raise :class:`ShardingError` naming the first path whose name, shape or dtype does not fit the plan
     (``rank`` given: local shapes; else full shapes)."""
-    known = plan._index
     names = set(paths)
     for path, leaf in zip(paths, leaves):
-        if path not in known:
+        if path not in plan:
             close = [p.name for p in plan.params if path.split(".")[-1] in p.name][:3]
             raise ShardingError(f"{what} leaf {path!r} is not a parameter of the plan (close names: {close}); the tree "
                                 f"must have the structure the plan was built from")

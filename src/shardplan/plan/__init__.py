@@ -1,11 +1,23 @@
-"""The planner: frozen plan values (``types``), the compiler (``compiler.plan``), per-rank geometry and
-layout policy (``geometry``), the schedule (``schedule``, checked by ``validate``), accounting (memory,
-bytes, warnings), serialisation and rendering. Everything here is pure: no process group, no GPU."""
+"""The planner. Modules, bottom up (each imports only those above it in this list):
+
+* ``kinds``: the vocabularies as string enums (op kinds, events, conditions, strategies, orders, layouts);
+* ``values``: the plain frozen values (``ParamPlan``, ``BufferPlan``, ``UnitPlan``, ``Op``, ``Program``, ``Piece``...);
+* ``heads``, ``tensor_parallel``: compute axes and styles; ``geometry``: layout policy and per-rank pieces;
+  ``schedule``: the ops of a step (checked by ``validate``); ``accounting``: memory, bytes, warnings;
+  ``serialize``: JSON; ``render``: printed views;
+* ``facade``: :class:`Plan`, the compiled plan, whose methods read the values through the modules above;
+* ``compiler``: :func:`plan`, rules + a mesh + options -> a ``Plan``.
+
+Everything here is pure: no process group, no GPU.
+"""
 
 from .compiler import plan
-from .schedule import Op, Program, Step
+from .facade import Plan
+from .kinds import (Condition, Event, LayoutChoice, OpKind, Order, Phase, Strategy, Subject,  # noqa: F401
+                    strategy_level)
 from .serialize import FORMAT_VERSION
-from .types import BufferPlan, Memory, ParamPlan, Plan, UnitPlan, strategy_level
+from .values import BufferPlan, Compute, Memory, Op, ParamPlan, Piece, Program, Step, UnitPlan
 
-__all__ = ["plan", "Plan", "ParamPlan", "BufferPlan", "UnitPlan", "Memory", "Op", "Program", "Step",
+__all__ = ["plan", "Plan", "ParamPlan", "BufferPlan", "UnitPlan", "Memory", "Op", "Program", "Step", "Piece",
+           "Compute", "OpKind", "Subject", "Event", "Condition", "Phase", "Strategy", "Order", "LayoutChoice",
            "strategy_level", "FORMAT_VERSION"]

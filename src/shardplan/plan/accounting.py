@@ -9,17 +9,20 @@ runtime's own accounting equals :meth:`Plan.memory` (tests check it).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from .. import layout as L
+from ..mesh import Mesh
+from ..units import ROOT
 from . import tensor_parallel as tp
-from .schedule import ALL_GATHER, ALL_REDUCE, FREE, GRADS, PARAMS, PRE_BACKWARD, REDUCE_SCATTER, ROOT, WAIT
+from .kinds import ALL_GATHER, ALL_REDUCE, END_BACKWARD, FREE, GRADS, PARAMS, POST_BACKWARD, PRE_BACKWARD, REDUCE_SCATTER, WAIT
+from .values import BufferPlan, ParamPlan, UnitPlan
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .types import BufferPlan, Plan
+    from .facade import Plan
 
 
-def sizes(b: "BufferPlan") -> dict[str, int]:
+def sizes(b: BufferPlan) -> dict[str, int]:
     """Bytes of each tensor the runtime keeps for buffer ``b`` (0: the tensor is not made)."""
     it, ct, rt = b.itemsize, b.compute_itemsize, b.reduce_itemsize
     collective = b.sharded and b.group_size > 1
@@ -35,7 +38,7 @@ def sizes(b: "BufferPlan") -> dict[str, int]:
     )
 
 
-def reduction_result(b: "BufferPlan") -> str:
+def reduction_result(b: BufferPlan) -> str:
     """Which tensor holds a buffer's reduced gradient: the reduce-scatter output, the cast/packed copy, or
     the unsharded gradient itself."""
     if b.sharded and b.group_size > 1:
@@ -81,7 +84,7 @@ def memory(plan: "Plan", rank: int = 0) -> dict[str, int]:
     schedule = plan.schedule
     for step in plan.program.canonical():
         ops = [schedule[i] for i in step.ops if schedule[i].applies()]
-        if step.event in (PRE_BACKWARD, "post_backward", "end_backward") and not started:
+        if step.event in (PRE_BACKWARD, POST_BACKWARD, END_BACKWARD) and not started:
             started = True
             prepare(ROOT)
         for op in ops:
@@ -168,9 +171,8 @@ def max_gathered_units(plan: "Plan") -> int:
     return most
 
 
-def coverage(plan: "Plan", p) -> tuple[int, bool]:
-    """(ranks of its shard group that hold a piece, whether pieces differ in size). O(1) per param."""
-    b = plan.buffers[p.buffer]
+def coverage(mesh: Mesh, p: ParamPlan, b: BufferPlan) -> tuple[int, bool]:
+    """(ranks of its shard group ``b`` that hold a piece of ``p``, whether pieces differ in size). O(1) per param."""
     W = b.group_size
     if b.layout == L.REPLICATED or p.numel == 0 or W == 1:
         return W, False
@@ -185,21 +187,25 @@ def coverage(plan: "Plan", p) -> tuple[int, bool]:
     for d, size in enumerate(p.shape):
         axes = spec.dim_axes(d)
         if axes:
-            parts = plan.mesh.axis_size(axes)
+            parts = mesh.axis_size(axes)
             c = -(-size // parts)
             held *= min(parts, -(-size // c)) if size else 0
             uneven |= size % parts != 0
     return held, uneven
 
 
-def plan_warnings(plan: "Plan") -> tuple[str, ...]:
+def plan_warnings(mesh: Mesh, params: Sequence[ParamPlan], buffers: Sequence[BufferPlan],
+                  units: Sequence[UnitPlan]) -> tuple[str, ...]:
+    """The planner's warnings about a layout: parameters some ranks hold none of, uneven shards, padding, copy-out.
+    From the values alone, so the compiler says them before it builds the :class:`Plan`."""
     out = []
     empty, uneven = [], []
-    for p in plan.params:
-        if plan.buffers[p.buffer].layout == L.CONTIGUOUS:
+    for p in params:
+        b = buffers[p.buffer]
+        if b.layout == L.CONTIGUOUS:
             continue  # packed by design: ranks hold whole rows of some parameters, S bytes each
-        held, odd = coverage(plan, p)
-        W = plan.buffers[p.buffer].group_size
+        held, odd = coverage(mesh, p, b)
+        W = b.group_size
         if held < W:
             empty.append(f"{p.name} {tuple(p.shape)} on {held}/{W}")
         elif odd:
@@ -211,17 +217,15 @@ def plan_warnings(plan: "Plan") -> tuple[str, ...]:
     if uneven:
         out.append(f"{len(uneven)} parameter(s) have uneven shards (dimension not divisible by the shard count): "
                    + ", ".join(uneven[:6]) + (" ..." if len(uneven) > 6 else ""))
-    for u in plan.units:
-        pad = sum(plan.buffers[i].padding for i in u.buffers)
-        data = sum(plan.buffers[i].numel for i in u.buffers)
+    for u in units:
+        pad = sum(buffers[i].padding for i in u.buffers)
+        data = sum(buffers[i].numel for i in u.buffers)
         if data and pad / data > 0.01 and pad > 4096:
             out.append(f"unit {u.name}: padding wastes {100 * pad / data:.2f}% ({pad:,} elements); "
                        f"fewer ranks per shard group or row sizes dividing the shard size reduce it")
-    copy = [b for b in plan.buffers if b.copy_out]
+    copy = [b for b in buffers if b.copy_out]
     if copy:
         out.append(f"{len(copy)} buffer(s) need a copy-out after each all-gather (spec shards a dim other than 0, "
                    f"several dims, or zero-copy placement would pad too much): units "
                    + ", ".join(sorted({b.unit for b in copy})[:6]))
     return tuple(out)
-
-

@@ -18,9 +18,11 @@ from ..auto import choose_min_unit_bytes, find_units, root_unit_warning
 from . import geometry
 from . import tensor_parallel as tp
 from .accounting import plan_warnings
-from .schedule import ORDERS, ROOT, STRATEGIES, build_schedule
+from .facade import Plan
+from .kinds import STRATEGIES, LayoutChoice, Order, Strategy, choose, strategy_level
+from .schedule import ROOT, build_schedule
 from .validate import validate
-from .types import BufferPlan, ParamPlan, Plan, UnitPlan, buffer_facts, strategy_level
+from .values import BufferPlan, ParamPlan, UnitPlan, buffer_facts
 
 
 def _parents(order: Sequence[str], paths: dict[str, tuple[str, ...]]) -> dict[str, str]:
@@ -71,11 +73,11 @@ def _large_root_warning(members: dict, level: int, suggest: list) -> str:
     return root_unit_warning(size[ROOT], sum(size.values()), suggest)
 
 
-def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", units: Optional[Sequence] = None,
+def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARAMS, units: Optional[Sequence] = None,
          compute_dtype=None, reduce_dtype=None, prefetch: int = 1, reshard_after_forward: bool = True,
          trace=None, optimizer_states: int = 2, world_size: Optional[int] = None,
-         min_unit_bytes: Optional[int] = None, order: str = "static", compute_axes=(), styles=None,
-         layout: str = "auto") -> Plan:
+         min_unit_bytes: Optional[int] = None, order=Order.STATIC, compute_axes=(), styles=None,
+         layout=LayoutChoice.AUTO) -> Plan:
     """Compile rules, a mesh and options into a :class:`Plan`. Pure: no process group, no GPU.
 
     >>> plan = shardplan.plan(model, rules, Mesh(dp=8), units=[r"layers\\.\\d+"], compute_dtype=torch.bfloat16)
@@ -112,10 +114,8 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", uni
     level = strategy_level(strategy)
     if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
         raise PlanError(f"prefetch must be a non-negative integer (units gathered ahead); got {prefetch!r}")
-    if order not in ORDERS:
-        raise PlanError(f"order must be one of {ORDERS}; got {order!r}")
-    if layout not in geometry.LAYOUTS:
-        raise PlanError(f"layout must be one of {geometry.LAYOUTS}; got {layout!r}")
+    order = choose(Order, order, "order")
+    layout = choose(LayoutChoice, layout, "layout")
     if min_unit_bytes is not None and (not isinstance(min_unit_bytes, int) or min_unit_bytes < 0):
         raise PlanError(f"min_unit_bytes must be None (chosen for you) or a non-negative number of bytes; "
                         f"got {min_unit_bytes!r}")
@@ -183,29 +183,36 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy="optim_grads_params", uni
             cdt = compute if compute and is_floating(dtype) else dtype
             rdt = reduce if reduce and is_floating(dtype) else cdt
             group = mesh.axis_size(axes) if axes else 1
-            b = BufferPlan(len(buffers), uname, dtype, cdt, rdt, placement.layout, axes,
-                           tuple(a for a in mesh.axis_names if a not in axes and a not in compute_axes), group,
-                           placement.shard_numel,
-                           sum(math.prod(i.shape) for i, _ in mem), tuple(i.name for i, _ in mem), rg,
-                           **buffer_facts(placement.layout, level, group, dtype, cdt, rdt))
+            b = BufferPlan(index=len(buffers), unit=uname, dtype=dtype, compute_dtype=cdt, reduce_dtype=rdt,
+                           layout=placement.layout, axes=axes,
+                           replica_axes=tuple(a for a in mesh.axis_names if a not in axes and a not in compute_axes),
+                           group_size=group, shard_numel=placement.shard_numel,
+                           numel=sum(math.prod(i.shape) for i, _ in mem), params=tuple(i.name for i, _ in mem),
+                           requires_grad=rg, **buffer_facts(placement.layout, level, group, dtype, cdt, rdt))
             buffers.append(b)
             idxs.append(b.index)
             for (info, _), off in zip(mem, placement.offsets):
                 c = tp_of[info.name]
                 spec = spec_of[info.name] if level else (tp.with_compute(P(), c.dim, c.axis) if c else P())
-                params[info.name] = ParamPlan(info.name, info.shape, dtype, spec, rule_of[info.name], uname, b.index,
-                                              off, info.requires_grad, info.aliases, *((c.dim, c.axis, c.size) if c else ()))
+                params[info.name] = ParamPlan(name=info.name, shape=info.shape, dtype=dtype, spec=spec,
+                                              rule=rule_of[info.name], unit=uname, buffer=b.index, offset=off,
+                                              requires_grad=info.requires_grad, aliases=info.aliases, compute=c)
         raf = reshard_after_forward and uname not in (ROOT, last)
-        unit_plans.append(UnitPlan(uname, tuple(idxs), raf, covers.get(uname, ()), parent.get(uname, ROOT)))
+        unit_plans.append(UnitPlan(name=uname, buffers=tuple(idxs), reshard_after_forward=raf,
+                                   modules=covers.get(uname, ()), parent=parent.get(uname, ROOT)))
     schedule = build_schedule(unit_plans, buffers, mesh, level, prefetch, order, len(infos))
     activations = None
     if tp_modules:
         choices.append(tp.modules_note(tp_modules))
         if trace is not None:
             activations = tp.trace_activations(module, tp_modules, trace, itemsize(compute) if compute else None)
-    result = Plan(mesh, STRATEGIES[level], compute, reduce, prefetch, reshard_after_forward, optimizer_states,
-                  tuple(params[i.name] for i in infos), tuple(buffers), tuple(unit_plans), schedule, (), order,
-                  tuple(choices), min_unit_bytes, compute_axes, tp_modules, activations, layout)
+    param_plans, buffers_ = tuple(params[i.name] for i in infos), tuple(buffers)
+    units_ = tuple(unit_plans)
+    result = Plan(mesh=mesh, strategy=STRATEGIES[level], compute_dtype=compute, reduce_dtype=reduce, prefetch=prefetch,
+                  reshard_after_forward=reshard_after_forward, optimizer_states=optimizer_states, params=param_plans,
+                  buffers=buffers_, units=units_, schedule=schedule,
+                  warnings=tuple(notes) + plan_warnings(mesh, param_plans, buffers_, units_), order=order,
+                  notes=tuple(choices), min_unit_bytes=min_unit_bytes, compute_axes=compute_axes,
+                  tp_modules=tp_modules, tp_activations=activations, layout=layout)
     validate(result)  # the builder's own schedules obey the rules edited ones must
-    object.__setattr__(result, "warnings", tuple(notes) + plan_warnings(result))
     return result

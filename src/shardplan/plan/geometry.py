@@ -1,83 +1,109 @@
-"""Per-rank geometry and layout policy: which buffer layout a spec gets, and which global box of every
-parameter each rank holds. Pure functions over the plan's values; checkpoints are built on
-``local_slices``, never on the buffer layout."""
+"""Per-rank geometry and layout policy: which buffer layout a spec gets, and which piece of every
+parameter each rank holds (:class:`~shardplan.plan.values.Piece`: its global box, its box in the
+tensor-parallel-local tensor, where it sits in the rank's shard and in the gathered buffer). Pure
+functions over the plan's values; checkpoints are built on the pieces' boxes, never on the buffer layout.
+
+>>> piece(mesh, p, index=3, b=buffers[p.buffer], rank=1, full_offset=0).box   # e.g. (slice(64, 128), slice(0, 256))
+"""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Sequence
 
 from .. import layout as L
 from ..dtypes import dtype_name, is_floating, itemsize
 from ..mesh import Mesh
 from ..spec import P
+from .kinds import LAYOUTS, LayoutChoice  # noqa: F401  (LAYOUTS: re-exported)
+from .values import Box, BufferPlan, ParamPlan, Piece
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .types import BufferPlan, Plan
 
+# -- per-rank pieces -------------------------------------------------------------------------------
 
-# -- per-rank boxes --------------------------------------------------------------------------------
-
-def segment(mesh: Mesh, b: "BufferPlan", rank: int) -> int:
+def segment(mesh: Mesh, b: BufferPlan, rank: int) -> int:
+    """Index of ``rank``'s segment in ``b``'s gathered layout (its rank in the shard group)."""
     return mesh.axis_index(rank, b.axes) if b.sharded else 0
 
 
-def local_slices(plan: "Plan", name: str, rank: int) -> Optional[tuple[slice, ...]]:
-    """The global box: the storage box moved to ``rank``'s tensor-parallel block."""
-    box = storage_slices(plan, name, rank)
-    p = plan.param(name)
-    if box is None or p.tp_dim < 0:
-        return box
-    start = plan.mesh.axis_index(rank, (p.tp_axis,)) * p.shape[p.tp_dim]
-    s = box[p.tp_dim]
-    return box[:p.tp_dim] + (slice(start + s.start, start + s.stop),) + box[p.tp_dim + 1:]
-
-
-def storage_slices(plan: "Plan", name: str, rank: int) -> Optional[tuple[slice, ...]]:
-    """The box of ``rank``'s shard inside the tensor-parallel-local tensor (``p.shape``)."""
-    p = plan.param(name)
-    b = plan.buffers[p.buffer]
+def storage_box(mesh: Mesh, p: ParamPlan, b: BufferPlan, rank: int) -> Optional[Box]:
+    """The box of ``rank``'s shard inside the tensor-parallel-local tensor (``p.shape``); ``None``: empty."""
     full = tuple(slice(0, d) for d in p.shape)
     if not b.sharded or p.numel == 0:
         return full
     if b.layout == L.CONTIGUOUS:
-        r0, r1 = L.contiguous_rows(p.offset, p.numel, p.row, b.shard_numel, segment(plan.mesh, b, rank))
+        r0, r1 = L.contiguous_rows(p.offset, p.numel, p.row, b.shard_numel, segment(mesh, b, rank))
         return None if r1 <= r0 else (slice(r0, r1),) + full[1:]
     box = []
     spec = p.storage_spec
     for d, size in enumerate(p.shape):
         axes = spec.dim_axes(d)
-        parts = plan.mesh.axis_size(axes) if axes else 1
-        s, e = L.chunk_range(size, parts, plan.mesh.axis_index(rank, axes)) if axes else (0, size)
+        parts = mesh.axis_size(axes) if axes else 1
+        s, e = L.chunk_range(size, parts, mesh.axis_index(rank, axes)) if axes else (0, size)
         if e <= s:
             return None
         box.append(slice(s, e))
     return tuple(box)
 
 
-def local_shape(plan: "Plan", name: str, rank: int) -> tuple[int, ...]:
-    box = storage_slices(plan, name, rank)
-    p = plan.param(name)
-    if box is None:
-        return (0,) + tuple(p.shape[1:]) if p.shape else (0,)
-    return tuple(s.stop - s.start for s in box)
+def global_box(mesh: Mesh, p: ParamPlan, storage: Optional[Box], rank: int) -> Optional[Box]:
+    """The storage box moved to ``rank``'s tensor-parallel block of the whole tensor."""
+    c = p.compute
+    if storage is None or c is None:
+        return storage
+    start = mesh.axis_index(rank, (c.axis,)) * p.shape[c.dim]
+    s = storage[c.dim]
+    return storage[:c.dim] + (slice(start + s.start, start + s.stop),) + storage[c.dim + 1:]
 
 
-def local_offset(plan: "Plan", name: str, rank: int) -> int:
-    p = plan.param(name)
-    b = plan.buffers[p.buffer]
+def shard_offset(mesh: Mesh, p: ParamPlan, b: BufferPlan, rank: int) -> int:
+    """Where ``rank``'s piece of ``p`` starts in its own shard of ``b`` (elements).
+
+    [Note: for a contiguous parameter a rank holds no rows of, this is still the formula's value (callers
+    check ``box is None`` first), so it equals what ``Plan.local_offset`` always returned]
+    """
     if b.layout == L.CONTIGUOUS:
-        seg = segment(plan.mesh, b, rank)
+        seg = segment(mesh, b, rank)
         return max(p.offset, seg * b.shard_numel) - seg * b.shard_numel
     return p.offset
 
 
+def full_offsets(params: Sequence[ParamPlan], buffers: Sequence[BufferPlan]) -> tuple[int, ...]:
+    """Per parameter (in ``params`` order) where it starts in its buffer's full parameters, in parameter layout:
+    copy-out (interleaved) buffers hold their parameters back to back, in buffer order; the others in place,
+    at the parameter's offset in the gathered buffer.
+
+    >>> full_offsets(plan.params, plan.buffers)[plan.index("layers.0.w")]
+    """
+    by_name = {p.name: p for p in params}
+    packed: dict[str, int] = {}
+    for b in buffers:
+        if b.copy_out:
+            c = 0
+            for n in b.params:
+                packed[n] = c
+                c += by_name[n].numel
+    return tuple(packed[p.name] if buffers[p.buffer].copy_out else p.offset for p in params)
+
+
+def piece(mesh: Mesh, p: ParamPlan, *, index: int, b: BufferPlan, rank: int, full_offset: int) -> Piece:
+    """``rank``'s piece of parameter ``p`` (``index``: its position in ``plan.params``, ``b``: its buffer)."""
+    box = storage_box(mesh, p, b, rank)
+    shape = tuple(s.stop - s.start for s in box) if box is not None else ((0,) + tuple(p.shape[1:]) if p.shape else (0,))
+    return Piece(param=p.name, index=index, buffer=p.buffer, rank=rank, box=global_box(mesh, p, box, rank),
+                 storage_box=box, shard_offset=shard_offset(mesh, p, b, rank), shape=shape, full_offset=full_offset)
+
+
+def pieces(mesh: Mesh, params: Sequence[ParamPlan], buffers: Sequence[BufferPlan], offsets: Sequence[int],
+           rank: int) -> tuple[Piece, ...]:
+    """Every piece ``rank`` holds, in ``params`` order (``offsets``: :func:`full_offsets`)."""
+    return tuple(piece(mesh, p, index=i, b=buffers[p.buffer], rank=rank, full_offset=offsets[i])
+                 for i, p in enumerate(params))
+
+
 # -- layout policy ---------------------------------------------------------------------------------
 
-LAYOUTS = ("auto", "chunked")  # plan(layout=...): the planner's choice, or torch.chunk per sharded dim everywhere
-
-
-def placement_kind(spec: P, mesh: Mesh, level: int, layout: str = "auto") -> tuple[str, tuple[str, ...]]:
+def placement_kind(spec: P, mesh: Mesh, level: int, layout: LayoutChoice = LayoutChoice.AUTO) -> tuple[str, tuple[str, ...]]:
     """The layout a spec gets and its shard axes in mesh order (ZeRO-0 replicates everything).
     ``layout="chunked"`` never packs contiguously: every rank holds ``torch.chunk`` pieces (FSDP2's and
     DTensor's layout), so its shards can be described as DTensors."""
@@ -85,7 +111,7 @@ def placement_kind(spec: P, mesh: Mesh, level: int, layout: str = "auto") -> tup
         return L.REPLICATED, ()
     order = {a: i for i, a in enumerate(mesh.axis_names)}
     axes = tuple(sorted(spec.axes, key=order.__getitem__))
-    if layout == "auto" and spec.sharded_dims == (0,) and spec.dim_axes(0) == axes:
+    if layout == LayoutChoice.AUTO and spec.sharded_dims == (0,) and spec.dim_axes(0) == axes:
         return L.CONTIGUOUS, axes
     return L.INTERLEAVED, axes
 
@@ -99,7 +125,7 @@ def _interleaved(members, mesh: Mesh, A: int) -> L.Placement:
 
 
 def layout_unit(members, mesh: Mesh, level: int, compute: Optional[str],
-                layout: str = "auto") -> dict[tuple, tuple[L.Placement, list]]:
+                layout: LayoutChoice = LayoutChoice.AUTO) -> dict[tuple, tuple[L.Placement, list]]:
     """Group a unit's (info, spec) pairs into buffers: {(dtype, requires_grad, axes, kind): (placement, members)}.
 
     A contiguous group whose padding would exceed 1% of its data *and* twice the interleaved padding

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 from .. import layout as L
 from ..dtypes import itemsize
 from .accounting import coverage
-from .schedule import ALL_GATHER, ALL_REDUCE, FREE, REDUCE_SCATTER, WAIT
+from .kinds import ALL_GATHER, ALL_REDUCE, FREE, REDUCE_SCATTER, WAIT
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .types import Plan
+    from .facade import Plan
 
 
 def fmt_bytes(n: float) -> str:
@@ -57,7 +57,7 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
     out.append(f"{len(plan.params)} parameters, {total:,} elements, {len(plan.units)} units, {len(plan.buffers)} buffers, "
                f"padding {plan.padding:,} elements ({100 * plan.padding / max(sum(p.numel for p in plan.params), 1):.3f}%)")
     packed = sum(1 for p in plan.params if plan.buffers[p.buffer].layout == L.CONTIGUOUS
-                 and coverage(plan, p)[0] < plan.buffers[p.buffer].group_size)
+                 and coverage(plan.mesh, p, plan.buffers[p.buffer])[0] < plan.buffers[p.buffer].group_size)
     if packed:
         out.append(f"{packed} parameters are packed contiguously onto a subset of their group's ranks "
                    f"(zero copy-out; every rank still stores exactly S elements per buffer)")

@@ -21,115 +21,28 @@ repeatedly (at the memory cost of keeping them gathered).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 from ..errors import PlanError
+from ..units import ROOT
+# [Note: the names below are re-exported: the runtime and users import them from here]
+from .kinds import (ALL_GATHER, ALL_REDUCE, ALWAYS, BACKWARD, BEFORE_FORWARD, COLLECTIVES, CONDITIONS, END_BACKWARD,
+                    EVENTS, FORWARD, FREE, GRADS, KINDS, NO_GRAD, ORDERS, PARAMS, POST_BACKWARD, POST_FORWARD,
+                    PRE_BACKWARD, PRE_FORWARD, REDUCE_SCATTER, STALE, STEP, STRATEGIES, SYNC, USED, WAIT, Condition,
+                    Event, OpKind, Order, Subject)
+from .values import Op, Program, Step
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .types import BufferPlan, UnitPlan
+    from .values import BufferPlan, UnitPlan
 
-ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, WAIT, FREE = "all_gather", "reduce_scatter", "all_reduce", "wait", "free"
-COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
-KINDS = COLLECTIVES + (WAIT, FREE)
-PARAMS, GRADS, USED = "params", "grads", "used"
-
-BEFORE_FORWARD, PRE_FORWARD, POST_FORWARD = "before_forward", "pre_forward", "post_forward"
-PRE_BACKWARD, POST_BACKWARD, END_BACKWARD = "pre_backward", "post_backward", "end_backward"
-EVENTS = (BEFORE_FORWARD, PRE_FORWARD, POST_FORWARD, PRE_BACKWARD, POST_BACKWARD, END_BACKWARD)
-ALWAYS, STALE, SYNC, NO_GRAD = "", "stale", "sync", "no_grad"
-CONDITIONS = (ALWAYS, STALE, SYNC, NO_GRAD)
-ORDERS = ("static", "dynamic")
-
-FORWARD, BACKWARD, STEP = "forward", "backward", "step"  # phases, for reading
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-from ..units import ROOT
-
-
-@dataclass(frozen=True)
-class Op:
-    """One op of the schedule.
-
-    ``kind``: all_gather | reduce_scatter | all_reduce | wait | free; ``what``: params | grads | used.
-    ``unit``: the unit whose buffers it touches; ``event``/``at``: what triggers it; ``when``: its
-    condition. ``bytes`` is the payload of a collective (the full, gathered or unreduced size on one
-    rank). A ``wait`` completes the unit's pending op of the same ``what``: for params it also binds the
-    full parameters into the modules, for grads it hands the local shards their gradients. A ``free``
-    of params binds the local shards again and releases the gathered storage (kept for persistent
-    buffers); a ``free`` of grads releases the unsharded gradient.
-    """
-
-    kind: str
-    unit: str
-    what: str
-    event: str
-    at: str = ""
-    buffers: tuple[int, ...] = ()
-    axes: tuple[str, ...] = ()
-    bytes: int = 0
-    prefetch: bool = False
-    when: str = ALWAYS
-
-    @property
-    def phase(self) -> str:
-        if self.event == BEFORE_FORWARD:
-            return STEP
-        return FORWARD if self.event in (PRE_FORWARD, POST_FORWARD) else BACKWARD
-
-    @property
-    def trigger(self) -> str:
-        return f"{self.event}({self.at})" if self.at else self.event
-
-    @property
-    def key(self) -> tuple[str, str, str]:
-        return (self.kind, self.unit, self.phase)
-
-    @property
-    def is_collective(self) -> bool:
-        return self.kind in COLLECTIVES
-
-    def applies(self, *, stale: bool = True, grad: bool = True, sync: bool = True) -> bool:
-        """Whether the op runs in a step with these facts (see the module doc)."""
-        if not grad and self.event in (PRE_BACKWARD, POST_BACKWARD, END_BACKWARD):
-            return False
-        w = self.when
-        return w == ALWAYS or (w == STALE and stale) or (w == SYNC and sync) or (w == NO_GRAD and not grad)
-
-    def __str__(self) -> str:
-        flags = (" prefetch" if self.prefetch else "") + (f" [{self.when}]" if self.when else "")
-        ax = ",".join(self.axes) or "-"
-        size = f"{self.bytes:>13,d} B" if self.is_collective else " " * 15
-        return f"{self.trigger:<34} {self.kind:<14} {self.what:<6} {self.unit:<22} axes={ax:<12} {size}{flags}"
+__all__ = ["ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "FREE", "COLLECTIVES", "KINDS", "PARAMS", "GRADS",
+           "USED", "BEFORE_FORWARD", "PRE_FORWARD", "POST_FORWARD", "PRE_BACKWARD", "POST_BACKWARD", "END_BACKWARD",
+           "EVENTS", "ALWAYS", "STALE", "SYNC", "NO_GRAD", "CONDITIONS", "ORDERS", "FORWARD", "BACKWARD", "STEP",
+           "STRATEGIES", "ROOT", "Op", "Step", "Program", "OpKind", "Subject", "Event", "Condition", "Order",
+           "interleave", "skeleton", "needs_gather", "build_schedule", "program", "select"]
 
 
 # -- the event skeleton ------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Step:
-    """One event of a step and the indices (into ``plan.schedule``) of the ops it runs, in order."""
-
-    event: str
-    at: str
-    ops: tuple[int, ...] = ()
-
-    @property
-    def name(self) -> str:
-        return f"{self.event}({self.at})" if self.at else self.event
-
-
-@dataclass(frozen=True)
-class Program:
-    """The schedule arranged for execution: the forward steps, the backward steps (``pre_backward`` and
-    ``post_backward`` interleaved in the order they come when units run in plan order), ``end_backward``."""
-
-    forward: tuple[Step, ...]
-    backward: tuple[Step, ...]
-    end: Step
-
-    def canonical(self) -> list[Step]:
-        """Every step in plan order (the printed order)."""
-        return list(self.forward) + list(self.backward) + [self.end]
-
 
 def interleave(bwd_order: Sequence[str], grad_order: Sequence[str]) -> list[tuple[str, str]]:
     """Backward events in the order they come for units run in plan order: a unit completes
@@ -178,7 +91,7 @@ def needs_gather(b: "BufferPlan") -> bool:
 
 
 def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"], mesh, level: int, prefetch: int,
-                   order: str = "static", n_params: int = 0) -> tuple[Op, ...]:
+                   order: Order = Order.STATIC, n_params: int = 0) -> tuple[Op, ...]:
     """The schedule of one training step. ``units``: root first, then forward order."""
     by_name = {u.name: u for u in units}
     fwd_events, bwd_order, grad_order = skeleton(units)
@@ -190,7 +103,8 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
     def op(kind, u, what, event, at, entries=(), axes_of=None, nbytes=0, prefetch_=False, when=ALWAYS) -> Op:
         entries = list(entries)
         axes = tuple(dict.fromkeys(a for b in entries for a in (axes_of(b) if axes_of else b.axes)))
-        return Op(kind, u, what, event, at, tuple(b.index for b in entries), axes, nbytes, prefetch_, when)
+        return Op(kind=kind, unit=u, what=what, event=event, at=at, buffers=tuple(b.index for b in entries), axes=axes,
+                  bytes=nbytes, prefetch=prefetch_, when=when)
 
     def gather(u, event, at, pf=False, when=ALWAYS) -> list[Op]:
         entries = bufs(u, needs_gather)
@@ -267,8 +181,9 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
             continue
         if level == 3 and by_name[at].reshard_after_forward:
             freed = free_params(at, event, at)
-            if order == "dynamic":  # keep units gathered until the forward ends: they may run again
-                deferred += [Op(o.kind, o.unit, o.what, POST_FORWARD, ROOT, o.buffers, o.axes, o.bytes) for o in freed]
+            if order == Order.DYNAMIC:  # keep units gathered until the forward ends: they may run again
+                deferred += [Op(kind=o.kind, unit=o.unit, what=o.what, event=POST_FORWARD, at=ROOT, buffers=o.buffers,
+                                axes=o.axes, bytes=o.bytes) for o in freed]
             else:
                 ops += freed
             gathered.discard(at)
@@ -282,7 +197,7 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
             continue
         # the gradient stream keeps one reduction in flight: the previous one completes first. Under
         # order="dynamic" units may finish their backward in any order, so it all runs at end_backward
-        ev, at = (END_BACKWARD, "") if order == "dynamic" else (event, u)
+        ev, at = (END_BACKWARD, "") if order == Order.DYNAMIC else (event, u)
         if any(buffers[i].requires_grad for i in by_name[u].buffers):
             if prev is not None:
                 late += finish(prev, ev, at)
@@ -291,17 +206,17 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
         if level == 3:
             late += free_params(u, ev, at)
             gathered.discard(u)
-        if order != "dynamic":
+        if order != Order.DYNAMIC:
             ops += late
             late = []
     ops += late
     # every gradient has arrived: which parameters got one is known, and its exchange overlaps the rest
-    ops.append(Op(ALL_REDUCE, "", USED, END_BACKWARD, "", (), mesh.axis_names, n_params, False, SYNC))
+    ops.append(Op(kind=ALL_REDUCE, unit="", what=USED, event=END_BACKWARD, axes=mesh.axis_names, bytes=n_params, when=SYNC))
     if prev is not None:
         ops += finish(prev, END_BACKWARD, "")
     ops += reduce(ROOT, END_BACKWARD, "")
     ops += finish(ROOT, END_BACKWARD, "")
-    ops.append(Op(WAIT, "", USED, END_BACKWARD, "", (), (), 0, False, SYNC))
+    ops.append(Op(kind=WAIT, unit="", what=USED, event=END_BACKWARD, when=SYNC))
     for u in ([ROOT] if level == 3 else pre_order):
         ops += free_params(u, END_BACKWARD, "")
     return tuple(ops)

@@ -10,10 +10,12 @@ from ..errors import PlanError
 from ..mesh import Mesh
 from ..spec import P
 from . import tensor_parallel as tp
-from .schedule import Op
+from .kinds import LayoutChoice, Order, Strategy, choose
+from .validate import normalised
+from .values import BufferPlan, Compute, Op, ParamPlan, UnitPlan
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .types import Plan
+    from .facade import Plan
 
 FORMAT_VERSION = 2
 
@@ -58,26 +60,34 @@ def to_json(plan: "Plan", indent: Optional[int] = None) -> str:
     return json.dumps(to_dict(plan), indent=indent, sort_keys=True)
 
 
-def from_json(text: str, *, cls, param, buffer, unit) -> "Plan":
+def _param(p: dict) -> ParamPlan:
+    tp_keys = ("tp_dim", "tp_axis", "tp_size")
+    c = Compute(p["tp_dim"], p["tp_axis"], p["tp_size"]) if p.get("tp_axis") else None
+    rest = {k: v for k, v in p.items() if k not in tp_keys}
+    return ParamPlan(**{**rest, "shape": tuple(rest["shape"]), "spec": P.from_list(rest["spec"]),
+                        "aliases": tuple(rest["aliases"])}, compute=c)
+
+
+def plan_fields(text: str) -> dict[str, Any]:
+    """The keyword arguments of :class:`Plan` that a plan's JSON holds (``Plan(**plan_fields(text))``)."""
     d = json.loads(text)
     if d.get("format") != FORMAT_VERSION:
         raise PlanError(f"plan JSON has format {d.get('format')!r}; this shardplan reads format {FORMAT_VERSION}: "
                         f"plan the model again with this version")
-    tup = lambda xs: tuple(xs)
-    return cls(
-        mesh=Mesh(**d["mesh"]), strategy=d["strategy"], compute_dtype=d["compute_dtype"],
+    tup = tuple
+    return dict(
+        mesh=Mesh(**d["mesh"]), strategy=choose(Strategy, d["strategy"], "strategy"), compute_dtype=d["compute_dtype"],
         reduce_dtype=d["reduce_dtype"], prefetch=d["prefetch"], reshard_after_forward=d["reshard_after_forward"],
-        optimizer_states=d["optimizer_states"], order=d["order"],
-        params=tuple(param(**{**p, "shape": tup(p["shape"]), "spec": P.from_list(p["spec"]), "aliases": tup(p["aliases"])})
-                     for p in d["params"]),
-        buffers=tuple(buffer(**{**b, "axes": tup(b["axes"]), "replica_axes": tup(b["replica_axes"]),
-                                "params": tup(b["params"])}) for b in d["buffers"]),
-        units=tuple(unit(**{**u, "buffers": tup(u["buffers"]), "modules": tup(u["modules"])}) for u in d["units"]),
-        schedule=tuple(Op(**{**o, "buffers": tup(o["buffers"]), "axes": tup(o["axes"])}) for o in d["schedule"]),
+        optimizer_states=d["optimizer_states"], order=choose(Order, d["order"], "order"),
+        params=tuple(_param(p) for p in d["params"]),
+        buffers=tuple(BufferPlan(**{**b, "axes": tup(b["axes"]), "replica_axes": tup(b["replica_axes"]),
+                                    "params": tup(b["params"])}) for b in d["buffers"]),
+        units=tuple(UnitPlan(**{**u, "buffers": tup(u["buffers"]), "modules": tup(u["modules"])}) for u in d["units"]),
+        schedule=normalised(Op(**{**o, "buffers": tup(o["buffers"]), "axes": tup(o["axes"])}) for o in d["schedule"]),
         warnings=tuple(d["warnings"]), notes=tuple(d.get("notes", ())), min_unit_bytes=d.get("min_unit_bytes", 0),
         compute_axes=tuple(d.get("compute_axes", ())), tp_modules=tuple(tp.TPModule(**m) for m in d.get("tp_modules", ())),
         tp_activations=None if d.get("tp_activations") is None else tuple(tp.Activation(**a) for a in d["tp_activations"]),
-        layout=d.get("layout", "auto"),
+        layout=choose(LayoutChoice, d.get("layout", "auto"), "layout"),
     )
 
 

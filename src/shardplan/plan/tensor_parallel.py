@@ -38,6 +38,7 @@ from ..errors import PlanError, SpecError
 from ..mesh import Mesh
 from ..spec import P
 from .heads import check_whole_heads
+from .values import Compute, storage_spec  # noqa: F401  (re-exported: tp.Compute, tp.storage_spec)
 
 LINEAR, EMBEDDING = "linear", "embedding"
 STYLES = ("colwise", "colwise_gather", "rowwise", "rowwise_split")
@@ -65,15 +66,6 @@ class TPModule:
         return self.style == "colwise"
 
 
-@dataclass(frozen=True)
-class Compute:
-    """How a compute axis shards one parameter: ``dim`` over ``axis`` (``size`` ranks)."""
-
-    dim: int
-    axis: str
-    size: int
-
-
 def as_compute_axes(compute_axes, mesh: Mesh) -> tuple[str, ...]:
     axes = (compute_axes,) if isinstance(compute_axes, str) else tuple(compute_axes or ())
     for a in axes:
@@ -83,15 +75,6 @@ def as_compute_axes(compute_axes, mesh: Mesh) -> tuple[str, ...]:
     if len(set(axes)) != len(axes):
         raise PlanError(f"compute_axes {axes} names an axis twice")
     return axes
-
-
-def storage_spec(spec: P, compute_axes: Sequence[str]) -> P:
-    """``spec`` without its compute axes: how the tensor-parallel-local tensor is stored."""
-    entries = []
-    for d in range(len(spec)):
-        kept = tuple(a for a in spec.dim_axes(d) if a not in compute_axes)
-        entries.append(kept or None)
-    return P(*entries)
 
 
 def compute_of(spec: P, shape: tuple[int, ...], compute_axes: Sequence[str], mesh: Mesh, *, name: str,

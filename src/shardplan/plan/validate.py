@@ -4,20 +4,50 @@ gather, frees one still in use, or leaves a gradient unreduced. Errors name the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+from typing import TYPE_CHECKING, Iterable
 
 from ..errors import PlanError
-from . import schedule as S
-from .schedule import (ALL_GATHER, ALL_REDUCE, END_BACKWARD, FREE, GRADS, PARAMS, POST_BACKWARD, POST_FORWARD,
-                       PRE_BACKWARD, PRE_FORWARD, REDUCE_SCATTER, ROOT, USED, WAIT, needs_gather)
+from ..units import ROOT
+from . import kinds as K
+from .kinds import (ALL_GATHER, ALL_REDUCE, END_BACKWARD, FREE, GRADS, PARAMS, POST_BACKWARD, POST_FORWARD,
+                    PRE_BACKWARD, PRE_FORWARD, REDUCE_SCATTER, USED, WAIT)
+from .schedule import needs_gather
+from .values import Op, Program
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .types import Plan
+    from .facade import Plan
 
 
-def _fail(i: int, op: S.Op, why: str) -> PlanError:
+def _fail(i: int, op: Op, why: str) -> PlanError:
     return PlanError(f"schedule op #{i} ({op.kind} {op.what} of {op.unit or 'all'} at {op.trigger}"
                      f"{' [' + op.when + ']' if op.when else ''}): {why}")
+
+
+_FIELDS = (("kind", K.OpKind), ("what", K.Subject), ("event", K.Event), ("when", K.Condition))
+
+
+def normalised(ops: Iterable[Op]) -> tuple[Op, ...]:
+    """``ops`` with kinds, subjects, events and conditions as enum members (their strings are accepted):
+    the public boundary of an edited schedule. A :class:`PlanError` names the first op with an unknown one.
+
+    >>> normalised([Op(kind="wait", unit="layers.0", what="params", event="pre_forward", at="layers.0")])[0].kind
+    'wait'
+    """
+    out = []
+    for i, op in enumerate(ops):
+        if not isinstance(op, Op):
+            raise PlanError(f"schedule entry #{i} is a {type(op).__name__}, not a shardplan.Op")
+        fixed = {}
+        for name, cls in _FIELDS:
+            value = getattr(op, name)
+            if not isinstance(value, cls):
+                try:
+                    fixed[name] = cls(value)
+                except ValueError:
+                    raise _fail(i, op, f"unknown {name} {value!r}; use one of {cls.values()}") from None
+        out.append(dataclasses.replace(op, **fixed) if fixed else op)
+    return tuple(out)
 
 
 def validate(plan: "Plan") -> None:
@@ -35,11 +65,11 @@ def validate(plan: "Plan") -> None:
         _simulate(plan, units, prog, **facts)
 
 
-def _check_op(plan: "Plan", units, i: int, op: S.Op) -> None:
-    if op.kind not in S.KINDS:
-        raise _fail(i, op, f"unknown kind; kinds are {S.KINDS}")
-    if op.when not in S.CONDITIONS:
-        raise _fail(i, op, f"unknown condition; conditions are {S.CONDITIONS}")
+def _check_op(plan: "Plan", units, i: int, op: Op) -> None:
+    if op.kind not in K.KINDS:
+        raise _fail(i, op, f"unknown kind; kinds are {K.KINDS}")
+    if op.when not in K.CONDITIONS:
+        raise _fail(i, op, f"unknown condition; conditions are {K.CONDITIONS}")
     if op.what == USED:
         if op.kind not in (ALL_REDUCE, WAIT) or op.event != END_BACKWARD:
             raise _fail(i, op, "the used-parameter exchange is an all_reduce and a wait at end_backward")
@@ -86,7 +116,7 @@ def _needed_reductions(plan: "Plan", bs) -> set:
     return out
 
 
-def _simulate(plan: "Plan", units, prog: S.Program, *, stale: bool, grad: bool, sync: bool) -> None:
+def _simulate(plan: "Plan", units, prog: Program, *, stale: bool, grad: bool, sync: bool) -> None:
     bufs = {name: [plan.buffers[i] for i in u.buffers] for name, u in units.items()}
     gathers = {n: any(needs_gather(b) for b in bs) for n, bs in bufs.items()}
     transient = {n: any(not b.persistent for b in bs) for n, bs in bufs.items()}

@@ -59,7 +59,7 @@ class BufferState:
         self.device = device
         self.seg = plan.segment(bp, rank)
         self.infos = [plan.param(n) for n in bp.params]
-        self.param_index = [plan._index[n] for n in bp.params]
+        self.param_index = [plan.index(n) for n in bp.params]
         # full: the full parameters' storage, in parameter layout (interleaved: packed elsewhere)
         self.full = torch.zeros(bp.numel if bp.copy_out else self.G, dtype=self.cdtype, device=device)
         self.packed = torch.zeros(self.G, dtype=self.cdtype, device=device) if bp.copy_out else None

@@ -237,7 +237,7 @@ def _tree_state_dict(plan, tree, rank: int, timeout_s: float):
     out = {}
     for path, leaf in zip(paths, leaves):
         parts = path.split(".")
-        name = next((".".join(parts[k:]) for k in range(len(parts)) if ".".join(parts[k:]) in plan._index), None)
+        name = next((".".join(parts[k:]) for k in range(len(parts)) if ".".join(parts[k:]) in plan), None)
         if isinstance(leaf, torch.Tensor) and name is not None and tuple(leaf.shape) == plan.local_shape(name, rank):
             out[path] = sharded_value(plan, groups, rank, plan.param(name).name, leaf.detach())
         else:

@@ -143,7 +143,7 @@ def value_and_grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool 
     def wrapped(*args, **kwargs):
         params = args[argnums]
         paths, leaves, spec = leaves_with_paths(params)
-        trains = [plan.param(p).requires_grad if p in plan._index else False for p in paths]
+        trains = [plan.param(p).requires_grad if p in plan else False for p in paths]
         fresh = [l.detach().requires_grad_(t and l.is_floating_point()) for l, t in zip(leaves, trains)]
         tree = dict(zip(paths, fresh)) if spec is None else optree.tree_unflatten(spec, fresh)
         call = args[:argnums] + (tree,) + args[argnums + 1:]

@@ -1,0 +1,404 @@
+"""The :class:`Plan`: the compiled plan's fields, and the methods that read them through the function
+modules (geometry, schedule, accounting, render, serialize, validate). Everything below this module is a
+plain value or a pure function; this is the one place they meet.
+
+>>> plan = shardplan.plan(model, rules, Mesh(dp=8), units=[r"layers\\.\\d+"], compute_dtype=torch.bfloat16)
+>>> print(plan); plan.memory(); plan.local_slices("layers.0.attention.wq.weight", rank=3)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import operator
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from ..errors import PlanError
+from ..mesh import Mesh
+from ..units import ROOT
+from . import accounting, geometry, render, serialize
+from . import schedule as S
+from . import tensor_parallel as tp
+from .kinds import LayoutChoice, Order, Strategy, choose, strategy_level
+from .validate import normalised, validate
+from .values import BufferPlan, Memory, Op, ParamPlan, Piece, Program, UnitPlan
+
+PIECE_CACHE_RANKS = 64  # ranks whose pieces a plan keeps (a 70B plan at dp=1024 holds ~700 pieces per rank)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A compiled plan: who holds what, and the ops one training step runs. Frozen; build with
+    :func:`shardplan.plan`, change with :meth:`with_prefetch`, :meth:`with_reshard_after_forward`,
+    :meth:`with_order` and :meth:`with_schedule`, which return new plans.
+
+    ``strategy``, ``order`` and ``layout`` are enums whose members are their strings (``plan.order == "static"``).
+    """
+
+    mesh: Mesh
+    strategy: Strategy
+    compute_dtype: Optional[str]
+    reduce_dtype: Optional[str]
+    prefetch: int
+    reshard_after_forward: bool
+    optimizer_states: int
+    params: tuple[ParamPlan, ...]
+    buffers: tuple[BufferPlan, ...]
+    units: tuple[UnitPlan, ...]
+    schedule: tuple[Op, ...]
+    warnings: tuple[str, ...] = field(default=())
+    order: Order = Order.STATIC
+    notes: tuple[str, ...] = field(default=())  # choices the planner made and why (unit sizing)
+    min_unit_bytes: int = 0                     # the merging threshold used (chosen or given)
+    compute_axes: tuple[str, ...] = ()          # mesh axes that shard compute (tensor parallelism)
+    tp_modules: tuple[tp.TPModule, ...] = ()    # modules run tensor-parallel, with their styles
+    tp_activations: Optional[tuple[tp.Activation, ...]] = None  # traced activation sizes (None: not traced)
+    layout: LayoutChoice = LayoutChoice.AUTO    # "chunked": torch.chunk pieces everywhere (DTensor-describable)
+
+    # -- lookups -----------------------------------------------------------------------------------
+    @cached_property
+    def _positions(self) -> dict[str, int]:
+        out = {p.name: i for i, p in enumerate(self.params)}
+        for i, p in enumerate(self.params):
+            for a in p.aliases:
+                out[a] = i
+        return out
+
+    @property
+    def _index(self) -> dict[str, int]:
+        """[Note: kept for readers written before :meth:`index`; use ``plan.index(name)`` / ``name in plan``]"""
+        return self._positions
+
+    @cached_property
+    def _units_by_name(self) -> dict[str, UnitPlan]:
+        return {u.name: u for u in self.units}
+
+    @property
+    def level(self) -> int:
+        return strategy_level(self.strategy)
+
+    def has_param(self, name: str) -> bool:
+        """Whether ``name`` (or a tied alias of it) is a parameter of the plan; also ``name in plan``."""
+        return name in self._positions
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self._positions
+
+    def index(self, name: str) -> int:
+        """Position of parameter ``name`` (or a tied alias) in ``plan.params``.
+
+        >>> plan.params[plan.index("layers.0.w")].name
+        'layers.0.w'
+        """
+        try:
+            return self._positions[name]
+        except KeyError:
+            raise self._no_param(name) from None
+
+    def _no_param(self, name: str) -> PlanError:
+        close = [p.name for p in self.params if name.split(".")[-1] in p.name][:5] or [p.name for p in self.params[:5]]
+        return PlanError(f"the plan has no parameter {name!r}; it has e.g. {close}")
+
+    def param(self, name: str) -> ParamPlan:
+        return self.params[self.index(name)]
+
+    def unit(self, name: str) -> UnitPlan:
+        try:
+            return self._units_by_name[name]
+        except KeyError:
+            raise PlanError(f"the plan has no unit {name!r}; units: {[u.name for u in self.units]}") from None
+
+    # -- per-rank geometry: pieces -------------------------------------------------------------------
+    @cached_property
+    def full_offsets(self) -> tuple[int, ...]:
+        """Per parameter (``plan.params`` order) where it starts in its buffer's full parameters (parameter
+        layout: packed back to back for copy-out buffers, in place otherwise)."""
+        return geometry.full_offsets(self.params, self.buffers)
+
+    @cached_property
+    def _piece_cache(self) -> dict[int, tuple[Piece, ...]]:
+        return {}
+
+    def pieces(self, rank: int) -> tuple[Piece, ...]:
+        """Every parameter's piece on ``rank``, in ``plan.params`` order; computed on first use and cached
+        (for the last :data:`PIECE_CACHE_RANKS` ranks asked).
+
+        >>> [p.box for p in plan.pieces(rank=1)]
+        """
+        rank = self._check_rank(rank)
+        cache = self._piece_cache
+        out = cache.get(rank)
+        if out is None:
+            out = cache[rank] = geometry.pieces(self.mesh, self.params, self.buffers, self.full_offsets, rank)
+            if len(cache) > PIECE_CACHE_RANKS:  # [Note: dicts keep insertion order: the oldest rank goes first]
+                cache.pop(next(iter(cache)), None)
+        return out
+
+    def piece(self, name: str, rank: int) -> Piece:
+        """``rank``'s piece of parameter ``name``: its global box, its box in the tensor-parallel-local tensor,
+        its offset in the rank's shard and in the gathered parameters, its shape.
+
+        >>> plan.piece("layers.0.w", rank=1).box      # e.g. (slice(64, 128), slice(0, 256))
+        """
+        i = self.index(name)
+        rank = self._check_rank(rank)
+        cached = self._piece_cache.get(rank)
+        if cached is not None:
+            return cached[i]
+        # [Note: one piece is O(dims); computing the rank's whole tuple for it would make per-name loops
+        # over many ranks (checkpoints, copy plans) cost O(params x ranks) in memory]
+        p = self.params[i]
+        return geometry.piece(self.mesh, p, index=i, b=self.buffers[p.buffer], rank=rank, full_offset=self.full_offsets[i])
+
+    def buffer_pieces(self, buffer: int, rank: int) -> tuple[Piece, ...]:
+        """``rank``'s pieces of the parameters of ``plan.buffers[buffer]``, in the buffer's order (``bp.params``)."""
+        return tuple(self.piece(n, rank) for n in self.buffers[buffer].params)
+
+    def _check_rank(self, rank: int) -> int:
+        try:
+            r = operator.index(rank)
+        except TypeError:
+            r = -1
+        if not 0 <= r < self.mesh.size:
+            raise PlanError(f"rank {rank!r} is not a rank of {self.mesh!r} (0..{self.mesh.size - 1})")
+        return r
+
+    def segment(self, buffer: BufferPlan, rank: int) -> int:
+        """Index of ``rank``'s segment in ``buffer``'s gathered layout (its rank in the shard group)."""
+        return geometry.segment(self.mesh, buffer, rank)
+
+    def local_slices(self, name: str, rank: int) -> Optional[tuple[slice, ...]]:
+        """Global index box of parameter ``name`` that ``rank`` owns (``None`` if it owns nothing).
+
+        >>> plan.local_slices("layers.0.w", rank=1)     # e.g. (slice(64, 128), slice(0, 256))
+
+        Under ``optim``/``optim_grads`` this is the shard whose optimizer state the rank owns; under
+        ``no_shard`` every rank owns the whole tensor.
+        """
+        return self.piece(name, rank).box
+
+    def local_shape(self, name: str, rank: int) -> tuple[int, ...]:
+        return self.piece(name, rank).shape
+
+    def storage_slices(self, name: str, rank: int) -> Optional[tuple[slice, ...]]:
+        """The box of ``rank``'s shard inside the tensor-parallel-local tensor it computes with (equal
+        to :meth:`local_slices` where no compute axis shards ``name``)."""
+        return self.piece(name, rank).storage_box
+
+    def local_offset(self, name: str, rank: int) -> int:
+        """Offset of ``rank``'s piece of ``name`` inside its own shard of the buffer (elements)."""
+        return self.piece(name, rank).shard_offset
+
+    def owner_axes(self, name: str) -> tuple[str, ...]:
+        """Mesh axes along which ranks hold different pieces of ``name`` (storage and compute), mesh order."""
+        p = self.param(name)
+        b = self.buffers[p.buffer]
+        axes = set(b.axes if b.sharded else ()) | ({p.tp_axis} if p.tp_axis else set())
+        return tuple(a for a in self.mesh.axis_names if a in axes)
+
+    def replicas(self, name: str) -> int:
+        """How many ranks hold each element of ``name`` (copies over the axes that do not shard it)."""
+        return self.mesh.size // self.mesh.axis_size(self.owner_axes(name))
+
+    # -- data parallelism -------------------------------------------------------------------------------
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The mesh axes that split the batch: every axis but the compute axes."""
+        return tuple(a for a in self.mesh.axis_names if a not in self.compute_axes)
+
+    @property
+    def data_size(self) -> int:
+        """Into how many slices the global batch is split (ranks of one tensor-parallel group share one)."""
+        return self.mesh.axis_size(self.data_axes) if self.data_axes else 1
+
+    def data_index(self, rank: int) -> int:
+        """Which slice of the global batch ``rank`` computes.
+
+        >>> x_local = x.chunk(plan.data_size)[plan.data_index(rank)]
+        """
+        return self.mesh.axis_index(rank, self.data_axes)
+
+    def tp_module(self, path: str) -> Optional[tp.TPModule]:
+        return next((m for m in self.tp_modules if m.path == path), None)
+
+    # -- the schedule as a program -----------------------------------------------------------------------
+    @cached_property
+    def program(self) -> Program:
+        """The schedule arranged per event, as the runtime executes it (see :mod:`shardplan.plan.schedule`)."""
+        return S.program(self.units, self.schedule)
+
+    def ops(self, *, stale: bool = True, grad: bool = True, sync: bool = True) -> tuple[Op, ...]:
+        """The ops a step with these facts runs, in order: ``stale`` (the shards changed since the last
+        gather), ``grad`` (a backward follows the forward), ``sync`` (gradients are reduced).
+
+        >>> plan.ops()                       # a training step
+        >>> plan.ops(grad=False)             # an eval / no_grad forward
+        """
+        return S.select(self.schedule, stale=stale, grad=grad, sync=sync)
+
+    # -- transformations ---------------------------------------------------------------------------------
+    # [Note: with_prefetch / with_reshard_after_forward / with_order rebuild the schedule from the options. A
+    # schedule edited with with_schedule cannot be rebuilt (the edit is a list of ops, not a rule), so they
+    # refuse an edited plan rather than silently drop the edit; a no-op change returns the plan itself.]
+    @cached_property
+    def _built_schedule(self) -> tuple[Op, ...]:
+        return S.build_schedule(self.units, self.buffers, self.mesh, self.level, self.prefetch, self.order,
+                                len(self.params))
+
+    @property
+    def schedule_edited(self) -> bool:
+        """Whether the schedule is not the one the planner builds from the plan's options (:meth:`with_schedule`)."""
+        return self.schedule != self._built_schedule
+
+    def with_prefetch(self, prefetch: int) -> "Plan":
+        """The same plan gathering ``prefetch`` units ahead (forward and backward).
+
+        >>> plan.with_prefetch(2).prefetch
+        2
+        """
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise PlanError(f"prefetch must be a non-negative integer (units gathered ahead); got {prefetch!r}")
+        return self._rebuilt("with_prefetch", prefetch=prefetch)
+
+    def with_reshard_after_forward(self, which: Union[bool, Mapping[str, bool]]) -> "Plan":
+        """The same plan with units kept gathered from forward to backward (``False``) or freed after
+        their forward (``True``): one bool for every unit, or ``{unit: bool}``.
+
+        >>> plan.with_reshard_after_forward({"layers.0": False})
+        """
+        if isinstance(which, bool):
+            flags = {u.name: which for u in self.units}
+        else:
+            flags = dict(which)
+            for name in flags:
+                self.unit(name)
+        units = tuple(dataclasses.replace(u, reshard_after_forward=bool(flags.get(u.name, u.reshard_after_forward)))
+                      if u.name != ROOT else u for u in self.units)
+        raf = all(u.reshard_after_forward for u in units[1:-1]) if len(units) > 2 else self.reshard_after_forward
+        return self._rebuilt("with_reshard_after_forward", units=units, reshard_after_forward=raf)
+
+    def with_order(self, order: Union[Order, str]) -> "Plan":
+        """The same plan for units that run in plan order (``"static"``) or in any order (``"dynamic"``)."""
+        return self._rebuilt("with_order", order=choose(Order, order, "order"))
+
+    def with_schedule(self, ops: Sequence[Op]) -> "Plan":
+        """The same plan running ``ops`` instead of its schedule, after checking them.
+
+        >>> ops = [o for o in plan.schedule if not (o.kind == "free" and o.event == "post_forward")]
+        >>> plan.with_schedule(ops)          # keeps every unit gathered from forward to backward
+
+        Raises :class:`PlanError` naming the op for a schedule that reads a buffer before its gather,
+        frees one still in use, leaves a gradient unreduced, or names unknown buffers or triggers. An
+        edited plan keeps its options: apply ``with_prefetch`` and the others before ``with_schedule``.
+        """
+        candidate = dataclasses.replace(self, schedule=normalised(ops))
+        validate(candidate)
+        return candidate
+
+    def _rebuilt(self, how: str, **changes) -> "Plan":
+        if all(getattr(self, k) == v for k, v in changes.items()):
+            return self
+        if self.schedule_edited:
+            raise PlanError(f"{how}: this plan's schedule was edited (with_schedule, or read from JSON of another "
+                            f"planner), and rebuilding it from the options would drop the edit; call {how} on the "
+                            f"plan before editing its schedule, then edit the new plan's schedule")
+        base = dataclasses.replace(self, **changes)
+        out = dataclasses.replace(base, schedule=base._built_schedule)
+        validate(out)
+        return out
+
+    # -- accounting ----------------------------------------------------------------------------------
+    def memory(self, rank: int = 0) -> Memory:
+        """Planned bytes on ``rank``: params, grads and optimizer state, and the peak over the schedule."""
+        return Memory(**accounting.memory(self, rank))
+
+    def comm_bytes(self, rank: int = 0) -> dict[str, Optional[int]]:
+        """Bytes each rank sends per training step, by op kind (ring algorithms: (n-1)/n of the payload).
+        With compute axes, ``tensor_parallel`` adds the activations the styles move: estimated when the plan
+        was traced with example inputs (``trace=``), ``None`` ("not estimated") otherwise."""
+        return accounting.comm_bytes(self)
+
+    def max_gathered_units(self) -> int:
+        """Most units whose parameters are gathered (or being gathered) at once in a training step."""
+        return accounting.max_gathered_units(self)
+
+    @property
+    def padding(self) -> int:
+        """Padded elements summed over buffers (per rank group)."""
+        return sum(b.padding for b in self.buffers)
+
+    def to_chrome_trace(self, path: str, *, gbps: float = 100.0) -> None:
+        """Write the planned schedule as a Chrome/Perfetto trace (open in ui.perfetto.dev); a picture of the
+        plan's order and sizes at ``gbps`` GB/s, not a measurement."""
+        render.chrome_trace(self, path, gbps)
+
+    # -- serialisation -------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return serialize.to_dict(self)
+
+    def to_json(self, indent: Optional[int] = None) -> str:
+        return serialize.to_json(self, indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls(**serialize.plan_fields(text))
+
+    def fingerprint(self) -> str:
+        """A short hash of the plan's JSON: equal on every process that built the same plan."""
+        return self._fingerprint
+
+    @cached_property
+    def _fingerprint(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    def equivalent(self, other: "Plan") -> bool:
+        """Whether ``other`` shards and schedules exactly like this plan (only the rules' wording, the
+        planner's notes and the warnings may differ): the test for a plan rebuilt from :meth:`declarative`."""
+        def core(p):
+            d = p.to_dict()
+            for q in d["params"]:
+                q.pop("rule")
+            d.pop("notes"), d.pop("warnings")
+            return d
+        return core(self) == core(other)
+
+    def declarative(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`shardplan.plan` that rebuild this plan from its module: rules (one
+        per parameter name, block indices generalised), units (exact module paths), options.
+
+        >>> sp.plan(model, **plan.declarative()).equivalent(plan)      # True (a traced order needs trace=)
+        """
+        from ..auto import rules_from_specs
+        specs = [(p.name, p.spec if self.level else self.param(p.name).spec) for p in self.params]
+        paths = [m for u in self.units[1:] for m in u.module_paths]
+        rafs = {u.reshard_after_forward for u in self.units[1:-1]}
+        tp_opts = dict(compute_axes=self.compute_axes,
+                       styles=[(re.escape(m.path), m.style) for m in self.tp_modules]) if self.compute_axes else {}
+        return dict(rules=rules_from_specs(specs), mesh=self.mesh, strategy=self.strategy, **tp_opts,
+                    units=[re.escape(m) for m in paths], compute_dtype=self.compute_dtype,
+                    reduce_dtype=self.reduce_dtype, prefetch=self.prefetch,
+                    reshard_after_forward=rafs.pop() if len(rafs) == 1 else self.reshard_after_forward,
+                    optimizer_states=self.optimizer_states, min_unit_bytes=self.min_unit_bytes, order=self.order,
+                    **({"layout": self.layout} if self.layout != LayoutChoice.AUTO else {}))
+
+    def to_source(self) -> str:
+        """A Python file that rebuilds this plan for ``model``: the rules, the units and the options."""
+        d = self.declarative()
+        head = d.pop("rules").to_source().replace("from shardplan import P, Rules", "import shardplan as sp\nfrom shardplan import P, Rules")
+        mesh = d.pop("mesh")
+        opts = ", ".join(f"{k}={v!r}" for k, v in d.items())
+        return head + f"\nplan = sp.plan(model, rules, sp.{mesh!r}, {opts})\n"
+
+    def summary(self) -> dict[str, Any]:
+        """The plan's options and sizes, for telling two plans apart (ranks that disagree, say)."""
+        return serialize.summary(self)
+
+    def __str__(self) -> str:
+        return render.render(self)
+
+    def __repr__(self) -> str:
+        return (f"Plan({self.mesh!r}, strategy={self.strategy!r}, params={len(self.params)}, units={len(self.units)}, "
+                f"buffers={len(self.buffers)}, ops={len(self.schedule)}, fingerprint={self.fingerprint()!r})")

@@ -1,0 +1,135 @@
+"""The plan's vocabularies as enums: op kinds and subjects, events, conditions, strategies, orders and
+layout choices. Each member *is* its string (``OpKind.ALL_GATHER == "all_gather"``), so JSON, fingerprints
+and printed plans read exactly as they did when these were plain strings.
+
+>>> choose(Order, "dynamic", "order")
+'dynamic'
+>>> choose(Order, "sideways", "order")        # PlanError: order must be one of ('static', 'dynamic'); got 'sideways'
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TypeVar
+
+from ..errors import PlanError
+
+
+class Name(str, enum.Enum):
+    """A string-valued enum that prints, formats and reprs as its value.
+
+    [Note: Python 3.11 formats ``(str, Enum)`` members as ``Cls.MEMBER`` in f-strings; the overrides keep
+    every rendered plan, error message and ``plan.to_source()`` (which writes ``strategy='optim'``) as they
+    were. Hashing and equality are the string's, so ``{"all_gather": n}[OpKind.ALL_GATHER]`` works.]
+    """
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        return tuple(m.value for m in cls)
+
+
+class OpKind(Name):
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+    WAIT = "wait"
+    FREE = "free"
+
+
+class Subject(Name):
+    """What an op moves: the parameters, the gradients, or the used-parameter flags."""
+
+    PARAMS = "params"
+    GRADS = "grads"
+    USED = "used"
+
+
+class Event(Name):
+    BEFORE_FORWARD = "before_forward"
+    PRE_FORWARD = "pre_forward"
+    POST_FORWARD = "post_forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
+    END_BACKWARD = "end_backward"
+
+
+class Condition(Name):
+    """When an op runs (see :mod:`shardplan.plan.schedule`); ``ALWAYS`` is ``""`` and so falsy."""
+
+    ALWAYS = ""
+    STALE = "stale"
+    SYNC = "sync"
+    NO_GRAD = "no_grad"
+
+
+class Phase(Name):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    STEP = "step"
+
+
+class Strategy(Name):
+    """ZeRO levels 0..3, in order: what is sharded besides the optimizer state."""
+
+    NO_SHARD = "no_shard"
+    OPTIM = "optim"
+    OPTIM_GRADS = "optim_grads"
+    OPTIM_GRADS_PARAMS = "optim_grads_params"
+
+
+class Order(Name):
+    STATIC = "static"
+    DYNAMIC = "dynamic"
+
+
+class LayoutChoice(Name):
+    """``plan(layout=...)``: the planner's choice, or ``torch.chunk`` pieces everywhere (DTensor-describable)."""
+
+    AUTO = "auto"
+    CHUNKED = "chunked"
+
+
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, WAIT, FREE = OpKind
+COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
+KINDS = tuple(OpKind)
+PARAMS, GRADS, USED = Subject
+BEFORE_FORWARD, PRE_FORWARD, POST_FORWARD, PRE_BACKWARD, POST_BACKWARD, END_BACKWARD = Event
+EVENTS = tuple(Event)
+ALWAYS, STALE, SYNC, NO_GRAD = Condition
+CONDITIONS = tuple(Condition)
+FORWARD, BACKWARD, STEP = Phase
+STRATEGIES = tuple(Strategy)
+ORDERS = tuple(Order)
+LAYOUTS = tuple(LayoutChoice)
+
+E = TypeVar("E", bound=Name)
+
+
+def choose(cls: type[E], value, what: str) -> E:
+    """``value`` (a member or its string) as a member of ``cls``, else a :class:`PlanError` naming the choices."""
+    try:
+        return cls(value)
+    except ValueError:
+        raise PlanError(f"{what} must be one of {cls.values()}; got {value!r}") from None
+
+
+def strategy_level(strategy) -> int:
+    """0..3 from a strategy name or number (ZeRO level).
+
+    >>> strategy_level("optim_grads"), strategy_level(3)
+    (2, 3)
+    """
+    if isinstance(strategy, int) and not isinstance(strategy, bool) and 0 <= strategy <= 3:
+        return strategy
+    if isinstance(strategy, str) and strategy in Strategy.values():
+        return STRATEGIES.index(Strategy(strategy))
+    raise PlanError(f"unknown strategy {strategy!r}; use one of {Strategy.values()} or 0..3")

@@ -1,0 +1,315 @@
+"""The plan's plain frozen values: parameters, buffers, units, ops, steps, pieces. No behaviour beyond
+properties of one value; everything that reads several lives in the function modules (``geometry``,
+``schedule``, ``accounting``, ...) and :class:`shardplan.plan.Plan` ties them together.
+
+>>> p = plan.param("layers.0.attention.wq.weight")      # a ParamPlan
+>>> p.global_shape, p.compute                             # e.g. (64, 64), Compute(dim=0, axis='tp', size=2)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from .. import layout as L
+from ..dtypes import itemsize
+from ..spec import P
+from ..units import ROOT
+from .kinds import (ALWAYS, BACKWARD, BEFORE_FORWARD, COLLECTIVES, END_BACKWARD, FORWARD, NO_GRAD, POST_BACKWARD,
+                    POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, STALE, STEP, SYNC, Condition, Event, OpKind, Phase,
+                    Subject)
+
+Box = tuple[slice, ...]
+
+
+# -- parameters ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Compute:
+    """How a compute (tensor-parallel) axis shards one parameter: ``dim`` over ``axis`` (``size`` ranks)."""
+
+    dim: int
+    axis: str
+    size: int
+
+
+def storage_spec(spec: P, compute_axes) -> P:
+    """``spec`` without its compute axes: how the tensor-parallel-local tensor is stored.
+
+    >>> storage_spec(P(("tp", "dp")), ("tp",))
+    P('dp')
+    """
+    return P(*(tuple(a for a in spec.dim_axes(d) if a not in compute_axes) or None for d in range(len(spec))))
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """One parameter: its (tensor-parallel-local) shape and dtype, spec, unit, and place in its buffer.
+
+    ``compute``: the dimension a compute axis keeps sharded while computing (``None``: replicated compute);
+    ``shape`` is then what one tensor-parallel rank computes with (global dim / ``compute.size``).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: P
+    rule: str
+    unit: str
+    buffer: int
+    offset: int  # contiguous: offset in the gathered buffer; interleaved: offset in every segment; replicated: in buffer
+    requires_grad: bool
+    aliases: tuple[str, ...] = ()
+    compute: Optional[Compute] = None
+
+    # [Note: the sentinel readers of before ``compute`` existed (-1 / "" / 1 for none); kept read-only so the
+    # runtime and the JSON format read them unchanged]
+    @property
+    def tp_dim(self) -> int:
+        return self.compute.dim if self.compute else -1
+
+    @property
+    def tp_axis(self) -> str:
+        return self.compute.axis if self.compute else ""
+
+    @property
+    def tp_size(self) -> int:
+        return self.compute.size if self.compute else 1
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        """The whole tensor's shape (``shape`` is what one tensor-parallel rank computes with)."""
+        c = self.compute
+        if c is None:
+            return self.shape
+        return tuple(s * c.size if d == c.dim else s for d, s in enumerate(self.shape))
+
+    @property
+    def storage_spec(self) -> P:
+        """The spec over the storage (data) axes: how the tensor-parallel-local tensor is sharded."""
+        return storage_spec(self.spec, (self.compute.axis,)) if self.compute else self.spec
+
+    @property
+    def row(self) -> int:
+        return math.prod(self.shape[1:]) if self.shape else 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Piece:
+    """Rank ``rank``'s piece of parameter ``param``: the box of the whole tensor it holds, and where.
+
+    >>> plan.piece("layers.0.w", rank=1)     # e.g. Piece(param='layers.0.w', box=(slice(64, 128), slice(0, 256)), ...)
+    """
+
+    param: str                     # plan name
+    index: int                     # position in plan.params
+    buffer: int                    # plan.buffers index
+    rank: int
+    box: Optional[Box]             # global box; None: holds nothing
+    storage_box: Optional[Box]     # box in the tensor-parallel-local tensor
+    shard_offset: int              # where the piece starts in the rank's flat shard of the buffer
+    shape: tuple[int, ...]         # the piece's shape
+    full_offset: int               # where the whole (TP-local) parameter starts in the gathered parameter layout
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+# -- buffers and units -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BufferPlan:
+    """One flat buffer of a unit: parameters of one dtype sharded over the same axes.
+
+    The facts below the layout are decided once, by the planner, and read by the runtime and by
+    :meth:`Plan.memory` alike: ``alias`` (the full buffer and the local shard share storage),
+    ``persistent`` (the full buffer is kept between steps), ``grad_alias`` (the local shards' gradients
+    are views of the unsharded gradient) and ``keeps_grads`` (the unsharded gradient is kept after its
+    reduction, ZeRO-0/1).
+    """
+
+    index: int
+    unit: str
+    dtype: str
+    compute_dtype: str
+    reduce_dtype: str
+    layout: str
+    axes: tuple[str, ...]          # shard axes (all-gather / reduce-scatter group), mesh order
+    replica_axes: tuple[str, ...]  # gradients all-reduced over these
+    group_size: int
+    shard_numel: int               # S: elements each rank stores
+    numel: int                     # elements of real data
+    params: tuple[str, ...]
+    requires_grad: bool
+    alias: bool = False
+    persistent: bool = True
+    grad_alias: bool = False
+    keeps_grads: bool = True
+
+    @property
+    def sharded(self) -> bool:
+        return self.layout != L.REPLICATED
+
+    @property
+    def gathered_numel(self) -> int:
+        return self.shard_numel * self.group_size if self.sharded else self.shard_numel
+
+    @property
+    def reduced_numel(self) -> int:
+        """Elements of the gradient each rank holds after the reduce-scatter (all of it if replicated)."""
+        return self.shard_numel if self.sharded else self.gathered_numel
+
+    @property
+    def grad_numel(self) -> int:
+        """Elements of the unsharded gradient (parameter layout for copy-out buffers)."""
+        return self.numel if self.copy_out else self.gathered_numel
+
+    @property
+    def padding(self) -> int:
+        return self.gathered_numel - self.numel
+
+    @property
+    def copy_out(self) -> bool:
+        return self.layout == L.INTERLEAVED
+
+    @property
+    def itemsize(self) -> int:
+        return itemsize(self.dtype)
+
+    @property
+    def compute_itemsize(self) -> int:
+        return itemsize(self.compute_dtype)
+
+    @property
+    def reduce_itemsize(self) -> int:
+        return itemsize(self.reduce_dtype)
+
+
+def buffer_facts(layout: str, level: int, group_size: int, dtype: str, compute: str, reduce: str) -> dict[str, bool]:
+    """The storage facts of a buffer (see :class:`BufferPlan`); the single place they are decided."""
+    replicated = layout == L.REPLICATED
+    alias = layout != L.INTERLEAVED and compute == dtype and (replicated or level <= 2)
+    return dict(alias=alias, persistent=level <= 2 or alias,
+                grad_alias=(replicated or (group_size == 1 and level <= 1)) and compute == dtype == reduce,
+                keeps_grads=level <= 1)
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    name: str
+    buffers: tuple[int, ...]
+    reshard_after_forward: bool
+    modules: tuple[str, ...] = ()  # module paths it covers, when neighbours were merged (else just `name`)
+    parent: str = ROOT             # the unit whose module encloses this one's (nested units)
+
+    @property
+    def module_paths(self) -> tuple[str, ...]:
+        return self.modules or (("",) if self.name == ROOT else (self.name,))
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on one rank. ``peak`` = the most the schedule holds at once (optimizer state included)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    gathered_peak: int
+    peak: int
+
+    @property
+    def persistent(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+# -- the schedule ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class Op:
+    """One op of the schedule.
+
+    >>> Op(kind=FREE, unit="layers.0", what=PARAMS, event=POST_FORWARD, at="layers.0", buffers=(2,))
+
+    ``kind``: all_gather | reduce_scatter | all_reduce | wait | free; ``what``: params | grads | used.
+    ``unit``: the unit whose buffers it touches; ``event``/``at``: what triggers it; ``when``: its
+    condition. ``bytes`` is the payload of a collective (the full, gathered or unreduced size on one
+    rank). A ``wait`` completes the unit's pending op of the same ``what``: for params it also binds the
+    full parameters into the modules, for grads it hands the local shards their gradients. A ``free``
+    of params binds the local shards again and releases the gathered storage (kept for persistent
+    buffers); a ``free`` of grads releases the unsharded gradient.
+    """
+
+    kind: OpKind
+    unit: str
+    what: Subject
+    event: Event
+    at: str = ""
+    buffers: tuple[int, ...] = ()
+    axes: tuple[str, ...] = ()
+    bytes: int = 0
+    prefetch: bool = False
+    when: Condition = ALWAYS
+
+    @property
+    def phase(self) -> Phase:
+        if self.event == BEFORE_FORWARD:
+            return STEP
+        return FORWARD if self.event in (PRE_FORWARD, POST_FORWARD) else BACKWARD
+
+    @property
+    def trigger(self) -> str:
+        return f"{self.event}({self.at})" if self.at else f"{self.event}"
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.kind, self.unit, self.phase)
+
+    @property
+    def is_collective(self) -> bool:
+        return self.kind in COLLECTIVES
+
+    def applies(self, *, stale: bool = True, grad: bool = True, sync: bool = True) -> bool:
+        """Whether the op runs in a step with these facts (see :mod:`shardplan.plan.schedule`)."""
+        if not grad and self.event in (PRE_BACKWARD, POST_BACKWARD, END_BACKWARD):
+            return False
+        w = self.when
+        return w == ALWAYS or (w == STALE and stale) or (w == SYNC and sync) or (w == NO_GRAD and not grad)
+
+    def __str__(self) -> str:
+        flags = (" prefetch" if self.prefetch else "") + (f" [{self.when}]" if self.when else "")
+        ax = ",".join(self.axes) or "-"
+        size = f"{self.bytes:>13,d} B" if self.is_collective else " " * 15
+        return f"{self.trigger:<34} {self.kind:<14} {self.what:<6} {self.unit:<22} axes={ax:<12} {size}{flags}"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One event of a step and the indices (into ``plan.schedule``) of the ops it runs, in order."""
+
+    event: Event
+    at: str
+    ops: tuple[int, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return f"{self.event}({self.at})" if self.at else f"{self.event}"
+
+
+@dataclass(frozen=True)
+class Program:
+    """The schedule arranged for execution: the forward steps, the backward steps (``pre_backward`` and
+    ``post_backward`` interleaved in the order they come when units run in plan order), ``end_backward``."""
+
+    forward: tuple[Step, ...]
+    backward: tuple[Step, ...]
+    end: Step
+
+    def canonical(self) -> list[Step]:
+        """Every step in plan order (the printed order)."""
+        return list(self.forward) + list(self.backward) + [self.end]
