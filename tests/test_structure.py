@@ -159,8 +159,6 @@ def test_plan_modules_are_layered():
                 assert ok, f"{mod} (layer {k}) imports {dep} (layer {layer[dep]})"
 
 
-@pytest.mark.xfail(strict=False, reason="runtime/api.py <-> runtime/functional.py <-> tree.py: another engineer is "
-                                        "removing that cycle on another branch")
 def test_whole_package_has_no_import_cycle():
     graph = edges(modules())
     bad = cycles(graph)
