@@ -80,10 +80,11 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
             b.fill_local([tp_local(plan, n, unit_full[n], rank) for n in b.bp.params])
             b.make_params([rt.wrappers.get(n) for n in b.bp.params])
             # the objects the user holds (an optimizer built before shard()) become the local shards
-            b.local = [identity.adopt(originals[n], lp, n) for n, lp in zip(b.bp.params, b.local)]
+            for m in b.members:
+                m.local = identity.adopt(originals[m.name], m.local, m.name)
         del unit_full
-        unit_slots[up.name] = [(m, attr, lp, fp) for b in bufs for pp, lp, fp in zip(b.infos, b.local, b.full_params)
-                               for m, attr in slots[pp.name]]
+        unit_slots[up.name] = [(owner, attr, m.local, m.full) for b in bufs for m in b.members
+                               for owner, attr in slots[m.name]]
         for m, attr, lp, _ in unit_slots[up.name]:
             m._parameters[attr] = lp  # drops the module's full tensors (meta init: the only full copy of this unit)
 
@@ -173,7 +174,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
     if norm_type == math.inf:
         local = torch.zeros((), device=dev)
         for b in eng.buffer.values():
-            for lp in b.local:
+            for lp in (m.local for m in b.members):
                 if lp.grad is not None and lp.grad.numel():
                     local = torch.maximum(local, lp.grad.detach().abs().max().float())
                     grads.append(lp.grad)
@@ -182,7 +183,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
     else:
         acc = torch.zeros((), dtype=torch.float64 if dev.type == "cpu" else torch.float32, device=dev)
         for b in eng.buffer.values():
-            held = [(lp.grad, info.name) for lp, info in zip(b.local, b.infos) if lp.grad is not None and lp.grad.numel()]
+            held = [(m.local.grad, m.name) for m in b.members if m.local.grad is not None and m.local.grad.numel()]
             if not held:
                 continue
             gs = [g for g, _ in held]

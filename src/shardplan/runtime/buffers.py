@@ -10,7 +10,8 @@ packed tensor and copy out into parameter layout (and copy gradients back in bef
 from __future__ import annotations
 
 import math
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -18,6 +19,7 @@ import torch.nn as nn
 from ..dtypes import to_torch
 from ..errors import RuntimeShardingError
 from ..plan import BufferPlan, Plan
+from ..plan.values import ParamPlan, Piece
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -48,6 +50,35 @@ def same_storage(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
         and a.untyped_storage().size() > 0
 
 
+@dataclass(eq=False)
+class Member:
+    """One parameter of a buffer on this rank: its plan value, its piece (:class:`shardplan.plan.Piece`:
+    which box of it this rank holds, where in the shard, where in the full parameters), and the tensors
+    the runtime keeps over the buffer's storage."""
+
+    info: ParamPlan
+    piece: Piece
+    copy_plan: tuple = ()           # interleaved buffers: (segment, storage box, numel) of every group member
+    wrap: Optional[Callable] = None  # tensor parallelism: full tensor -> the DTensor its module computes with
+    local: Optional[nn.Parameter] = None  # this rank's shard, a view of the flat shard
+    full: Optional[nn.Parameter] = None   # the full parameter, over the gathered storage
+    view: Optional[torch.Tensor] = None   # its part of the unsharded gradient
+    handle: Optional[torch.Tensor] = None  # what ``full.grad`` is: ``view`` (or a DTensor over it)
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def index(self) -> int:
+        return self.piece.index
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        """[start, stop) of this rank's piece in the flat shard."""
+        return self.piece.shard_offset, self.piece.shard_offset + self.piece.numel
+
+
 class BufferState:
     """Tensors of one buffer on this rank, and the moves between them. No collectives here."""
 
@@ -58,8 +89,9 @@ class BufferState:
         self.sharded, self.requires_grad = bp.sharded, bp.requires_grad
         self.device = device
         self.seg = plan.segment(bp, rank)
-        self.infos = [plan.param(n) for n in bp.params]
-        self.param_index = [plan.index(n) for n in bp.params]
+        group = self._group(plan) if bp.copy_out else ()
+        self.members = [Member(plan.param(pc.param), pc, self._copy_plan(plan, pc.param, group))
+                        for pc in plan.buffer_pieces(bp.index, rank)]
         # full: the full parameters' storage, in parameter layout (interleaved: packed elsewhere)
         self.full = torch.zeros(bp.numel if bp.copy_out else self.G, dtype=self.cdtype, device=device)
         self.packed = torch.zeros(self.G, dtype=self.cdtype, device=device) if bp.copy_out else None
@@ -67,58 +99,45 @@ class BufferState:
             self.shard = self.full[self.seg * self.S:(self.seg + 1) * self.S] if self.sharded else self.full
         else:
             self.shard = torch.zeros(self.S, dtype=self.dtype, device=device)
-        self.offsets = []  # offset of each parameter in `full`
-        c = 0
-        for p in self.infos:
-            self.offsets.append(c if bp.copy_out else p.offset)
-            c += p.numel
-        self.local_boxes = []  # (box in the tensor-parallel-local tensor or None, offset in shard, local shape)
-        for p in self.infos:
-            box = plan.storage_slices(p.name, rank)
-            self.local_boxes.append((box, plan.local_offset(p.name, rank) if box is not None else 0,
-                                     plan.local_shape(p.name, rank)))
-        self.copy_plans = self._copy_plans(plan) if bp.copy_out else None
         self.flat: Optional[torch.Tensor] = None  # the unsharded gradient, in compute dtype
         self.flat_window = -1
-        self.views: list[torch.Tensor] = []
-        self.handles: list[torch.Tensor] = []  # what the full parameters' .grad are: the views (or DTensors over them)
-        self.wraps: list = [None] * len(self.infos)  # tensor-parallel parameters: local tensor -> DTensor
-        self.local: list[nn.Parameter] = []
-        self.full_params: list[nn.Parameter] = []
         if self.packed is not None:
             free_storage(self.packed)
 
-    def _copy_plans(self, plan: Plan):
-        """Per parameter: (segment index, global box, numel) for every member of the shard group."""
+    def _group(self, plan: Plan) -> tuple[int, ...]:
+        """The ranks of one shard group, in segment order (the copy-out reads their segments)."""
         first = plan.mesh.rank_of([0] * len(plan.mesh.axis_names))
-        group = plan.mesh.group_of(first, self.bp.axes) if self.bp.axes else (first,)
+        return plan.mesh.group_of(first, self.bp.axes) if self.bp.axes else (first,)
+
+    @staticmethod
+    def _copy_plan(plan: Plan, name: str, group: tuple[int, ...]) -> tuple:
         out = []
-        for p in self.infos:
-            pieces = []
-            for seg, r in enumerate(group):
-                box = plan.storage_slices(p.name, r)
-                if box is not None:
-                    pieces.append((seg, box, math.prod(s.stop - s.start for s in box)))
-            out.append(pieces)
-        return out
+        for seg, r in enumerate(group):
+            pc = plan.piece(name, r)
+            if pc.storage_box is not None:
+                out.append((seg, pc.storage_box, math.prod(s.stop - s.start for s in pc.storage_box)))
+        return tuple(out)
 
     # -- construction ---------------------------------------------------------------------------
     def fill_local(self, originals: list[Optional[torch.Tensor]]) -> None:
         """Copy this rank's pieces of the full parameters into the shard."""
         with torch.no_grad():
-            for (box, off, shape), t in zip(self.local_boxes, originals):
-                if box is None or t is None:
+            for m, t in zip(self.members, originals):
+                if m.piece.storage_box is None or t is None:
                     continue
-                self.shard[off:off + math.prod(shape)].copy_(t[box].reshape(-1))
+                a, b = m.shard_range
+                self.shard[a:b].copy_(t[m.piece.storage_box].reshape(-1))
 
     def make_params(self, wraps: Optional[list] = None) -> None:
         """The local shards and the full parameters; ``wraps[i]`` (tensor parallelism) turns parameter i's
         full tensor into the DTensor its module computes with, over the same storage."""
-        self.wraps = list(wraps) if wraps is not None else self.wraps
-        self.local = [nn.Parameter(self.shard[off:off + math.prod(shape)].view(shape), requires_grad=p.requires_grad)
-                      for (box, off, shape), p in zip(self.local_boxes, self.infos)]
-        self.full_params = [nn.Parameter(self._wrap(i, alias(self.full, off, p.shape)), requires_grad=p.requires_grad)
-                            for i, (off, p) in enumerate(zip(self.offsets, self.infos))]
+        for i, m in enumerate(self.members):
+            if wraps is not None:
+                m.wrap = wraps[i]
+            a, b = m.shard_range
+            m.local = nn.Parameter(self.shard[a:b].view(m.piece.shape), requires_grad=m.info.requires_grad)
+            m.full = nn.Parameter(self._wrap(m, alias(self.full, m.piece.full_offset, m.info.shape)),
+                                  requires_grad=m.info.requires_grad)
         if not self.bp.persistent:
             free_storage(self.full)
 
@@ -145,9 +164,10 @@ class BufferState:
             return
         packed = self.packed.view(self.bp.group_size, self.S) if self.sharded else self.packed.view(1, -1)
         with torch.no_grad():
-            for i, p in enumerate(self.infos):
-                target = self.full[self.offsets[i]:self.offsets[i] + p.numel].view(p.shape)
-                for seg, box, n in self.copy_plans[i]:
+            for m in self.members:
+                p, off = m.info, m.piece.full_offset
+                target = self.full[off:off + p.numel].view(p.shape)
+                for seg, box, n in m.copy_plan:
                     target[box].copy_(packed[seg, p.offset:p.offset + n].view([s.stop - s.start for s in box]))
         free_storage(self.packed)
 
@@ -164,25 +184,29 @@ class BufferState:
         if not self.requires_grad:
             return
         if self.flat is None or self.flat_window != window:
-            lent = self.flat is not None and any(same_storage(lp.grad, self.flat) for lp in self.local)
+            lent = self.flat is not None and any(same_storage(m.local.grad, self.flat) for m in self.members)
             if self.flat is None or lent:  # the old one still holds the local shards' gradients
                 self._new_flat(torch.zeros)
             else:
                 self.flat.zero_()
             self.flat_window = window
-        for fp, h in zip(self.full_params, self.handles):
+        for m in self.members:
+            fp, h = m.full, m.handle
             if fp.requires_grad and fp.grad is not h:
                 if fp.grad is not None:
                     h.add_(fp.grad)
                 fp.grad = h
 
-    def _wrap(self, i: int, t: torch.Tensor) -> torch.Tensor:
-        return self.wraps[i](t) if self.wraps[i] is not None else t
+    @staticmethod
+    def _wrap(m: Member, t: torch.Tensor) -> torch.Tensor:
+        return m.wrap(t) if m.wrap is not None else t
 
     def _new_flat(self, make) -> None:
         self.flat = make(self.bp.grad_numel, dtype=self.cdtype, device=self.device)
-        self.views = [self.flat[off:off + p.numel].view(p.shape) for off, p in zip(self.offsets, self.infos)]
-        self.handles = [self._wrap(i, v) for i, v in enumerate(self.views)]
+        for m in self.members:
+            off = m.piece.full_offset
+            m.view = self.flat[off:off + m.info.numel].view(m.info.shape)
+            m.handle = self._wrap(m, m.view)
 
     def land_grads(self, window: int, arrived: list) -> None:
         """Add ``(parameter index, gradient)`` pairs into the unsharded gradient; the first arrival of a
@@ -190,24 +214,24 @@ class BufferState:
         fresh = self.flat is None or self.flat_window != window
         if self.flat is None:
             self._new_flat(torch.empty)
-        views = [self.views[i] for i, _ in arrived]
+        views = [self.members[i].view for i, _ in arrived]
         grads = [g for _, g in arrived]
         if not fresh:
             torch._foreach_add_(views, grads)
             return
         self.flat_window = window
         given = {i for i, _ in arrived}
-        rest = [v for i, v in enumerate(self.views) if i not in given]
+        rest = [m.view for i, m in enumerate(self.members) if i not in given]
         torch._foreach_copy_(views, grads)
         if rest:
             torch._foreach_zero_(rest)
-        if self.bp.grad_numel != sum(p.numel for p in self.infos):
+        if self.bp.grad_numel != sum(m.info.numel for m in self.members):
             self._zero_gaps()
 
     def _zero_gaps(self) -> None:
         """Zero the padding between parameters (it is reduced too: keep it finite)."""
         c = 0
-        for off, p in sorted(zip(self.offsets, (p.numel for p in self.infos))):
+        for off, p in sorted((m.piece.full_offset, m.info.numel) for m in self.members):
             if off > c:
                 self.flat[c:off].zero_()
             c = max(c, off + p)
@@ -222,9 +246,9 @@ class BufferState:
         if self.packed is not None:  # copy-in: parameter layout -> packed segments
             g = torch.zeros(self.G, dtype=self.cdtype, device=self.device)
             view = g.view(self.bp.group_size, self.S)
-            for i, p in enumerate(self.infos):
-                for seg, box, n in self.copy_plans[i]:
-                    view[seg, p.offset:p.offset + n].copy_(self.views[i][box].reshape(-1))
+            for m in self.members:
+                for seg, box, n in m.copy_plan:
+                    view[seg, m.info.offset:m.info.offset + n].copy_(m.view[box].reshape(-1))
         if out is not None:
             out.copy_(g[:out.numel()])
             return out
@@ -237,13 +261,15 @@ class BufferState:
             result = result.to(self.dtype)
         created = []
         try:
-            for (box, off, shape), lp, idx in zip(self.local_boxes, self.local, self.param_index):
+            for m in self.members:
+                lp = m.local
                 if not lp.requires_grad:
                     continue
-                g = result[off:off + math.prod(shape)].view(shape)
+                a, b = m.shard_range
+                g = result[a:b].view(m.piece.shape)
                 if lp.grad is None:
                     lp.grad = g
-                    created.append(idx)
+                    created.append(m.index)
                 else:
                     lp.grad.add_(g)
         except RuntimeError:
@@ -259,16 +285,18 @@ class BufferState:
     def detach_grads(self) -> None:
         """The full parameters stop pointing at the unsharded gradient (it is reduced; a later gradient
         must not land in it)."""
-        for fp in self.full_params:
-            fp.grad = None
+        for m in self.members:
+            m.full.grad = None
 
     def release_grads(self) -> None:
         self.detach_grads()
-        self.flat, self.views, self.handles, self.flat_window = None, [], [], -1
+        self.flat, self.flat_window = None, -1
+        for m in self.members:
+            m.view = m.handle = None
 
     def local_grad_by_index(self) -> dict[int, nn.Parameter]:
-        return dict(zip(self.param_index, self.local))
+        return {m.index: m.local for m in self.members}
 
     def tensors(self) -> list[Optional[torch.Tensor]]:
         """Every tensor this buffer holds now (for the runtime's memory accounting)."""
-        return [self.shard, self.full, self.packed, self.flat] + [lp.grad for lp in self.local]
+        return [self.shard, self.full, self.packed, self.flat] + [m.local.grad for m in self.members]

@@ -11,7 +11,6 @@ where its reduced gradient goes (``deliver``).
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Optional, Protocol, runtime_checkable
 
@@ -132,17 +131,16 @@ class TreeFace:
         dsts, srcs = [], []
         for u in exe.unit_list:
             for b in u.buffers:
-                for (box, off, shape), info in zip(b.local_boxes, b.infos):
-                    src = sources[info.name]
-                    seen = self.versions.get(info.name)
+                for m in b.members:
+                    src = sources[m.name]
+                    seen = self.versions.get(m.name)
                     if seen is not None and seen[0]() is src and seen[1] == src._version:
                         continue
-                    self.versions[info.name] = (weakref.ref(src), src._version)
+                    self.versions[m.name] = (weakref.ref(src), src._version)
                     changed = True
-                    n = math.prod(shape)
-                    if b.bp.alias and n:
-                        dsts.append(b.shard[off:off + n])
-                        srcs.append(leaves[info.name].detach().reshape(-1))
+                    if b.bp.alias and m.piece.numel:
+                        dsts.append(b.shard[slice(*m.shard_range)])
+                        srcs.append(leaves[m.name].detach().reshape(-1))
         if dsts:
             with torch.no_grad():
                 torch._foreach_copy_(dsts, srcs)
@@ -154,11 +152,10 @@ class TreeFace:
             return b.gather_input(collective)
         send = torch.empty(b.S, dtype=b.cdtype, device=b.device)  # gaps between pieces are never read
         dsts, srcs = [], []
-        for (box, off, shape), info in zip(b.local_boxes, b.infos):
-            n = math.prod(shape)
-            if n:
-                dsts.append(send[off:off + n])
-                srcs.append(self.leaves[info.name].detach().reshape(-1))
+        for m in b.members:
+            if m.piece.numel:
+                dsts.append(send[slice(*m.shard_range)])
+                srcs.append(self.leaves[m.name].detach().reshape(-1))
         if dsts:
             with torch.no_grad():
                 torch._foreach_copy_(dsts, srcs)  # the cast to the compute dtype happens in the same pass
@@ -175,7 +172,7 @@ class TreeFace:
     def bind(self, u: UnitRuntime) -> None:
         if torch._C._current_graph_task_id() != -1 or u.name not in self.slots:
             return  # in backward the storage is re-gathered under tensors autograd already holds
-        names = [info.name for b in u.buffers for info in b.infos]
+        names = [m.name for b in u.buffers for m in b.members]
         needs = [self.leaves[n] for n in names if self.leaves[n].requires_grad]
         if needs and torch.is_grad_enabled():
             fulls = _UnitGather.apply(self, u, *needs)
@@ -191,26 +188,26 @@ class TreeFace:
         return None  # the call restores the module's own parameters when it returns
 
     def full_tensors(self, u: UnitRuntime) -> list[torch.Tensor]:
-        return [alias(b.full, off, info.shape) for b in u.buffers for off, info in zip(b.offsets, b.infos)]
+        return [alias(b.full, m.piece.full_offset, m.info.shape) for b in u.buffers for m in b.members]
 
     def unit_backward(self, u: UnitRuntime, grads) -> list[Optional[torch.Tensor]]:
         """The unit's full gradients arrived (complete: autograd summed every use): land them in the
         unsharded gradient, complete the unit, and return views of the local gradients to be."""
         exe = self.exe()
         exe.begin_backward()
-        exe.check_not_reduced(u, [info.name for b in u.buffers for info in b.infos])
+        exe.check_not_reduced(u, [m.name for b in u.buffers for m in b.members])
         grads = iter(grads)  # one per full tensor, in buffer order (frozen parameters too)
         out = []
         for b in u.buffers:
             dst = self._dst(b) if b.requires_grad else None
             arrived = []
-            for i, ((box, off, shape), info, idx) in enumerate(zip(b.local_boxes, b.infos, b.param_index)):
+            for i, m in enumerate(b.members):
                 g = next(grads)
                 if g is not None and b.requires_grad:
                     arrived.append((i, g))
-                    exe.used[idx] = 1
-                if self.leaves[info.name].requires_grad:
-                    out.append(dst[off:off + math.prod(shape)].view(shape) if dst is not None else None)
+                    exe.used[m.index] = 1
+                if self.leaves[m.name].requires_grad:
+                    out.append(dst[slice(*m.shard_range)].view(m.piece.shape) if dst is not None else None)
             if arrived:
                 b.land_grads(exe.window, arrived)
         exe.complete(u.name)
@@ -227,9 +224,9 @@ class TreeFace:
         if result.data_ptr() != dst.data_ptr():
             with torch.no_grad():
                 dst.copy_(result[:dst.numel()])
-        for (box, off, shape), info in zip(b.local_boxes, b.infos):
-            if info.requires_grad:
-                self.grads[info.name] = dst[off:off + math.prod(shape)].view(shape)
+        for m in b.members:
+            if m.info.requires_grad:
+                self.grads[m.name] = dst[slice(*m.shard_range)].view(m.piece.shape)
         del self.dst[b.bp.index]  # the next backward gets fresh tensors: these now belong to the caller
 
     def unused(self, indices: list[int]) -> None:

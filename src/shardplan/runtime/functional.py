@@ -57,7 +57,7 @@ class FunctionalRuntime:
         self.face = TreeFace(plan, weakref.ref(self.exe), rt.wrappers)
         self.exe.face = self.face
         slots = rt.slots
-        self.face.slots = {u.name: [list(slots[info.name]) for b in u.buffers for info in b.infos] for u in units}
+        self.face.slots = {u.name: [list(slots[m.name]) for b in u.buffers for m in b.members] for u in units}
         self.originals = [(m, attr, m._parameters[attr]) for places in slots.values() for m, attr in places]
         self.checked: set = set()
         if self.meshes:

@@ -165,7 +165,7 @@ def install(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn.Modu
 def _hook_params(exe: Executor, u: UnitRuntime) -> None:
     me, unit_ref = weakref.ref(exe), u.name
     for b in u.buffers:
-        for fp, lp, idx, info in zip(b.full_params, b.local, b.param_index, b.infos):
+        for fp, lp, idx, info in ((m.full, m.local, m.index, m.info) for m in b.members):
             if not fp.requires_grad:
                 continue
             u.expected += 1

@@ -67,7 +67,8 @@ def detached_local(buffer) -> Optional[str]:
     """Why a local parameter of ``buffer`` (a BufferState) no longer lives in its shard, or ``None``: the
     cheap diagnosis when handing out its gradient failed (a child module's ``.to()`` after sharding)."""
     shard = buffer.shard
-    for (_, off, _), lp, info in zip(buffer.local_boxes, buffer.local, buffer.infos):
+    for m in buffer.members:
+        lp, info, off = m.local, m.info, m.piece.shard_offset
         moved = lp.untyped_storage().data_ptr() != shard.untyped_storage().data_ptr() \
             or lp.storage_offset() != shard.storage_offset() + off
         if lp.dtype != shard.dtype or lp.device != shard.device or moved:
