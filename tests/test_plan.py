@@ -80,7 +80,7 @@ def _simulate_gather(plan, values):
         with torch.no_grad():
             out.copy_(torch.cat(shards).to(probe.cdtype) if b.layout != L.REPLICATED else shards[0].to(probe.cdtype))
         probe.finish_gather()
-        for name, fp in zip(b.params, probe.full_params):
+        for name, fp in ((m.name, m.full) for m in probe.members):
             yield name, fp.detach()
 
 
@@ -186,7 +186,10 @@ def test_units_order_schedule_and_trace():
     # the last unit stays gathered into backward (freed only in a no_grad forward)
     assert ("free", "layers.2", "post_forward(layers.2)", False) not in kinds
     assert plan.unit("layers.2").reshard_after_forward is False
-    bw = [k for k in kinds if plan.schedule[kinds.index(k)].phase == "backward" and k[0] != "free"]
+    # the backward begins by preparing the root's gradient, then each unit's at its pre_backward
+    assert kinds[[o.phase for o in plan.schedule].index("backward")][:3] == ("prepare", "<root>", "begin_backward")
+    assert [k[1] for k in kinds if k[0] == "prepare"] == ["<root>", "layers.2", "layers.1", "layers.0"]
+    bw = [k for k in kinds if plan.schedule[kinds.index(k)].phase == "backward" and k[0] not in ("free", "prepare")]
     assert bw[0][:3] == ("wait", "layers.2", "pre_backward(layers.2)") and bw[1][:2] == ("all_gather", "layers.1") and bw[1][3]
     assert [k[1] for k in kinds if k[0] == "reduce_scatter"] == ["layers.2", "layers.1", "layers.0", "<root>"]
     # a unit's reduction waits for its gradients (post_backward), the previous one completes first
@@ -315,7 +318,7 @@ def test_transformations_rebuild_the_schedule():
     assert not any(o.kind == "free" and o.unit == "layers.0" and o.event == "post_forward" for o in kept.ops())
     assert kept.unit("layers.0").reshard_after_forward is False and kept.unit("layers.1").reshard_after_forward
     dyn = plan.with_order("dynamic")
-    assert all(o.event in ("end_backward", "pre_backward") for o in dyn.ops() if o.phase == "backward")
+    assert all(o.event in ("begin_backward", "end_backward", "pre_backward") for o in dyn.ops() if o.phase == "backward")
     assert sp.Plan.from_json(dyn.to_json()) == dyn
     with pytest.raises(sp.PlanError, match="no unit 'layers.9'"):
         plan.with_reshard_after_forward({"layers.9": False})
@@ -409,7 +412,7 @@ def _check_pieces(plan):
                 (q.shape, q.shard_offset, q.storage_box)
     for b in plan.buffers:  # full_offset: the offsets the runtime lays the full parameters out at
         state = BufferState(plan, b, 0, torch.device("cpu"))
-        assert [q.full_offset for q in plan.buffer_pieces(b.index, 0)] == state.offsets
+        assert [q.full_offset for q in plan.buffer_pieces(b.index, 0)] == [m.piece.full_offset for m in state.members]
     for p in plan.params:  # every element of the whole tensor is held by exactly replicas(name) ranks
         count = torch.zeros(p.global_shape, dtype=torch.int32)
         for r in range(plan.mesh.size):

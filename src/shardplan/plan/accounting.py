@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING, Sequence
 
 from .. import layout as L
 from ..mesh import Mesh
-from ..units import ROOT
 from . import tensor_parallel as tp
-from .kinds import ALL_GATHER, ALL_REDUCE, END_BACKWARD, FREE, GRADS, PARAMS, POST_BACKWARD, PRE_BACKWARD, REDUCE_SCATTER, WAIT
+from .kinds import ALL_GATHER, ALL_REDUCE, FREE, GRADS, PARAMS, PREPARE, REDUCE_SCATTER, WAIT
 from .values import BufferPlan, ParamPlan, UnitPlan
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -49,7 +48,6 @@ def reduction_result(b: BufferPlan) -> str:
 
 def memory(plan: "Plan", rank: int = 0) -> dict[str, int]:
     per = {b.index: sizes(b) for b in plan.buffers}
-    unit_bufs = {u.name: u.buffers for u in plan.units}
     live: dict[tuple[str, int], int] = {}
     lent: set[int] = set()
 
@@ -74,24 +72,11 @@ def memory(plan: "Plan", rank: int = 0) -> dict[str, int]:
         gathered_peak = max(gathered_peak, sum(v for (k, i), v in live.items()
                                                if k == "packed" or (k == "full" and i in transient_full)))
 
-    def prepare(unit: str) -> None:
-        for i in unit_bufs[unit]:
-            if plan.buffers[i].requires_grad and ("flat", i) not in live:
-                put("flat", i)
-        bump()
-
-    started = False
     schedule = plan.schedule
     for step in plan.program.canonical():
-        ops = [schedule[i] for i in step.ops if schedule[i].applies()]
-        if step.event in (PRE_BACKWARD, POST_BACKWARD, END_BACKWARD) and not started:
-            started = True
-            prepare(ROOT)
-        for op in ops:
+        for op in (schedule[i] for i in step.ops if schedule[i].applies()):
             _apply(op, plan, per, live, lent, collected, put)
             bump()
-        if step.event == PRE_BACKWARD:
-            prepare(step.at)
     optimizer = 0
     if plan.optimizer_states:
         for p in plan.params:
@@ -103,7 +88,11 @@ def memory(plan: "Plan", rank: int = 0) -> dict[str, int]:
 
 def _apply(op, plan, per, live, lent, collected, put) -> None:
     bufs = [plan.buffers[i] for i in op.buffers]
-    if op.kind == ALL_GATHER:
+    if op.kind == PREPARE:
+        for b in bufs:
+            if ("flat", b.index) not in live:
+                put("flat", b.index)
+    elif op.kind == ALL_GATHER:
         for b in bufs:
             if not b.persistent:
                 put("full", b.index)

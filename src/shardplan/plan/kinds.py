@@ -43,6 +43,8 @@ class OpKind(Name):
     ALL_REDUCE = "all_reduce"
     WAIT = "wait"
     FREE = "free"
+    PREPARE = "prepare"  # grads: the unsharded gradient exists for this window and the full parameters'
+    #                      ``.grad`` point into it (gradients accumulate straight into the flat buffer)
 
 
 class Subject(Name):
@@ -60,6 +62,7 @@ class Event(Name):
     PRE_BACKWARD = "pre_backward"
     POST_BACKWARD = "post_backward"
     END_BACKWARD = "end_backward"
+    BEGIN_BACKWARD = "begin_backward"  # the first event of a backward pass, whichever it is
 
 
 class Condition(Name):
@@ -98,11 +101,12 @@ class LayoutChoice(Name):
     CHUNKED = "chunked"
 
 
-ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, WAIT, FREE = OpKind
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, WAIT, FREE, PREPARE = OpKind
 COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
 KINDS = tuple(OpKind)
 PARAMS, GRADS, USED = Subject
-BEFORE_FORWARD, PRE_FORWARD, POST_FORWARD, PRE_BACKWARD, POST_BACKWARD, END_BACKWARD = Event
+BEFORE_FORWARD, PRE_FORWARD, POST_FORWARD, PRE_BACKWARD, POST_BACKWARD, END_BACKWARD, BEGIN_BACKWARD = Event
+BACKWARD_EVENTS = (BEGIN_BACKWARD, PRE_BACKWARD, POST_BACKWARD, END_BACKWARD)
 EVENTS = tuple(Event)
 ALWAYS, STALE, SYNC, NO_GRAD = Condition
 CONDITIONS = tuple(Condition)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from .. import layout as L
 from ..dtypes import itemsize
 from .accounting import coverage
-from .kinds import ALL_GATHER, ALL_REDUCE, FREE, REDUCE_SCATTER, WAIT
+from .kinds import ALL_GATHER, ALL_REDUCE, FREE, PREPARE, REDUCE_SCATTER, WAIT
 
 if TYPE_CHECKING:  # pragma: no cover
     from .facade import Plan
@@ -120,7 +120,7 @@ def render_schedule(plan: "Plan") -> str:
 def chrome_trace(plan: "Plan", path: str, gbps: float) -> None:
     """One track per op kind; each collective's length is its payload at ``gbps`` GB/s, laid end to end
     per track in schedule order; waits and frees are instants."""
-    tracks = {ALL_GATHER: 1, REDUCE_SCATTER: 2, ALL_REDUCE: 3, WAIT: 4, FREE: 5}
+    tracks = {ALL_GATHER: 1, REDUCE_SCATTER: 2, ALL_REDUCE: 3, WAIT: 4, FREE: 5, PREPARE: 6}
     clock = {t: 0.0 for t in tracks.values()}
     start = 0.0
     events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": kind}}

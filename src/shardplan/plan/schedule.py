@@ -1,9 +1,11 @@
 """The schedule: every op one training step runs, the event that triggers it, and its condition.
 
 A step is a sequence of *events*: ``before_forward``; ``pre_forward(u)`` / ``post_forward(u)`` as each
-unit's forward starts and ends (nested units nest); ``pre_backward(u)`` when the gradient of a unit's
-output arrives; ``post_backward(u)`` when a unit's gradients are complete; ``end_backward``. Each op
-names the event it runs on (``event``, ``at``) and a condition (``when``):
+unit's forward starts and ends (nested units nest); ``begin_backward`` at the first event of a
+backward; ``pre_backward(u)`` when the gradient of a unit's output arrives; ``post_backward(u)`` when a
+unit's gradients are complete; ``end_backward``. Every buffer transition is an op: ``prepare grads``
+makes a unit's unsharded gradient exist before any of its gradients accumulate. Each op names the
+event it runs on (``event``, ``at``) and a condition (``when``):
 
 * ``""``: always; ``"stale"``: only when the shards changed since the last gather (the optimizer may
   have stepped: ZeRO-1/2 re-gather lazily before the next forward); ``"sync"``: only in a backward that
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 from ..errors import PlanError
 from ..units import ROOT
 # [Note: the names below are re-exported: the runtime and users import them from here]
-from .kinds import (ALL_GATHER, ALL_REDUCE, ALWAYS, BACKWARD, BEFORE_FORWARD, COLLECTIVES, CONDITIONS, END_BACKWARD,
+from .kinds import (ALL_GATHER, ALL_REDUCE, ALWAYS, BACKWARD, BEFORE_FORWARD, BEGIN_BACKWARD, PREPARE, COLLECTIVES, CONDITIONS, END_BACKWARD,
                     EVENTS, FORWARD, FREE, GRADS, KINDS, NO_GRAD, ORDERS, PARAMS, POST_BACKWARD, POST_FORWARD,
                     PRE_BACKWARD, PRE_FORWARD, REDUCE_SCATTER, STALE, STEP, STRATEGIES, SYNC, USED, WAIT, Condition,
                     Event, OpKind, Order, Subject)
@@ -35,7 +37,7 @@ from .values import Op, Program, Step
 if TYPE_CHECKING:  # pragma: no cover
     from .values import BufferPlan, UnitPlan
 
-__all__ = ["ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "FREE", "COLLECTIVES", "KINDS", "PARAMS", "GRADS",
+__all__ = ["ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "FREE", "PREPARE", "BEGIN_BACKWARD", "COLLECTIVES", "KINDS", "PARAMS", "GRADS",
            "USED", "BEFORE_FORWARD", "PRE_FORWARD", "POST_FORWARD", "PRE_BACKWARD", "POST_BACKWARD", "END_BACKWARD",
            "EVENTS", "ALWAYS", "STALE", "SYNC", "NO_GRAD", "CONDITIONS", "ORDERS", "FORWARD", "BACKWARD", "STEP",
            "STRATEGIES", "ROOT", "Op", "Step", "Program", "OpKind", "Subject", "Event", "Condition", "Order",
@@ -121,6 +123,10 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
         mine = [buffers[i] for i in by_name[u].buffers]
         return [op(FREE, u, PARAMS, event, at, mine, when=when)] if mine else []
 
+    def prepare(u, event, at) -> list[Op]:
+        grads = bufs(u, lambda b: b.requires_grad)
+        return [op(PREPARE, u, GRADS, event, at, grads, lambda b: ())] if grads else []  # local: no group
+
     def reduce(u, event, at) -> list[Op]:
         grads = bufs(u, lambda b: b.requires_grad)
         if not grads:
@@ -190,10 +196,12 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
     # -- backward: both streams, in the order they interleave for units run in plan order
     prev: Optional[str] = None
     late: list[Op] = []
+    ops += prepare(ROOT, BEGIN_BACKWARD, "")  # the root's gradients may arrive at any point of backward
     for event, u in interleave(bwd_order, grad_order):
         if event == PRE_BACKWARD:
             if level == 3:
                 ops += unshard(bwd_order, u, event)
+            ops += prepare(u, event, u)  # before any gradient of the unit is accumulated
             continue
         # the gradient stream keeps one reduction in flight: the previous one completes first. Under
         # order="dynamic" units may finish their backward in any order, so it all runs at end_backward
@@ -226,7 +234,7 @@ def program(units: Sequence["UnitPlan"], schedule: Sequence[Op]) -> Program:
     """Assign every op of ``schedule`` to its step; raise :class:`PlanError` for an op whose trigger the
     step skeleton does not have."""
     fwd_events, bwd_order, grad_order = skeleton(units)
-    bwd_events = interleave(bwd_order, grad_order)
+    bwd_events = [(BEGIN_BACKWARD, "")] + interleave(bwd_order, grad_order)
     slots: dict[tuple[str, str], list[int]] = {e: [] for e in fwd_events + bwd_events + [(END_BACKWARD, "")]}
     for i, o in enumerate(schedule):
         key = (o.event, o.at)

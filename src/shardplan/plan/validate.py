@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Iterable
 from ..errors import PlanError
 from ..units import ROOT
 from . import kinds as K
-from .kinds import (ALL_GATHER, ALL_REDUCE, END_BACKWARD, FREE, GRADS, PARAMS, POST_BACKWARD, POST_FORWARD,
-                    PRE_BACKWARD, PRE_FORWARD, REDUCE_SCATTER, USED, WAIT)
+from .kinds import (ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, END_BACKWARD, FREE, GRADS, PARAMS, POST_BACKWARD,
+                    POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, PREPARE, REDUCE_SCATTER, USED, WAIT)
 from .schedule import needs_gather
 from .values import Op, Program
 
@@ -101,6 +101,14 @@ def _check_op(plan: "Plan", units, i: int, op: Op) -> None:
         want = tuple(dict.fromkeys(a for b in bufs for a in b.replica_axes))
         if op.what != GRADS or any(not b.requires_grad for b in bufs):
             raise _fail(i, op, "all_reduce reduces gradients over the replica axes")
+    elif op.kind == PREPARE:
+        need = [b.index for b in plan.buffers if b.index in mine and b.requires_grad]
+        if op.what != GRADS or sorted(op.buffers) != need:
+            raise _fail(i, op, f"prepare makes the unsharded gradient of exactly the unit's buffers that take "
+                               f"gradients, {need}")
+        if op.event not in (BEGIN_BACKWARD, PRE_BACKWARD):
+            raise _fail(i, op, "prepare runs at begin_backward (the root) or at the unit's pre_backward")
+        want = ()
     else:
         return
     if tuple(op.axes) != want:
@@ -127,6 +135,7 @@ def _simulate(plan: "Plan", units, prog: Program, *, stale: bool, grad: bool, sy
     complete: set[str] = set()
     issued: dict[str, set] = {n: set() for n in units}
     waited: set[str] = set()
+    prepared: set[str] = set()
     used_issued = used_waited = False
     mode = f"(in a step with stale={stale}, grad={grad}, sync={sync})"
     steps = list(prog.forward) if not grad else prog.canonical()
@@ -153,7 +162,9 @@ def _simulate(plan: "Plan", units, prog: Program, *, stale: bool, grad: bool, sy
                 else:
                     used_waited = True
                 continue
-            if op.kind == ALL_GATHER:
+            if op.kind == PREPARE:
+                prepared.add(u)
+            elif op.kind == ALL_GATHER:
                 if state[u] != "sharded" and transient[u]:
                     raise _fail(i, op, f"gathers unit {u!r} again while it is gathered {mode}; free it first")
                 state[u] = "gathering"
@@ -185,6 +196,12 @@ def _simulate(plan: "Plan", units, prog: Program, *, stale: bool, grad: bool, sy
                 raise PlanError(f"unit {step.at!r} computes at {step.name} but no op before it gathers and waits "
                                 f"for its parameters {mode}: the schedule reads its buffers before their gather")
             in_use.add(step.at)
+        # a unit's gradients accumulate from its pre_backward on (the root's from begin_backward): its
+        # unsharded gradient must exist by then
+        late = {BEGIN_BACKWARD: ROOT, PRE_BACKWARD: step.at}.get(step.event)
+        if late is not None and has_grads[late] and late not in prepared:
+            raise PlanError(f"unit {late!r}'s gradients start at {step.name} but no prepare op of its grads runs "
+                            f"by then {mode}: add one at that step")
     if grad and sync:
         left = [n for n in units if has_grads[n] and n not in waited]
         if left:

@@ -16,7 +16,7 @@ from .. import layout as L
 from ..dtypes import itemsize
 from ..spec import P
 from ..units import ROOT
-from .kinds import (ALWAYS, BACKWARD, BEFORE_FORWARD, COLLECTIVES, END_BACKWARD, FORWARD, NO_GRAD, POST_BACKWARD,
+from .kinds import (ALWAYS, BACKWARD, BACKWARD_EVENTS, BEFORE_FORWARD, COLLECTIVES, END_BACKWARD, FORWARD, NO_GRAD, POST_BACKWARD,
                     POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, STALE, STEP, SYNC, Condition, Event, OpKind, Phase,
                     Subject)
 
@@ -276,7 +276,7 @@ class Op:
 
     def applies(self, *, stale: bool = True, grad: bool = True, sync: bool = True) -> bool:
         """Whether the op runs in a step with these facts (see :mod:`shardplan.plan.schedule`)."""
-        if not grad and self.event in (PRE_BACKWARD, POST_BACKWARD, END_BACKWARD):
+        if not grad and self.event in BACKWARD_EVENTS:
             return False
         w = self.when
         return w == ALWAYS or (w == STALE and stale) or (w == SYNC and sync) or (w == NO_GRAD and not grad)

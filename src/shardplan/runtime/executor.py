@@ -34,8 +34,8 @@ import torch
 
 from ..errors import RuntimeShardingError
 from ..plan import Plan
-from ..plan.schedule import (ALL_GATHER, ALL_REDUCE, FREE, GRADS, PARAMS, POST_BACKWARD, POST_FORWARD,
-                             PRE_FORWARD, REDUCE_SCATTER, ROOT, STALE, USED, WAIT, Op, Step)
+from ..plan.schedule import (ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, FREE, GRADS, PARAMS, POST_BACKWARD, POST_FORWARD,
+                             PRE_FORWARD, PREPARE, REDUCE_SCATTER, ROOT, STALE, USED, WAIT, Op, Step)
 from . import collectives as C
 from .comm import CommEngine
 from .cursor import Cursor, Facts
@@ -83,7 +83,7 @@ class Executor:
                         (FREE, PARAMS): self._free_params, (REDUCE_SCATTER, GRADS): self._reduce,
                         (ALL_REDUCE, GRADS): self._reduce, (WAIT, GRADS): self._wait_grads,
                         (FREE, GRADS): self._free_grads, (ALL_REDUCE, USED): self._exchange_used,
-                        (WAIT, USED): self._wait_used}
+                        (WAIT, USED): self._wait_used, (PREPARE, GRADS): self._prepare_grads}
 
     # -- the tracker's switches, as attributes (no_sync and the drop-in set ``sync``) ---------------------
     @property
@@ -161,7 +161,7 @@ class Executor:
             u.start_pass()
         me = weakref.ref(self)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: me() and me().end_backward())
-        self._prepare(self.units[ROOT])
+        self._advance_backward(0)  # begin_backward: the root's gradients may arrive from now on
 
     def pre_backward(self, name: str) -> None:
         self.begin_backward()
@@ -179,14 +179,14 @@ class Executor:
         """Run the backward steps up to ``k``. A ``post_backward`` step passed this way completes its unit:
         a later event needs what comes after it, so its gradients are as complete as they will get."""
         for step in self.cursor.backward_to(k):
-            u = self.units[step.at]
             self._run_step(step, grad=True)
+            if step.event == BEGIN_BACKWARD:
+                continue
+            u = self.units[step.at]
             if step.event == POST_BACKWARD:
                 if u.grads in (Grads.IDLE, Grads.RUNNING):  # passed without a reduction (no_sync, dynamic)
                     u.grads = Grads.COMPLETE
-                continue
-            self._prepare(u)
-            if u.grads is Grads.IDLE:
+            elif u.grads is Grads.IDLE:
                 u.grads = Grads.RUNNING
 
     def _drain(self) -> None:
@@ -223,7 +223,7 @@ class Executor:
         try:
             self._advance_backward(len(self.cursor.program.backward) - 1)
             self._run_step(self.cursor.program.end, grad=True)
-            self._release_leftovers()
+            self._check_all_sharded()
         finally:
             self.cursor.reset()
             self.in_backward = False
@@ -294,6 +294,10 @@ class Executor:
         u.reduce = None
         u.grads = Grads.DONE
 
+    def _prepare_grads(self, op: Op) -> None:
+        for i in op.buffers:
+            self.buffer[i].prepare_grads(self.grads.window)
+
     def _free_grads(self, op: Op) -> None:
         for i in op.buffers:
             self.buffer[i].release_grads()
@@ -309,11 +313,6 @@ class Executor:
         self.face.unused([i for i, f in enumerate(rec.flags.tolist()) if not f])
 
     # -- helpers -----------------------------------------------------------------------------------
-    def _prepare(self, u: UnitRuntime) -> None:
-        for b in u.with_grads:
-            b.prepare_grads(self.grads.window)
-        self._account()
-
     def _versions(self) -> int:
         return self.face.shard_version()
 
@@ -330,11 +329,17 @@ class Executor:
         self.cursor.reset()
         self.in_backward = self.awaiting_backward = False
 
-    def _release_leftovers(self) -> None:
-        """After end_backward every unit must be sharded again (units the step never reached included)."""
+    def _check_all_sharded(self) -> None:
+        """After end_backward the schedule has freed every unit it gathered (plan validation proves it for
+        the plan; this checks that the run followed it). A unit left gathered is released, and reported."""
+        left = [u.name for u in self.unit_list if u.params is not Params.SHARDED and u.name in self.transient]
         for u in self.unit_list:
             if u.params is not Params.SHARDED:
                 self._reshard(u)
+        if left:
+            raise RuntimeShardingError(f"shardplan: unit(s) {left} were still gathered after end_backward, though the "
+                                       f"schedule frees them: the run departed from the plan (record it with "
+                                       f"shardplan.record_ops and compare with plan.ops()). They were released")
 
     def _reshard(self, u: UnitRuntime, buffers=None) -> None:
         """The modules hold ``u``'s local shards again and its gathered storage is released."""
