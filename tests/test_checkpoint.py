@@ -315,3 +315,44 @@ def test_raw_dcp_resume_restores_optimizer_state(tmp_path):
     full = run(_raw_dcp_worker, 2, path, "save")[0]
     resumed = run(_raw_dcp_worker, 2, path, "load")[0]
     assert resumed == pytest.approx(full[SPLIT:], abs=1e-6), "optimizer moments were not restored"
+
+
+
+_IMPORT_SCRIPT = r"""
+import warnings
+import torch, torch.distributed.checkpoint  # noqa: F401 (their own filters first)
+before = list(warnings.filters)
+import shardplan
+print("ADDED", [f for f in warnings.filters if f not in before])
+"""
+
+
+def _filters_worker(rank, world, path):
+    import warnings
+    model, opt, _ = _make(rank, world, "optim_grads_params")
+    before = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        inside = list(warnings.filters)
+        sp.checkpoint.save(path, model, opt, step=3)
+        step = sp.checkpoint.load(path, model, opt)
+        sp.full_state_dict(model)
+        sp.load_state_dict(model, sp.state_dict(model, opt), opt)
+        kept = list(warnings.filters) == inside
+    leaked = [f"{w.filename}:{w.lineno}: {str(w.message)[:100]}" for w in seen
+              if "ShardedTensor" in str(w.message) or "_shard" in str(w.message)]
+    return step, kept and list(warnings.filters) == before, leaked
+
+
+def test_no_process_wide_warnings_filter(tmp_path):
+    """shardplan leaves ``warnings.filters`` as it found them, at import and in checkpoint calls: torch's
+    ShardedTensor deprecation warnings are silenced only around the calls that emit them (issue 18, item 8)."""
+    import subprocess
+    import sys
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.abspath("src"), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", _IMPORT_SCRIPT], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "ADDED []" in res.stdout, res.stdout
+    for step, unchanged, leaked in run(_filters_worker, 2, str(tmp_path / "ck")):
+        assert step == 3 and unchanged, (step, unchanged)
+        assert leaked == [], leaked[:5]

@@ -13,7 +13,6 @@ ordinary :class:`Plan` (``shardplan.plan_of(model)``), which prints, dry-runs an
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -25,7 +24,7 @@ import torch.nn as nn
 from .errors import ShardingError
 from .mesh import Mesh
 from .plan import Plan, plan as make_plan
-from .plan.schedule import ROOT, STRATEGIES
+from .plan.schedule import STRATEGIES
 from .runtime.api import engine_of, shard
 from .spec import P
 
@@ -217,7 +216,11 @@ def fully_shard_model(module: nn.Module, device_mesh=None, dp_shard_dim: Optiona
     own dtype; with ``preserve_fp32_weights`` (or a policy's ``main_params_dtype=float32``) low-precision
     parameters are kept as fp32 masters and gathered in the model's dtype; ``grad_reduce_in_fp32`` (or
     ``grad_comm_dtype``) sets the reduction dtype. Returns the module, sharded in place; an argument
-    shardplan cannot honour raises, naming it.
+    shardplan cannot honour raises, naming it. Accepted either way, as they change nothing here:
+    ``preproc_state_dict_for_dcp_ckpt`` (``model.state_dict()`` gives ``torch.chunk``-placed DTensors, which
+    DCP takes without preprocessing), ``average_in_collective`` (gradients are averaged in the reduction,
+    ``ReduceOp.AVG``, the same mean Megatron-FSDP's pre-division gives up to rounding) and
+    ``init_model_with_meta_device`` (a model on the meta device is materialised unit by unit regardless).
     """
     where = "fully_shard_model"
     unknown = [k for k in rest if k not in _NOT_OURS]
@@ -287,7 +290,28 @@ def _megatron_dtypes(module: nn.Module, where: str, preserve_fp32: bool, reduce_
 
 def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_for_dcp_ckpt: bool = True):
     """Megatron-FSDP's ``fully_shard_optimizer``: checks the optimizer steps a sharded model's local shards
-    and, if the model asked for ``check_for_nan_in_grad``, makes ``step`` refuse non-finite gradients."""
+    and, if the model asked for ``check_for_nan_in_grad``, makes ``step`` refuse non-finite gradients.
+
+    >>> optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters()))
+    >>> dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=path)
+
+    Every argument is honoured as Megatron-FSDP means it, or refused:
+
+    * ``preproc_state_dict_for_dcp_ckpt=True``: ``optimizer.state_dict()`` is ready for DCP: its moments are
+      DTensors over the model's mesh (as ``model.state_dict()`` gives the parameters), and
+      ``optimizer.load_state_dict`` takes them back; ``False``: torch's own, this rank's local shards.
+    * ``step(sync_grad_before_optimizer_step=...)``: either value. Megatron-FSDP waits for the gradient
+      reduction only when the model does not sync by itself (``sync_model_each_microbatch=False``, refused by
+      :func:`fully_shard_model`); shardplan's backward has always reduced the gradients before ``step``.
+    * ``step(install_optimized_model_weights=True)``: the default; the next forward gathers the stepped
+      shards. ``False`` (keep the model's weights stale until a later install) raises: the optimizer steps
+      the shards the model gathers from, in place, so there is nothing to defer.
+    * ``zero_grad(zero_grad_buffer=True)``: the default, ``zero_grad`` as usual; ``False`` (keep Megatron's
+      separate gradient buffer) raises: the local shards' ``.grad`` are the only gradient buffer.
+    """
+    if not isinstance(preproc_state_dict_for_dcp_ckpt, bool):
+        raise ShardingError(f"fully_shard_optimizer: preproc_state_dict_for_dcp_ckpt={preproc_state_dict_for_dcp_ckpt!r}"
+                            f" must be True or False")
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if not params:
         raise ShardingError("fully_shard_optimizer: the optimizer has no parameters")
@@ -296,15 +320,30 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
         raise ShardingError("fully_shard_optimizer: build the optimizer on model.parameters() after "
                             "fully_shard_model(model, ...) (its parameters are then the local shards)")
     eng = next(iter(engines.values()))
-    base = type(optimizer).step
+    base_step, base_zero_grad = type(optimizer).step, type(optimizer).zero_grad
 
     def step(self, *args, sync_grad_before_optimizer_step: bool = True, install_optimized_model_weights: bool = True,
              **kwargs):
+        # [Note: sync_grad_before_optimizer_step is accepted either way: gradients were reduced by backward]
+        if install_optimized_model_weights is not True:
+            raise ShardingError("optimizer.step: install_optimized_model_weights=False is not supported by shardplan: "
+                                "the optimizer steps the shards the model gathers from, in place, so the next "
+                                "forward always uses the new weights; call step() without it")
         if getattr(eng, "check_for_nan_in_grad", False):
             _check_finite(eng, params)
-        return base(self, *args, **kwargs)  # gradients are synced by backward; weights gathered by the next forward
+        return base_step(self, *args, **kwargs)
+
+    def zero_grad(self, *args, zero_grad_buffer: bool = True, **kwargs):
+        if zero_grad_buffer is not True:
+            raise ShardingError("optimizer.zero_grad: zero_grad_buffer=False is not supported by shardplan: the local "
+                                "shards' .grad are the only gradient buffer; call zero_grad() without it")
+        return base_zero_grad(self, *args, **kwargs)
 
     optimizer.step = step.__get__(optimizer)
+    optimizer.zero_grad = zero_grad.__get__(optimizer)
+    if preproc_state_dict_for_dcp_ckpt:
+        from .runtime import state_dict as SD
+        SD.install_optimizer(optimizer, eng)
     return optimizer
 
 

@@ -27,7 +27,7 @@ from ..plan import Plan
 from ..rules import leaves_with_paths
 from ..tree import check_tree
 from .buffers import free_storage
-from .builder import FUNCTIONAL, build, groups_for  # noqa: F401 (groups_for: an older import path)
+from .builder import FUNCTIONAL, build
 from .executor import Executor
 from .faces import TreeFace
 from .hooks import install

@@ -205,4 +205,73 @@ class StateDictHooks:
 
 def install(module: nn.Module, exe, meshes: Optional[dict] = None) -> list:
     """Make ``module.state_dict()`` / ``load_state_dict`` speak DTensor for ``exe``'s plan; returns the handles."""
-    return StateDictHooks(exe, meshes).install(module)
+    exe.state_dict_hooks = StateDictHooks(exe, meshes)  # the optimizer's hooks (install_optimizer) reuse its mesh
+    return exe.state_dict_hooks.install(module)
+
+
+def install_optimizer(optimizer: torch.optim.Optimizer, exe) -> list:
+    """Make ``optimizer.state_dict()`` give its sharded states as DTensors, as ``model.state_dict()`` gives the
+    parameters (so ``dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()})`` reshards),
+    and ``optimizer.load_state_dict`` take them back (DTensors, full tensors or local shards).
+
+    >>> install_optimizer(opt, engine_of(model)); dcp.save({"optim": opt.state_dict()}, checkpoint_id=path)
+
+    A never-stepped optimizer gets its state first (a zero-lr step, counters put back), so that a state dict
+    built to load into has tensors for DCP to fill.
+    """
+    from .checkpoint.values import init_optimizer_state
+    hooks = exe.state_dict_hooks
+    plan = exe.plan
+    locals_ = exe.local_params()
+    name_of = {id(lp): n for n, lp in locals_.items()}
+
+    def params_by_index(sd: dict) -> dict:
+        """{index in the state dict: local shard}, from torch's numbering of ``param_groups``."""
+        return {i: p for saved, group in zip(sd["param_groups"], optimizer.param_groups)
+                for i, p in zip(saved["params"], group["params"])}
+
+    def convert(sd: dict, fn) -> dict:
+        by_index = params_by_index(sd)
+        state = {}
+        for i, st in sd["state"].items():
+            p = by_index.get(i)
+            name = name_of.get(id(p))
+            if name is None:
+                raise CheckpointError("optimizer.state_dict(): the optimizer holds a parameter that is not one of "
+                                      "the sharded model's; build it on model.parameters() after sharding")
+            shapes = (tuple(p.shape), plan.param(name).global_shape)
+            state[i] = {k: fn(name, f"state.{i}.{k}", v, p) if _sharded_state(v, shapes) else v for k, v in st.items()}
+        return {**sd, "state": state}
+
+    def to_dtensors(_opt, sd):
+        return convert(sd, lambda name, key, v, p: hooks.value(name, v))
+
+    def from_dtensors(_opt, sd):
+        def local(name, key, v, p):
+            out = hooks.local_value(name, key, v, p)
+            # [Note: local_value answers "this rank holds nothing" with the (empty) shard; a state must not alias it]
+            return torch.zeros_like(p) if out.numel() == 0 else out
+        return convert(sd, local)
+
+    def init_state(opt):
+        if opt.state:
+            return
+        # [Note: the class's own step, not a drop-in wrapper's (whose finite check is a collective): creating
+        # the state must not need the other ranks]
+        wrapper = opt.__dict__.pop("step", None)
+        try:
+            init_optimizer_state(opt)
+        finally:
+            if wrapper is not None:
+                opt.step = wrapper
+
+    return [optimizer.register_state_dict_pre_hook(init_state),
+            optimizer.register_state_dict_post_hook(to_dtensors),
+            optimizer.register_load_state_dict_pre_hook(from_dtensors)]
+
+
+def _sharded_state(v, shapes: tuple) -> bool:
+    """A state tensor sharded like its parameter (moments, not AdamW's scalar step): a DTensor, or a plain
+    tensor of the local shard's or the parameter's global shape."""
+    from torch.distributed.tensor import DTensor
+    return isinstance(v, torch.Tensor) and v.dim() > 0 and (isinstance(v, DTensor) or tuple(v.shape) in shapes)

@@ -1,0 +1,25 @@
+"""Distributed checkpoints that reshard: DCP state dicts described by the plan's per-rank boxes.
+
+>>> sd = shardplan.state_dict(model, opt)            # {"model": {fqn: ...}, "optimizer": {...}}
+>>> torch.distributed.checkpoint.save(sd, checkpoint_id=path)
+>>> shardplan.checkpoint.save(path, model, opt, step=100)   # atomic: written aside, then published
+>>> step = shardplan.checkpoint.load(path, model, opt)      # any world size, strategy, rules or units
+
+One job per module:
+
+* :mod:`.values` -- local shards and optimizer states <-> DCP values (``state_dict``, ``load_state_dict``,
+  ``sharded_value``, which the functional face's trees use too);
+* :mod:`.dcp_io` -- checkpoint directories: DCP save/load, atomic publish, the metadata check
+  (``save``, ``load``, ``save_tree``, ``load_tree``);
+* :mod:`.full` -- full (unsharded) export and import (``full_state_dict``, ``load_full_state_dict``).
+
+``model.state_dict()`` as DTensors (torch's module contract, FSDP2-style) is another job:
+:mod:`shardplan.runtime.state_dict`.
+"""
+
+from .dcp_io import load, load_tree, save, save_tree
+from .full import full_state_dict, load_full_state_dict
+from .values import load_state_dict, sharded_value, state_dict
+
+__all__ = ["save", "load", "save_tree", "load_tree", "state_dict", "load_state_dict", "sharded_value",
+           "full_state_dict", "load_full_state_dict"]

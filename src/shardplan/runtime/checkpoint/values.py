@@ -1,0 +1,227 @@
+"""State-dict conversion: local shards and optimizer states <-> DCP values.
+
+>>> sd = shardplan.state_dict(model, opt)      # {"model": {fqn: value}, "optimizer": {...}}
+>>> shardplan.load_state_dict(model, sd, opt)  # after torch.distributed.checkpoint.load(sd, ...)
+
+A sharded value is a ``ShardedTensor`` whose shards are the boxes ``plan.local_slices`` gives every
+rank of the parameter's shard group; a replicated one is the plain local tensor. The local shard
+tensors *are* the parameters and optimizer states, so DCP loads straight into them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import warnings
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+
+from ...errors import CheckpointError
+from ..api import engine_of
+
+
+@contextlib.contextmanager
+def quiet_sharded_tensor():
+    """Silence torch's ``ShardedTensor`` deprecation warnings inside the block only.
+
+    >>> with quiet_sharded_tensor():
+    ...     dcp.save(sd, checkpoint_id=path)
+
+    [Note: ``catch_warnings`` restores ``warnings.filters`` on exit, so the user's own filters are never
+    changed; it is process-global while it lasts, which is fine for the synchronous calls it wraps]
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ShardedTensor.*")
+        yield
+
+
+def sharded_value(plan, groups, rank: int, name: str, local: torch.Tensor):
+    """``local`` (``rank``'s box of parameter ``name``, or a state tensor shaped like it) as a DCP value:
+    a ``ShardedTensor`` whose shards are the boxes ``plan.local_slices`` gives each rank of the group,
+    or ``local`` itself where no axis splits ``name``.
+
+    >>> sharded_value(plan, groups, rank, "layers.0.w", local)   # ShardedTensor of global shape
+    """
+    with quiet_sharded_tensor():
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
+        from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    p = plan.param(name)
+    axes = plan.owner_axes(name)  # the buffer's shard axes, and the compute axis sharding it
+    group = groups.gather(axes) if axes else None
+    if group is None or group.size == 1:
+        return local
+    dev = local.device.type if local.device.type == "cpu" else f"cuda:{local.device.index}"
+    mds, mine = [], None
+    for r in plan.mesh.group_of(rank, axes):
+        box = plan.local_slices(name, r)
+        if box is None:
+            continue
+        # [Note: placements name *global* ranks: under HSDP a shard group is a sub-group ([2, 3] say), and
+        # torch maps the placement's global rank into the group]
+        md = ShardMetadata([s.start for s in box], [s.stop - s.start for s in box], f"rank:{r}/{dev}")
+        mds.append(md)
+        if r == rank:
+            mine = md
+    props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
+                             memory_format=torch.contiguous_format, pin_memory=False)
+    meta = ShardedTensorMetadata(mds, torch.Size(p.global_shape), props)
+    shards = [Shard(local, mine)] if mine is not None else []
+    with quiet_sharded_tensor():
+        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta, process_group=group.pg)
+
+
+def local_of(v):
+    """This rank's tensor of a DCP value (``None``: a ``ShardedTensor`` of which this rank holds nothing)."""
+    with quiet_sharded_tensor():
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+        if isinstance(v, ShardedTensor):
+            shards = v.local_shards()
+            return shards[0].tensor if shards else None
+    return v
+
+
+def _jsonable(v):
+    if isinstance(v, torch.Tensor):
+        return v.item()
+    raise TypeError(f"optimizer hyper-parameter {v!r} cannot be saved; use numbers, bools, strings or tuples")
+
+
+def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Create a never-stepped optimizer's state without changing parameters or its future steps.
+
+    As torch's ``get_optimizer_state_dict`` does: one step with zero gradients and a zero learning rate.
+    Unlike it, the step counters that this step advanced are put back to 0, so the state equals a fresh
+    optimizer's (AdamW's first real step is still step 1), whether it is then saved or loaded into.
+    """
+    if opt.state or any(p.grad is not None for g in opt.param_groups for p in g["params"]):
+        return
+    lrs = []
+    for group in opt.param_groups:
+        lrs.append(group["lr"])
+        group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    opt.step()
+    for group, lr in zip(opt.param_groups, lrs):
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    for st in opt.state.values():
+        step = st.get("step")
+        if isinstance(step, torch.Tensor):
+            step.zero_()
+        elif isinstance(step, (int, float)):
+            st["step"] = type(step)(0)
+
+
+def state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, init_optimizer: bool = True) -> dict:
+    """``{"model": {fqn: value}, "optimizer": {"state": {fqn: {...}}, "param_groups": [...]}}`` for DCP.
+
+    >>> sd = shardplan.state_dict(model, opt)
+    >>> torch.distributed.checkpoint.load(sd, checkpoint_id=path); shardplan.load_state_dict(model, sd, opt)
+
+    A never-stepped optimizer gets its state created first (``init_optimizer``, on by default), so that
+    a state dict built to *load into* has tensors for DCP to fill: without them the optimizer's saved
+    moments would be silently dropped.
+    """
+    eng = engine_of(model)
+    locals_ = eng.local_params()
+
+    def value(n, t):
+        return sharded_value(eng.plan, eng.groups, eng.rank, n, t)
+
+    sd: dict[str, Any] = {"model": {n: value(n, lp.detach()) for n, lp in locals_.items()}}
+    if optimizer is not None:
+        if init_optimizer:
+            init_optimizer_state(optimizer)
+        fqn_of = {id(lp): n for n, lp in locals_.items()}
+        state, groups = {}, []
+        for group in optimizer.param_groups:
+            names = []
+            for p in group["params"]:
+                if id(p) not in fqn_of:
+                    raise CheckpointError("the optimizer holds a parameter that is not one of the sharded model's; "
+                                          "build it on model.parameters() after shardplan.shard")
+                n = fqn_of[id(p)]
+                names.append(n)
+                st = optimizer.state.get(p)
+                if st:
+                    state[n] = {k: (value(n, v) if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() > 0
+                                    else v) for k, v in st.items()}
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+        # [Note: one JSON string: DCP's save and load traversals flatten nested hyper-parameters differently]
+        sd["optimizer"] = {"state": state, "param_groups": json.dumps(groups, default=_jsonable)}
+    return sd
+
+
+def load_state_dict(model: nn.Module, state: dict, optimizer: Optional[torch.optim.Optimizer] = None,
+                    *, strict: bool = True) -> dict[str, list[str]]:
+    """Copy a (DCP-loaded) state dict from :func:`state_dict` into the local shards; returns what was skipped.
+
+    >>> shardplan.load_state_dict(model, sd, opt)    # {"missing": [...], "unexpected": [...]}
+    """
+    eng = engine_of(model)
+    locals_ = eng.local_params()
+    msd = state.get("model", {})
+    missing = [n for n in locals_ if n not in msd]
+    unexpected = [n for n in msd if n not in locals_]
+    if strict and (missing or unexpected):
+        raise CheckpointError(f"state dict does not fit the model: missing {missing[:20]}, unexpected {unexpected[:20]}; "
+                              f"pass strict=False to load the rest")
+    with torch.no_grad():
+        for n, lp in locals_.items():
+            if n in msd:
+                v = local_of(msd[n])
+                if v is not None and v.data_ptr() != lp.data_ptr():
+                    lp.copy_(v)
+        if optimizer is not None and "optimizer" in state:
+            _load_optimizer(optimizer, state["optimizer"], locals_)
+    eng.mark_shards_changed()
+    return {"missing": missing, "unexpected": unexpected}
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, osd: dict, locals_: dict) -> None:
+    saved_groups = osd["param_groups"]
+    if isinstance(saved_groups, str):
+        saved_groups = json.loads(saved_groups)
+    for group, saved in zip(optimizer.param_groups, saved_groups):
+        for k, v in saved.items():
+            if k != "params":
+                group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+    for n, st in osd["state"].items():
+        if n not in locals_:
+            continue
+        cur = optimizer.state.setdefault(locals_[n], {})
+        for k, v in st.items():
+            v = local_of(v)
+            if v is None:  # this rank holds no piece of the parameter: its state tensor is empty
+                continue
+            if isinstance(v, torch.Tensor) and k in cur and isinstance(cur[k], torch.Tensor):
+                if v.data_ptr() != cur[k].data_ptr():
+                    cur[k].copy_(v)
+            elif isinstance(v, torch.Tensor):
+                cur[k] = v.clone()
+            else:
+                cur[k] = v
+
+
+def tree_state_dict(plan, tree, rank: int, timeout_s: float):
+    """``({dotted path: value}, (paths, spec))`` for DCP: a leaf whose path ends in a plan parameter's name
+    and which has that parameter's local shape on this rank (``plan.local_shape``) is sharded like it;
+    any other leaf (a step count) is plain."""
+    from ...rules import leaves_with_paths
+    from ..builder import groups_for
+    groups = groups_for(plan, timeout_s)
+    paths, leaves, spec = leaves_with_paths(tree)
+    out = {}
+    for path, leaf in zip(paths, leaves):
+        parts = path.split(".")
+        name = next((".".join(parts[k:]) for k in range(len(parts)) if ".".join(parts[k:]) in plan), None)
+        if isinstance(leaf, torch.Tensor) and name is not None and tuple(leaf.shape) == plan.local_shape(name, rank):
+            out[path] = sharded_value(plan, groups, rank, plan.param(name).name, leaf.detach())
+        else:
+            out[path] = leaf
+    return out, (paths, spec)
