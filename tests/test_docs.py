@@ -22,7 +22,7 @@ def blocks(path: pathlib.Path, lang: str = "python") -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", path.read_text(), flags=re.S)
 
 
-@pytest.mark.parametrize("name", ["rules.md", "plans.md", "schedule.md"])
+@pytest.mark.parametrize("name", ["rules.md", "plans.md", "schedule.md", "architecture.md"])
 def test_doc_snippets_run(name, capsys):
     found = blocks(DOCS / name)
     assert found, f"{name} has no python snippet"

@@ -16,29 +16,14 @@ from ..plan import Plan
 from . import collectives as C
 from . import tensor_parallel as TP
 from . import state_dict as SD
-from .builder import FUNCTIONAL, build
+from .builder import ATTR as _ATTR, build, engine_of
 from .executor import Executor
 from .startup import tp_local
-from .seams import guard_apply, unwrap_compiled
+from .seams import guard_apply
 from .faces import ModuleFace
 from . import identity
 from .hooks import install
 
-_ATTR = "_shardplan"
-
-
-def engine_of(module: nn.Module, plan: Optional[Plan] = None) -> Executor:
-    """The executor running ``module``'s plan (``shard`` attaches it; with ``plan``, the one
-    ``functional_call(module, plan, ...)`` made)."""
-    if plan is not None:
-        rt = FUNCTIONAL.get(module, {}).get(plan.fingerprint())
-        if rt is None:
-            raise RuntimeShardingError("functional_call has not run this module with this plan yet")
-        return rt.exe
-    eng = unwrap_compiled(module).__dict__.get(_ATTR)  # torch.compile(model): the module it wraps
-    if eng is None:
-        raise RuntimeShardingError("this module is not sharded; call shardplan.shard(module, plan) first")
-    return eng
 
 
 # -- shard ---------------------------------------------------------------------------------------------

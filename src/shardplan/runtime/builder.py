@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,12 +26,32 @@ from ..plan.schedule import ROOT
 from . import collectives as C
 from . import tensor_parallel as TP
 from .buffers import BufferState
+from ..errors import RuntimeShardingError
+from .seams import unwrap_compiled
 from .startup import Slots, device_for, startup, world_and_rank
 from .unit import UnitRuntime
 
+if TYPE_CHECKING:  # pragma: no cover
+    from .executor import Executor
+
+ATTR = "_shardplan"  # module.__dict__ key of the executor shard() attaches
 _GROUPS: dict[str, tuple[object, C.Groups]] = {}
 FUNCTIONAL: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 """module -> {plan fingerprint: the functional face's runtime of that pair} (runtime/functional.py)."""
+
+
+def engine_of(module: nn.Module, plan: Optional[Plan] = None) -> "Executor":
+    """The executor running ``module``'s plan (``shard`` attaches it; with ``plan``, the one
+    ``functional_call(module, plan, ...)`` made)."""
+    if plan is not None:
+        rt = FUNCTIONAL.get(module, {}).get(plan.fingerprint())
+        if rt is None:
+            raise RuntimeShardingError("functional_call has not run this module with this plan yet")
+        return rt.exe
+    eng = unwrap_compiled(module).__dict__.get(ATTR)  # torch.compile(model): the module it wraps
+    if eng is None:
+        raise RuntimeShardingError("this module is not sharded; call shardplan.shard(module, plan) first")
+    return eng
 
 
 def groups_for(plan: Plan, timeout_s: float = 300.0) -> C.Groups:

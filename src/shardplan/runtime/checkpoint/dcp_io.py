@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from ...errors import CheckpointError
 from .. import collectives as C
-from ..api import engine_of
+from ..builder import engine_of
 from .values import init_optimizer_state, local_of, quiet_sharded_tensor, state_dict, load_state_dict, tree_state_dict
 
 

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from ...errors import CheckpointError
 from .. import collectives as C
-from ..api import engine_of
+from ..builder import engine_of
 from ..seams import unwrap_compiled
 
 

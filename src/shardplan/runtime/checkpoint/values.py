@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from ...errors import CheckpointError
-from ..api import engine_of
+from ..builder import engine_of
 
 
 @contextlib.contextmanager
