@@ -79,6 +79,7 @@ class Executor:
         self.transient = {u.name for u in units if any(not b.bp.persistent for b in u.buffers)}
         # the plan keeps full parameters between steps and re-gathers them only when the shards went stale
         self.regathers = any(op.when == STALE for op in plan.schedule)
+        self._todo: dict[tuple, list] = {}
         self._run_op = {(ALL_GATHER, PARAMS): self._all_gather, (WAIT, PARAMS): self._wait_params,
                         (FREE, PARAMS): self._free_params, (REDUCE_SCATTER, GRADS): self._reduce,
                         (ALL_REDUCE, GRADS): self._reduce, (WAIT, GRADS): self._wait_grads,
@@ -236,8 +237,13 @@ class Executor:
 
     # -- running ops ---------------------------------------------------------------------------------
     def _run_step(self, step: Step, *, grad: bool) -> None:
-        for op in self.cursor.ops_of(step, Facts(self.stale, grad, self.grads.sync)):
-            self.run(op)
+        key = (id(step), self.stale, grad, self.grads.sync)  # steps live as long as the plan
+        todo = self._todo.get(key)
+        if todo is None:  # the step's ops under these facts, with their handlers: looked up once
+            todo = self._todo[key] = [(op, self._run_op[(op.kind, op.what)])
+                                      for op in self.cursor.ops_of(step, Facts(*key[1:]))]
+        for op, fn in todo:
+            self.run(op, fn)
 
     def run(self, op: Op, fn=None) -> None:
         if self.record is not None:
