@@ -65,18 +65,12 @@ class Member:
     view: Optional[torch.Tensor] = None   # its part of the unsharded gradient
     handle: Optional[torch.Tensor] = None  # what ``full.grad`` is: ``view`` (or a DTensor over it)
 
-    @property
-    def name(self) -> str:
-        return self.info.name
-
-    @property
-    def index(self) -> int:
-        return self.piece.index
-
-    @property
-    def shard_range(self) -> tuple[int, int]:
-        """[start, stop) of this rank's piece in the flat shard."""
-        return self.piece.shard_offset, self.piece.shard_offset + self.piece.numel
+    def __post_init__(self):
+        # [Note: read on every step: plain attributes, not properties over the frozen values]
+        self.name, self.index = self.info.name, self.piece.index
+        self.shard = slice(self.piece.shard_offset, self.piece.shard_offset + self.piece.numel)  # piece in the shard
+        self.whole = slice(self.piece.full_offset, self.piece.full_offset + self.info.numel)  # in the full storage
+        self.held = self.piece.numel  # elements of the piece (0: this rank holds none of it)
 
 
 class BufferState:
@@ -101,6 +95,7 @@ class BufferState:
             self.shard = torch.zeros(self.S, dtype=self.dtype, device=device)
         self.flat: Optional[torch.Tensor] = None  # the unsharded gradient, in compute dtype
         self.flat_window = -1
+        self.gappy = bp.grad_numel != sum(m.info.numel for m in self.members)  # padding between parameters
         if self.packed is not None:
             free_storage(self.packed)
 
@@ -125,8 +120,7 @@ class BufferState:
             for m, t in zip(self.members, originals):
                 if m.piece.storage_box is None or t is None:
                     continue
-                a, b = m.shard_range
-                self.shard[a:b].copy_(t[m.piece.storage_box].reshape(-1))
+                self.shard[m.shard].copy_(t[m.piece.storage_box].reshape(-1))
 
     def make_params(self, wraps: Optional[list] = None) -> None:
         """The local shards and the full parameters; ``wraps[i]`` (tensor parallelism) turns parameter i's
@@ -134,8 +128,7 @@ class BufferState:
         for i, m in enumerate(self.members):
             if wraps is not None:
                 m.wrap = wraps[i]
-            a, b = m.shard_range
-            m.local = nn.Parameter(self.shard[a:b].view(m.piece.shape), requires_grad=m.info.requires_grad)
+            m.local = nn.Parameter(self.shard[m.shard].view(m.piece.shape), requires_grad=m.info.requires_grad)
             m.full = nn.Parameter(self._wrap(m, alias(self.full, m.piece.full_offset, m.info.shape)),
                                   requires_grad=m.info.requires_grad)
         if not self.bp.persistent:
@@ -204,8 +197,7 @@ class BufferState:
     def _new_flat(self, make) -> None:
         self.flat = make(self.bp.grad_numel, dtype=self.cdtype, device=self.device)
         for m in self.members:
-            off = m.piece.full_offset
-            m.view = self.flat[off:off + m.info.numel].view(m.info.shape)
+            m.view = self.flat[m.whole].view(m.info.shape)
             m.handle = self._wrap(m, m.view)
 
     def land_grads(self, window: int, arrived: list) -> None:
@@ -225,13 +217,13 @@ class BufferState:
         torch._foreach_copy_(views, grads)
         if rest:
             torch._foreach_zero_(rest)
-        if self.bp.grad_numel != sum(m.info.numel for m in self.members):
+        if self.gappy:
             self._zero_gaps()
 
     def _zero_gaps(self) -> None:
         """Zero the padding between parameters (it is reduced too: keep it finite)."""
         c = 0
-        for off, p in sorted((m.piece.full_offset, m.info.numel) for m in self.members):
+        for off, p in sorted((m.whole.start, m.whole.stop - m.whole.start) for m in self.members):
             if off > c:
                 self.flat[c:off].zero_()
             c = max(c, off + p)
@@ -265,8 +257,7 @@ class BufferState:
                 lp = m.local
                 if not lp.requires_grad:
                     continue
-                a, b = m.shard_range
-                g = result[a:b].view(m.piece.shape)
+                g = result[m.shard].view(m.piece.shape)
                 if lp.grad is None:
                     lp.grad = g
                     created.append(m.index)

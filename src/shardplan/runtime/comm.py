@@ -26,15 +26,15 @@ class CommEngine:
     """Collectives of one sharded model on this rank."""
 
     def __init__(self, buffers: dict[int, BufferState], groups: C.Groups, device: torch.device, rank: int,
-                 timeout_s: float, face: Callable[[], object]):
+                 timeout_s: float):
         self.buffer, self.groups, self.rank, self.timeout_s = buffers, groups, rank, timeout_s
         self.streams = Streams(device)
-        self._face = face  # the executor's current face (it may be set after construction)
+        self.face = None  # the executor's face (the executor sets it)
 
     # -- parameters ----------------------------------------------------------------------------------
     def gather(self, op: Op, u: UnitRuntime) -> None:
         """All-gather ``op``'s buffers of ``u`` on the gather stream; record it as ``u.gather``."""
-        face = self._face()
+        face = self.face
         works, keep = [], []
         cuda = self.streams.cuda
         outs = [(self.buffer[i], self.buffer[i].gather_output()) for i in op.buffers]
@@ -65,7 +65,7 @@ class CommEngine:
     def reduce(self, op: Op, u: UnitRuntime, inputs: Callable[[], dict]) -> None:
         """Reduce-scatter (or all-reduce over replica axes) ``op``'s buffers of ``u`` on the reduce stream;
         ``inputs()`` gives the reduction inputs the first time a reduction of this pass touches ``u``."""
-        face = self._face()
+        face = self.face
         if u.reduce is None:
             ins = inputs()
             u.reduce = PendingReduce(op, {i: [] for i in ins}, ins, {})
@@ -107,7 +107,7 @@ class CommEngine:
         """Where a reduction that moves nothing (a shard group of one, replicated) should leave its result,
         if the face has a place for it; else the reduction's input is the result."""
         local = (not b.sharded) or self.groups.reduce(b.bp.axes).pg is None
-        return self._face().local_reduce_output(b) if local else None
+        return self.face.local_reduce_output(b) if local else None
 
     # -- the used-parameter exchange -------------------------------------------------------------------
     def all_reduce_max(self, op: Op, flags: torch.Tensor):

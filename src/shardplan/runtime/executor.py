@@ -62,10 +62,10 @@ class Executor:
         self.units = {u.name: u for u in units}
         self.unit_list = units
         self.buffer = {b.bp.index: b for u in units for b in u.buffers}
+        self.cursor = Cursor(plan)
+        self.comm = CommEngine(self.buffer, groups, device, rank, timeout_s)
         # the face: how gathered parameters reach the compute and where reduced gradients go (runtime/faces.py)
         self.face = face
-        self.cursor = Cursor(plan)
-        self.comm = CommEngine(self.buffer, groups, device, rank, timeout_s, lambda: self.face)
         self.grads = GradTracker(plan)
         self.stale = True          # shards changed since the last gather (ZeRO-1/2 gather before the next forward)
         self.in_backward = False
@@ -85,6 +85,14 @@ class Executor:
                         (ALL_REDUCE, GRADS): self._reduce, (WAIT, GRADS): self._wait_grads,
                         (FREE, GRADS): self._free_grads, (ALL_REDUCE, USED): self._exchange_used,
                         (WAIT, USED): self._wait_used, (PREPARE, GRADS): self._prepare_grads}
+
+    @property
+    def face(self) -> Optional[Face]:
+        return self._face
+
+    @face.setter
+    def face(self, face: Optional[Face]) -> None:
+        self._face = self.comm.face = face
 
     # -- the tracker's switches, as attributes (no_sync and the drop-in set ``sync``) ---------------------
     @property

@@ -138,8 +138,8 @@ class TreeFace:
                         continue
                     self.versions[m.name] = (weakref.ref(src), src._version)
                     changed = True
-                    if b.bp.alias and m.piece.numel:
-                        dsts.append(b.shard[slice(*m.shard_range)])
+                    if b.bp.alias and m.held:
+                        dsts.append(b.shard[m.shard])
                         srcs.append(leaves[m.name].detach().reshape(-1))
         if dsts:
             with torch.no_grad():
@@ -153,8 +153,8 @@ class TreeFace:
         send = torch.empty(b.S, dtype=b.cdtype, device=b.device)  # gaps between pieces are never read
         dsts, srcs = [], []
         for m in b.members:
-            if m.piece.numel:
-                dsts.append(send[slice(*m.shard_range)])
+            if m.held:
+                dsts.append(send[m.shard])
                 srcs.append(self.leaves[m.name].detach().reshape(-1))
         if dsts:
             with torch.no_grad():
@@ -207,7 +207,7 @@ class TreeFace:
                     arrived.append((i, g))
                     exe.used[m.index] = 1
                 if self.leaves[m.name].requires_grad:
-                    out.append(dst[slice(*m.shard_range)].view(m.piece.shape) if dst is not None else None)
+                    out.append(dst[m.shard].view(m.piece.shape) if dst is not None else None)
             if arrived:
                 b.land_grads(exe.window, arrived)
         exe.complete(u.name)
@@ -226,7 +226,7 @@ class TreeFace:
                 dst.copy_(result[:dst.numel()])
         for m in b.members:
             if m.info.requires_grad:
-                self.grads[m.name] = dst[slice(*m.shard_range)].view(m.piece.shape)
+                self.grads[m.name] = dst[m.shard].view(m.piece.shape)
         del self.dst[b.bp.index]  # the next backward gets fresh tensors: these now belong to the caller
 
     def unused(self, indices: list[int]) -> None:

@@ -27,7 +27,8 @@ class GradTracker:
     def arrived(self, u: UnitRuntime, index: int) -> bool:
         """Parameter ``index`` of unit ``u`` got its gradient; returns whether ``u`` now has all of them."""
         self.used[index] = 1
-        self.check_not_reduced(u, [self.plan.params[index].name])
+        if u.grads is Grads.REDUCING or u.grads is Grads.DONE:
+            self.check_not_reduced(u, [self.plan.params[index].name])
         u.got += 1
         if u.grads is Grads.IDLE:
             u.grads = Grads.RUNNING

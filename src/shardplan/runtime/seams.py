@@ -68,7 +68,7 @@ def detached_local(buffer) -> Optional[str]:
     cheap diagnosis when handing out its gradient failed (a child module's ``.to()`` after sharding)."""
     shard = buffer.shard
     for m in buffer.members:
-        lp, info, off = m.local, m.info, m.piece.shard_offset
+        lp, info, off = m.local, m.info, m.shard.start
         moved = lp.untyped_storage().data_ptr() != shard.untyped_storage().data_ptr() \
             or lp.storage_offset() != shard.storage_offset() + off
         if lp.dtype != shard.dtype or lp.device != shard.device or moved:
