@@ -120,6 +120,10 @@ class Groups:
     def reduce(self, axes) -> Group:
         return self._groups.get(("reduce", tuple(axes)), ONE) if axes else ONE
 
+    def axis(self, axis: str) -> Group:
+        """The group along one mesh axis (a DeviceMesh dimension: state dicts as DTensors)."""
+        return self._groups.get(("axis", (axis,)), ONE)
+
 
 def build_groups(plan, rank: int, backend: str, timeout_s: float) -> Groups:
     """One process group per (purpose, axes); every rank creates every group in the same order.
@@ -139,11 +143,18 @@ def build_groups(plan, rank: int, backend: str, timeout_s: float) -> Groups:
             wanted.append(key)
     everyone = ("world", tuple(mesh.axis_names))
     wanted.append(everyone)
+    for a in mesh.axis_names:  # one group per mesh axis, for a DeviceMesh built later without a collective
+        wanted.append(("axis", (a,)))
     force = os.environ.get("SHARDPLAN_SINGLETON_GROUPS") == "1"
     timeout = timedelta(seconds=timeout_s)
     made: dict = {}
     for key in wanted:
         axes = key[1]
+        if key[0] == "axis":  # any group over exactly these ranks serves (DTensor state dicts are rare)
+            same = [made[k] for k in (("gather", axes), ("reduce", axes), ("world", axes)) if k in made]
+            if same:
+                made[key] = same[0]
+                continue
         size = mesh.axis_size(axes)
         mine = ONE
         for ranks in mesh.groups(axes):

@@ -15,7 +15,10 @@ tensors (what ``set_model_state_dict`` hands it) and this rank's plain local sha
 
 from __future__ import annotations
 
+import atexit
+import gc
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -93,9 +96,13 @@ class StateDictHooks:
         self.plan = exe.plan
         self.layout = describe(self.plan)
         self.bad = next((n for n, (pl, _) in self.layout.items() if pl is None), None)
-        self.mesh = None
-        if self.bad is None:  # every rank reaches this alike (the plan is the same): a collective is safe
-            self.mesh = self._device_mesh(meshes or {})
+        self._meshes = meshes or {}
+        self._mesh = None
+        _LIVE.add(self)
+        if self.bad is None and any(exe.groups.axis(a).pg is None for a in self.plan.mesh.axis_names) \
+                and self.plan.mesh.size > 1:
+            self._mesh = self._device_mesh(self._meshes)  # an axis of one rank has no group: build it now, on every rank
+        if self.bad is None:
             mesh_shape = [s for _, s in self.plan.mesh.axes]
             coord = [self.plan.mesh.axis_index(exe.rank, (a,)) for a in self.plan.mesh.axis_names]
             from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
@@ -103,13 +110,32 @@ class StateDictHooks:
                                                                           coord, pl)[0]
                                 for n, (pl, _) in self.layout.items()}
 
+    @property
+    def mesh(self):
+        """The DeviceMesh the state dict's DTensors live on (``None`` where a parameter cannot be one).
+
+        [Note: built at first use, from process groups the runtime already has (``DeviceMesh.from_group``
+        needs no collective, so one rank alone may call ``state_dict()``), and released at interpreter exit
+        (:func:`_release_meshes`): a gloo DeviceMesh still alive while Python finalises aborts the process
+        ("terminate called without an active exception"), one run in three.]"""
+        if self._mesh is None and self.bad is None:
+            self._mesh = self._device_mesh(self._meshes)
+        return self._mesh
+
     def _device_mesh(self, meshes: dict):
-        from .tensor_parallel import full_device_mesh
+        from torch.distributed.device_mesh import DeviceMesh
         for m in meshes.values():  # tensor parallelism built one already: its slices share the root
             root = m._get_root_mesh() if hasattr(m, "_get_root_mesh") else None
             if root is not None and root.mesh_dim_names == self.plan.mesh.axis_names:
                 return root
-        return full_device_mesh(self.plan, self.exe.device)
+        mesh = self.plan.mesh
+        groups = [self.exe.groups.axis(a).pg for a in mesh.axis_names]
+        if mesh.size == 1 or any(g is None for g in groups):
+            from .tensor_parallel import full_device_mesh  # a group of one has no process group: build one
+            return full_device_mesh(self.plan, self.exe.device)
+        shape = [s for _, s in mesh.axes]
+        return DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], self.exe.device.type,
+                                     mesh=torch.arange(mesh.size).view(shape), mesh_dim_names=mesh.axis_names)
 
     def _refuse(self, name: str) -> CheckpointError:
         why = self.layout[name][1]
@@ -201,6 +227,17 @@ class StateDictHooks:
             # read at the next forward]
             self.exe.mark_shards_changed()
         return hook
+
+
+_LIVE: "weakref.WeakSet[StateDictHooks]" = weakref.WeakSet()
+
+
+@atexit.register
+def _release_meshes() -> None:
+    """Drop the DeviceMeshes the state-dict hooks built, before the interpreter finalises (see ``mesh``)."""
+    for hooks in list(_LIVE):
+        hooks._mesh = None
+    gc.collect()
 
 
 def install(module: nn.Module, exe, meshes: Optional[dict] = None) -> list:
