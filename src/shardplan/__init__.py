@@ -4,32 +4,58 @@
 >>> plan = sp.plan(model, sp.Rules([(r".*norm.*", sp.P()), (r".*", sp.P("dp"))]), sp.Mesh(dp=8),
 ...                units=[r"layers\\.\\d+"])
 >>> print(plan)
+
+The language and the planner (``P``, ``Mesh``, ``Rules``, ``plan``, ``auto_rules``) import without torch;
+the runtime (``shard``, ``checkpoint``, ``value_and_grad``, ...) is imported, with torch, on first use, so
+that ``import shardplan`` and the ``shardplan`` command start at once.
 """
 
-import warnings as _warnings
-
-with _warnings.catch_warnings():  # torch warns at import when NumPy is absent; shardplan never uses NumPy
-    _warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    import torch as _torch  # noqa: F401
+import importlib as _importlib
+from importlib.util import find_spec as _find_spec
 
 from .errors import (CheckpointError, CollectiveError, MeshError, PlanError, PlanWarning, RuleError,
                      RuntimeShardingError, ShardingError, SpecError, UnmatchedParametersError, UnusedRuleWarning)
 from .mesh import Mesh
 from .plan import BufferPlan, Memory, Op, ParamPlan, Plan, UnitPlan, plan
 from .rules import Rules, explain, match
-
 from .spec import P
-from .runtime import clip_grad_norm_, compile_units, mark_shards_changed, memory_stats, no_sync, record_ops, reset_peak, shard
-from .runtime import checkpoint
-from .runtime.checkpoint import full_state_dict, load_full_state_dict, load_state_dict, state_dict
-from .runtime.functional import functional_call, grad, value_and_grad
-from .tree import assemble, shard_tree, unshard_tree
-from . import optim
-from .optim import clip_by_global_norm
 from .auto import auto_rules
-from .dropin import MixedPrecisionPolicy, fully_shard, fully_shard_model, fully_shard_optimizer, plan_of
 
 __version__ = "0.1.0"
+
+# name -> the module that defines it, imported (with torch) when the name is first read
+_LAZY = {
+    **dict.fromkeys(("clip_grad_norm_", "compile_units", "mark_shards_changed", "memory_stats", "no_sync",
+                     "record_ops", "reset_peak", "shard"), "runtime"),
+    **dict.fromkeys(("full_state_dict", "load_full_state_dict", "load_state_dict", "state_dict"), "runtime.checkpoint"),
+    **dict.fromkeys(("functional_call", "grad", "value_and_grad"), "runtime.functional"),
+    **dict.fromkeys(("assemble", "shard_tree", "unshard_tree"), "tree"),
+    "clip_by_global_norm": "optim",
+    **dict.fromkeys(("MixedPrecisionPolicy", "fully_shard", "fully_shard_model", "fully_shard_optimizer", "plan_of"),
+                    "dropin"),
+}
+_LAZY_MODULES = {"checkpoint": "runtime.checkpoint", "optim": "optim"}
+
+
+def __getattr__(name: str):
+    from .dtypes import import_torch
+    if name in _LAZY or name in _LAZY_MODULES:
+        import_torch()  # quietly, before the runtime imports it
+        if name in _LAZY_MODULES:
+            value = _importlib.import_module(f".{_LAZY_MODULES[name]}", __name__)
+        else:
+            value = getattr(_importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    if name.isidentifier() and not name.startswith("_") and _find_spec(f"{__name__}.{name}") is not None:
+        import_torch()  # a submodule not imported yet: sp.runtime, sp.tree
+        return _importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY) | set(_LAZY_MODULES))
+
 
 __all__ = [
     "Mesh", "P", "Rules", "match", "explain", "plan", "Plan", "ParamPlan", "BufferPlan", "UnitPlan", "Memory", "Op",

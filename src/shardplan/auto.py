@@ -23,17 +23,47 @@ few MiB (200 blocks of 4 MiB on one H200: 1.27x unsharded unmerged, 0.89-0.99x a
 REPLICA_AXIS_NAMES = ("replica", "replicate", "dp_replicate", "outer", "dp_outer")
 
 
+def _mib(nbytes: float) -> str:
+    x = nbytes / 2 ** 20
+    return f"{x:,.0f} MiB" if x >= 100 else f"{x:.3g} MiB"
+
+
 def choose_min_unit_bytes(unit_bytes: Sequence[int]) -> tuple[int, str]:
     """``(min_unit_bytes, why)`` for units of these sizes (parameter bytes, forward order)."""
     if len(unit_bytes) < 2:
         return 0, "one unit: nothing to merge"
     median = sorted(unit_bytes)[len(unit_bytes) // 2]
     if median >= AUTO_UNIT_BYTES:
-        return 0, (f"units kept as given: the median unit holds {median / 2 ** 20:.2f} MiB, at least the "
-                   f"{AUTO_UNIT_BYTES / 2 ** 20:.0f} MiB below which merging pays")
-    return AUTO_UNIT_BYTES, (f"neighbouring units merged to at least {AUTO_UNIT_BYTES / 2 ** 20:.0f} MiB each "
-                             f"(median unit {median / 2 ** 20:.2f} MiB: a unit's fixed cost per step outweighs "
-                             f"its compute); pass min_unit_bytes=0 to keep one unit per module")
+        return 0, (f"units kept as given: the median unit holds {_mib(median)}, at least the "
+                   f"{_mib(AUTO_UNIT_BYTES)} below which merging pays")
+    return AUTO_UNIT_BYTES, (f"the median block holds {_mib(median)}, and a unit's fixed cost per step (hooks, "
+                             f"collective launches) outweighs the compute of so small a block")
+
+
+def merge_note(min_unit_bytes: int, blocks: Sequence[int], units: Sequence[tuple[int, int]], why: str = "",
+               automatic: bool = False) -> str:
+    """What merging did, in words that hold for any model size: ``blocks`` are the sizes of the units before
+    merging, ``units`` the (blocks, bytes) of each unit after (``why``: the automatic choice's reason)."""
+    said = ([_mib(min_unit_bytes)] if min_unit_bytes else []) + (["automatic"] if automatic else [])
+    head = f"min_unit_bytes={min_unit_bytes}" + (f" ({', '.join(said)})" if said else "")
+    if not min_unit_bytes or len(units) == len(blocks):
+        return f"{head}: {why}" if why else f"{head}: no neighbouring units small enough to merge"
+    counts = [n for n, _ in units]
+    if len(set(counts)) == 1:
+        of = f"of {counts[0]} blocks"
+    elif len(counts) <= 4:
+        of = "of " + ", ".join(map(str, counts[:-1])) + f" and {counts[-1]} blocks"
+    else:
+        of = f"of {min(counts)} to {max(counts)} blocks"
+    each = [b for _, b in units]
+    size = (f"{_mib(each[0])}" if len(each) == 1 else f"about {_mib(sum(each) / len(each))} each")
+    total = sum(blocks)
+    short = (f", more than all {len(blocks)} blocks hold together" if total < min_unit_bytes else "")
+    text = (f"{head}: merged {len(blocks)} blocks into {len(units)} unit{'s' if len(units) > 1 else ''} {of} "
+            f"({size}; target {_mib(min_unit_bytes)}{short})")
+    if why:
+        text += f": {why}"
+    return text + ("; pass min_unit_bytes=0 to keep one unit per block" if automatic else "")
 
 
 def data_axes(mesh: Mesh) -> tuple[str, ...]:

@@ -3,6 +3,9 @@
 
 Exit status 0 on success, 2 with one line on stderr for bad input (a missing file, a bad mesh, a rule
 that does not fit, a parameter name that does not exist).
+
+Argument parsing needs neither torch nor the runtime: ``shardplan --help`` answers at once, and
+``shardplan plan`` imports torch only to build the model (on the meta device) and the planner.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import os
 import re
 import sys
 import warnings
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
 
 from .errors import ShardingError
 
@@ -72,71 +76,174 @@ def load_target(target: str):
     return getattr(mod, fn)
 
 
-def load_rules(spec: str):
-    """``RULES.py`` (its ``rules``) or ``RULES.py:NAME`` (its ``NAME``) -> (rules, the file's UNITS or None).
-    The file's ``compute_axes`` and ``styles``, if any, are read by :func:`rules_file_options`."""
-    path, _, name = spec.partition(":") if spec.count(":") == 1 and not re.match(r"^[A-Za-z]:\\", spec) else (spec, "", "")
+# the keywords of shardplan.plan a rules file's OPTIONS may set (rules, units and the mesh have names of their own)
+PLAN_OPTIONS = ("strategy", "compute_dtype", "reduce_dtype", "prefetch", "reshard_after_forward", "optimizer_states",
+                "min_unit_bytes", "order", "layout", "compute_axes", "styles")
+
+
+@dataclass
+class RulesFile:
+    """What a rules file declares: ``rules`` (or the variable ``FILE.py:NAME`` names) and, optionally,
+    ``UNITS``, ``MESH``, ``OPTIONS`` (keywords of ``shardplan.plan``), ``compute_axes`` and ``styles`` --
+    everything ``shardplan rules`` and ``plan.to_source()`` write."""
+    path: str
+    rules: Any
+    units: Optional[list] = None
+    mesh: Any = None
+    options: dict = field(default_factory=dict)
+
+
+def _split_spec(spec: str) -> tuple[str, str]:
+    if spec.count(":") == 1 and not re.match(r"^[A-Za-z]:\\", spec):
+        path, _, name = spec.partition(":")
+        return path, name
+    return spec, ""
+
+
+def load_rules_file(spec: str) -> RulesFile:
+    """``RULES.py`` (its ``rules``) or ``RULES.py:NAME`` (its ``NAME``), with the file's units, mesh and options."""
+    from .mesh import Mesh
+    path, name = _split_spec(spec)
     mod = _load_file(path, "_shardplan_rules")
     name = name or "rules"
     if not hasattr(mod, name):
         found = [k for k, v in vars(mod).items() if isinstance(v, list) and not k.startswith("_")]
         raise CliError(f"{path} defines no {name!r} (a shardplan.Rules or a list of (regex, spec) pairs); "
                        f"it has {found}; pick one with --rules {path}:NAME")
-    return getattr(mod, name), getattr(mod, "UNITS", None)
+    mesh = getattr(mod, "MESH", None)
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise CliError(f"{path}: MESH must be a shardplan.Mesh, e.g. MESH = sp.Mesh(dp=8); got {type(mesh).__name__}")
+    options = getattr(mod, "OPTIONS", None) or {}
+    if not isinstance(options, dict):
+        raise CliError(f"{path}: OPTIONS must be a dict of shardplan.plan keywords; got {type(options).__name__}")
+    unknown = sorted(set(options) - set(PLAN_OPTIONS))
+    if unknown:
+        raise CliError(f"{path}: OPTIONS has {unknown}, which are no options of shardplan.plan here; "
+                       f"use {list(PLAN_OPTIONS)} (rules, UNITS and MESH are variables of their own)")
+    options = dict(options)
+    for k in ("compute_axes", "styles"):
+        if getattr(mod, k, None) is not None:
+            options[k] = getattr(mod, k)
+    return RulesFile(path, getattr(mod, name), getattr(mod, "UNITS", None), mesh, options)
 
 
-def rules_file_options(spec: Optional[str]) -> dict:
-    """A rules file's tensor-parallel options: ``compute_axes`` and ``styles`` (absent: none)."""
-    if not spec:
-        return {}
-    path = spec.partition(":")[0] if spec.count(":") == 1 and not re.match(r"^[A-Za-z]:\\", spec) else spec
-    mod = _load_file(path, "_shardplan_rules")
-    return {k: getattr(mod, k) for k in ("compute_axes", "styles") if getattr(mod, k, None) is not None}
+def load_rules(spec: str):
+    """``(rules, the file's UNITS or None)`` of a rules file (see :func:`load_rules_file`)."""
+    f = load_rules_file(spec)
+    return f.rules, f.units
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the examples' layout, and shows each option's default where it has one."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (not action.option_strings or "default" in text or action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS or isinstance(action, argparse._VersionAction)):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+MAIN_EXAMPLES = """\
+examples:
+  # the table, memory per rank and bytes per step of a 70B model on 64 ranks
+  shardplan plan examples/gpt.py:llama_70b --mesh dp=64 --rules examples/gpt_rules.py --dtype bf16 --summary
+  # propose rules for a Hugging Face config (no weights), then plan with them
+  shardplan rules hf:examples/hf/mixtral_8x7b.json --mesh dp=8 > mixtral_rules.py
+  shardplan plan hf:examples/hf/mixtral_8x7b.json --mesh dp=8 --rules mixtral_rules.py --summary
+
+shardplan COMMAND --help shows each command's options and examples.
+"""
+
+PLAN_EXAMPLES = """\
+examples:
+  # a 70B model on 64 ranks with bf16 compute: memory per rank and bytes per step, no per-parameter table
+  shardplan plan examples/gpt.py:llama_70b --mesh dp=64 --rules examples/gpt_rules.py --dtype bf16 --summary
+  # HSDP with another rules list of the same file; the schedule as a Chrome trace (open in ui.perfetto.dev)
+  shardplan plan examples/gpt.py:tiny --mesh replica=2,shard=2 --rules examples/gpt_rules.py:HSDP_RULES --trace plan_trace.json
+  # FSDP x tensor parallelism (the file's compute_axes); which rule takes one parameter, and why
+  shardplan plan examples/gpt.py:tiny --mesh dp=2,tp=2 --rules examples/gpt_rules_tp.py --explain layers.0.attention.wq.weight
+
+TARGET's function is called under torch.device("meta"): nothing is allocated, nothing runs. A rules file
+defines `rules` and may define UNITS, MESH, OPTIONS (keywords of shardplan.plan), compute_axes and styles,
+as `shardplan rules` and plan.to_source() write them; flags given here override the file.
+"""
+
+RULES_EXAMPLES = """\
+examples:
+  # propose rules and units for a model; planning with the file gives the same plan as planning without it
+  shardplan rules examples/gpt.py:tiny --mesh dp=8 > tiny_rules.py
+  shardplan plan examples/gpt.py:tiny --mesh dp=8 --rules tiny_rules.py
+  # HSDP: parameters sharded over "shard" (axes named like replica axes are left out); replicate below 16 MiB
+  shardplan rules hf:examples/hf/mixtral_8x7b.json --mesh replica=2,shard=8 --min-shard-bytes 16MiB
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    ap = argparse.ArgumentParser(prog="shardplan", description="Plan sharding of a model without launching anything.")
+    ap = argparse.ArgumentParser(prog="shardplan", description="Plan sharding of a model without launching anything.",
+                                 epilog=MAIN_EXAMPLES, formatter_class=_Formatter, allow_abbrev=False)
     ap.add_argument("--version", action="version", version=f"shardplan {__version__}")
-    sub = ap.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plan", help="print the plan for a model, mesh and rules")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("plan", help="print the plan for a model, mesh and rules", epilog=PLAN_EXAMPLES,
+                       description="Print the plan of a model on a mesh: parameters, units, memory per rank, bytes\n"
+                                   "per step, the planner's choices and its warnings.",
+                       formatter_class=_Formatter, allow_abbrev=False)
     p.add_argument("target", help="path/to/file.py:fn or package.module:fn returning an nn.Module, or "
                                   "hf:path/to/config.json (a Hugging Face model, built on the meta device)")
-    p.add_argument("--mesh", required=True, help="axes, e.g. dp=8 or replica=2,shard=4")
-    p.add_argument("--rules", default=None, help="a .py file defining `rules`, or FILE.py:NAME for another variable "
+    p.add_argument("--mesh", default=None, metavar="AXES", help="axes, e.g. dp=8 or replica=2,shard=4 (default: the rules file's "
+                                                "MESH; one of the two is needed)")
+    p.add_argument("--rules", default=None, metavar="FILE", help="a .py file defining `rules`, or FILE.py:NAME for another variable "
                                                  "(default: shardplan.auto_rules of the model)")
-    p.add_argument("--strategy", default="optim_grads_params",
-                   help="no_shard | optim | optim_grads | optim_grads_params (or 0..3)")
-    p.add_argument("--units", nargs="*", default=None, help="regexes over module paths; default: the rules file's UNITS, "
-                                                            "else the model's repeated blocks; --units alone: one root unit")
-    p.add_argument("--dtype", default=None, help="compute dtype, e.g. bf16")
-    p.add_argument("--reduce-dtype", default=None, help="gradient reduction dtype, e.g. fp32")
-    p.add_argument("--prefetch", type=int, default=1)
-    p.add_argument("--min-unit-bytes", type=parse_size, default=None,
-                   help="merge neighbouring units up to this size, e.g. 16MiB; 0: no merging (default: chosen)")
-    p.add_argument("--order", default="static", choices=("static", "dynamic"))
-    p.add_argument("--no-reshard-after-forward", action="store_true")
-    p.add_argument("--rank", type=int, default=0, help="rank whose local shapes and memory are shown")
-    p.add_argument("--schedule", action="store_true", help="also print the op schedule")
+    p.add_argument("--strategy", default=None, metavar="NAME",
+                   help="no_shard | optim | optim_grads | optim_grads_params (or 0..3) (default: the rules file's "
+                        "OPTIONS, else optim_grads_params)")
+    p.add_argument("--units", nargs="*", default=None, metavar="REGEX", help="regexes over module paths; --units alone: one root unit "
+                                                            "(default: the rules file's UNITS, else the model's "
+                                                            "repeated blocks)")
+    p.add_argument("--dtype", default=None, metavar="DTYPE", help="compute dtype, e.g. bf16 (default: the parameters' own)")
+    p.add_argument("--reduce-dtype", default=None, metavar="DTYPE", help="gradient reduction dtype, e.g. fp32 (default: the compute "
+                                                        "dtype)")
+    p.add_argument("--prefetch", type=int, default=None, metavar="N", help="units gathered ahead (default: the rules file's "
+                                                              "OPTIONS, else 1)")
+    p.add_argument("--min-unit-bytes", type=parse_size, default=None, metavar="SIZE",
+                   help="merge neighbouring units up to this size, e.g. 16MiB; 0: no merging (default: chosen from "
+                        "the unit sizes and said under \"planner's choices\")")
+    p.add_argument("--order", default=None, choices=("static", "dynamic"),
+                   help="dynamic: units stay gathered until the forward ends (default: static)")
+    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
+                   help="free each unit's gathered parameters after its forward and gather again for the backward "
+                        "(default: yes)")
+    p.add_argument("--param-dtype", default=None, metavar="DTYPE", help="store parameters in this dtype, e.g. fp32 (default: the "
+                                                       "model's)")
+    p.add_argument("--compute-axes", default=None, metavar="AXES", help="mesh axes that shard compute (tensor parallelism), e.g. tp "
+                                                        "(default: the rules file's compute_axes)")
+    p.add_argument("--rank", type=int, default=0, metavar="R", help="rank whose local shapes and memory are shown")
     p.add_argument("--summary", action="store_true", help="sizes, memory and bytes only: no per-parameter table")
+    p.add_argument("--schedule", action="store_true", help="also print the op schedule")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (with memory and bytes per step)")
     p.add_argument("--explain", metavar="NAME", default=None, help="say which rule matches parameter NAME and why")
-    p.add_argument("--param-dtype", default=None, help="store parameters in this dtype (default: the model's), e.g. fp32")
+    p.add_argument("--trace", metavar="FILE", default=None,
+                   help="also write the planned schedule as a Chrome trace to FILE (open it in ui.perfetto.dev): "
+                        "its order and sizes at --trace-gbps, a picture of the plan, not a measurement")
+    p.add_argument("--trace-gbps", type=float, default=100.0, metavar="GBPS", help="link speed the --trace picture assumes, in GB/s")
     p.add_argument("--trace-tokens", default=None, metavar="BxT",
                    help="trace the forward once with a (B, T) token tensor on the meta device, e.g. 1x4096: the "
                         "unit order it takes and the tensor-parallel activation bytes per step")
-    p.add_argument("--compute-axes", default=None, help="mesh axes that shard compute (tensor parallelism), e.g. tp "
-                                                        "(default: the rules file's compute_axes)")
-    r = sub.add_parser("rules", help="propose partition rules for a model (shardplan.auto_rules) as a rules file")
+    r = sub.add_parser("rules", help="propose partition rules for a model (shardplan.auto_rules) as a rules file",
+                       description="Print proposed partition rules and units as a Python rules file, which\n"
+                                   "`shardplan plan --rules FILE` reads back.",
+                       epilog=RULES_EXAMPLES, formatter_class=_Formatter, allow_abbrev=False)
     r.add_argument("target", help="path/to/file.py:fn, package.module:fn or hf:path/to/config.json")
-    r.add_argument("--mesh", required=True, help="axes, e.g. dp=8 or replica=2,shard=4")
-    r.add_argument("--min-shard-bytes", type=parse_size, default=2 ** 20, help="replicate parameters below this size")
+    r.add_argument("--mesh", required=True, metavar="AXES", help="axes, e.g. dp=8 or replica=2,shard=4")
+    r.add_argument("--min-shard-bytes", type=parse_size, default="1MiB", metavar="SIZE", help="replicate parameters below this size")
     return ap
 
 
 def build_model(target: str, param_dtype=None):
     """The module a TARGET names, on the meta device."""
-    import torch
+    from .dtypes import import_torch
+    torch = import_torch()
     if target.startswith("hf:"):
         from .hf import model_from_config
         model = model_from_config(target[3:])
@@ -164,7 +271,8 @@ def trace_tokens(text: str):
         assert b > 0 and t > 0
     except (ValueError, AssertionError):
         raise CliError(f"--trace-tokens {text!r}: expected BxT with positive integers, e.g. 1x4096") from None
-    import torch
+    from .dtypes import import_torch
+    torch = import_torch()
     return torch.zeros(b, t, dtype=torch.long, device="meta")
 
 
@@ -176,6 +284,21 @@ def run_rules(args) -> str:
     return auto_rules(model, mesh, min_shard_bytes=args.min_shard_bytes).to_source()
 
 
+def plan_options(args, file: Optional[RulesFile]) -> dict:
+    """Keywords of shardplan.plan: the defaults, then the rules file's OPTIONS, then the flags given."""
+    opts = dict(file.options) if file else {}
+    given = {"strategy": args.strategy, "compute_dtype": args.dtype, "reduce_dtype": args.reduce_dtype,
+             "prefetch": args.prefetch, "min_unit_bytes": args.min_unit_bytes, "order": args.order,
+             "reshard_after_forward": args.reshard_after_forward}
+    if args.compute_axes is not None:
+        given["compute_axes"] = tuple(a.strip() for a in args.compute_axes.split(",") if a.strip())
+    opts.update({k: v for k, v in given.items() if v is not None})
+    strategy = opts.get("strategy")
+    if isinstance(strategy, str) and strategy.isdigit():
+        opts["strategy"] = int(strategy)
+    return opts
+
+
 def run(args) -> str:
     if args.command == "rules":
         return run_rules(args)
@@ -185,30 +308,37 @@ def run(args) -> str:
     from .plan.render import render, render_schedule
     from .rules import explain
 
-    mesh = Mesh.parse(args.mesh)
-    rules_obj, file_units = load_rules(args.rules) if args.rules else (None, None)
+    file = load_rules_file(args.rules) if args.rules else None
+    if args.mesh is not None:
+        mesh = Mesh.parse(args.mesh)
+    elif file is not None and file.mesh is not None:
+        mesh = file.mesh
+    else:
+        raise CliError("no mesh: pass --mesh, e.g. --mesh dp=8 or --mesh replica=2,shard=4"
+                       + (f" (or define MESH in {file.path})" if file else ""))
     model = build_model(args.target, args.param_dtype)
-    if rules_obj is None:
-        rules_obj = auto_rules(model, mesh)
+    rules_obj = file.rules if file else auto_rules(model, mesh)
     if args.explain:
         names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         if args.explain not in names:
             close = [n for n in names if args.explain.split(".")[-1] in n][:5] or names[:5]
             raise CliError(f"{args.target} has no parameter {args.explain!r}; it has e.g. {close}")
         return explain(rules_obj, args.explain)
-    units = args.units if args.units is not None else file_units  # None: the plan finds the repeated blocks
-    strategy = int(args.strategy) if args.strategy.isdigit() else args.strategy
-    strategy_level(strategy)
+    units = args.units if args.units is not None else (file.units if file else None)  # None: the repeated blocks
+    opts = plan_options(args, file)
+    strategy_level(opts.get("strategy", "optim_grads_params"))
     if not 0 <= args.rank < mesh.size:
         raise CliError(f"--rank {args.rank} is outside the mesh's {mesh.size} ranks")
-    tp_opts = rules_file_options(args.rules)
-    if args.compute_axes is not None:
-        tp_opts["compute_axes"] = tuple(a.strip() for a in args.compute_axes.split(",") if a.strip())
     if args.trace_tokens is not None:
-        tp_opts["trace"] = trace_tokens(args.trace_tokens)
-    p = plan(model, rules_obj, mesh, strategy=strategy, units=units, compute_dtype=args.dtype,
-             reduce_dtype=args.reduce_dtype, prefetch=args.prefetch, order=args.order,
-             reshard_after_forward=not args.no_reshard_after_forward, min_unit_bytes=args.min_unit_bytes, **tp_opts)
+        opts["trace"] = trace_tokens(args.trace_tokens)
+    p = plan(model, rules_obj, mesh, units=units, **opts)
+    if args.trace:
+        try:
+            p.to_chrome_trace(args.trace, gbps=args.trace_gbps)
+        except OSError as exc:
+            raise CliError(f"--trace {args.trace}: cannot write it: {exc.strerror or exc}") from None
+        print(f"shardplan: wrote the schedule's Chrome trace to {args.trace} (open it in ui.perfetto.dev)",
+              file=sys.stderr)
     if args.json:
         d = p.to_dict()
         d["memory"] = vars(p.memory(args.rank)) | {"rank": args.rank}

@@ -12,6 +12,15 @@ from .errors import PlanError, PlanWarning, RuleError
 ROOT = "<root>"
 
 
+def natural_key(name: str) -> list:
+    """Sort key that orders numbered names as people count them: ``layers.2`` before ``layers.10``."""
+    return [int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", name))]
+
+
+def natural_sorted(names) -> list[str]:
+    return sorted(names, key=natural_key)
+
+
 @dataclass(frozen=True)
 class LeafInfo:
     name: str
@@ -118,7 +127,7 @@ def assign_units(infos: Sequence[LeafInfo], candidates: Sequence[str], patterns:
         if len(units) > 1:
             owner[info.name] = ROOT
             notes.append(f"tied parameter {info.name!r} (also {', '.join(info.aliases)}) is used by units "
-                         f"{sorted(units)}; it lives in the root unit, gathered for the whole step")
+                         f"{natural_sorted(units)}; it lives in the root unit, gathered for the whole step")
         else:
             owner[info.name] = units.pop()
     order = [u for u in unit_paths if u in set(owner.values())]

@@ -12,6 +12,7 @@ import math
 from typing import TYPE_CHECKING, Sequence
 
 from .. import layout as L
+from ..units import natural_sorted
 from ..mesh import Mesh
 from . import tensor_parallel as tp
 from .kinds import ALL_GATHER, ALL_REDUCE, FREE, GRADS, PARAMS, PREPARE, REDUCE_SCATTER, WAIT
@@ -216,5 +217,5 @@ def plan_warnings(mesh: Mesh, params: Sequence[ParamPlan], buffers: Sequence[Buf
     if copy:
         out.append(f"{len(copy)} buffer(s) need a copy-out after each all-gather (spec shards a dim other than 0, "
                    f"several dims, or zero-copy placement would pad too much): units "
-                   + ", ".join(sorted({b.unit for b in copy})[:6]))
+                   + ", ".join(natural_sorted({b.unit for b in copy})[:6]))
     return tuple(out)

@@ -14,7 +14,7 @@ from ..mesh import Mesh
 from ..rules import as_rules, match_leaves, regex_list_source
 from ..spec import P
 from ..units import assign_units, check_entries, collect_leaves, module_classes, trace_order
-from ..auto import choose_min_unit_bytes, find_units, root_unit_warning
+from ..auto import choose_min_unit_bytes, find_units, merge_note, root_unit_warning
 from . import geometry
 from . import tensor_parallel as tp
 from .accounting import plan_warnings
@@ -36,12 +36,16 @@ def _parents(order: Sequence[str], paths: dict[str, tuple[str, ...]]) -> dict[st
     return out
 
 
+def _unit_bytes(members) -> int:
+    return sum(math.prod(i.shape) * i.dtype.itemsize for i, _ in members)
+
+
 def _merge_small_units(order: list[str], members: dict, min_bytes: int, parent: dict[str, str]):
     """Merge consecutive sibling units smaller than ``min_bytes`` (the last of a run may stay smaller).
     Units nested in one another are never merged: a merged unit is freed when its last module ends."""
     if min_bytes <= 0 or len(order) < 2:
         return order, members, {}
-    size = {u: sum(math.prod(i.shape) * i.dtype.itemsize for i, _ in members[u]) for u in order}
+    size = {u: _unit_bytes(members[u]) for u in order}
     groups, current, acc = [], [], 0
     for u in order:
         if current and (parent[u] != parent[current[0]] or any(parent[u] == c for c in current)):
@@ -161,14 +165,15 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
     if large_root:
         warnings.warn(large_root, PlanWarning, stacklevel=2)
         notes.append(large_root)
-    if min_unit_bytes is None:
-        sizes = [sum(math.prod(i.shape) * i.dtype.itemsize for i, _ in members[u]) for u in unit_order]
+    sizes = [_unit_bytes(members[u]) for u in unit_order]
+    automatic, why = min_unit_bytes is None, ""
+    if automatic:
         min_unit_bytes, why = choose_min_unit_bytes(sizes)
-        choices.append(f"min_unit_bytes={min_unit_bytes} (automatic): {why}")
     before = len(unit_order)
     unit_order, members, covers = _merge_small_units(unit_order, members, min_unit_bytes, parent)
-    if len(unit_order) != before:
-        choices.append(f"{before} units merged into {len(unit_order)} (min_unit_bytes={min_unit_bytes})")
+    if automatic or len(unit_order) != before:
+        merged = [(len(covers.get(u, (u,))), _unit_bytes(members[u])) for u in unit_order]
+        choices.append(merge_note(min_unit_bytes, sizes, merged, why, automatic))
     paths = {u: covers.get(u, (u,)) for u in unit_order}
     parent = _parents(unit_order, paths)
 

@@ -385,12 +385,29 @@ class Plan:
                     **({"layout": self.layout} if self.layout != LayoutChoice.AUTO else {}))
 
     def to_source(self) -> str:
-        """A Python file that rebuilds this plan for ``model``: the rules, the units and the options."""
+        """A rules file that rebuilds this plan: ``rules``, ``UNITS`` (the exact modules of its units),
+        ``MESH``, ``OPTIONS`` (and ``compute_axes``, ``styles`` with tensor parallelism), which
+        ``shardplan plan TARGET --rules FILE`` reads, and ``make_plan(model)`` for Python."""
+        from ..rules import regex_list_source
         d = self.declarative()
-        head = d.pop("rules").to_source().replace("from shardplan import P, Rules", "import shardplan as sp\nfrom shardplan import P, Rules")
-        mesh = d.pop("mesh")
-        opts = ", ".join(f"{k}={v!r}" for k, v in d.items())
-        return head + f"\nplan = sp.plan(model, rules, sp.{mesh!r}, {opts})\n"
+        rules, mesh, units = d.pop("rules"), d.pop("mesh"), d.pop("units")
+        tp_opts = {k: d.pop(k) for k in ("compute_axes", "styles") if k in d}
+        out = [f"# shardplan {self.strategy} on {mesh!r}, plan fingerprint {self.fingerprint()}: rebuild it with",
+               "#   shardplan plan TARGET --rules THIS_FILE      (flags given there override the values below)",
+               "#   plan = make_plan(model)                       (in Python)",
+               "", "import shardplan as sp", rules.to_source().rstrip("\n"), ""]
+        out.append("UNITS = " + _wrapped([regex_list_source([u])[1:-1] for u in units]))
+        out.append(f"MESH = sp.{mesh!r}")
+        if tp_opts:
+            out.append(f"compute_axes = {tp_opts['compute_axes']!r}")
+            out.append("styles = " + _wrapped([f"({regex_list_source([pat])[1:-1]}, {style!r})"
+                                               for pat, style in tp_opts["styles"]]))
+        out.append("OPTIONS = " + _wrapped([f"{k}={v!r}" for k, v in d.items()], "dict(", ")"))
+        out += ["", "",
+                "def make_plan(model):",
+                "    return sp.plan(model, rules, MESH, units=UNITS, **OPTIONS"
+                + (", compute_axes=compute_axes, styles=styles)" if tp_opts else ")"), ""]
+        return "\n".join(out)
 
     def summary(self) -> dict[str, Any]:
         """The plan's options and sizes, for telling two plans apart (ranks that disagree, say)."""
@@ -402,3 +419,18 @@ class Plan:
     def __repr__(self) -> str:
         return (f"Plan({self.mesh!r}, strategy={self.strategy!r}, params={len(self.params)}, units={len(self.units)}, "
                 f"buffers={len(self.buffers)}, ops={len(self.schedule)}, fingerprint={self.fingerprint()!r})")
+
+
+def _wrapped(items: Sequence[str], open_: str = "[", close: str = "]", width: int = 88) -> str:
+    """``[a, b, ...]`` as source: one line when it fits, else several items per indented line."""
+    one = open_ + ", ".join(items) + close
+    if len(one) <= width:
+        return one
+    lines, line = [], ""
+    for item in items:
+        if line and len(line) + len(item) + 2 > width - 4:
+            lines.append(line)
+            line = ""
+        line += (" " if line else "") + item + ","
+    lines.append(line)
+    return open_ + "\n" + "\n".join("    " + l for l in lines) + "\n" + close

@@ -8,7 +8,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Iterable
 
 from ..errors import PlanError
-from ..units import ROOT
+from ..units import ROOT, natural_sorted
 from . import kinds as K
 from .kinds import (ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, END_BACKWARD, FREE, GRADS, PARAMS, POST_BACKWARD,
                     POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, PREPARE, REDUCE_SCATTER, USED, WAIT)
@@ -84,7 +84,7 @@ def _check_op(plan: "Plan", units, i: int, op: Op) -> None:
     bad = [b for b in op.buffers if b not in mine]
     if bad:
         raise _fail(i, op, f"touches buffer(s) {bad}, which belong to unit(s) "
-                           f"{sorted({plan.buffers[b].unit for b in bad if 0 <= b < len(plan.buffers)})}, not {op.unit!r}")
+                           f"{natural_sorted({plan.buffers[b].unit for b in bad if 0 <= b < len(plan.buffers)})}, not {op.unit!r}")
     bufs = [plan.buffers[b] for b in op.buffers]
     if op.kind == ALL_GATHER:
         if op.what != PARAMS:
