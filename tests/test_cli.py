@@ -114,3 +114,137 @@ def test_import_is_quiet_without_numpy():
     code = "import sys; sys.modules['numpy'] = None; import shardplan"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stderr.strip() == "", out.stderr
+
+
+def _imports_after(*args) -> set:
+    """The modules a fresh interpreter holds after running ``shardplan ARGS`` (``--help`` exits: caught)."""
+    code = ("import runpy, sys\nsys.argv = ['shardplan', *sys.argv[1:]]\n"
+            "try:\n    runpy.run_module('shardplan', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "print('MODULES', ' '.join(sorted(sys.modules)))\n")
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    line = [l for l in out.stdout.splitlines() if l.startswith("MODULES ")]
+    assert line, out.stderr
+    return set(line[0].split()[1:])
+
+
+def test_help_and_version_answer_without_importing_torch():
+    """torch is what makes a start slow (seconds): --help and --version never import it, and `plan`
+    imports the planner but not the runtime."""
+    for args in (("--help",), ("--version",), ("plan", "--help"), ("rules", "--help")):
+        mods = _imports_after(*args)
+        assert "torch" not in mods and "shardplan.cli" in mods, args
+    mods = _imports_after("plan", "examples/gpt.py:tiny", "--mesh", "dp=2", "--summary")
+    assert "torch" in mods and "shardplan.plan.compiler" in mods
+    assert not any(m.startswith(("shardplan.runtime", "shardplan.dropin", "shardplan.tree", "shardplan.optim"))
+                   for m in mods), sorted(m for m in mods if m.startswith("shardplan"))
+
+
+def test_lazy_top_level_names():
+    code = ("import sys; import shardplan as sp; assert 'torch' not in sys.modules; "
+            "assert callable(sp.plan) and sp.plan.__module__ == 'shardplan.plan.compiler'; "
+            "import shardplan.plan.render; assert callable(sp.plan); "
+            "assert callable(sp.shard) and 'torch' in sys.modules and sp.checkpoint.save and sp.optim.adamw; "
+            "assert sp.runtime.api and set(sp.__all__) <= set(dir(sp)); "
+            "from shardplan import *; assert fully_shard and value_and_grad")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    import pytest
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        sp.nope
+
+
+def test_help_shows_defaults_and_examples_and_takes_no_abbreviations(tmp_path):
+    out = cli("plan", "--help")
+    assert out.returncode == 0
+    text = " ".join(out.stdout.split())
+    for needle in ("(default: 100.0)", "(default: 0)", "default: the rules file's OPTIONS, else optim_grads_params",
+                   "examples:", "shardplan plan examples/gpt.py:llama_70b", "--trace plan_trace.json"):
+        assert needle in text, needle
+    assert "(default: None)" not in text and "(default: False)" not in text
+    out = cli("rules", "--help")
+    assert "(default: 1MiB)" in out.stdout and out.stdout.count("shardplan ") >= 3
+    out = cli("plan", "examples/gpt.py:tiny", "--mesh", "dp=2", "--trac", str(tmp_path / "t.json"))
+    assert out.returncode == 2 and "unrecognized arguments: --trac" in out.stderr  # no abbreviation of --trace
+    out = cli("plan", "examples/gpt.py:tiny", "--mesh", "dp=2", "--trace-tok", "1x8")
+    assert out.returncode == 2
+
+
+def test_trace_writes_the_chrome_trace(tmp_path):
+    path = tmp_path / "plan.json"
+    out = cli("plan", "examples/gpt.py:tiny", "--mesh", "dp=2", "--rules", "examples/gpt_rules.py", "--summary",
+              "--trace", str(path), "--min-unit-bytes", "0")
+    assert out.returncode == 0, out.stderr
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert events and events[0]["name"] == "all_gather <root>" and str(path) in out.stderr
+    out = cli("plan", "examples/gpt.py:tiny", "--mesh", "dp=2", "--trace", str(tmp_path / "no" / "dir.json"))
+    assert out.returncode == 2 and "cannot write" in out.stderr
+
+
+def _same_plan(a: str, b: str) -> bool:
+    """Two `--json` outputs describe the same plan: equal up to the rules' wording and the notes."""
+    pa, pb = sp.Plan.from_json(a), sp.Plan.from_json(b)
+    return pa.equivalent(pb)
+
+
+def test_printed_rules_load_back_and_give_the_same_plan(tmp_path):
+    """`shardplan rules` -> a file -> `shardplan plan --rules FILE` is the plan `shardplan plan` makes alone."""
+    for target, mesh in (("examples/gpt.py:tiny", "dp=4"), ("hf:examples/hf/mixtral_8x7b.json", "replica=2,shard=4")):
+        printed = cli("rules", target, "--mesh", mesh)
+        assert printed.returncode == 0 and "UNITS = [" in printed.stdout, printed.stderr
+        path = tmp_path / "rules.py"
+        path.write_text(printed.stdout)
+        via_file = cli("plan", target, "--mesh", mesh, "--rules", str(path), "--json")
+        alone = cli("plan", target, "--mesh", mesh, "--json")
+        assert via_file.returncode == 0 and alone.returncode == 0, via_file.stderr + alone.stderr
+        assert _same_plan(via_file.stdout, alone.stdout), target
+
+
+def test_plan_to_source_loads_back_in_the_cli(tmp_path):
+    """plan.to_source() is a rules file: no edits, no --mesh, the same plan (units, options, tensor parallelism)."""
+    import torch
+    sys.path.insert(0, "examples")
+    try:
+        import gpt
+        import gpt_rules_tp
+    finally:
+        sys.path.pop(0)
+    with torch.device("meta"):
+        model = gpt.tiny()
+    plans = [
+        sp.plan(model, sp.auto_rules(model, sp.Mesh(dp=2)), sp.Mesh(dp=2)),  # automatic units, merged
+        sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=4), units=[r"layers\.1"], strategy="optim_grads",
+                prefetch=2, min_unit_bytes=0, compute_dtype="bf16", reshard_after_forward=False, layout="chunked"),
+        sp.plan(model, gpt_rules_tp.rules, sp.Mesh(dp=2, tp=2), compute_axes=("tp",), units=gpt_rules_tp.UNITS,
+                order="dynamic"),
+    ]
+    for i, plan in enumerate(plans):
+        src = plan.to_source()
+        assert "UNITS = [" in src and "MESH = sp.Mesh(" in src and "OPTIONS = dict(" in src
+        path = tmp_path / f"plan{i}.py"
+        path.write_text(src)
+        out = cli("plan", "examples/gpt.py:tiny", "--rules", str(path), "--json")
+        assert out.returncode == 0, (src, out.stderr)
+        assert plan.equivalent(sp.Plan.from_json(out.stdout)), src
+        ns: dict = {}
+        exec(compile(src, str(path), "exec"), ns)
+        assert plan.equivalent(ns["make_plan"](model))
+    out = cli("plan", "examples/gpt.py:tiny", "--rules", str(tmp_path / "plan1.py"), "--strategy", "optim",
+              "--mesh", "dp=2", "--json")  # flags override the file
+    back = sp.Plan.from_json(out.stdout)
+    assert back.strategy == "optim" and back.mesh == sp.Mesh(dp=2) and back.prefetch == 2
+    out = cli("plan", "examples/gpt.py:tiny", "--rules", "examples/gpt_rules.py")
+    assert out.returncode == 2 and "no mesh: pass --mesh" in out.stderr
+    bad = tmp_path / "bad.py"
+    bad.write_text("rules = [('.*', None)]\nOPTIONS = dict(stratgy='optim')\n")
+    out = cli("plan", "examples/gpt.py:tiny", "--mesh", "dp=2", "--rules", str(bad))
+    assert out.returncode == 2 and "stratgy" in out.stderr and "'strategy'" in out.stderr
+
+
+def test_unit_lists_sort_naturally_and_merging_is_described():
+    from shardplan.units import natural_sorted
+    assert natural_sorted(["layers.10", "layers.2", "layers.1.mlp", "emb"]) == ["emb", "layers.1.mlp", "layers.2",
+                                                                                 "layers.10"]
+    out = cli("plan", "examples/gpt.py:tiny", "--mesh", "dp=2", "--summary")
+    text = " ".join(out.stdout.split())
+    assert "merged 2 blocks into 1 unit of 2 blocks" in text and "target 16 MiB, more than all 2 blocks hold" in text
+    assert "merged to at least" not in text

@@ -279,9 +279,13 @@ def trace_tokens(text: str):
 def run_rules(args) -> str:
     from .auto import auto_rules
     from .mesh import Mesh
+    import shlex
     mesh = Mesh.parse(args.mesh)
     model = build_model(args.target)
-    return auto_rules(model, mesh, min_shard_bytes=args.min_shard_bytes).to_source()
+    source = auto_rules(model, mesh, min_shard_bytes=args.min_shard_bytes).to_source()
+    target, axes = shlex.quote(args.target), shlex.quote(args.mesh)
+    return (f"# proposed by: shardplan rules {target} --mesh {axes}\n"
+            f"# plan with it: shardplan plan {target} --mesh {axes} --rules THIS_FILE\n\n" + source)
 
 
 def plan_options(args, file: Optional[RulesFile]) -> dict:
