@@ -67,6 +67,7 @@ def _resume_worker(rank, world, path, strategy, units, odd):
     return step, rest, loaded
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_save_at_4_resume_at_4_2_1_other_strategies_and_rules(tmp_path):
     path = str(tmp_path / "ckpt")
@@ -125,6 +126,7 @@ def _roundtrip_worker(rank, world, path, strategy):
     return ok_params, ok_state, contract
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_roundtrip_every_strategy(tmp_path, world):
@@ -173,6 +175,7 @@ def _load_step_worker(rank, world, path):
     return sp.checkpoint.load(path, model, opt)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_mismatch_is_reported_and_killed_save_leaves_previous(tmp_path):
     path = str(tmp_path / "ckpt")
@@ -231,6 +234,7 @@ def _meta_worker(rank, world):
     return same, seen_full_elsewhere, all(p.device.type == "cpu" for p in model.parameters()), loss
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_full_export_import_and_meta_init():
     for exact, empty, rt in run(_full_worker, 2):
@@ -274,6 +278,7 @@ def _hsdp_load_worker(rank, world, path, mesh_key, strategy):
     return step, _steps(model, opt, rank, world, data[step:]), loaded
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_hsdp_checkpoints_in_every_layout_and_reshard_to_plain_meshes(tmp_path):
     """Saves under Mesh(replica=2, shard=2) and Mesh(shard=2, replica=2) and loads each into the other
@@ -309,6 +314,7 @@ def _raw_dcp_worker(rank, world, path, phase):
     return _steps(model, opt, rank, world, data[SPLIT:])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_raw_dcp_resume_restores_optimizer_state(tmp_path):
     path = str(tmp_path / "raw")
@@ -344,6 +350,7 @@ def _filters_worker(rank, world, path):
     return step, kept and list(warnings.filters) == before, leaked
 
 
+@pytest.mark.slow
 def test_no_process_wide_warnings_filter(tmp_path):
     """shardplan leaves ``warnings.filters`` as it found them, at import and in checkpoint calls: torch's
     ShardedTensor deprecation warnings are silenced only around the calls that emit them (issue 18, item 8)."""

@@ -24,10 +24,6 @@ def cli(*args):
     return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
-def cli_process(*args):
-    return subprocess.run([sys.executable, "-m", "shardplan", *args], capture_output=True, text=True, timeout=120)
-
-
 def test_70b_table_at_dp64():
     out = cli("plan", "examples/gpt.py:llama_70b", "--mesh", "dp=64", "--rules", "examples/gpt_rules.py", "--dtype", "bf16")
     assert out.returncode == 0, out.stderr
@@ -96,24 +92,16 @@ def test_new_user_rough_edges(tmp_path):
     assert "rule #0" in errs[4] and "boom" in errs[4] and "tok_embeddings.weight" in errs[4]
     with __import__("pytest").raises(sp.MeshError, match="twice"):
         sp.Mesh.parse("dp=2,dp=4")
-    out = subprocess.run(["shardplan", "plan", "examples.gpt:tiny", "--mesh", "replica=2,shard=2",
-                          "--rules", "examples/gpt_rules.py:HSDP_RULES", "--min-unit-bytes", "1MiB", "--summary"],
-                         capture_output=True, text=True, timeout=120)
+    out = cli("plan", "examples.gpt:tiny", "--mesh", "replica=2,shard=2",
+              "--rules", "examples/gpt_rules.py:HSDP_RULES", "--min-unit-bytes", "1MiB", "--summary")
     assert out.returncode == 0, out.stderr
     assert "layers.0.attention.wq.weight" not in out.stdout and "memory on rank 0" in out.stdout
     out = cli("plan", "examples/gpt.py:tiny", "--mesh", "dp=2", "--rules", "examples/gpt_rules.py", "--json")
     d = json.loads(out.stdout)
     assert d["memory"]["peak"] > 0 and d["comm_bytes_per_step"]["total"] > 0
     assert sp.Plan.from_json(out.stdout).mesh == sp.Mesh(dp=2)
-    version = cli_process("--version")
+    version = subprocess.run(["shardplan", "--version"], capture_output=True, text=True, timeout=120)  # the entry point
     assert version.returncode == 0 and sp.__version__ in version.stdout
-
-
-def test_import_is_quiet_without_numpy():
-    """numpy is no dependency: importing shardplan where it is missing prints nothing."""
-    code = "import sys; sys.modules['numpy'] = None; import shardplan"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stderr.strip() == "", out.stderr
 
 
 def _imports_after(*args) -> set:
@@ -128,26 +116,37 @@ def _imports_after(*args) -> set:
 
 
 def test_help_and_version_answer_without_importing_torch():
-    """torch is what makes a start slow (seconds): --help and --version never import it, and `plan`
-    imports the planner but not the runtime."""
+    """torch is what makes a start slow (seconds): --help and --version never import it."""
     for args in (("--help",), ("--version",), ("plan", "--help"), ("rules", "--help")):
         mods = _imports_after(*args)
         assert "torch" not in mods and "shardplan.cli" in mods, args
-    mods = _imports_after("plan", "examples/gpt.py:tiny", "--mesh", "dp=2", "--summary")
-    assert "torch" in mods and "shardplan.plan.compiler" in mods
-    assert not any(m.startswith(("shardplan.runtime", "shardplan.dropin", "shardplan.tree", "shardplan.optim"))
-                   for m in mods), sorted(m for m in mods if m.startswith("shardplan"))
 
 
-def test_lazy_top_level_names():
-    code = ("import sys; import shardplan as sp; assert 'torch' not in sys.modules; "
-            "assert callable(sp.plan) and sp.plan.__module__ == 'shardplan.plan.compiler'; "
-            "import shardplan.plan.render; assert callable(sp.plan); "
-            "assert callable(sp.shard) and 'torch' in sys.modules and sp.checkpoint.save and sp.optim.adamw; "
-            "assert sp.runtime.api and set(sp.__all__) <= set(dir(sp)); "
-            "from shardplan import *; assert fully_shard and value_and_grad")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
+LAZY_CHECK = """
+import contextlib, io, sys
+sys.modules["numpy"] = None        # numpy is no dependency: without it, nothing is printed either
+import shardplan as sp
+assert "torch" not in sys.modules
+assert callable(sp.plan) and sp.plan.__module__ == "shardplan.plan.compiler"
+from shardplan.cli import main
+with contextlib.redirect_stdout(io.StringIO()):
+    assert main(["plan", "examples/gpt.py:tiny", "--mesh", "dp=2", "--summary"]) == 0
+mods = [m for m in sys.modules if m.startswith("shardplan")]
+assert "torch" in sys.modules and "shardplan.plan.render" in mods and callable(sp.plan)
+assert not [m for m in mods if m.startswith(("shardplan.runtime", "shardplan.dropin", "shardplan.tree",
+                                             "shardplan.optim"))], mods    # `plan` imports the planner only
+assert callable(sp.shard) and sp.checkpoint.save and sp.optim.adamw and sp.runtime.api
+assert set(sp.__all__) <= set(dir(sp))
+from shardplan import *
+assert fully_shard and value_and_grad
+"""
+
+
+def test_lazy_top_level_names_and_what_plan_imports():
+    """`import shardplan` is the planner (no torch); the runtime's names import on first use; `shardplan
+    plan` imports torch (to build the model) and the planner, not the runtime; all of it quietly."""
+    out = subprocess.run([sys.executable, "-c", LAZY_CHECK], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stderr.strip() == "", out.stderr
     import pytest
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         sp.nope

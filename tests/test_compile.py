@@ -48,6 +48,7 @@ CASES = [("units", "aot_eager", "optim_grads_params"), ("units", "inductor", "op
          ("whole", "aot_eager", "optim_grads"), ("units", "aot_eager", "no_shard")]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_compiled_units_train_like_eager_single_process():
     for rank_out in run(_worker, 2, CASES, timeout=380):
@@ -76,6 +77,7 @@ def _tp_worker(rank, world):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_compiled_units_under_tensor_parallelism():
     for backend, losses, ref_losses in run(_tp_worker, 4, timeout=380)[0]:

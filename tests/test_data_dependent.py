@@ -114,6 +114,7 @@ CASES = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_data_dependent_use_two_ranks():
     _check(run(_worker, 2, CASES, timeout=380), CASES)
@@ -124,6 +125,7 @@ CASES_4 = [dict(mode="moe", strategy=ZERO3), dict(mode="moe", strategy=ZERO3, un
            dict(mode="reentrant", strategy="optim_grads")]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_data_dependent_use_four_ranks():
     """Four ranks: every rank reaches a different expert; half the ranks skip the branch."""

@@ -108,6 +108,7 @@ CASES_2 = [dict(systems=["torch_fsdp2", "fully_shard", "rules"]), dict(systems=[
     [dict(systems=["fully_shard_model", "rules"], strategy=s) for s in STRATEGIES]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_entry_points_train_like_rules_fsdp2_and_single_process():
     _check(run(_dropin_worker, 2, CASES_2), CASES_2, 2)
@@ -116,6 +117,7 @@ def test_entry_points_train_like_rules_fsdp2_and_single_process():
 CASES_4 = [dict(systems=["torch_fsdp2", "fully_shard", "fully_shard_model", "rules"], hsdp=True)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_entry_points_hsdp_four_ranks():
     _check(run(_dropin_worker, 4, CASES_4), CASES_4, 4)

@@ -99,6 +99,7 @@ def _load_worker(rank, world, path):
     return [_step(model, opt, s, rank, world).item() for s in range(2, 4)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_optimizer_state_dict_reshards_through_dcp(tmp_path):
     path = str(tmp_path / "ckpt")

@@ -24,6 +24,7 @@ def losses(text):
     return [float(x) for x in re.findall(r"step\s+\d+\s+loss ([\d.]+)", text)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_readme_main_command_trains():
     out = torchrun(2)
@@ -33,6 +34,7 @@ def test_readme_main_command_trains():
     assert ls[-1] < 0.7 * ls[0], f"loss did not fall: {ls[0]} -> {ls[-1]}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_save_at_2_resume_at_1_matches_uninterrupted(tmp_path):
     ck = str(tmp_path / "ck")
@@ -42,6 +44,7 @@ def test_save_at_2_resume_at_1_matches_uninterrupted(tmp_path):
     assert resumed == pytest.approx(full[6:], abs=2e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_functional_and_tensor_parallel_examples_train_like_the_module_example():
     functional = losses(torchrun(2, "--steps", "12", script="examples/train_functional.py"))

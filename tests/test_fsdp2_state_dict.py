@@ -190,6 +190,7 @@ def _worker(rank, world, tmp, reshard_from):
     return res
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fsdp2_state_dicts_world_4_then_reshard_to_2(tmp_path):
     for world, src in [(4, None), (2, str(tmp_path / "toy4"))]:

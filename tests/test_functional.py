@@ -137,6 +137,7 @@ def _check(results, cases):
 CASES_2 = [dict(strategy=s) for s in STRATEGIES] + [dict(strategy="optim_grads_params", clip=0.05)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_functional_equals_shard_and_single_process_two_ranks():
     _check(run(_parity_worker, 2, CASES_2, timeout=380), CASES_2)
@@ -146,6 +147,7 @@ CASES_4 = [dict(strategy="optim_grads_params", mesh={"replica": 2, "shard": 2}),
            dict(strategy="optim", mesh={"replica": 2, "shard": 2}, clip=0.05)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_functional_hsdp_four_ranks():
     _check(run(_parity_worker, 4, CASES_4, timeout=280), CASES_4)
@@ -279,6 +281,7 @@ def _ckpt_worker(rank, world, path, phase):
     return step, rest
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_functional_checkpoint_saved_at_4_resumes_at_2(tmp_path):
     path = str(tmp_path / "tree")

@@ -241,6 +241,7 @@ def test_mixed_precision_bytes_and_copy_out():
     assert col.local_slices("layers.0.0.weight", 2) == (slice(0, 32), slice(8, 12))
 
 
+@pytest.mark.slow
 def test_json_fingerprint_stable_across_processes():
     plan = sp.plan(Net(), HSDP, Mesh(replica=2, shard=2), units=[r"layers\.\d+"], min_unit_bytes=0)
     assert sp.Plan.from_json(plan.to_json()) == plan

@@ -58,6 +58,7 @@ def _worker(rank, world):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_recorded_step_equals_plan_ops_with_tp_accumulation_and_checkpointing():
     for out in run(_worker, 4):

@@ -156,7 +156,7 @@ CASES_2 = [dict(strategy=s) for s in STRATEGIES] + [dict(strategy="optim_grads_p
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2])  # 2: the quick loop's gloo smoke
 def test_parity_one_and_two_ranks(world):
     results = run(_parity_worker, world, CASES_2)
     _check(results, CASES_2)
@@ -170,6 +170,7 @@ CASES_4 = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_parity_four_ranks_and_hsdp():
     results = run(_parity_worker, 4, CASES_4)
@@ -221,6 +222,7 @@ def _error_worker(rank, world):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_errors_instead_of_hangs():
     for rank, out in enumerate(run(_error_worker, 2)):
@@ -272,6 +274,7 @@ def _memory_worker(rank, world, cases):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_runtime_memory_matches_plan():
     """The runtime's accounted peak (every tensor it holds for parameters and gradients: shards, gathered
@@ -298,6 +301,7 @@ def _hang_worker(rank, world):
         return str(exc)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_collective_timeout_names_the_op():
     out = run(_hang_worker, 2, expect_errors=True, timeout=60)

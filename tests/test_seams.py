@@ -81,6 +81,7 @@ def _t5_worker(rank, world):
     return ref_losses, out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", [2, 4])
 def test_t5_passthrough_units_train_like_one_process(world):
@@ -162,6 +163,7 @@ def _stepped_before_worker(rank, world):
     return "stepped"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
 def test_optimizer_built_before_shard_trains(world):
@@ -172,6 +174,7 @@ def test_optimizer_built_before_shard_trains(world):
             assert diff < 1e-6, (case, diff)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_optimizer_state_from_before_shard_is_refused():
     for msg in run(_stepped_before_worker, 2):
@@ -216,6 +219,7 @@ def _blocks_only_worker(rank, world):
     return out["shardplan"][1], out["fsdp2"][1], diff, sorted(set(b) - set(a))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
 def test_fully_shard_blocks_only_trains_like_fsdp2(world):
@@ -259,6 +263,7 @@ def _seeds_worker(rank, world):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_with_different_models_are_refused(world):

@@ -201,6 +201,7 @@ def _runtime_worker(rank, world, path):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("world", [2, 4])
 def test_runtime_seams(tmp_path, world):

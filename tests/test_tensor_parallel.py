@@ -412,6 +412,7 @@ def _parity_worker(rank, world, hf):
     return out, mixed, comm
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_tensor_parallel_training_matches_one_process():
     try:
@@ -466,6 +467,7 @@ def _three_d_worker(rank, world):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tensor_parallel_on_a_3d_mesh_at_eight_ranks():
     for strategy, axes, size, losses, ref_losses, norms, ref_norms, diff in run(_three_d_worker, 8, timeout=240)[0]:
@@ -517,6 +519,7 @@ def _ckpt_worker(rank, world, path, stage):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_checkpoints_reshard_across_parallelisms(tmp_path):
     # the reference runs in a child too: after a backward in the parent, a CUDA host refuses to fork autograd
@@ -588,6 +591,7 @@ def _functional_worker(rank, world, path):
     return out, ref_losses, ref_norms
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_functional_face_runs_tensor_parallel_plans(tmp_path):
     results, ref_losses, ref_norms = run(_functional_worker, 4, str(tmp_path / "tree"), timeout=240)[0]

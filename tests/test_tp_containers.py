@@ -214,6 +214,7 @@ def _worker(rank, world):
     return out, error
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_container_models_train_like_one_process():
     results = run(_worker, 4, timeout=540)
@@ -252,6 +253,7 @@ def _two_rank_worker(rank, world):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_container_models_train_like_one_process_on_two_ranks():
     for checks in run(_two_rank_worker, 2):

@@ -152,7 +152,7 @@ examples:
   shardplan rules hf:examples/hf/mixtral_8x7b.json --mesh dp=8 > mixtral_rules.py
   shardplan plan hf:examples/hf/mixtral_8x7b.json --mesh dp=8 --rules mixtral_rules.py --summary
 
-shardplan COMMAND --help shows each command's options and examples.
+Each command has its own help, with its options and more examples: shardplan plan --help.
 """
 
 PLAN_EXAMPLES = """\
