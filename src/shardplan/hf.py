@@ -34,6 +34,7 @@ def model_from_config(path: str, *, dtype: Optional[torch.dtype] = None) -> nn.M
     if "model_type" not in d:
         raise PlanError(f"{path} has no model_type; it must be a Hugging Face config.json")
     cfg = transformers.AutoConfig.for_model(**d)
+    import torch._dynamo  # noqa: F401  (transformers imports it lazily; torch 2.6 cannot import it under meta)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     if dtype is not None:

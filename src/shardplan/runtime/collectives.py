@@ -24,6 +24,8 @@ from ..errors import RuntimeShardingError
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_GLOO_AVERAGES = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 7)
+"""gloo has ``ReduceOp.AVG`` from torch 2.7 on (a sum, then a division); before, shardplan sums and divides."""
 
 
 @dataclass
@@ -55,11 +57,43 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: boo
     return _all_gather(out, inp, group=group.pg, async_op=async_op) or DONE
 
 
+class _Averaged:
+    """A sum in flight whose result is divided by the group size when it is waited for: ``ReduceOp.AVG``
+    where the backend lacks it (gloo before torch 2.7), computed as gloo computes it since."""
+
+    def __init__(self, work, out: torch.Tensor, n: int):
+        self.work, self.out, self.n, self.divided = work, out, n, False
+
+    def wait(self, timeout=None):
+        ok = self.work.wait() if timeout is None else self.work.wait(timeout=timeout)
+        if ok is not False and not self.divided:
+            self.out.div_(self.n)
+            self.divided = True
+        return ok
+
+    def is_completed(self):
+        return self.work.is_completed()
+
+
+def _sums_for_avg(group: Group) -> bool:
+    return not _GLOO_AVERAGES and dist.get_backend(group.pg) == "gloo"
+
+
+def _averaged(work, out: torch.Tensor, group: Group, async_op: bool):
+    if async_op:
+        return _Averaged(work, out, group.size)
+    out.div_(group.size)
+    return DONE
+
+
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = True):
     """Average ``inp`` over the group; this rank gets its segment in ``out``."""
     if group.pg is None:
         out.copy_(inp)
         return DONE
+    if _sums_for_avg(group):
+        return _averaged(_reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=group.pg, async_op=async_op),
+                         out, group, async_op)
     return _reduce_scatter(out, inp, op=dist.ReduceOp.AVG, group=group.pg, async_op=async_op) or DONE
 
 
@@ -67,6 +101,9 @@ def all_reduce(t: torch.Tensor, group: Group, async_op: bool = True, op=None):
     """Average (or ``op``) ``t`` over the group, in place."""
     if group.pg is None:
         return DONE
+    if op is None and _sums_for_avg(group):
+        return _averaged(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group.pg, async_op=async_op), t, group,
+                         async_op)
     return dist.all_reduce(t, op=op if op is not None else dist.ReduceOp.AVG, group=group.pg, async_op=async_op) or DONE
 
 

@@ -37,10 +37,25 @@ def _fmt(box) -> str:
     return "nothing" if box is None else "[" + ", ".join(f"{s.start}:{s.stop}" for s in box) + "]"
 
 
+def dtensor_piece(global_shape, mesh_shape, coord, placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(local shape, global offset)`` of the piece DTensor gives the rank at ``coord``: each ``Shard(d)``, in
+    mesh-dimension order, keeps the rank's ``torch.chunk`` piece of what is left of dimension ``d``
+    (DTensor's own rule, written out: torch's helper for it is private and changed across releases)."""
+    shape, off = list(global_shape), [0] * len(global_shape)
+    for n, c, placement in zip(mesh_shape, coord, placements):
+        d = getattr(placement, "dim", None)
+        if d is None:  # Replicate
+            continue
+        chunk = -(-shape[d] // n)
+        start = min(chunk * c, shape[d])
+        off[d] += start
+        shape[d] = min(chunk, shape[d] - start)
+    return tuple(shape), tuple(off)
+
+
 def _dtensor_box(global_shape, mesh_shape, coord, placements) -> Optional[tuple[slice, ...]]:
     """The global box DTensor gives the rank at ``coord`` (``None``: an empty piece)."""
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-    shape, off = _compute_local_shape_and_global_offset(tuple(global_shape), tuple(mesh_shape), list(coord), placements)
+    shape, off = dtensor_piece(global_shape, mesh_shape, coord, placements)
     if math.prod(shape) == 0 and len(shape):
         return None
     return tuple(slice(o, o + s) for o, s in zip(off, shape))
@@ -105,9 +120,7 @@ class StateDictHooks:
         if self.bad is None:
             mesh_shape = [s for _, s in self.plan.mesh.axes]
             coord = [self.plan.mesh.axis_index(exe.rank, (a,)) for a in self.plan.mesh.axis_names]
-            from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-            self.local_shape = {n: _compute_local_shape_and_global_offset(self.plan.param(n).global_shape, mesh_shape,
-                                                                          coord, pl)[0]
+            self.local_shape = {n: dtensor_piece(self.plan.param(n).global_shape, mesh_shape, coord, pl)[0]
                                 for n, (pl, _) in self.layout.items()}
 
     @property
