@@ -69,6 +69,7 @@ def _worker(rank, world):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_units_over_two_groups_train_like_one_process():
     for out in run(_worker, 4):

@@ -131,6 +131,7 @@ def _record_worker(rank, world):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_runtime_records_the_plans_activation_ops_and_says_when_a_guess_was_wrong():
     for out in run(_record_worker, 4):
