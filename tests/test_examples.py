@@ -21,7 +21,7 @@ def torchrun(n, *args, timeout=240, script="examples/train_gpt.py"):
 
 
 def losses(text):
-    return [float(x) for x in re.findall(r"step\s+\d+\s+loss ([\d.]+)", text)]
+    return [float(x) for x in re.findall(r"step\s+\d+(?:/\d+)?\s+loss ([\d.]+)", text)]
 
 
 @pytest.mark.timeout(300)

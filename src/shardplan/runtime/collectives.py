@@ -198,3 +198,43 @@ def exchange(report: dict, timeout_s: float) -> list[dict]:
             f"shardplan.shard(): rank(s) {missing} did not reach shard() within {timeout_s:g} s ({exc}); they "
             f"failed or hang before it. Every rank must call shard() with the same plan") from None
     return [json.loads(store.get(k)) for k in keys]
+
+
+# -- one error report per run (sp.run_main) ----------------------------------------------------------------
+
+def error_store(timeout_s: float):
+    """``(store, key prefix)`` through which ranks tell each other about an error, or ``(None, "")``.
+
+    Under torchrun (its agent hosts the rendezvous store) a client of that store, usable before and after
+    ``init_process_group`` alike; otherwise the default process group's store. Nothing here is a collective:
+    a rank that never reports is waited for at most ``timeout_s``.
+    """
+    run = f"shardplan/error/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/" \
+          f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and addr and port:
+        try:
+            return dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s)), run
+        except Exception:  # noqa: BLE001 - the agent is gone: report without it
+            pass
+    if dist.is_available() and dist.is_initialized():
+        return _store(), run
+    return None, ""
+
+
+def store_wait(store, keys: list[str], timeout_s: float) -> bool:
+    """Whether every key was set within ``timeout_s``."""
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+        return True
+    except Exception:  # noqa: BLE001 - a timeout, whatever the store type calls it
+        return False
+
+
+def shutdown() -> None:
+    """Destroy the default process group if there is one (a failed run's exit; errors are ignored)."""
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
