@@ -124,13 +124,18 @@ class Differences:
                 if tied:
                     lines.append(f"    tied in this model, separate in the checkpoint: "
                                  f"{_names(f'{a} (= {self.aliases[a]})' for a in tied)}")
-            if params_missing or self.unexpected:
+            untied = [k[6:] for k in self.unexpected if k[6:] in self.aliases]
+            if untied and not params_missing and len(untied) == len(self.unexpected):
+                fixes.append("the saved model did not tie these parameters: strict=False loads the rest (the tied "
+                             "names then follow the parameters they are tied to), or untie them in this model")
+            elif params_missing or self.unexpected:
                 fixes.append("the model's parameter set changed since the save: strict=False loads the entries "
                              "that fit and leaves the others as they are (new parameters keep their initial values)")
         if self.shapes:
-            lines.append(f"  global shapes that differ ({len(self.shapes)}): "
-                         + _names(f"{k.removeprefix('model.')}: checkpoint {have}, model {want}"
-                                  for k, have, want in self.shapes))
+            lines.append(f"  global shapes that differ ({len(self.shapes)}):")
+            lines += [f"    {k.removeprefix('model.')}: checkpoint {have}, model {want}" for k, have, want in self.shapes[:8]]
+            if len(self.shapes) > 8:
+                lines.append(f"    ... and {len(self.shapes) - 8} more")
             fixes.append("a checkpoint reshards to any world size, strategy or rules, but keeps each parameter's "
                          "global shape: build the model with the saved sizes, or convert through full tensors "
                          "(load into a model of the old sizes, sp.full_state_dict(model), resize, then "
@@ -165,9 +170,9 @@ class Differences:
         if any(k.startswith("tree.") for k in saved):
             return ("It is a functional checkpoint (sp.checkpoint.save_tree: a pytree of local shards, as "
                     "examples/train_functional.py writes), not a module's: load it with "
-                    f"sp.checkpoint.load_tree({path!r}, plan, template); to start a module from it, take the "
-                    "parameters out of the loaded tree (sp.unshard_tree(tree['params'], plan)) and load them "
-                    f"with {LOAD_FULL}")
+                    f"sp.checkpoint.load_tree({path!r}, plan, template); to start a module from it: tree, step = "
+                    "sp.checkpoint.load_tree(...); full = sp.unshard_tree(tree['params'], plan); "
+                    "sp.load_full_state_dict(model, full)")
         wanted = {k[6:] for k in self.missing if k.startswith("model.")}
         bare = wanted & set(saved)
         if bare:
@@ -199,17 +204,18 @@ def differences(flat: dict, meta: dict, aliases: Optional[dict] = None) -> Diffe
     return d
 
 
-def _prefix_change(missing: list[str], unexpected: list[str]) -> str:
-    """``"the checkpoint's names start with 'module.' (DistributedDataParallel ...)"`` when every missing name
-    is an unexpected name with one prefix added or removed; ``""`` otherwise."""
-    if not missing or len(missing) != len(unexpected):
+def _prefix_change(missing: list[str], unexpected: list[str], theirs: str = "the checkpoint's") -> str:
+    """``"the checkpoint's names start with 'module.' (DistributedDataParallel ...)"`` when every name on one
+    side has one prefix and, without it, covers every name missing on the other side; ``""`` otherwise."""
+    if not missing or not unexpected:
         return ""
-    for a, b, who in ((unexpected, missing, "the checkpoint's"), (missing, unexpected, "the model's")):
-        first, other = a[0], b[0]
-        if first.endswith(other) and first != other:
-            prefix = first[:len(first) - len(other)]
-            if sorted(x.removeprefix(prefix) for x in a if x.startswith(prefix)) == sorted(b) and \
-                    all(x.startswith(prefix) for x in a):
+    for longer, shorter, who in ((unexpected, missing, theirs), (missing, unexpected, "the model's")):
+        for x in longer:
+            if not x.endswith("." + shorter[0]):
+                continue
+            prefix = x[:len(x) - len(shorter[0])]
+            if all(y.startswith(prefix) for y in longer) and \
+                    set(shorter) <= {y[len(prefix):] for y in longer}:
                 source = next((f" ({v})" for k, v in WRAPPER_PREFIXES.items() if prefix.endswith(k)), "")
                 return f"{who} names start with {prefix!r}{source}"
     return ""
@@ -251,9 +257,9 @@ def full_misfit(full: dict, param_names: list[str], aliases: dict, buffers: Iter
     if not ((missing or unexpected) and strict or bad):
         return ""
     lines = ["full state dict does not fit the model (nothing loaded):"]
-    renamed = _prefix_change(missing, unexpected)
+    renamed = _prefix_change(missing, unexpected, "the dict's")
     if renamed:
-        lines.append(f"  names differ by a prefix: {renamed}; strip it: "
+        lines.append(f"  names differ by a prefix: {renamed}; rename the keys, e.g. "
                      f"{{k.removeprefix(prefix): v for k, v in full.items()}}")
     else:
         if missing:
