@@ -97,6 +97,7 @@ def _reader(rank, world, root):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_checkpoints_of_another_form_say_what_they_are_and_how_to_load_them(tmp_path):
     root = str(tmp_path)

@@ -121,6 +121,7 @@ def _killed(args, when, slow_dir, timeout=240):
             _kill_all(p.pid)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_killed_runs_resume_with_the_losses_of_an_uninterrupted_run(tmp_path):
     steps = ["--steps", "12", "--quiet-plan", "--lr-schedule", "warmup_cosine", "--warmup", "3"]
@@ -157,6 +158,7 @@ def test_killed_runs_resume_with_the_losses_of_an_uninterrupted_run(tmp_path):
     assert left == ["step_00000010", "step_00000012"], left  # the last --keep 2; no unfinished directories
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_metrics_jsonl_log_fields_and_missing_tensorboard(tmp_path):
     metrics = tmp_path / "m.jsonl"
@@ -180,6 +182,7 @@ def test_metrics_jsonl_log_fields_and_missing_tensorboard(tmp_path):
         assert out.stdout.count("tensorboard is not installed (pip install tensorboard)") == 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_shardplan_error_on_every_rank_prints_once_and_exits_nonzero(tmp_path):
     # Mesh(dp=3) on 2 processes: sp.shard raises RuntimeShardingError on both ranks
@@ -202,3 +205,33 @@ def test_a_shardplan_error_on_every_rank_prints_once_and_exits_nonzero(tmp_path)
     out = _run(2, "--checkpoint-every", "2", "--quiet-plan", ok=False, timeout=120)
     workers = out.stdout[:re.search(r"^[EWI]\d{4} .*elastic", out.stdout, re.M).start()]
     assert out.returncode != 0 and workers.count("--checkpoint-every needs --checkpoint-dir") == 1, out.stdout[-3000:]
+
+
+ONE_RANK_FAILS = """
+import torch.distributed as dist, shardplan as sp
+
+def main():
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        raise sp.PlanError("rank 1 alone is wrong; fix rank 1")
+    dist.barrier()  # rank 0 waits here for a rank that will never come
+
+sp.run_main(main)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_error_on_one_rank_is_printed_by_that_rank_and_nothing_hangs(tmp_path):
+    script = tmp_path / "one_rank_fails.py"
+    script.write_text(ONE_RANK_FAILS)
+    t0 = time.monotonic()
+    out = _run(2, script=str(script), ok=False, timeout=120)
+    assert out.returncode != 0 and time.monotonic() - t0 < 120
+    agent = re.search(r"^[EWI]\d{4} .*elastic", out.stdout, re.M)
+    workers = out.stdout[:agent.start()] if agent else out.stdout
+    assert workers.count("[rank1]: shardplan: error on rank 1") == 1, out.stdout[-3000:]
+    assert workers.count("PlanError: rank 1 alone is wrong; fix rank 1") == 1 and "Traceback" not in workers, workers
+    # rank 0's barrier fails when rank 1 leaves: at most one line that points at rank 1 (torchrun may stop
+    # rank 0 before it gets to say it), no traceback
+    assert workers.count("[rank0]: shardplan: stopped because rank 1 failed") <= 1, workers

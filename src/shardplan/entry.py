@@ -7,9 +7,10 @@ A shardplan error (or ``SystemExit("message")``) raised on every rank is printed
 error's text (which says how to fix it) without a traceback, after everything else the ranks printed; the
 process exits with status 1 and torchrun's summary names it. A rank whose error differs from rank 0's, or
 whose rank 0 does not report within a few seconds (it failed otherwise, or waits in a collective), prints
-its own. Any other exception is left to torchrun's conventions: ``@record`` writes it, traceback
-included, to the error file torchrun reads (``TORCHELASTIC_ERROR_FILE``), and Python prints the
-traceback. ``SHARDPLAN_TRACEBACK=1`` prints shardplan errors' tracebacks too.
+its own; a rank whose collective then fails because of it says so in one line. Any other exception is
+left to torchrun's conventions: ``@record`` writes it, traceback included, to the error file torchrun
+reads (``TORCHELASTIC_ERROR_FILE``), and Python prints the traceback. ``SHARDPLAN_TRACEBACK=1`` prints
+shardplan errors' tracebacks too.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from typing import Any, Callable
 
 from .errors import CollectiveError, ShardingError
 
-WAIT_FOR_RANK0_S = 5.0   # how long another rank waits for rank 0's report before printing its own
+WAIT_FOR_RANK0_S = 3.0   # how long another rank waits for rank 0's report before printing its own
 WAIT_FOR_OTHERS_S = 1.0  # how long rank 0 waits to learn which ranks raised the same error
+WAIT_FOR_ECHO_S = 2.0  # how long a rank with another exception looks for another rank's reported error
 RANK0_EXITS_FIRST_S = 1.0  # how long another rank with rank 0's error waits before exiting (torchrun stops it sooner)
 
 
@@ -44,9 +46,43 @@ def run_main(main: Callable[..., Any], *args, **kwargs) -> Any:
             if exc.code is None or isinstance(exc.code, int):
                 raise
             report(str(exc.code), exc)
+        except Exception as exc:  # noqa: BLE001 - anything else is torchrun's to record, unless it is an echo
+            if not _echo_of_another_rank(exc):
+                raise
         raise SystemExit(1)
 
     return record(guarded)()
+
+
+def _echo_of_another_rank(exc: BaseException) -> bool:
+    """Whether ``exc`` (a collective that failed, most likely) follows another rank's reported error: that
+    rank prints the cause, so this one says so in one line instead of a traceback."""
+    from .runtime import collectives as C
+    rank, world = _rank()
+    if world == 1:
+        return False
+    store, prefix = C.error_store(timeout_s=WAIT_FOR_RANK0_S)
+    if store is None:
+        return False
+    others = [f"{prefix}{r}" for r in range(world) if r != rank]
+    deadline = time.monotonic() + WAIT_FOR_ECHO_S
+    failed: list[str] = []
+    while not failed and time.monotonic() < deadline:  # the failing rank posts before it drops its connections
+        failed = C.store_posted(store, others)
+        time.sleep(0.02)
+    if not failed:
+        return False
+    ranks = [int(k[len(prefix):]) for k in failed]
+    first = (str(exc).splitlines() or [""])[0]
+    first = first if len(first) <= 120 else first[:117] + "..."
+    print(f"[rank{rank}]: shardplan: stopped because rank {_ranges(ranks)} failed (its message is printed by "
+          f"that rank); here: {type(exc).__name__}: {first}", file=sys.stderr, flush=True)
+    if os.environ.get("SHARDPLAN_TRACEBACK") == "1":
+        traceback.print_exception(exc)
+    _error_file(f"stopped because rank {_ranges(ranks)} failed: {type(exc).__name__}: {exc}", _where(exc),
+                int(time.time()) + 1, shown=f"stopped because rank {_ranges(ranks)} failed")
+    C.shutdown()
+    return True
 
 
 def _where(exc: BaseException) -> str:
@@ -55,7 +91,10 @@ def _where(exc: BaseException) -> str:
     if not tb:
         return ""
     f = tb[-1]
-    return f"{os.path.relpath(f.filename) if not f.filename.startswith('<') else f.filename}:{f.lineno} in {f.name}"
+    name = f.filename
+    if not name.startswith("<") and not os.path.relpath(name).startswith(".."):
+        name = os.path.relpath(name)
+    return f"{name}:{f.lineno} in {f.name}"
 
 
 def _rank() -> tuple[int, int]:
@@ -119,7 +158,7 @@ def _print(text: str, ranks: str, where: str, tb: str, prefix: str = "") -> None
     print("\n".join(prefix + line for line in lines), file=sys.stderr, flush=True)
 
 
-def _error_file(text: str, where: str, stamp: int, same_as_rank0: bool = False) -> None:
+def _error_file(text: str, where: str, stamp: int, same_as_rank0: bool = False, shown: str = "") -> None:
     """torchrun's error file (the format ``@record`` writes): the whole message, and a short root cause for
     torchrun's summary (the message itself was printed once already)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
@@ -127,8 +166,9 @@ def _error_file(text: str, where: str, stamp: int, same_as_rank0: bool = False) 
         return
     first = text.splitlines()[0] if text else ""
     first = first if len(first) <= 200 else first[:197] + "..."
-    shown = "the same error as rank 0" if same_as_rank0 else f"{first}\n(the whole message is printed above by this " \
-                                                               f"rank; raised at {where})"
+    if not shown:
+        shown = "the same error as rank 0" if same_as_rank0 else \
+            f"{first}\n(the whole message is printed above by this rank; raised at {where})"
     data = {"message": {"message": text, "extraInfo": {"py_callstack": shown, "timestamp": str(stamp)}}}
     try:
         with open(path, "w") as f:

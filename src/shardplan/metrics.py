@@ -7,8 +7,8 @@ lines (or a progress bar on a terminal), JSON lines and TensorBoard scalars.
 >>> log = sp.metrics.TrainLog(total_steps=steps, rank=rank, metrics_path="out.jsonl", tensorboard_dir=None)
 >>> log.log(step, loss=2.3, lr=3e-4, grad_norm=0.9, **meter.update(step), mem_gib=sp.metrics.peak_memory_gib(plan, rank))
 
-Nothing here talks to other ranks: the caller reduces the loss. tqdm, rich and tensorboard are optional
-and imported only when used.
+Nothing here talks to other ranks: the caller reduces the loss. torch, tqdm, rich and tensorboard are
+imported only when used (tqdm, rich and tensorboard are optional: ``pip install shardplan[train]``).
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ import os
 import re
 import sys
 import time
-from typing import IO, Optional
+from typing import IO, TYPE_CHECKING, Optional
 
-import torch
-import torch.nn as nn
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
 
 # bf16 dense tensor-core peaks (no sparsity), TFLOP/s per device, from the vendors' data sheets; the first
 # pattern that matches torch.cuda.get_device_name() wins, so specific variants come before their family
@@ -51,6 +52,7 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
 def peak_tflops(device: Optional[torch.device] = None) -> Optional[float]:
     """The device's bf16 dense peak in TFLOP/s from :data:`PEAK_BF16_TFLOPS`; ``None`` on a CPU or an
     unknown device (MFU is then reported as n/a; pass the peak yourself, e.g. ``--peak-tflops``)."""
+    import torch
     if not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
         return None
     return peak_of_name(torch.cuda.get_device_name(device))
@@ -73,6 +75,8 @@ def flops_per_token(model: nn.Module, seq: int = 0, *, layers: int = 0, dim: int
 
     >>> sp.metrics.flops_per_token(model, seq=2048, layers=16, dim=2048)
     """
+    import torch
+    import torch.nn as nn
     seen, weights = set(), 0
     for m in model.modules():
         w = getattr(m, "weight", None)
@@ -86,6 +90,7 @@ def peak_memory_gib(plan=None, rank: int = 0, device: Optional[torch.device] = N
     """``(GiB, source)``: on a GPU the most this process allocated (``torch.cuda.max_memory_allocated``,
     source ``"cuda"``); elsewhere the plan's peak for ``rank`` (``plan.memory(rank).peak``, source
     ``"plan"``: parameters, gradients, optimizer state and gathered buffers, no activations)."""
+    import torch
     if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
         return torch.cuda.max_memory_allocated(device) / 2**30, "cuda"
     if plan is not None:
@@ -292,7 +297,7 @@ class TrainLog:
 
 
 def _jsonable(v):
-    if isinstance(v, torch.Tensor):
+    if hasattr(v, "item") and hasattr(v, "numel"):  # a one-element tensor
         v = v.item()
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)  # JSON has no NaN or infinity; "nan" / "inf" keep the line parseable

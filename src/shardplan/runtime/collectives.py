@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -222,13 +223,27 @@ def error_store(timeout_s: float):
     return None, ""
 
 
-def store_wait(store, keys: list[str], timeout_s: float) -> bool:
-    """Whether every key was set within ``timeout_s``."""
+def store_wait(store, keys: list[str], timeout_s: float, poll_s: float = 0.02) -> bool:
+    """Whether every key was set within ``timeout_s`` (polled: a store's own timed wait logs a warning
+    when it expires, and an expiry is an expected answer here)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if store.check(keys):
+                return True
+        except Exception:  # noqa: BLE001 - the store's host is gone
+            return False
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+
+
+def store_posted(store, keys: list[str]) -> list[str]:
+    """The keys of ``keys`` that are set now."""
     try:
-        store.wait(keys, timedelta(seconds=timeout_s))
-        return True
-    except Exception:  # noqa: BLE001 - a timeout, whatever the store type calls it
-        return False
+        return [k for k in keys if store.check([k])]
+    except Exception:  # noqa: BLE001
+        return []
 
 
 def shutdown() -> None:
