@@ -20,8 +20,13 @@ import optree
 import torch
 
 from .errors import ShardingError
-from .schedules import (SCHEDULES, LearningRate, Schedule, ScheduleLR, as_lr_scheduler, by_name, constant,  # noqa: F401
+from .schedules import (SCHEDULES, LearningRate, Schedule, ScheduleLR, as_lr_scheduler, by_name, constant,
                         cosine_decay, join, linear, linear_warmup, value_at, warmup_cosine)
+
+__all__ = ["Optimizer", "adamw", "sgd", "trainable", "clip_by_global_norm",
+           # learning-rate schedules (shardplan.schedules), here as in optax
+           "SCHEDULES", "LearningRate", "Schedule", "ScheduleLR", "as_lr_scheduler", "by_name", "constant",
+           "cosine_decay", "join", "linear", "linear_warmup", "value_at", "warmup_cosine"]
 
 
 class Optimizer(NamedTuple):

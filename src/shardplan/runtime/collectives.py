@@ -247,9 +247,11 @@ def store_posted(store, keys: list[str]) -> list[str]:
 
 
 def shutdown() -> None:
-    """Destroy the default process group if there is one (a failed run's exit; errors are ignored)."""
+    """Destroy the default gloo process group if there is one (a failed run's exit, quietly: a group alive
+    while Python finalises can abort it with a C++ message). An NCCL group is left to the process's exit:
+    destroying it can wait for the collectives other ranks never join."""
     try:
-        if dist.is_available() and dist.is_initialized():
+        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
