@@ -55,8 +55,8 @@ def linear(init: float, end: float, steps: int, begin: int = 0) -> Schedule:
     def sched(step: int) -> float:
         if steps == 0:
             return end if step >= begin else init
-        frac = min(max(step - begin, 0), steps) / steps
-        return init + (end - init) * frac
+        done = min(max(step - begin, 0), steps)
+        return init if done == 0 else end if done == steps else init + (end - init) * (done / steps)  # exact ends
     return sched
 
 
@@ -79,8 +79,10 @@ def cosine_decay(init: float, steps: int, end: float = 0.0) -> Schedule:
     def sched(step: int) -> float:
         if steps == 0:
             return end if step > 0 else init
-        frac = min(max(step, 0), steps) / steps
-        return end + (init - end) * 0.5 * (1.0 + math.cos(math.pi * frac))
+        done = min(max(step, 0), steps)
+        if done == 0 or done == steps:  # exact ends
+            return init if done == 0 else end
+        return end + (init - end) * 0.5 * (1.0 + math.cos(math.pi * done / steps))
     return sched
 
 
