@@ -127,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "unit order it takes and the tensor-parallel activation bytes per step")
     p.add_argument("--compute-axes", default=None, help="mesh axes that shard compute (tensor parallelism), e.g. tp "
                                                         "(default: the rules file's compute_axes)")
+    from .forecast.cli import add_parser as add_forecast
+    add_forecast(sub, p)  # `shardplan forecast`: the plan options above, and its own (src/shardplan/forecast/cli.py)
     r = sub.add_parser("rules", help="propose partition rules for a model (shardplan.auto_rules) as a rules file")
     r.add_argument("target", help="path/to/file.py:fn, package.module:fn or hf:path/to/config.json")
     r.add_argument("--mesh", required=True, help="axes, e.g. dp=8 or replica=2,shard=4")
@@ -179,6 +181,9 @@ def run_rules(args) -> str:
 def run(args) -> str:
     if args.command == "rules":
         return run_rules(args)
+    if args.command == "forecast":
+        from .forecast.cli import run as run_forecast
+        return run_forecast(args, run)
     from .auto import auto_rules
     from .mesh import Mesh
     from .plan import plan, strategy_level
