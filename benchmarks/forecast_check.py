@@ -193,11 +193,21 @@ def main(argv=None):
     if args.worker == "compute":
         return compute_worker(args)
     from shardplan.forecast import network
-    result = {"world": args.world, "batch": args.batch, "seq": args.seq, "steps": args.steps, "configs": {}}
+    result = {"world": args.world, "batch": args.batch, "seq": args.seq, "steps": args.steps, "configs": {},
+              "command": " ".join([os.path.basename(sys.executable)] + sys.argv)}
+
+    def save():  # after every round: a run cut short still leaves what it measured
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+
     with tempfile.TemporaryDirectory() as tmp:
         path = args.network or measure_network(args, tmp)
+        with open(path) as f:
+            measured = json.load(f)
         net = network(path)
         result["network"] = net.to_dict()
+        result["network_measurement"] = measured.get("measured")
         for config in args.configs.split(","):
             rounds = []
             for r in range(args.rounds):
@@ -212,14 +222,11 @@ def main(argv=None):
                 print(f"{config} round {r}: measured {step['step_s'] * 1e3:.2f} ms, forecast {f.step_s * 1e3:.2f} ms "
                       f"(compute {f.compute_s * 1e3:.2f} + exposed {f.exposed_s * 1e3:.2f}), ratio "
                       f"{f.step_s / step['step_s']:.3f}; world-1 step {compute['step_s'] * 1e3:.2f} ms", flush=True)
-            ratios = [x["ratio"] for x in rounds]
-            result["configs"][config] = {"rounds": rounds, "median_ratio": statistics.median(ratios),
-                                         "within_25pct": all(abs(x - 1) <= 0.25 for x in ratios)}
-    text = json.dumps(result, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    print(text)
+                ratios = [x["ratio"] for x in rounds]
+                result["configs"][config] = {"rounds": rounds, "median_ratio": statistics.median(ratios),
+                                             "within_25pct": all(abs(x - 1) <= 0.25 for x in ratios)}
+                save()
+    print(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -22,8 +22,10 @@ def blocks(path: pathlib.Path, lang: str = "python") -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", path.read_text(), flags=re.S)
 
 
-@pytest.mark.parametrize("name", ["rules.md", "plans.md", "schedule.md", "architecture.md"])
-def test_doc_snippets_run(name, capsys):
+@pytest.mark.parametrize("name", ["rules.md", "plans.md", "schedule.md", "architecture.md", "forecast.md"])
+def test_doc_snippets_run(name, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))   # snippets import examples/ as the README does
+    monkeypatch.chdir(ROOT)
     found = blocks(DOCS / name)
     assert found, f"{name} has no python snippet"
     namespace: dict = {}  # one page is one session: later snippets use earlier names

@@ -21,7 +21,7 @@ from shardplan import Mesh, P
 from shardplan.errors import ForecastError
 from shardplan.forecast import (ComputeModel, Forecast, Link, Network, Placement, collective_time, network,
                                 placement)
-from shardplan.forecast.flops import unit_flops
+from shardplan.forecast.flops import unit_flops, unit_widths
 from shardplan.forecast.timeline import Comm, Issue, Run, Wait, Work, simulate
 from shardplan.units import ROOT
 
@@ -187,6 +187,23 @@ def test_flops_count_matmuls_like_torchtitan():
         tied = gpt.build("tiny")                            # tied embedding = output head: a matmul
     tplan = sp.plan(tied, [(r".*", P("dp"))], Mesh(dp=2), units=[r"layers\.\d+"], min_unit_bytes=0)
     assert unit_flops(tplan, (1, 64))[ROOT] == 2 * 64 * 256 * 64
+
+
+def test_compute_from_flops_and_elementwise_work():
+    with torch.device("meta"):
+        model = gpt.build("1B")
+    plan = sp.plan(model, [(r".*", P("dp"))], Mesh(dp=1), units=[r"layers\.\d+"], compute_dtype=torch.bfloat16)
+    assert unit_widths(plan)["layers.0"] == 2048
+    cm = ComputeModel(tflops=100.0, memory_gbs=1000.0, elementwise_bytes=500.0, backward_factor=3.0, optimizer_bytes=80.0)
+    f = plan.forecast("h200-8x-ib400", cm, batch=(2, 64))
+    flops = unit_flops(plan, (2, 64))["layers.0"]
+    elementwise = 500.0 * 2 * 64 * 2048 / 1e12
+    fwd = [s for s in f.spans if s.name == "forward layers.0"][0]
+    bwd = [s for s in f.spans if s.name == "backward layers.0"][0]
+    assert math.isclose(fwd.end_s - fwd.start_s, flops / 100e12 + elementwise / 4)
+    assert math.isclose(bwd.end_s - bwd.start_s, 3 * (fwd.end_s - fwd.start_s))
+    assert math.isclose(f.optimizer_s, sum(p.numel for p in plan.params) * 80 / 1e12)
+    assert f.mfu is None                                    # no peak given
 
 
 def test_measured_compute_and_presets():

@@ -55,16 +55,16 @@ def run(args: argparse.Namespace, plan_text: Callable[[argparse.Namespace], str]
     options; the runner is passed in because this module cannot import shardplan.cli (it imports us)]
     """
     from ..plan.facade import Plan
-    from .compute import compute_model
+    from .compute import ComputeModel, compute_model
     from .network import network
     for name in PLAN_ONLY:
         if getattr(args, name, None):
             raise ForecastError(f"--{name} is an option of `shardplan plan`; run that for it")
     batch = parse_batch(args.batch)
     net = network(args.network)
-    cm = compute_model(args.compute if args.compute is not None else net.device)
+    cm = compute_model(args.compute) if args.compute is not None else None   # None: the network's device
     if args.tflops is not None:
-        cm = cm.with_rate(args.tflops)
+        cm = (cm or (compute_model(net.device) if net.device else ComputeModel())).with_rate(args.tflops)
     plan_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in OWN})
     plan_args.command, plan_args.json, plan_args.explain, plan_args.schedule, plan_args.summary = "plan", True, None, False, False
     plan = Plan.from_json(plan_text(plan_args))

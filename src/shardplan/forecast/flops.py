@@ -37,6 +37,23 @@ def unit_flops(plan: "Plan", batch: tuple[int, int]) -> dict[str, float]:
     return out
 
 
+def unit_widths(plan: "Plan") -> dict[str, int]:
+    """Each unit's hidden size: the dimension its matrices share most often (``d`` in a transformer block,
+    whose matrices are d x d, kv x d, ffn x d, d x ffn), 0 for a unit without matrices. The forecast charges
+    non-matmul work (norms, activations, residuals) per token and unit of this width.
+
+    [Note: the plan has shapes, not activations; counting dimensions is the width that needs no trace.
+    Ties go to the smaller dimension]
+    """
+    counts: dict[str, dict[int, int]] = {u.name: {} for u in plan.units}
+    for p in plan.params:
+        if len(p.shape) < 2:
+            continue
+        for s in p.shape:
+            counts[p.unit][s] = counts[p.unit].get(s, 0) + 1
+    return {u: (min(c, key=lambda s: (-c[s], s)) if c else 0) for u, c in counts.items()}
+
+
 def model_flops(plan: "Plan", batch: tuple[int, int]) -> float:
     """Training FLOPs of one rank's step (forward + backward = 3 x forward), the MFU numerator."""
     return 3.0 * sum(unit_flops(plan, batch).values())

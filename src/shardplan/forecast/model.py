@@ -18,12 +18,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from ..dtypes import itemsize
 from ..errors import ForecastError
 from ..plan.kinds import ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, USED, WAIT
 from ..units import ROOT
 from .compute import ComputeModel, compute_model
-from .flops import model_flops, unit_flops
+from .flops import model_flops, unit_flops, unit_widths
 from .network import Network, Placement, Timing, check_fits, collective_time, network as resolve_network, placement
 from .result import CollectiveForecast, Forecast
 from .timeline import Comm, Issue, Item, Run, Wait, Work, simulate
@@ -62,6 +61,7 @@ def _unit_times(plan: "Plan", cm: ComputeModel, batch: tuple[int, int]) -> tuple
             raise ForecastError(f"compute model {cm.name!r} was measured at batch {cm.batch[0]}x{cm.batch[1]} per rank; "
                                 f"forecast that batch, or measure at {batch[0]}x{batch[1]}")
     flops = unit_flops(plan, batch)
+    widths = unit_widths(plan)
     out = {}
     missing = []
     for u in plan.units:
@@ -69,6 +69,9 @@ def _unit_times(plan: "Plan", cm: ComputeModel, batch: tuple[int, int]) -> tuple
             out[u.name] = measured[u.name]
         elif cm.tflops:
             fwd = flops[u.name] / (cm.tflops * 1e12)
+            if cm.elementwise_bytes and cm.memory_gbs:  # forward's share of the non-matmul memory traffic
+                fwd += (cm.elementwise_bytes * batch[0] * batch[1] * widths[u.name] / (cm.memory_gbs * 1e9)
+                        / (1 + cm.backward_factor))
             out[u.name] = (fwd, cm.backward_factor * fwd)
         else:
             missing.append(u.name)
@@ -85,16 +88,10 @@ def _optimizer_s(plan: "Plan", cm: ComputeModel, rank: int) -> tuple[float, Opti
         return cm.optimizer_s, None
     if not cm.memory_gbs:
         return 0.0, "optimizer step not timed: the compute model has neither optimizer_s nor memory_gbs"
-    # [Note: AdamW touches each local element's parameter (read + write), gradient (read) and its fp32
-    # states (read + write each): memory-bound, so bytes / achievable bandwidth]
-    total = 0
-    for p in plan.params:
-        if not p.requires_grad:
-            continue
-        b = plan.buffers[p.buffer]
-        per = 2 * itemsize(p.dtype) + b.reduce_itemsize + 8 * plan.optimizer_states
-        total += math.prod(plan.local_shape(p.name, rank)) * per
-    return total / (cm.memory_gbs * 1e9), None
+    # [Note: the optimizer step is memory-bound: optimizer_bytes per trained local element (see
+    # forecast/compute.py for the count) at the achievable bandwidth]
+    elements = sum(math.prod(plan.local_shape(p.name, rank)) for p in plan.params if p.requires_grad)
+    return elements * cm.optimizer_bytes / (cm.memory_gbs * 1e9), None
 
 
 def forecast(plan: "Plan", network: Union[str, dict, Network], compute: Union[None, str, float, dict, ComputeModel] = None,
