@@ -345,7 +345,7 @@ def collective_time(net: Network, kind: str, payload: int, where: Placement) -> 
     >>> net = network("h100-8x-ib400")
     >>> t = collective_time(net, "all_gather", 2**30, Placement(("dp",), 8, 1, 8, "intra"))
     >>> round(t.seconds * 1e3, 2)                  # 1 GiB over 8 GPUs of one node, ms
-    2.65
+    2.66
     """
     n = where.size
     if n <= 1 or kind not in KINDS:

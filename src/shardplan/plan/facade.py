@@ -335,6 +335,7 @@ class Plan:
         :class:`shardplan.forecast.Network`) with per-rank ``batch = (B, T)``: compute (FLOPs at an achievable
         rate, or measured unit times: ``compute=``), each collective from an α–β model of the link its group
         crosses, and the overlap this schedule allows. Returns a frozen :class:`shardplan.forecast.Forecast`.
+        ``scalar_all_reduces``: blocking one-number all-reduces per step (``sp.clip_grad_norm_`` issues one).
 
         >>> f = plan.forecast(network="h100-8x-ib400", batch=(1, 4096))
         >>> print(f); f.step_s, f.exposed_s, f.tokens_per_s, f.mfu; f.to_chrome_trace("forecast.json")
