@@ -5,8 +5,15 @@
     torchrun --nproc-per-node 4 examples/train_gpt.py --mesh dp=2,tp=2 --rules examples/gpt_rules_tp.py  # FSDP x TP
     torchrun --nproc-per-node 8 examples/train_gpt.py --config 1B --dtype bf16   # GPUs, NCCL
 
-The text is generated here (sums written out, byte-level), so nothing is downloaded. Rank 0
-prints the plan and the loss of every step.
+    torchrun --nproc-per-node 2 examples/train_gpt.py --steps 1000 --lr-schedule warmup_cosine --warmup 100 \\
+        --checkpoint-dir ckpt --checkpoint-every 100 --keep 3 --resume auto --metrics out.jsonl
+
+The text is generated here (sums written out, byte-level), so nothing is downloaded. Rank 0 prints the
+plan, then every --log-every steps: loss, grad norm, learning rate, step time, tokens/s (all devices and
+per device), MFU against the device's bf16 peak (n/a on CPU), peak memory (the device's, or the plan's
+per-rank bytes on CPU) and the ETA to --steps; on a terminal a progress bar too (tqdm or rich).
+A batch depends on (seed, step) only, so a run resumed from a checkpoint (--resume auto) reproduces the
+losses of an uninterrupted run exactly.
 """
 
 from __future__ import annotations
@@ -14,9 +21,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import resource
 import sys
-import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -40,38 +46,41 @@ def corpus(n_chars: int, seed: int = 0) -> torch.Tensor:
     return torch.tensor(list("".join(parts).encode()), dtype=torch.long)
 
 
-def batches(data: torch.Tensor, batch: int, seq: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        idx = torch.randint(0, data.numel() - seq - 1, (batch,), generator=g)
-        x = torch.stack([data[i:i + seq] for i in idx.tolist()])
-        y = torch.stack([data[i + 1:i + seq + 1] for i in idx.tolist()])
-        yield x, y
+def global_batch(data: torch.Tensor, batch: int, seq: int, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s global batch: a function of (seed, step) alone, so a resumed run reads exactly the
+    batches an uninterrupted one would, without replaying the earlier ones."""
+    g = torch.Generator().manual_seed((seed + 1) * 1_000_003 + step)
+    idx = torch.randint(0, data.numel() - seq - 1, (batch,), generator=g).tolist()
+    x = torch.stack([data[i:i + seq] for i in idx])
+    y = torch.stack([data[i + 1:i + seq + 1] for i in idx])
+    return x, y
 
 
-def local_batches(args, index: int, count: int, start: int, cuda: bool):
-    """(step, x, y): slice ``index`` of ``count`` of each global batch, in the data order of an uninterrupted
-    run (``plan.data_index(rank)`` of ``plan.data_size``: tensor-parallel ranks share their slice)."""
+def local_batches(args, index: int, count: int, start: int, cuda: bool, end: Optional[int] = None):
+    """(step, x, y) for steps ``start`` to ``end`` (``--steps``): slice ``index`` of ``count`` of each global
+    batch (``plan.data_index(rank)`` of ``plan.data_size``: tensor-parallel ranks share their slice)."""
     if args.batch % count:
         raise SystemExit(f"--batch {args.batch} must be divisible by the {count} data-parallel slices")
     rank, per = index, args.batch // count
-    stream = batches(corpus(200_000, seed=args.seed), args.batch, args.seq, seed=args.seed + 1)
-    for _ in range(start):
-        next(stream)
-    for step in range(start, args.steps):
-        x, y = next(stream)
+    data = corpus(200_000, seed=args.seed)
+    for step in range(start, args.steps if end is None else end):
+        x, y = global_batch(data, args.batch, args.seq, args.seed, step)
         x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
         yield (step, x.cuda(), y.cuda()) if cuda else (step, x, y)
 
 
 def common_args(doc: str) -> argparse.ArgumentParser:
-    """The options both examples share (model, data, mesh, rules, checkpoints)."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The options both examples share (model, data, mesh, rules, schedule, checkpoints)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--config", default="tiny", choices=sorted(gpt.CONFIGS))
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=40, help="steps of the whole run (the schedule and ETA span them)")
     ap.add_argument("--batch", type=int, default=8, help="global batch (split over ranks)")
     ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    ap.add_argument("--lr-schedule", default="warmup_cosine", choices=sp.optim.SCHEDULES)
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: a tenth of --steps)")
+    ap.add_argument("--lr-end", type=float, default=None, help="learning rate at the end of the cosine (default: --lr / 10)")
     ap.add_argument("--strategy", default="optim_grads_params")
     ap.add_argument("--mesh", default=None, help="e.g. dp=2 or replica=2,shard=2 (default: dp=world size)")
     ap.add_argument("--rules", default="rules", help="a rules list of examples/gpt_rules.py (rules or HSDP_RULES), or a "
@@ -79,9 +88,43 @@ def common_args(doc: str) -> argparse.ArgumentParser:
                                                      "and compute_axes)")
     ap.add_argument("--dtype", default=None, help="compute dtype, e.g. bf16")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--save", default=None, help="checkpoint directory to save into at the end")
-    ap.add_argument("--resume", default=None, help="checkpoint directory to resume from")
+    ap.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (DIR/step_00000100), at the end "
+                                                           "and every --checkpoint-every steps")
+    ap.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="save every N steps (0: at the end only)")
+    ap.add_argument("--keep", type=int, default=3, metavar="K", help="keep the last K complete checkpoints")
+    ap.add_argument("--save", default=None, help="one checkpoint directory to save into at the end")
+    ap.add_argument("--resume", default=None, help="a checkpoint directory, or 'auto': the newest complete one in "
+                                                   "--checkpoint-dir (a fresh start if there is none)")
+    ap.add_argument("--stop-after", type=int, default=None, metavar="N",
+                    help="stop after N steps of this run (a job with a time limit: checkpoint, then --resume auto); "
+                         "the schedule still spans --steps")
     return ap
+
+
+def schedule_of(args):
+    """``--lr-schedule`` as a function of the step."""
+    warmup = args.steps // 10 if args.warmup is None else args.warmup
+    end = args.lr / 10 if args.lr_end is None else args.lr_end
+    return sp.optim.by_name(args.lr_schedule, args.lr, warmup=min(warmup, args.steps), total=args.steps, end=end)
+
+
+def resume_path(args) -> Optional[str]:
+    """The checkpoint to start from: ``--resume DIR``, or with ``--resume auto`` the newest complete one in
+    ``--checkpoint-dir`` (``None``: start at step 0)."""
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise SystemExit("--checkpoint-every needs --checkpoint-dir (where to save)")
+    if args.resume != "auto":
+        return args.resume
+    if not args.checkpoint_dir:
+        raise SystemExit("--resume auto picks the newest checkpoint in --checkpoint-dir: pass --checkpoint-dir too")
+    return sp.checkpoint.latest(args.checkpoint_dir)
+
+
+def checkpoint_due(args, done: int, end: int) -> bool:
+    """Whether to save after ``done`` steps (``end``: the last step of this run)."""
+    if not args.checkpoint_dir:
+        return False
+    return done == end or bool(args.checkpoint_every and done % args.checkpoint_every == 0)
 
 
 def parse_args(argv=None):
@@ -89,6 +132,13 @@ def parse_args(argv=None):
     ap.add_argument("--order", default="static", choices=("static", "dynamic"))
     ap.add_argument("--prefetch", type=int, default=1)
     ap.add_argument("--quiet-plan", action="store_true")
+    ap.add_argument("--log-every", type=int, default=1, metavar="N", help="log every N steps (rank 0)")
+    ap.add_argument("--metrics", default=None, metavar="FILE", help="write one JSON object per logged step (JSON lines)")
+    ap.add_argument("--tensorboard", default=None, metavar="DIR", help="write TensorBoard scalars (needs tensorboard)")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="the device's peak TFLOP/s for MFU (default: the bf16 dense peak of known GPUs; n/a on CPU)")
+    ap.add_argument("--progress", default="auto", choices=("auto", "tqdm", "rich", "none"),
+                    help="a progress bar on a terminal (auto: tqdm or rich if installed)")
     return ap.parse_args(argv)
 
 
@@ -124,6 +174,8 @@ def main(argv=None) -> list[float]:
     cuda, rank, world, rules = launch(args, "train_gpt.py")
     torch.manual_seed(args.seed)
     model = gpt.build(args.config, max_seq=max(args.seq, gpt.CONFIGS[args.config].max_seq)).init_weights(args.seed)
+    c = model.config
+    flops_per_token = sp.metrics.flops_per_token(model, seq=args.seq, layers=c.layers, dim=c.dim)  # full shapes
     if cuda:
         model = model.cuda()
     mesh = sp.Mesh.parse(args.mesh) if args.mesh else sp.Mesh(dp=world)
@@ -133,42 +185,57 @@ def main(argv=None) -> list[float]:
         print(plan, flush=True)
     model = sp.shard(model, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    start = 0
-    if args.resume:
-        start = sp.checkpoint.load(args.resume, model, opt)
-        if rank == 0:
-            print(f"resumed from {args.resume} at step {start}", flush=True)
-            if start >= args.steps:
-                print(f"the checkpoint is at step {start}, at or past --steps {args.steps}: nothing to train", flush=True)
+    start, path = 0, resume_path(args)
+    if path:
+        start = sp.checkpoint.load(path, model, opt)
+    elif args.resume == "auto" and rank == 0:
+        print(f"no complete checkpoint in {args.checkpoint_dir}: starting at step 0", flush=True)
+    lr_sched = sp.optim.as_lr_scheduler(opt, schedule_of(args), step=start)  # the learning rate is a function of the step
+    end = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
+    peak = args.peak_tflops or (sp.metrics.peak_tflops() if cuda else None)
+    meter = sp.metrics.Meter(args.batch * args.seq, world, flops_per_token=flops_per_token, peak_tflops=peak,
+                             total_steps=args.steps, start_step=start)
+    log = sp.metrics.TrainLog(args.steps, rank=rank, start_step=start, metrics_path=args.metrics,
+                              tensorboard_dir=args.tensorboard, progress=args.progress)
+    if path:
+        log.print(f"resumed from {path} at step {start}")
+    if start >= args.steps:
+        log.print(f"the checkpoint is at step {start}, at or past --steps {args.steps}: nothing to train")
     losses, times = [], []
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    for step, x, y in local_batches(args, plan.data_index(rank), plan.data_size, start, cuda):
-        t0 = time.perf_counter()
+    for step, x, y in local_batches(args, plan.data_index(rank), plan.data_size, start, cuda, end):
+        lr = opt.param_groups[0]["lr"]
         loss = model(x, y)
         loss.backward()
         norm = sp.clip_grad_norm_(model, 1.0)
         opt.step()
+        lr_sched.step()
         opt.zero_grad()
-        mean = loss.detach().float().clone()
-        dist.all_reduce(mean)
-        mean = mean.item() / world
-        dt = time.perf_counter() - t0
-        losses.append(mean)
-        times.append(dt)
-        if not math.isfinite(mean):
-            raise SystemExit(f"loss is {mean} at step {step}")
-        if rank == 0:
-            mem = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if cuda else \
-                f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB RSS"
-            print(f"step {step:4d}  loss {mean:.4f}  grad_norm {norm.item():.3f}  lr {opt.param_groups[0]['lr']:.2e}  "
-                  f"{1000 * dt:.1f} ms  {args.batch * args.seq / dt:,.0f} tok/s  peak {mem}", flush=True)
+        if (step + 1) % args.log_every == 0 or step + 1 == end:  # by step number: a resumed run logs the same steps
+            mean = loss.detach().float().clone()
+            dist.all_reduce(mean)  # reading it synchronises the device: the meter's clock is honest
+            mean = mean.item() / world
+            if not math.isfinite(mean):
+                raise SystemExit(f"loss is {mean} at step {step}: lower --lr or raise --warmup")
+            timing = meter.update(step)
+            mem, source = sp.metrics.peak_memory_gib(plan, rank)
+            log.log(step, loss=mean, grad_norm=norm.item(), lr=lr, **timing, mem_gib=mem, mem_source=source)
+            losses.append(mean)
+            times.append(timing["step_time_s"])
+        if checkpoint_due(args, step + 1, end):
+            sp.checkpoint.save(sp.checkpoint.step_dir(args.checkpoint_dir, step + 1), model, opt, step=step + 1)
+            removed = sp.checkpoint.prune(args.checkpoint_dir, keep=args.keep)
+            log.print(f"saved checkpoint {sp.checkpoint.step_dir(args.checkpoint_dir, step + 1)}"
+                      + (f" (removed {len(removed)} older)" if removed else ""))
+            meter.reset_clock()  # the save is not a training step
+    log.close()
     if args.save:
-        sp.checkpoint.save(args.save, model, opt, step=args.steps)
+        sp.checkpoint.save(args.save, model, opt, step=end)
         if rank == 0:
             print(f"saved checkpoint to {args.save}", flush=True)
     if rank == 0 and len(losses) > 1:
-        steady = times[1:] if len(times) > 2 else times  # the first step includes warm-up
+        steady = times[1:] if len(times) > 2 else times  # the first window includes warm-up
         mean_t = sum(steady) / len(steady)
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; mean step {1000 * mean_t:.1f} ms, "
               f"{args.batch * args.seq / mean_t:,.0f} tok/s over {world} ranks", flush=True)
@@ -177,4 +244,4 @@ def main(argv=None) -> list[float]:
 
 
 if __name__ == "__main__":
-    main()
+    sp.run_main(main)  # a shardplan error is printed once, by rank 0, with its fix; the exit status is 1

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import shardplan as sp
 from distributed import run
@@ -19,10 +19,16 @@ import gpt_rules_tp  # noqa: E402
 
 
 def _checkpointed(model):
-    """Every block's forward under non-reentrant activation checkpointing (recomputed in backward)."""
+    """Every block's forward under non-reentrant activation checkpointing, recomputed whole in backward
+    (torch's early stop would end a recompute once backward has what it needs, before a block's last
+    row-parallel all-reduce; ``plan.ops(recompute=True)`` lists a whole recompute)."""
     for block in model.layers:
         f = block.forward
-        block.forward = lambda *a, _f=f, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+
+        def run(*a, _f=f, **k):
+            with set_checkpoint_early_stop(False):
+                return checkpoint(_f, *a, use_reentrant=False, **k)
+        block.forward = run
     return model
 
 
@@ -48,11 +54,11 @@ def _worker(rank, world):
                     ctx = sp.no_sync(model) if i < accum - 1 else contextlib.nullcontext()
                     with ctx:
                         (model(part[:, :-1], part[:, 1:]) / accum).backward()
-                    expected += plan.ops(stale=i == 0, sync=i == accum - 1)
+                    expected += plan.ops(stale=i == 0, sync=i == accum - 1, recompute=True)
             recorded += ops
             opt.step()
             opt.zero_grad()
-        kinds = {o.kind for o in recorded}
+        kinds = {o.kind for o in recorded} | {o.what for o in recorded}
         out[strategy] = (recorded == expected, len(recorded), len(expected), sorted(kinds),
                          [(str(a), str(b)) for a, b in zip(recorded, expected) if a != b][:3])
     return out
@@ -64,3 +70,4 @@ def test_recorded_step_equals_plan_ops_with_tp_accumulation_and_checkpointing():
         for strategy, (equal, n_rec, n_exp, kinds, first_diff) in out.items():
             assert equal, (strategy, n_rec, n_exp, first_diff)
             assert "prepare" in kinds and "reduce_scatter" in kinds and "all_gather" in kinds, kinds
+            assert "activations" in kinds, kinds  # the tensor-parallel collectives are schedule ops too

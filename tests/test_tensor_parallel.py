@@ -113,11 +113,14 @@ def test_comm_bytes_estimated_only_when_traced():
     untraced = sp.plan(_MLP(), rules, mesh, compute_axes="tp")
     assert untraced.comm_bytes()["tensor_parallel"] is None
     assert "not estimated" in str(untraced)
-    x = torch.randn(3, 5, 8)
+    x = torch.randn(3, 5, 8, requires_grad=True)
     traced = sp.plan(_MLP(), rules, mesh, compute_axes="tp", trace=x)
     # colwise up: backward all-reduce of its input (3*5*8 fp32); rowwise down: forward all-reduce of its output
     # (3*5*8); a ring all-reduce over 2 ranks sends 2*(n-1)/n = 1x the tensor
     assert traced.comm_bytes()["tensor_parallel"] == 2 * 3 * 5 * 8 * 4
+    # an input that takes no gradient (the model's data) has none to reduce: the trace knows
+    no_grad_input = sp.plan(_MLP(), rules, mesh, compute_axes="tp", trace=x.detach())
+    assert no_grad_input.comm_bytes()["tensor_parallel"] == 3 * 5 * 8 * 4
     assert traced.comm_bytes()["total"] == untraced.comm_bytes()["total"] + 2 * 3 * 5 * 8 * 4
     ups = {m.path: m.style for m in traced.tp_modules}
     assert ups == {"up": "colwise", "down": "rowwise"}

@@ -24,10 +24,11 @@ from .runtime import checkpoint
 from .runtime.checkpoint import full_state_dict, load_full_state_dict, load_state_dict, state_dict
 from .runtime.functional import functional_call, grad, value_and_grad
 from .tree import assemble, shard_tree, unshard_tree
-from . import optim
+from . import metrics, optim
 from .optim import clip_by_global_norm
 from .auto import auto_rules
 from .dropin import MixedPrecisionPolicy, fully_shard, fully_shard_model, fully_shard_optimizer, plan_of
+from .entry import run_main
 
 __version__ = "0.1.0"
 
@@ -39,5 +40,5 @@ __all__ = [
     "compile_units", "checkpoint", "state_dict", "load_state_dict", "full_state_dict", "load_full_state_dict",
     "shard_tree", "unshard_tree", "assemble", "functional_call", "value_and_grad", "grad", "optim",
     "clip_by_global_norm", "auto_rules", "fully_shard", "MixedPrecisionPolicy", "fully_shard_model",
-    "fully_shard_optimizer", "plan_of",
+    "fully_shard_optimizer", "plan_of", "run_main", "metrics",
 ]

@@ -3,6 +3,7 @@
 >>> opt = sp.optim.adamw(lr=3e-4, weight_decay=0.1)
 >>> state = opt.init(local_params)
 >>> local_params, state = opt.update(grads, state, local_params)   # nothing the caller holds is changed
+>>> opt = sp.optim.adamw(lr=sp.optim.warmup_cosine(3e-4, warmup=100, total=10_000))   # a schedule: lr(step)
 
 Updates use ``torch._foreach_*`` (out of place) with the arithmetic, in the order, of
 ``torch.optim.AdamW`` / ``SGD``, so a shard trains bit for bit like the same elements under torch's
@@ -19,6 +20,13 @@ import optree
 import torch
 
 from .errors import ShardingError
+from .schedules import (SCHEDULES, LearningRate, Schedule, ScheduleLR, as_lr_scheduler, by_name, constant,
+                        cosine_decay, join, linear, linear_warmup, value_at, warmup_cosine)
+
+__all__ = ["Optimizer", "adamw", "sgd", "trainable", "clip_by_global_norm",
+           # learning-rate schedules (shardplan.schedules), here as in optax
+           "SCHEDULES", "LearningRate", "Schedule", "ScheduleLR", "as_lr_scheduler", "by_name", "constant",
+           "cosine_decay", "join", "linear", "linear_warmup", "value_at", "warmup_cosine"]
 
 
 class Optimizer(NamedTuple):
@@ -67,10 +75,11 @@ def _masked(update_some):
     return run
 
 
-def adamw(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+def adamw(lr: LearningRate = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
           weight_decay: float = 1e-2, mask: Callable[[str], bool] = None) -> Optimizer:
     """AdamW (decoupled weight decay), as ``torch.optim.AdamW``. State: ``{"step", "exp_avg", "exp_avg_sq"}``.
 
+    ``lr`` is a number or a schedule (``sp.optim.warmup_cosine(...)``): update ``t`` (from 0) uses ``lr(t)``.
     ``mask(path) -> bool`` picks the leaves to train (``trainable(plan)``: those that require grad); the
     others keep their values, as torch's optimizers skip parameters without gradients.
     """
@@ -83,15 +92,16 @@ def adamw(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: floa
 
     def step_some(p, g, m, v, t):
         # one new tensor per output (params, moments) plus one temporary; then in place on those only
+        lr_t = value_at(lr, int(t) - 1)
         bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-        p = torch._foreach_mul(p, 1 - lr * weight_decay)
+        p = torch._foreach_mul(p, 1 - lr_t * weight_decay)
         m = torch._foreach_lerp(m, g, 1 - b1)
         v = torch._foreach_mul(v, b2)
         torch._foreach_addcmul_(v, g, g, value=1 - b2)
         denom = torch._foreach_sqrt(v)
         torch._foreach_div_(denom, math.sqrt(bc2))
         torch._foreach_add_(denom, eps)
-        torch._foreach_addcdiv_(p, m, denom, value=-lr / bc1)
+        torch._foreach_addcdiv_(p, m, denom, value=-lr_t / bc1)
         return p, m, v
 
     def update(grads, state, params):
@@ -108,8 +118,9 @@ def adamw(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: floa
     return Optimizer(init, update)
 
 
-def sgd(lr: float, momentum: float = 0.0, weight_decay: float = 0.0, mask: Callable[[str], bool] = None) -> Optimizer:
-    """SGD with optional momentum and (coupled) weight decay, as ``torch.optim.SGD``; ``mask`` as for adamw."""
+def sgd(lr: LearningRate, momentum: float = 0.0, weight_decay: float = 0.0, mask: Callable[[str], bool] = None) -> Optimizer:
+    """SGD with optional momentum and (coupled) weight decay, as ``torch.optim.SGD``; ``lr`` (a number or a
+    schedule) and ``mask`` as for adamw."""
 
     def init(params):
         leaves, spec = _flat(params, "params")
@@ -121,6 +132,7 @@ def sgd(lr: float, momentum: float = 0.0, weight_decay: float = 0.0, mask: Calla
         g, _ = _flat(grads, "grads", spec)
         buf, _ = _flat(state["momentum_buffer"], "momentum_buffer", spec)
         first = float(state["step"]) == 0
+        lr_t = value_at(lr, int(state["step"]))
 
         def step_some(p_, g_, b_):
             if weight_decay:
@@ -128,7 +140,7 @@ def sgd(lr: float, momentum: float = 0.0, weight_decay: float = 0.0, mask: Calla
             if momentum:
                 b_ = [x.clone() for x in g_] if first else torch._foreach_add(torch._foreach_mul(b_, momentum), g_)
                 g_ = b_
-            return torch._foreach_add(p_, g_, alpha=-lr), b_
+            return torch._foreach_add(p_, g_, alpha=-lr_t), b_
 
         p, buf = _masked(step_some)([p, g, buf], _selected(params, mask))
         return optree.tree_unflatten(spec, p), {"momentum_buffer": optree.tree_unflatten(spec, buf),

@@ -131,9 +131,10 @@ def trace_args(trace) -> tuple[tuple, dict]:
     return (args if isinstance(args, tuple) else (args,)), kwargs
 
 
-def run_traced(model, trace, hooks: dict) -> None:
-    """Run the traced forward once, without autograd, with ``hooks`` ({module path: (kind, fn)}, kind
-    ``"pre"`` or ``"post"``) registered for that run only."""
+def run_traced(model, trace, hooks: dict, grad: bool = False) -> None:
+    """Run the traced forward once, without autograd unless ``grad`` (then tensors say whether they
+    require a gradient), with ``hooks`` ({module path: (kind, fn)}, kind ``"pre"`` or ``"post"``)
+    registered for that run only."""
     import torch
 
     args, kwargs = trace_args(trace)
@@ -141,7 +142,7 @@ def run_traced(model, trace, hooks: dict) -> None:
     handles = [modules[path].register_forward_pre_hook(fn) if kind == "pre" else modules[path].register_forward_hook(fn)
                for path, (kind, fn) in hooks.items()]
     try:
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             model(*args, **kwargs)
     finally:
         for h in handles:

@@ -134,7 +134,7 @@ def _apply(op, plan, per, live, lent, collected, put) -> None:
 def comm_bytes(plan: "Plan") -> dict:
     out = {ALL_GATHER: 0, REDUCE_SCATTER: 0, ALL_REDUCE: 0}
     for op in plan.ops():
-        if not op.is_collective:
+        if not op.is_collective or op.in_module:  # tensor-parallel activations: counted below
             continue
         n = plan.mesh.axis_size(op.axes) if op.axes else 1
         factor = 2 if op.kind == ALL_REDUCE else 1

@@ -200,12 +200,14 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
         raf = reshard_after_forward and uname not in (ROOT, last)
         unit_plans.append(UnitPlan(name=uname, buffers=tuple(idxs), reshard_after_forward=raf,
                                    modules=covers.get(uname, ()), parent=parent.get(uname, ROOT)))
-    schedule = build_schedule(unit_plans, buffers, mesh, level, prefetch, order, len(infos))
     activations = None
     if tp_modules:
         choices.append(tp.modules_note(tp_modules))
         if trace is not None:
             activations = tp.trace_activations(module, tp_modules, trace, itemsize(compute) if compute else None)
+        tp_modules = tp.place(module, tp_modules, unit_plans, activations)
+    schedule = tp.with_activation_ops(build_schedule(unit_plans, buffers, mesh, level, prefetch, order, len(infos)),
+                                      unit_plans, tp_modules, activations, mesh)
     param_plans, buffers_ = tuple(params[i.name] for i in infos), tuple(buffers)
     units_ = tuple(unit_plans)
     result = Plan(mesh=mesh, strategy=STRATEGIES[level], compute_dtype=compute, reduce_dtype=reduce, prefetch=prefetch,

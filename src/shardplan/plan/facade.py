@@ -230,14 +230,18 @@ class Plan:
         """The schedule arranged per event, as the runtime executes it (see :mod:`shardplan.plan.schedule`)."""
         return S.program(self.units, self.schedule)
 
-    def ops(self, *, stale: bool = True, grad: bool = True, sync: bool = True) -> tuple[Op, ...]:
+    def ops(self, *, stale: bool = True, grad: bool = True, sync: bool = True,
+            recompute: bool = False) -> tuple[Op, ...]:
         """The ops a step with these facts runs, in order: ``stale`` (the shards changed since the last
-        gather), ``grad`` (a backward follows the forward), ``sync`` (gradients are reduced).
+        gather), ``grad`` (a backward follows the forward), ``sync`` (gradients are reduced), ``recompute``
+        (each unit's forward is recomputed in backward: activation checkpointing per unit, which repeats
+        the forward's tensor-parallel collectives; torch's checkpoint early stop, its default, may end a
+        recompute before the unit's last ones: ``set_checkpoint_early_stop(False)`` recomputes whole).
 
         >>> plan.ops()                       # a training step
         >>> plan.ops(grad=False)             # an eval / no_grad forward
         """
-        return S.select(self.schedule, stale=stale, grad=grad, sync=sync)
+        return S.select(self.schedule, stale=stale, grad=grad, sync=sync, recompute=recompute)
 
     # -- transformations ---------------------------------------------------------------------------------
     # [Note: with_prefetch / with_reshard_after_forward / with_order rebuild the schedule from the options. A
@@ -245,8 +249,9 @@ class Plan:
     # refuse an edited plan rather than silently drop the edit; a no-op change returns the plan itself.]
     @cached_property
     def _built_schedule(self) -> tuple[Op, ...]:
-        return S.build_schedule(self.units, self.buffers, self.mesh, self.level, self.prefetch, self.order,
-                                len(self.params))
+        return tp.with_activation_ops(
+            S.build_schedule(self.units, self.buffers, self.mesh, self.level, self.prefetch, self.order,
+                             len(self.params)), self.units, self.tp_modules, self.tp_activations, self.mesh)
 
     @property
     def schedule_edited(self) -> bool:

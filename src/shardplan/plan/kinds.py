@@ -53,6 +53,7 @@ class Subject(Name):
     PARAMS = "params"
     GRADS = "grads"
     USED = "used"
+    ACTIVATIONS = "activations"  # a tensor-parallel module's input gradient or output (plan/tensor_parallel.py)
 
 
 class Event(Name):
@@ -63,6 +64,8 @@ class Event(Name):
     POST_BACKWARD = "post_backward"
     END_BACKWARD = "end_backward"
     BEGIN_BACKWARD = "begin_backward"  # the first event of a backward pass, whichever it is
+    MODULE_FORWARD = "module_forward"    # a tensor-parallel module's forward ends (``at``: its path)
+    MODULE_BACKWARD = "module_backward"  # the gradient of a tensor-parallel module's input is formed
 
 
 class Condition(Name):
@@ -72,6 +75,7 @@ class Condition(Name):
     STALE = "stale"
     SYNC = "sync"
     NO_GRAD = "no_grad"
+    RECOMPUTE = "recompute"  # a forward recomputed in backward (activation checkpointing of the unit)
 
 
 class Phase(Name):
@@ -104,11 +108,12 @@ class LayoutChoice(Name):
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, WAIT, FREE, PREPARE = OpKind
 COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
 KINDS = tuple(OpKind)
-PARAMS, GRADS, USED = Subject
-BEFORE_FORWARD, PRE_FORWARD, POST_FORWARD, PRE_BACKWARD, POST_BACKWARD, END_BACKWARD, BEGIN_BACKWARD = Event
-BACKWARD_EVENTS = (BEGIN_BACKWARD, PRE_BACKWARD, POST_BACKWARD, END_BACKWARD)
+PARAMS, GRADS, USED, ACTIVATIONS = Subject
+(BEFORE_FORWARD, PRE_FORWARD, POST_FORWARD, PRE_BACKWARD, POST_BACKWARD, END_BACKWARD, BEGIN_BACKWARD, MODULE_FORWARD,
+ MODULE_BACKWARD) = Event
+BACKWARD_EVENTS = (BEGIN_BACKWARD, PRE_BACKWARD, POST_BACKWARD, END_BACKWARD, MODULE_BACKWARD)
 EVENTS = tuple(Event)
-ALWAYS, STALE, SYNC, NO_GRAD = Condition
+ALWAYS, STALE, SYNC, NO_GRAD, RECOMPUTE = Condition
 CONDITIONS = tuple(Condition)
 FORWARD, BACKWARD, STEP = Phase
 STRATEGIES = tuple(Strategy)

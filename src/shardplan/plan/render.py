@@ -87,6 +87,7 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
     if plan.compute_axes:
         out.append(f"compute axes {', '.join(plan.compute_axes)}: {len(plan.tp_modules)} modules tensor-parallel; the batch "
                    f"is split {plan.data_size} ways over {', '.join(plan.data_axes)}")
+        out += render_tp(plan)
     out.append(f"schedule: {len(plan.schedule)} ops ({sum(o.is_collective for o in plan.schedule)} collectives)")
     if plan.notes:
         out.append("")
@@ -97,6 +98,37 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
         out.append("warnings:")
         out += [f"  - {w}" for w in plan.warnings]
     return "\n".join(out)
+
+
+def render_tp(plan: "Plan") -> list[str]:
+    """The tensor-parallel modules of the root and of the first unit that has any (others repeat it),
+    with the collectives each issues (the schedule's ``activations`` ops)."""
+    ops = [o for o in plan.schedule if o.in_module]
+    if not plan.tp_modules:
+        return []
+    by_path: dict[str, list[str]] = {}
+    for o in ops:
+        if o.when == "recompute":
+            continue
+        side = "forward" if o.event == "module_forward" else "backward"
+        what = "output" if side == "forward" else "input's gradient"
+        by_path.setdefault(o.at, []).append(f"{side}: {o.kind} of the {what}")
+    units = list(dict.fromkeys(m.unit for m in plan.tp_modules))
+    shown = [u for u in units if u in ("", "<root>")] + [u for u in units if u not in ("", "<root>")][:1]
+    out = [f"  tensor-parallel modules (shown for {', '.join(shown)}; {len(units)} units have some):"]
+    for m in plan.tp_modules:
+        if m.unit not in shown:
+            continue
+        acts = "; ".join(by_path.get(m.path, [])) or "no collective"
+        if m.shares_with:
+            acts = f"reads {m.shares_with.rpartition('.')[2]}'s input: its gradient is all-reduced once, there"
+        out.append(f"    {m.path:<34} {m.kind + ' ' + m.style:<25} {acts}")
+    n_f = sum(o.event == "module_forward" and not o.when for o in ops)
+    n_b = sum(o.event == "module_backward" for o in ops)
+    n_r = sum(o.when == "recompute" for o in ops)
+    out.append(f"  activation collectives per step: {n_f} in forward, {n_b} in backward, {n_r} more when units are "
+               f"recomputed (activation checkpointing); plan.ops() lists them in order")
+    return out
 
 
 def render_schedule(plan: "Plan") -> str:
@@ -125,6 +157,8 @@ def chrome_trace(plan: "Plan", path: str, gbps: float) -> None:
     start = 0.0
     events = []
     for i, op in enumerate(plan.schedule):
+        if op.when == "recompute":  # a training step without activation checkpointing
+            continue
         tid = tracks[op.kind]
         dur = max(op.bytes / (gbps * 1e3), 1.0)  # microseconds
         ts = max(clock[tid], start)

@@ -108,12 +108,23 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
         return Op(kind=kind, unit=u, what=what, event=event, at=at, buffers=tuple(b.index for b in entries), axes=axes,
                   bytes=nbytes, prefetch=prefetch_, when=when)
 
+    def by_group(entries, axes_of) -> list[list["BufferPlan"]]:
+        """``entries`` split by the process group their collective runs over: one op names one group."""
+        groups: dict = {}
+        for b in entries:
+            groups.setdefault(tuple(axes_of(b)), []).append(b)
+        return list(groups.values())
+
     def gather(u, event, at, pf=False, when=ALWAYS) -> list[Op]:
         entries = bufs(u, needs_gather)
         if not entries:
             return []
-        nbytes = sum(b.gathered_numel * b.compute_itemsize for b in entries if b.sharded)
-        return [op(ALL_GATHER, u, PARAMS, event, at, entries, None, nbytes, pf, when)]
+        # a local cast (a replicated buffer computing in another dtype) rides with the first group's op
+        parts = by_group([b for b in entries if b.sharded], lambda b: b.axes) or [[]]
+        parts[0] = [b for b in entries if not b.sharded] + parts[0]
+        return [op(ALL_GATHER, u, PARAMS, event, at, sorted(p, key=lambda b: b.index), lambda b: b.axes if b.sharded
+                   else (), sum(b.gathered_numel * b.compute_itemsize for b in p if b.sharded), pf, when)
+                for p in parts]
 
     def wait_params(u, event, at, when=ALWAYS) -> list[Op]:
         mine = [buffers[i] for i in by_name[u].buffers]
@@ -132,12 +143,11 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
         if not grads:
             return []
         out = []
-        rs = [b for b in grads if b.sharded]
-        if rs:
+        for rs in by_group([b for b in grads if b.sharded], lambda b: b.axes):
             out.append(op(REDUCE_SCATTER, u, GRADS, event, at, rs, None,
                           sum(b.gathered_numel * b.reduce_itemsize for b in rs), when=SYNC))
-        ar = [b for b in grads if b.replica_axes and mesh.axis_size(b.replica_axes) > 1]
-        if ar:
+        for ar in by_group([b for b in grads if b.replica_axes and mesh.axis_size(b.replica_axes) > 1],
+                           lambda b: b.replica_axes):
             out.append(op(ALL_REDUCE, u, GRADS, event, at, ar, lambda b: b.replica_axes,
                           sum(b.reduced_numel * b.reduce_itemsize for b in ar), when=SYNC))
         return out
@@ -237,6 +247,8 @@ def program(units: Sequence["UnitPlan"], schedule: Sequence[Op]) -> Program:
     bwd_events = [(BEGIN_BACKWARD, "")] + interleave(bwd_order, grad_order)
     slots: dict[tuple[str, str], list[int]] = {e: [] for e in fwd_events + bwd_events + [(END_BACKWARD, "")]}
     for i, o in enumerate(schedule):
+        if o.in_module:  # runs inside a module's call (tensor parallelism), placed after a step's ops
+            continue
         key = (o.event, o.at)
         if key not in slots:
             known = [f"{e}({a})" if a else e for e, a in slots]
@@ -250,5 +262,6 @@ def program(units: Sequence["UnitPlan"], schedule: Sequence[Op]) -> Program:
     return Program(tuple(step(e) for e in fwd_events), tuple(step(e) for e in bwd_events), step((END_BACKWARD, "")))
 
 
-def select(schedule: Iterable[Op], *, stale: bool = True, grad: bool = True, sync: bool = True) -> tuple[Op, ...]:
-    return tuple(o for o in schedule if o.applies(stale=stale, grad=grad, sync=sync))
+def select(schedule: Iterable[Op], *, stale: bool = True, grad: bool = True, sync: bool = True,
+           recompute: bool = False) -> tuple[Op, ...]:
+    return tuple(o for o in schedule if o.applies(stale=stale, grad=grad, sync=sync, recompute=recompute))

@@ -30,6 +30,7 @@ overrides the inference, and gives a style to modules of other classes (treated 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
@@ -37,8 +38,12 @@ from typing import Any, Mapping, Optional, Sequence
 from ..errors import PlanError, SpecError
 from ..mesh import Mesh
 from ..spec import P
+from ..units import ROOT
 from .heads import check_whole_heads
-from .values import Compute, storage_spec  # noqa: F401  (re-exported: tp.Compute, tp.storage_spec)
+from .kinds import (ACTIVATIONS, ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, BEFORE_FORWARD, MODULE_BACKWARD, MODULE_FORWARD,
+                    POST_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, RECOMPUTE)
+from .schedule import program, skeleton
+from .values import Compute, Op, storage_spec  # noqa: F401  (re-exported: tp.Compute, tp.storage_spec)
 
 LINEAR, EMBEDDING = "linear", "embedding"
 STYLES = ("colwise", "colwise_gather", "rowwise", "rowwise_split")
@@ -49,12 +54,22 @@ BIAS_SHARDED = {"colwise": True, "colwise_gather": True, "rowwise": False, "roww
 
 @dataclass(frozen=True)
 class TPModule:
-    """One module run tensor-parallel: its path, kind (``linear``/``embedding``), style and compute axis."""
+    """One module run tensor-parallel: its path, kind (``linear``/``embedding``), style and compute axis;
+    where its collectives sit in the schedule: ``unit`` (the unit whose forward calls it), ``after`` (the
+    forward step it runs after) and ``back_after`` (the backward step its input's gradient forms after);
+    ``shares_with``: the column-parallel sibling whose input it reads too (one gradient all-reduce for
+    both, issued by that sibling), or ``""``; ``input_grad``: its input takes a gradient (a traced plan
+    knows; otherwise assumed)."""
 
     path: str
     kind: str
     style: str
     axis: str
+    unit: str = ""
+    after: str = ""
+    back_after: str = ""
+    shares_with: str = ""
+    input_grad: bool = True
 
     @property
     def input_sharded(self) -> bool:
@@ -248,6 +263,145 @@ def _infer(kind: str, dim: int, path: str, mods: dict, owners: dict, compute: di
     return "rowwise" if 0 in sibling_dims else "rowwise_split"
 
 
+# -- where the styles' collectives run: plan data -------------------------------------------------------
+# [Note: activation ops. A tensor-parallel module's collectives run inside its call (its output in
+# forward, its input's gradient in backward), between the steps of the units around it. The planner
+# places each one after a step of the unit skeleton by module order (``named_modules``): in forward after
+# the last unit boundary before the module, in backward after the mirror of the first boundary after it
+# (``pre_forward(u)`` mirrors ``post_backward(u)``, ``post_forward(u)`` mirrors ``pre_backward(u)``).
+# Column-parallel siblings that read one input share its gradient all-reduce (autograd sums their partial
+# gradients first): the first of them issues it. Without ``trace=`` siblings of one parent module are
+# assumed to read the same input (true of attention projections and gated MLPs); a traced plan knows.]
+
+FORWARD_OP = {(LINEAR, "colwise_gather"): ALL_GATHER, (LINEAR, "rowwise"): ALL_REDUCE,
+              (LINEAR, "rowwise_split"): ALL_REDUCE, (EMBEDDING, "colwise_gather"): ALL_GATHER,
+              (EMBEDDING, "rowwise"): ALL_REDUCE}   # an output that leaves sharded (colwise) moves nothing
+BACKWARD_OP = {(LINEAR, "colwise"): ALL_REDUCE, (LINEAR, "colwise_gather"): ALL_REDUCE,
+               (LINEAR, "rowwise_split"): ALL_GATHER}  # rowwise: the gradient stays sharded; embeddings: indices
+
+
+def reads_shared_input(m: TPModule) -> bool:
+    return m.kind == LINEAR and m.style in ("colwise", "colwise_gather")
+
+
+def place(module, modules: Sequence[TPModule], units,
+          activations: Optional[Sequence["Activation"]] = None) -> tuple[TPModule, ...]:
+    """``modules`` with their unit, their forward and backward anchors, the sibling whose input each
+    shares and whether that input takes a gradient (from the traced ``activations``; else siblings of one
+    parent are assumed to share, and every input to take a gradient)."""
+    shares = None if activations is None else {a.path: a.shares_with for a in activations}
+    grads = {} if activations is None else {a.path: a.input_grad for a in activations}
+    if not modules:
+        return ()
+    order: dict[str, int] = {}
+    end: dict[str, int] = {}
+    for i, (path, _) in enumerate(module.named_modules()):
+        order[path] = i
+    paths = sorted(order, key=order.get)
+    for path in paths:  # preorder: a module's subtree is the run of paths under it
+        end[path] = order[path]
+        p = path
+        while p:
+            p = p.rpartition(".")[0]
+            if p in end:
+                end[p] = max(end[p], order[path])
+    span = {}
+    for u in units[1:]:
+        ps = [p for p in u.module_paths if p in order]
+        if ps:
+            span[u.name] = (min(order[p] for p in ps), max(end[p] for p in ps))
+    fwd, _, _ = skeleton(units)
+
+    def key(event, at) -> float:
+        if at == ROOT or event == BEFORE_FORWARD:
+            return float("-inf") if event in (BEFORE_FORWARD, PRE_FORWARD) else float("inf")
+        lo, hi = span.get(at, (0, 0))
+        return lo - 0.5 if event == PRE_FORWARD else hi + 0.5
+
+    def trigger(event, at) -> str:
+        return f"{event}({at})" if at else f"{event}"
+
+    def mirror(event, at) -> str:
+        if at == ROOT:
+            return trigger(BEGIN_BACKWARD, "")
+        return trigger(POST_BACKWARD if event == PRE_FORWARD else PRE_BACKWARD, at)
+
+    def unit_of(path: str) -> str:
+        best, depth = ROOT, -1
+        for u in units[1:]:
+            for p in u.module_paths:
+                if (path == p or path.startswith(p + ".") or p == "") and len(p) > depth:
+                    best, depth = u.name, len(p)
+        return best
+
+    first_reader: dict[tuple[str, str], str] = {}
+    out = []
+    for m in modules:
+        pos = order.get(m.path, 0)
+        before = [(key(e, a), i) for i, (e, a) in enumerate(fwd) if key(e, a) < pos]
+        after = [(key(e, a), i) for i, (e, a) in enumerate(fwd) if key(e, a) > pos]
+        e0, a0 = fwd[max(before)[1]]
+        e1, a1 = fwd[min(after)[1]]
+        if shares is not None:
+            sw = shares.get(m.path, "")
+        elif reads_shared_input(m):
+            sw = first_reader.setdefault((m.path.rpartition(".")[0], m.axis), m.path)
+            sw = "" if sw == m.path else sw
+        else:
+            sw = ""
+        out.append(dataclasses.replace(m, unit=unit_of(m.path), after=trigger(e0, a0), back_after=mirror(e1, a1),
+                                       shares_with=sw, input_grad=grads.get(m.path, True)))
+    return tuple(out)
+
+
+def activation_ops(m: TPModule, activations: Optional[Sequence["Activation"]]) -> tuple[Optional[Op], Optional[Op]]:
+    """(forward op, backward op) of one placed module (``None`` where its style moves nothing)."""
+    calls = [a for a in activations or () if a.path == m.path]
+    out_b = sum(a.output_numel * a.itemsize for a in calls)
+    in_b = sum(a.input_numel * a.itemsize for a in calls)
+    fk = FORWARD_OP.get((m.kind, m.style))
+    bk = None if m.shares_with or not m.input_grad else BACKWARD_OP.get((m.kind, m.style))
+    fop = Op(kind=fk, unit=m.unit, what=ACTIVATIONS, event=MODULE_FORWARD, at=m.path, axes=(m.axis,),
+             bytes=out_b) if fk else None
+    bop = Op(kind=bk, unit=m.unit, what=ACTIVATIONS, event=MODULE_BACKWARD, at=m.path, axes=(m.axis,),
+             bytes=in_b) if bk else None
+    return fop, bop
+
+
+def with_activation_ops(schedule: Sequence[Op], units, modules: Sequence[TPModule], activations=None,
+                        mesh: Optional[Mesh] = None) -> tuple[Op, ...]:
+    """``schedule`` (the units' ops) with every tensor-parallel collective inserted where it runs: forward
+    ops after their ``after`` step, and in backward, after a unit's ``pre_backward`` step, the forward
+    ops of its modules again (``when="recompute"``: activation checkpointing recomputes them), then the
+    input-gradient ops after their ``back_after`` step. Modules over a compute axis of one rank move
+    nothing."""
+    placed = [m for m in modules if m.after and (mesh is None or mesh.axis_size(m.axis) > 1)]
+    if not placed:
+        return tuple(schedule)
+    fwd: dict[str, list[Op]] = {}
+    bwd: dict[str, list[Op]] = {}
+    again: dict[str, list[Op]] = {}
+    for m in placed:
+        fop, bop = activation_ops(m, activations)
+        if fop is not None:
+            fwd.setdefault(m.after, []).append(fop)
+            if m.unit != ROOT:
+                again.setdefault(f"{PRE_BACKWARD}({m.unit})", []).append(dataclasses.replace(fop, when=RECOMPUTE))
+        if bop is not None:
+            bwd.setdefault(m.back_after, []).append(bop)
+    for ops in bwd.values():
+        ops.reverse()  # backward meets the modules in reverse order
+    base = [o for o in schedule if not o.in_module]
+    out: list[Op] = []
+    prog = program(units, base)
+    for step in prog.forward:
+        out += [base[i] for i in step.ops] + fwd.get(step.name, [])
+    for step in prog.backward:
+        out += [base[i] for i in step.ops] + again.get(step.name, []) + bwd.get(step.name, [])
+    out += [base[i] for i in prog.end.ops]
+    return tuple(out)
+
+
 # -- activation traffic ------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -259,6 +413,8 @@ class Activation:
     output_numel: int
     itemsize: int
     shares_input: bool = False  # a column-parallel sibling read the same input first: one gradient all-reduce
+    shares_with: str = ""        # that sibling's path
+    input_grad: bool = True      # the input requires a gradient (else backward moves nothing for it)
 
 
 def trace_activations(model, modules: Sequence[TPModule], trace, itemsize: Optional[int]) -> tuple[Activation, ...]:
@@ -282,14 +438,14 @@ def trace_activations(model, modules: Sequence[TPModule], trace, itemsize: Optio
         def hook(_m, inputs, output):
             i, o = first_tensor(inputs), first_tensor(output)
             size = itemsize or (o.element_size() if o is not None else 4)
-            again = shares and i is not None and any(t is i and a == m.axis for t, a in read)
-            if shares and i is not None and not again:
-                read.append((i, m.axis))
+            first = next((p for t, a, p in read if t is i and a == m.axis), "") if shares and i is not None else ""
+            if shares and i is not None and not first:
+                read.append((i, m.axis, m.path))
             seen.append(Activation(m.path, i.numel() if i is not None else 0, o.numel() if o is not None else 0, size,
-                                   again))
+                                   bool(first), first, bool(i is not None and i.requires_grad)))
         return hook
 
-    run_traced(model, trace, {m.path: ("post", record(m)) for m in modules})
+    run_traced(model, trace, {m.path: ("post", record(m)) for m in modules}, grad=True)
     return tuple(seen)
 
 
@@ -307,13 +463,13 @@ def activation_bytes(modules: Sequence[TPModule], activations: Sequence[Activati
         if m.kind == EMBEDDING:
             total += ag(out_b) if m.style == "colwise_gather" else ar(out_b) if m.style == "rowwise" else 0
         elif m.style == "colwise":             # backward: the input's gradient is a partial sum, reduced
-            total += 0 if a.shares_input else ar(in_b)   # once for all siblings that read that input
+            total += 0 if a.shares_input or not a.input_grad else ar(in_b)   # once for all its readers
         elif m.style == "colwise_gather":
-            total += ag(out_b) + (0 if a.shares_input else ar(in_b))
+            total += ag(out_b) + (0 if a.shares_input or not a.input_grad else ar(in_b))
         elif m.style == "rowwise":
             total += ar(out_b)                 # forward: the output is a partial sum
         else:  # rowwise_split
-            total += ar(out_b) + ag(in_b)      # backward: the input's gradient is gathered
+            total += ar(out_b) + (ag(in_b) if a.input_grad else 0)  # backward: the input's gradient, gathered
     return total
 
 

@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Iterable
 from ..errors import PlanError
 from ..units import ROOT
 from . import kinds as K
-from .kinds import (ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, END_BACKWARD, FREE, GRADS, PARAMS, POST_BACKWARD,
-                    POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, PREPARE, REDUCE_SCATTER, USED, WAIT)
+from .kinds import (ACTIVATIONS, ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, END_BACKWARD, FREE, GRADS, MODULE_BACKWARD,
+                    MODULE_FORWARD, PARAMS, POST_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, PREPARE,
+                    REDUCE_SCATTER, USED, WAIT)
 from .schedule import needs_gather
 from .values import Op, Program
 
@@ -57,9 +58,10 @@ def validate(plan: "Plan") -> None:
     prog = plan.program  # raises for triggers the plan does not have
     order = [i for step in prog.canonical() for i in step.ops]
     for k, i in enumerate(order):
-        if i != k:
-            raise _fail(i, plan.schedule[i], f"is listed at position {i} but its trigger comes later than the trigger "
-                                             f"of op #{k} ({plan.schedule[k].trigger}); list ops in trigger order")
+        if k and i < order[k - 1]:
+            j = order[k - 1]
+            raise _fail(j, plan.schedule[j], f"is listed at position {j} but its trigger comes later than the trigger "
+                                             f"of op #{i} ({plan.schedule[i].trigger}); list ops in trigger order")
     for facts in (dict(stale=True, grad=True, sync=True), dict(stale=False, grad=True, sync=False),
                   dict(stale=True, grad=False, sync=True)):
         _simulate(plan, units, prog, **facts)
@@ -76,8 +78,20 @@ def _check_op(plan: "Plan", units, i: int, op: Op) -> None:
         if op.kind == ALL_REDUCE and tuple(op.axes) != plan.mesh.axis_names:
             raise _fail(i, op, f"the used-parameter exchange runs over every mesh axis {plan.mesh.axis_names}")
         return
+    if op.what == ACTIVATIONS:
+        tpm = {m.path: m for m in plan.tp_modules}
+        m = tpm.get(op.at)
+        if m is None:
+            raise _fail(i, op, f"moves activations of {op.at!r}, which is no tensor-parallel module of the plan")
+        if op.kind not in (ALL_GATHER, ALL_REDUCE) or op.event not in (MODULE_FORWARD, MODULE_BACKWARD):
+            raise _fail(i, op, "a tensor-parallel module's activations are all-gathered or all-reduced at "
+                               "module_forward or module_backward")
+        if tuple(op.axes) != (m.axis,) or op.unit != m.unit:
+            raise _fail(i, op, f"runs over axes {tuple(op.axes)} in unit {op.unit!r}; the module computes over "
+                               f"({m.axis!r},) in unit {m.unit!r}")
+        return
     if op.what not in (PARAMS, GRADS):
-        raise _fail(i, op, f"unknown what {op.what!r}; use params, grads or used")
+        raise _fail(i, op, f"unknown what {op.what!r}; use params, grads, used or activations")
     if op.unit not in units:
         raise _fail(i, op, f"names no unit of the plan; units: {list(units)}")
     mine = set(units[op.unit].buffers)
@@ -90,15 +104,21 @@ def _check_op(plan: "Plan", units, i: int, op: Op) -> None:
         if op.what != PARAMS:
             raise _fail(i, op, "all_gather gathers params")
         need = [b.index for b in plan.buffers if b.index in mine and needs_gather(b)]
-        if sorted(op.buffers) != need:
-            raise _fail(i, op, f"must gather exactly the unit's buffers that need it, {need}")
-        want = tuple(dict.fromkeys(a for b in bufs for a in b.axes))
+        if any(b not in need for b in op.buffers):
+            raise _fail(i, op, f"gathers a buffer that needs no gather; the unit's buffers that do: {need}")
+        want = tuple(dict.fromkeys(a for b in bufs if b.sharded for a in b.axes))
+        if len({b.axes for b in bufs if b.sharded}) > 1:
+            raise _fail(i, op, "gathers buffers sharded over different groups: one op per group")
     elif op.kind == REDUCE_SCATTER:
         want = tuple(dict.fromkeys(a for b in bufs for a in b.axes))
+        if len({b.axes for b in bufs}) > 1:
+            raise _fail(i, op, "reduce-scatters buffers sharded over different groups: one op per group")
         if op.what != GRADS or any(not b.sharded or not b.requires_grad for b in bufs):
             raise _fail(i, op, "reduce_scatter reduces the gradients of sharded buffers")
     elif op.kind == ALL_REDUCE:
         want = tuple(dict.fromkeys(a for b in bufs for a in b.replica_axes))
+        if len({b.replica_axes for b in bufs}) > 1:
+            raise _fail(i, op, "all-reduces buffers over different replica groups: one op per group")
         if op.what != GRADS or any(not b.requires_grad for b in bufs):
             raise _fail(i, op, "all_reduce reduces gradients over the replica axes")
     elif op.kind == PREPARE:
@@ -127,6 +147,8 @@ def _needed_reductions(plan: "Plan", bs) -> set:
 def _simulate(plan: "Plan", units, prog: Program, *, stale: bool, grad: bool, sync: bool) -> None:
     bufs = {name: [plan.buffers[i] for i in u.buffers] for name, u in units.items()}
     gathers = {n: any(needs_gather(b) for b in bs) for n, bs in bufs.items()}
+    to_gather = {n: {b.index for b in bs if needs_gather(b)} for n, bs in bufs.items()}
+    gathering: dict[str, set] = {n: set() for n in units}
     transient = {n: any(not b.persistent for b in bs) for n, bs in bufs.items()}
     reductions = {n: _needed_reductions(plan, bs) for n, bs in bufs.items()}
     has_grads = {n: any(b.requires_grad for b in bs) for n, bs in bufs.items()}
@@ -164,14 +186,20 @@ def _simulate(plan: "Plan", units, prog: Program, *, stale: bool, grad: bool, sy
                 continue
             if op.kind == PREPARE:
                 prepared.add(u)
-            elif op.kind == ALL_GATHER:
+            elif op.kind == ALL_GATHER:  # one op per process group: a unit may take several
+                if state[u] == "gathering" and not gathering[u] & set(op.buffers):
+                    gathering[u] |= set(op.buffers)
+                    continue
                 if state[u] != "sharded" and transient[u]:
                     raise _fail(i, op, f"gathers unit {u!r} again while it is gathered {mode}; free it first")
-                state[u] = "gathering"
+                state[u], gathering[u] = "gathering", set(op.buffers)
             elif op.kind == WAIT and op.what == PARAMS:
                 if state[u] == "sharded" and gathers[u] and transient[u]:
                     raise _fail(i, op, f"reads unit {u!r}'s buffers before their gather {mode}: add an all_gather "
                                        f"of {u!r} before it")
+                if state[u] == "gathering" and gathering[u] != to_gather[u]:
+                    raise _fail(i, op, f"binds unit {u!r}'s parameters, but its buffer(s) "
+                                       f"{sorted(to_gather[u] - gathering[u])} were not gathered {mode}")
                 state[u] = "bound"
             elif op.kind == FREE and op.what == PARAMS:
                 if u in in_use:

@@ -16,9 +16,9 @@ from .. import layout as L
 from ..dtypes import itemsize
 from ..spec import P
 from ..units import ROOT
-from .kinds import (ALWAYS, BACKWARD, BACKWARD_EVENTS, BEFORE_FORWARD, COLLECTIVES, END_BACKWARD, FORWARD, NO_GRAD, POST_BACKWARD,
-                    POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, STALE, STEP, SYNC, Condition, Event, OpKind, Phase,
-                    Subject)
+from .kinds import (ACTIVATIONS, ALWAYS, BACKWARD, BACKWARD_EVENTS, BEFORE_FORWARD, COLLECTIVES, END_BACKWARD, FORWARD,
+                    MODULE_FORWARD, NO_GRAD, POST_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, RECOMPUTE, STALE,
+                    STEP, SYNC, Condition, Event, OpKind, Phase, Subject)
 
 Box = tuple[slice, ...]
 
@@ -236,7 +236,9 @@ class Op:
 
     >>> Op(kind=FREE, unit="layers.0", what=PARAMS, event=POST_FORWARD, at="layers.0", buffers=(2,))
 
-    ``kind``: all_gather | reduce_scatter | all_reduce | wait | free; ``what``: params | grads | used.
+    ``kind``: all_gather | reduce_scatter | all_reduce | wait | free | prepare; ``what``: params | grads |
+    used | activations (a tensor-parallel module's output in forward, its input's gradient in backward:
+    ``at`` names the module; these run inside the module's call, not at a unit's step).
     ``unit``: the unit whose buffers it touches; ``event``/``at``: what triggers it; ``when``: its
     condition. ``bytes`` is the payload of a collective (the full, gathered or unreduced size on one
     rank). A ``wait`` completes the unit's pending op of the same ``what``: for params it also binds the
@@ -260,7 +262,9 @@ class Op:
     def phase(self) -> Phase:
         if self.event == BEFORE_FORWARD:
             return STEP
-        return FORWARD if self.event in (PRE_FORWARD, POST_FORWARD) else BACKWARD
+        if self.when == RECOMPUTE:
+            return BACKWARD
+        return FORWARD if self.event in (PRE_FORWARD, POST_FORWARD, MODULE_FORWARD) else BACKWARD
 
     @property
     def trigger(self) -> str:
@@ -274,18 +278,26 @@ class Op:
     def is_collective(self) -> bool:
         return self.kind in COLLECTIVES
 
-    def applies(self, *, stale: bool = True, grad: bool = True, sync: bool = True) -> bool:
+    @property
+    def in_module(self) -> bool:
+        """Whether the op runs inside a module's call (tensor-parallel activations), not at a unit's step."""
+        return self.what == ACTIVATIONS
+
+    def applies(self, *, stale: bool = True, grad: bool = True, sync: bool = True, recompute: bool = False) -> bool:
         """Whether the op runs in a step with these facts (see :mod:`shardplan.plan.schedule`)."""
         if not grad and self.event in BACKWARD_EVENTS:
             return False
         w = self.when
-        return w == ALWAYS or (w == STALE and stale) or (w == SYNC and sync) or (w == NO_GRAD and not grad)
+        return (w == ALWAYS or (w == STALE and stale) or (w == SYNC and sync) or (w == NO_GRAD and not grad)
+                or (w == RECOMPUTE and recompute and grad))
 
     def __str__(self) -> str:
         flags = (" prefetch" if self.prefetch else "") + (f" [{self.when}]" if self.when else "")
         ax = ",".join(self.axes) or "-"
         size = f"{self.bytes:>13,d} B" if self.is_collective else " " * 15
-        return f"{self.trigger:<34} {self.kind:<14} {self.what:<6} {self.unit:<22} axes={ax:<12} {size}{flags}"
+        return f"{self.trigger:<34} {self.kind:<14} {self.what:<6} {self.unit:<22} axes={ax:<12} {size}{flags}" \
+            if not self.in_module else \
+            f"{self.trigger:<34} {self.kind:<14} {'acts':<6} {self.unit:<22} axes={ax:<12} {size}{flags}"
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,7 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     for lp in face.by_index.values():
         lp._shardplan_engine = weakref.ref(exe)  # who steps it (fully_shard_optimizer checks)
     meshes = rt.meshes
-    exe.handles = install(module, exe, rt.modules_of) + TP.install_styles(module, plan, meshes)
+    exe.handles = install(module, exe, rt.modules_of) + TP.install_styles(module, plan, meshes, exe)
     exe.handles += SD.install(module, exe, meshes)  # model.state_dict() in DTensors, as FSDP2 gives it
     module.__dict__[_ATTR] = exe
     guard_apply(module)  # .to(bf16)/.half()/.cuda() from now on raise instead of detaching the shards

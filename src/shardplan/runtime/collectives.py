@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -198,3 +199,59 @@ def exchange(report: dict, timeout_s: float) -> list[dict]:
             f"shardplan.shard(): rank(s) {missing} did not reach shard() within {timeout_s:g} s ({exc}); they "
             f"failed or hang before it. Every rank must call shard() with the same plan") from None
     return [json.loads(store.get(k)) for k in keys]
+
+
+# -- one error report per run (sp.run_main) ----------------------------------------------------------------
+
+def error_store(timeout_s: float):
+    """``(store, key prefix)`` through which ranks tell each other about an error, or ``(None, "")``.
+
+    Under torchrun (its agent hosts the rendezvous store) a client of that store, usable before and after
+    ``init_process_group`` alike; otherwise the default process group's store. Nothing here is a collective:
+    a rank that never reports is waited for at most ``timeout_s``.
+    """
+    run = f"shardplan/error/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/" \
+          f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and addr and port:
+        try:
+            return dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s)), run
+        except Exception:  # noqa: BLE001 - the agent is gone: report without it
+            pass
+    if dist.is_available() and dist.is_initialized():
+        return _store(), run
+    return None, ""
+
+
+def store_wait(store, keys: list[str], timeout_s: float, poll_s: float = 0.02) -> bool:
+    """Whether every key was set within ``timeout_s`` (polled: a store's own timed wait logs a warning
+    when it expires, and an expiry is an expected answer here)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if store.check(keys):
+                return True
+        except Exception:  # noqa: BLE001 - the store's host is gone
+            return False
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+
+
+def store_posted(store, keys: list[str]) -> list[str]:
+    """The keys of ``keys`` that are set now."""
+    try:
+        return [k for k in keys if store.check([k])]
+    except Exception:  # noqa: BLE001
+        return []
+
+
+def shutdown() -> None:
+    """Destroy the default gloo process group if there is one (a failed run's exit, quietly: a group alive
+    while Python finalises can abort it with a C++ message). An NCCL group is left to the process's exit:
+    destroying it can wait for the collectives other ranks never join."""
+    try:
+        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass

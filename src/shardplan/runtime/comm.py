@@ -40,7 +40,7 @@ class CommEngine:
         outs = [(self.buffer[i], self.buffer[i].gather_output()) for i in op.buffers]
         with self.streams.on("gather"):
             for b, out in outs:
-                group = self.groups.gather(b.bp.axes) if b.sharded else C.ONE
+                group = self.groups.gather(op.axes) if b.sharded else C.ONE  # the op names its group
                 collective = group.pg is not None
                 send = face.gather_input(b, collective)
                 if collective:
@@ -49,7 +49,12 @@ class CommEngine:
                 elif out.data_ptr() != send.data_ptr():
                     with torch.no_grad():
                         out.copy_(send)
-        u.gather = PendingGather(op, works, self.streams.event("gather"), keep)
+        if u.gather is not None:  # the unit's buffers over another group: one pending gather for all
+            g = u.gather
+            u.gather = PendingGather(g.op, g.works + works, self.streams.event("gather"), g.keep + keep,
+                                     g.extra + (op,))
+        else:
+            u.gather = PendingGather(op, works, self.streams.event("gather"), keep)
 
     def finish_gather(self, u: UnitRuntime) -> None:
         """Wait for ``u``'s all-gather, make the compute stream wait for it, copy out interleaved pieces."""
@@ -57,8 +62,9 @@ class CommEngine:
         for w in g.works:
             self.wait(w, g.op)
         self.streams.wait(g.event)
-        for i in g.op.buffers:
-            self.buffer[i].finish_gather()
+        for o in (g.op,) + g.extra:
+            for i in o.buffers:
+                self.buffer[i].finish_gather()
         u.gather = None
 
     # -- gradients -----------------------------------------------------------------------------------
@@ -74,7 +80,7 @@ class CommEngine:
         if op.kind == REDUCE_SCATTER:
             todo = []
             for i in op.buffers:
-                b, group = self.buffer[i], self.groups.reduce(self.buffer[i].bp.axes)
+                b, group = self.buffer[i], self.groups.reduce(op.axes)  # the op names its group
                 if group.pg is None:  # a group of one: the (cast) gradient is the result
                     rec.results[i] = rec.inputs[i]
                     continue
@@ -86,7 +92,7 @@ class CommEngine:
                                                   async_op=not cuda))
         else:
             for i in op.buffers:
-                group = self.groups.reduce(self.buffer[i].bp.replica_axes)
+                group = self.groups.reduce(op.axes)
                 target = rec.results.setdefault(i, rec.inputs[i])
                 if not cuda:  # gloo: the all-reduce reads the reduce-scatter's output
                     for w in rec.works[i]:

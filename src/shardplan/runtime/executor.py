@@ -213,14 +213,26 @@ class Executor:
         if self.grads.arrived(u, index) and name != ROOT:
             self._complete(u)
 
+    def expect_activation(self, name: str) -> None:
+        """A tensor-parallel module of unit ``name`` will reduce its input's gradient in this backward."""
+        self.units[name].awaiting += 1
+
+    def on_activation(self, name: str) -> None:
+        """That reduction ran (a hook on the module's input, after the collective)."""
+        u = self.units[name]
+        if self.grads.reduced_activation(u) and name != ROOT:
+            self._complete(u)
+
     def check_not_reduced(self, u: UnitRuntime, names: list[str]) -> None:
         """A gradient arriving for ``u`` after its reduction would be lost: raise instead."""
         self.grads.check_not_reduced(u, names)
 
     def complete(self, name: str) -> None:
         """Every gradient of unit ``name`` has arrived (the functional face knows it exactly)."""
-        if name != ROOT:
-            self._complete(self.units[name])
+        u = self.units[name]
+        u.params_done = True
+        if name != ROOT and u.awaiting <= 0:
+            self._complete(u)
 
     def _complete(self, u: UnitRuntime) -> None:
         if u.grads in (Grads.IDLE, Grads.RUNNING):

@@ -117,7 +117,7 @@ def functional_call(module: nn.Module, plan: Plan, local_params, args=(), kwargs
     handles = install(module, rt.exe, rt.modules_of, param_hooks=False)
     if rt.meshes:
         from . import tensor_parallel as TP
-        handles += TP.install_styles(module, plan, rt.meshes)
+        handles += TP.install_styles(module, plan, rt.meshes, rt.exe)
         if not rt.inputs_checked:
             handles.append(TP.install_input_check(module, plan, rt.exe.groups.world, rt.device))
             rt.inputs_checked = True

@@ -32,7 +32,16 @@ class GradTracker:
         u.got += 1
         if u.grads is Grads.IDLE:
             u.grads = Grads.RUNNING
-        return u.got >= u.expected
+        u.params_done = u.got >= u.expected
+        return u.params_done and u.awaiting <= 0
+
+    def reduced_activation(self, u: UnitRuntime) -> bool:
+        """A ``module_backward`` op of ``u`` ran (its input's gradient is reduced); returns whether ``u`` now
+        has everything. [Note: a unit's post_backward step waits for its modules' input-gradient
+        collectives, as the plan lists them: a module reading the unit's input (nothing of the unit
+        upstream of it) would otherwise see its reduce-scatter issued before that all-reduce.]"""
+        u.awaiting -= 1
+        return u.params_done and u.awaiting <= 0
 
     def check_not_reduced(self, u: UnitRuntime, names: list[str]) -> None:
         """A gradient arriving for ``u`` after its reduction would be lost: raise instead."""

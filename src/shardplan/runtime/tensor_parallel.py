@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 
-from ..plan.tensor_parallel import EMBEDDING, TPModule
+from ..plan.tensor_parallel import EMBEDDING, TPModule, reads_shared_input
 
 
 def _dt():
@@ -68,9 +68,10 @@ def param_wrappers(plan, meshes: dict) -> dict[str, Callable[[torch.Tensor], tor
 
 
 class _SharedInputs:
-    """Replicated inputs already wrapped for a column-parallel module in this forward: siblings that read
-    the same tensor (wq, wk, wv; w1, w3) get the same DTensor, so autograd sums their partial input
-    gradients and DTensor all-reduces the sum once instead of once per module. Entries live for one
+    """Replicated inputs already wrapped for a column-parallel module in this forward: the siblings the
+    plan says read one input (``TPModule.shares_with``: wq, wk, wv; w1, w3) get the same DTensor when
+    they do read the same tensor, so autograd sums their partial input gradients and DTensor all-reduces
+    the sum once (the plan's one ``module_backward`` op) instead of once per module. Entries live for one
     forward (cleared at the root's) and one graph task (an activation-checkpoint recompute in backward
     wraps afresh); references are weak."""
 
@@ -80,45 +81,112 @@ class _SharedInputs:
     def clear(self, *_):
         self.entries.clear()
 
-    def get(self, x: torch.Tensor, mesh, make):
-        key = (id(x), id(mesh), torch._C._current_graph_task_id())
+    def get(self, group: str, x: torch.Tensor, mesh, make, readers: int):
+        """(the DTensor for ``x``, whether it was wrapped here). The entry holds the DTensor until the
+        group's ``readers`` have all taken it (nothing else keeps the wrapper alive between two sibling
+        calls); a sibling that finds no entry for its tensor reads another input than the plan assumed."""
+        key = (group, id(x), id(mesh), torch._C._current_graph_task_id())
         hit = self.entries.get(key)
-        if hit is not None and hit[0]() is x and hit[1]() is not None and hit[2] == x._version:
-            return hit[1]()
+        if hit is not None and hit[0]() is x and hit[2] == x._version:
+            hit[3] -= 1
+            if hit[3] <= 0:
+                del self.entries[key]
+            return hit[1], False
         dt = make()
-        self.entries[key] = (weakref.ref(x), weakref.ref(dt), x._version)
-        return dt
+        if readers > 1:
+            self.entries[key] = [weakref.ref(x), dt, x._version, readers - 1]
+        return dt, True
 
 
-def install_styles(module: nn.Module, plan, meshes: dict) -> list:
-    """Register each tensor-parallel module's input and output hooks; returns their handles."""
+class _Ops:
+    """The plan's activation ops of each module, and the executor whose ``record`` list (``record_ops``)
+    receives them as they run."""
+
+    def __init__(self, plan, exe):
+        self.exe = exe
+        self.forward: dict = {}
+        self.recompute: dict = {}
+        self.backward: dict = {}
+        for o in plan.schedule:
+            if o.in_module:
+                table = self.backward if o.event == "module_backward" else \
+                    self.recompute if o.when == "recompute" else self.forward
+                table.setdefault(o.at, o)
+        self.warned: set = set()
+
+    def recording(self) -> Optional[list]:
+        return None if self.exe is None else self.exe.record
+
+    def expect(self, op, x: torch.Tensor) -> torch.Tensor:
+        """A view of ``x`` (the module's input) whose gradient is exactly what ``op`` (a
+        ``module_backward`` op) forms: its hook fires right after the collective, records the op and
+        lets the unit's post_backward step run (the executor waits for it: ``expect_activation``).
+        [Note: the hook sits on a view, not on ``x``: ``x``'s gradient may take other contributions
+        (a residual path, the next unit's backward) and complete later than the collective.]"""
+        exe = self.exe
+        if op.unit not in exe.units:
+            return x
+        exe.expect_activation(op.unit)
+        rec, me = exe.record, weakref.ref(exe)  # weak: a tensor hook lives in C++, out of the collector's sight
+
+        def done(_grad, _op=op, _rec=rec):
+            e = me()
+            if e is None:
+                return
+            if _rec is not None:
+                _rec.append(_op)
+            e.on_activation(_op.unit)
+        source = x.view_as(x)
+        source.register_hook(done)
+        return source
+
+
+def install_styles(module: nn.Module, plan, meshes: dict, exe=None) -> list:
+    """Register each tensor-parallel module's input and output hooks; returns their handles. ``exe``: the
+    executor whose recording (``record_ops``) the modules' activation ops join."""
     shared = _SharedInputs()
+    ops = _Ops(plan, exe)
     handles = [module.register_forward_pre_hook(shared.clear)]
     mods = dict(module.named_modules())
-    unit_of = {n: p.unit for p in plan.params for n in (p.name,) + p.aliases}
+    placed = {m.path: m for m in plan.tp_modules}
+    readers: dict[str, int] = {}
+    for m in plan.tp_modules:
+        readers[m.shares_with or m.path] = readers.get(m.shares_with or m.path, 0) + 1
     for m in active_modules(plan):
+        m = placed.get(m.path, m)
         mod = mods[m.path]
-        unit = unit_of.get(f"{m.path}.weight" if m.path else "weight")
-        handles.append(mod.register_forward_pre_hook(_input_hook(m, meshes[m.axis], shared, unit)))
-        handles.append(mod.register_forward_hook(_output_hook(m, meshes[m.axis])))
+        handles.append(mod.register_forward_pre_hook(
+            _input_hook(m, meshes[m.axis], shared, ops, readers[m.shares_with or m.path])))
+        handles.append(mod.register_forward_hook(_output_hook(m, meshes[m.axis], ops)))
     return handles
 
 
-def _input_hook(m: TPModule, mesh, shared: _SharedInputs, unit=None):
+def _input_hook(m: TPModule, mesh, shared: _SharedInputs, ops: _Ops, readers: int):
     DTensor, Replicate, Shard = _dt()
     arrives = [Shard(-1)] if m.input_sharded else [Replicate()]
     split = m.style == "rowwise_split" and m.kind != EMBEDDING
-    shares = m.kind != EMBEDDING and m.style in ("colwise", "colwise_gather")
+    shares = reads_shared_input(m)
+    group = m.shares_with or m.path
+    bop = ops.backward.get(m.path)
 
     @torch._dynamo.disable
     def hook(_mod, args):
         w = _mod._parameters.get("weight")
         if w is not None and not isinstance(w, DTensor):
-            _not_gathered(m, unit, w)
+            _not_gathered(m, w)
         if not args or not isinstance(args[0], torch.Tensor) or isinstance(args[0], DTensor):
             return None
-        make = lambda: DTensor.from_local(args[0], mesh, arrives, run_check=False)  # noqa: E731
-        x = shared.get(args[0], mesh, make) if shares else make()
+        x0 = args[0]
+        tracked = x0.requires_grad and torch.is_grad_enabled() and ops.exe is not None and \
+            torch._C._current_graph_task_id() == -1  # a recompute's graph is not the one backward runs
+
+        def make():
+            op = bop if not m.shares_with else _unshared(m, ops)  # a sibling wrapping itself: another input
+            if tracked and op is not None:
+                return DTensor.from_local(ops.expect(op, x0), mesh, arrives, run_check=False)
+            return DTensor.from_local(x0, mesh, arrives, run_check=False)
+
+        x = shared.get(group, x0, mesh, make, readers)[0] if shares else make()
         if split:  # a replicated input to a row-parallel layer: each rank keeps its slice (no communication)
             x = x.redistribute(mesh, [Shard(-1)])
         return (x,) + tuple(args[1:])
@@ -126,8 +194,24 @@ def _input_hook(m: TPModule, mesh, shared: _SharedInputs, unit=None):
     return hook
 
 
-def _not_gathered(m: TPModule, unit, w: torch.Tensor):
+def _unshared(m: TPModule, ops: _Ops):
+    """A sibling that reads another input than ``m.shares_with`` (the plan assumed they share one): its
+    input gradient is all-reduced on its own, an op the plan does not list. Correct, but say so once."""
+    if m.path not in ops.warned:
+        ops.warned.add(m.path)
+        import warnings
+        from ..errors import PlanWarning
+        warnings.warn(f"tensor-parallel module {m.path!r} reads another input than its sibling {m.shares_with!r}, "
+                      f"which the plan assumed they share: its input gradient takes an all-reduce of its own, which "
+                      f"plan.ops() does not list. Plan with trace=example inputs to know each module's input",
+                      PlanWarning, stacklevel=2)
+    from ..plan.values import Op
+    return Op(kind="all_reduce", unit=m.unit, what="activations", event="module_backward", at=m.path, axes=(m.axis,))
+
+
+def _not_gathered(m: TPModule, w: torch.Tensor):
     from ..errors import RuntimeShardingError
+    unit = m.unit or "<root>"
     raise RuntimeShardingError(
         f"tensor-parallel module {m.path!r} ({m.kind} {m.style} over {m.axis!r}) was called while it holds its local "
         f"shard (shape {tuple(w.shape)}), not the gathered DTensor its style computes with: it ran outside the forward "
@@ -137,9 +221,10 @@ def _not_gathered(m: TPModule, unit, w: torch.Tensor):
         f"is entered through its submodules), or leave it in the root unit")
 
 
-def _output_hook(m: TPModule, mesh):
+def _output_hook(m: TPModule, mesh, ops: _Ops):
     DTensor, Replicate, Shard = _dt()
     leaves = [Shard(-1)] if m.output_sharded else [Replicate()]
+    fop, rop = ops.forward.get(m.path), ops.recompute.get(m.path)
 
     @torch._dynamo.disable
     def hook(_mod, _args, out):
@@ -147,6 +232,11 @@ def _output_hook(m: TPModule, mesh):
             return None
         if tuple(out.placements) != tuple(leaves):
             out = out.redistribute(mesh, leaves)  # all-reduce of partial sums, or all-gather
+            rec = ops.recording()
+            if rec is not None:
+                op = rop if torch._C._current_graph_task_id() != -1 else fop
+                if op is not None:
+                    rec.append(op)
         return out.to_local()
 
     return hook

@@ -33,12 +33,14 @@ class Grads(enum.Enum):
 @dataclass
 class PendingGather:
     """An all-gather in flight: its op, work handles, the event the compute stream waits on, and the
-    tensors the collective reads, kept alive until then."""
+    tensors the collective reads, kept alive until then; ``extra``: the unit's gathers over other
+    process groups issued at the same step (one op per group), completed together."""
 
     op: Op
     works: list
     event: Any
     keep: list
+    extra: tuple = ()
 
 
 @dataclass
@@ -69,6 +71,8 @@ class UnitRuntime:
     grads: Grads = Grads.IDLE
     expected: int = 0     # parameters that take gradients
     got: int = 0          # of those, how many got one in this backward
+    awaiting: int = 0     # input gradients of its tensor-parallel modules still to be reduced (module_backward ops)
+    params_done: bool = False  # every parameter's gradient of this backward arrived
     entered: int = 0      # forward calls in this step
     gather: Optional[PendingGather] = None
     reduce: Optional[PendingReduce] = None
@@ -80,9 +84,11 @@ class UnitRuntime:
     def start_pass(self) -> None:
         self.grads = Grads.IDLE
         self.got = 0
+        self.params_done = False
 
     def start_forward(self) -> None:
         self.entered = 0
+        self.awaiting = 0
 
     def tensors(self) -> list[Optional[torch.Tensor]]:
         out = [t for b in self.buffers for t in b.tensors()]

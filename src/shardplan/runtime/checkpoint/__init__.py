@@ -11,15 +11,19 @@ One job per module:
   ``sharded_value``, which the functional face's trees use too);
 * :mod:`.dcp_io` -- checkpoint directories: DCP save/load, atomic publish, the metadata check
   (``save``, ``load``, ``save_tree``, ``load_tree``);
-* :mod:`.full` -- full (unsharded) export and import (``full_state_dict``, ``load_full_state_dict``).
+* :mod:`.full` -- full (unsharded) export and import (``full_state_dict``, ``load_full_state_dict``);
+* :mod:`.steps` -- a run's checkpoints: one directory per step, the newest complete one, the last K kept
+  (``step_dir``, ``latest``, ``prune``);
+* :mod:`.diagnose` -- what a checkpoint that does not fit holds instead, and how to load or convert it.
 
 ``model.state_dict()`` as DTensors (torch's module contract, FSDP2-style) is another job:
 :mod:`shardplan.runtime.state_dict`.
 """
 
-from .dcp_io import load, load_tree, save, save_tree
+from .dcp_io import checkpoint_info, load, load_tree, save, save_tree
 from .full import full_state_dict, load_full_state_dict
+from .steps import latest, prune, step_dir
 from .values import load_state_dict, sharded_value, state_dict
 
 __all__ = ["save", "load", "save_tree", "load_tree", "state_dict", "load_state_dict", "sharded_value",
-           "full_state_dict", "load_full_state_dict"]
+           "full_state_dict", "load_full_state_dict", "checkpoint_info", "step_dir", "latest", "prune"]

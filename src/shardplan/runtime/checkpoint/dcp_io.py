@@ -7,8 +7,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import time
 import uuid
 import warnings
 from typing import Optional
@@ -20,6 +22,8 @@ import torch.nn as nn
 from ...errors import CheckpointError
 from .. import collectives as C
 from ..builder import engine_of
+from . import diagnose
+from .diagnose import MARKER
 from .values import init_optimizer_state, local_of, quiet_sharded_tensor, state_dict, load_state_dict, tree_state_dict
 
 
@@ -36,19 +40,24 @@ def _dcp_load(sd: dict, path: str) -> None:
 
 
 def _metadata(path: str) -> dict:
-    """``{flat key: metadata}`` of the checkpoint at ``path`` (raises if there is none)."""
+    """``{flat key: metadata}`` of the checkpoint at ``path``; a path that holds no DCP checkpoint raises
+    a :class:`CheckpointError` that says what is there instead and how to load it."""
     if not os.path.isdir(path):
-        raise CheckpointError(f"no checkpoint at {path!r}")
+        raise CheckpointError(diagnose.not_a_directory(path))
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        raise CheckpointError(diagnose.not_dcp(path))
     return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
 
 
-def publish_atomic(sd: dict, path: str, world, rank: int) -> None:
-    """DCP writes into ``path`` + a unique suffix, then rank 0 renames it into place, so a run killed
-    mid-save leaves the previous checkpoint at ``path`` loadable."""
+def publish_atomic(sd: dict, path: str, world, rank: int, marker: Optional[dict] = None) -> None:
+    """DCP writes into ``path`` + a unique suffix, rank 0 writes the completion marker (``MARKER``: the
+    step, the mesh, the strategy) into it and renames it into place, so a run killed mid-save leaves the
+    previous checkpoint at ``path`` loadable, and a directory with the marker is a finished checkpoint."""
     tmp = C.broadcast_str(f"{path.rstrip('/')}.tmp-{uuid.uuid4().hex[:8]}", world)
     _dcp_save(sd, tmp)
     C.barrier(world)
     if rank == 0:
+        _write_marker(tmp, {**(marker or {}), "world_size": world.size, "time": time.time()})
         old = None
         if os.path.exists(path):
             old = f"{path.rstrip('/')}.old-{uuid.uuid4().hex[:8]}"
@@ -57,6 +66,25 @@ def publish_atomic(sd: dict, path: str, world, rank: int) -> None:
         if old:
             shutil.rmtree(old, ignore_errors=True)
     C.barrier(world)
+
+
+def _write_marker(directory: str, info: dict) -> None:
+    part = os.path.join(directory, MARKER + ".part")
+    with open(part, "w") as f:
+        json.dump(info, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, os.path.join(directory, MARKER))
+
+
+def checkpoint_info(path: str) -> Optional[dict]:
+    """What the completion marker of the checkpoint at ``path`` says (step, mesh, strategy, world size,
+    ``"form"``: ``"module"`` or ``"tree"``); ``None``: no marker (unfinished, or not written by shardplan)."""
+    try:
+        with open(os.path.join(path, MARKER)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 # -- modules --------------------------------------------------------------------------------------------
@@ -70,7 +98,7 @@ def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     eng = engine_of(model)
     sd = state_dict(model, optimizer)
     sd["extra"] = {"step": torch.tensor(step)}
-    publish_atomic(sd, path, eng.groups.world, eng.rank)
+    publish_atomic(sd, path, eng.groups.world, eng.rank, marker=_about(eng.plan, step, "module", optimizer))
 
 
 def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, strict: bool = True) -> int:
@@ -87,36 +115,27 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     sd = state_dict(model, optimizer)
     sd["extra"] = {"step": torch.tensor(0)}
     with quiet_sharded_tensor():  # ShardedTensor.size() warns too
-        problems, skip = _differences(_flatten(sd), meta)
-    shown = "\n".join(problems[:40]) + (f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else "")
-    if problems and strict:
-        raise CheckpointError(f"checkpoint {path} does not fit the model ({len(problems)} differences, nothing loaded):\n"
-                              + shown + "\npass strict=False to load what fits")
-    if problems:
-        warnings.warn(f"checkpoint {path}: skipped {len(skip)} entries:\n" + shown)
-        sd = _drop(sd, set(skip))
+        found = diagnose.differences(_flatten(sd), meta, _aliases(model))
+    if found.problems and strict:
+        raise CheckpointError(found.message(path, checkpoint_info(path), optimizer is not None))
+    if found.problems:
+        warnings.warn(f"checkpoint {path}: skipped {len(found.skip)} entries:\n" + found.listing())
+        sd = _drop(sd, set(found.skip))
     _dcp_load(sd, path)
     load_state_dict(model, sd, optimizer, strict=False)
     return int(sd["extra"]["step"])
 
 
-def _differences(flat: dict, meta: dict) -> tuple[list[str], list[str]]:
-    """(lines describing each name or global shape that differs, the keys to skip when loading)."""
-    problems, skip = [], []
-    for key, value in flat.items():
-        if not isinstance(value, torch.Tensor):
-            continue  # hyper-parameters: DCP stores them as objects, flattened by its own rules
-        if key not in meta:
-            problems.append(f"  {key}: not in the checkpoint")
-            skip.append(key)
-            continue
-        want = tuple(value.size())  # a ShardedTensor's size() is the global shape
-        have = getattr(meta[key], "size", None)
-        if have is not None and want != tuple(have):
-            problems.append(f"  {key}: checkpoint has shape {tuple(have)}, model has {want}")
-            skip.append(key)
-    problems += [f"  {k}: in the checkpoint, not in the model" for k in meta if k not in flat and k.startswith("model.")]
-    return problems, skip
+def _about(plan, step: int, form: str, optimizer) -> dict:
+    return {"step": int(step), "form": form, "mesh": repr(plan.mesh), "strategy": str(plan.strategy),
+            "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+            "params": len(plan.params)}
+
+
+def _aliases(model) -> dict[str, str]:
+    """``{alias: parameter}`` of tied parameters (names a checkpoint of this model never holds)."""
+    plan = engine_of(model).plan
+    return {a: p.name for p in plan.params for a in p.aliases}
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -152,7 +171,8 @@ def save_tree(path: str, plan, tree, *, step: int = 0, timeout_s: float = 300.0)
     import torch.distributed as dist
     rank = dist.get_rank()
     sd, _ = tree_state_dict(plan, tree, rank, timeout_s)
-    publish_atomic({"tree": sd, "extra": {"step": torch.tensor(step)}}, path, C.world(), rank)
+    publish_atomic({"tree": sd, "extra": {"step": torch.tensor(step)}}, path, C.world(), rank,
+                   marker=_about(plan, step, "tree", None))
 
 
 def load_tree(path: str, plan, template, *, timeout_s: float = 300.0):
@@ -170,8 +190,7 @@ def load_tree(path: str, plan, template, *, timeout_s: float = 300.0):
     sd, (paths, spec) = tree_state_dict(plan, template, rank, timeout_s)
     missing = [p for p in paths if f"tree.{p}" not in meta]
     if missing:
-        raise CheckpointError(f"checkpoint {path} has no entry for {missing[:10]}; the template must have the "
-                              f"saved tree's structure")
+        raise CheckpointError(diagnose.tree_misfit(path, missing, meta, checkpoint_info(path)))
     full = {"tree": sd, "extra": {"step": torch.tensor(0)}}
     _dcp_load(full, path)
     leaves = []

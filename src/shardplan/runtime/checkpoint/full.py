@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from ...errors import CheckpointError
+from . import diagnose
 from .. import collectives as C
 from ..builder import engine_of
 from ..seams import unwrap_compiled
@@ -113,14 +114,8 @@ def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _misfit(plan, model: nn.Module, full: dict, strict: bool) -> str:
     """Rank 0's description of how ``full`` does not fit the plan (``""``: it fits)."""
-    missing = [p.name for p in plan.params if p.name not in full and not any(a in full for a in p.aliases)]
-    names = {p.name for p in plan.params} | {a for p in plan.params for a in p.aliases} | set(_persistent_buffers(model))
-    unexpected = [k for k in full if k not in names]
-    bad = [f"{p.name}: {tuple(full[p.name].shape)} vs {p.global_shape}" for p in plan.params
-           if p.name in full and tuple(full[p.name].shape) != p.global_shape]
-    if (missing or unexpected) and strict or bad:
-        return f"full state dict does not fit: missing {missing[:20]}, unexpected {unexpected[:20]}, shapes {bad[:20]}"
-    return ""
+    return diagnose.full_misfit(full, [p.name for p in plan.params], {a: p.name for p in plan.params for a in p.aliases},
+                                _persistent_buffers(model), {p.name: p.global_shape for p in plan.params}, strict)
 
 
 def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], *, strict: bool = True) -> None:

@@ -1,0 +1,140 @@
+"""Tensor parallelism as plan data: every collective a style issues is an op of the schedule, placed
+where it runs (between the units' steps), with the inputs siblings share; the runtime's recorded ops
+equal ``plan.ops()`` and a plan that guessed an input wrong says so at run time."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import shardplan as sp
+from distributed import run
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import gpt  # noqa: E402
+import gpt_rules_tp  # noqa: E402
+
+TP = dict(compute_axes=("tp",), units=gpt_rules_tp.UNITS, min_unit_bytes=0)
+
+
+class CrossBlock(nn.Module):
+    """Cross-attention-like: ``q`` reads the decoder state, ``k`` and ``v`` the encoder's (T5's EncDecAttention)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(d, d, bias=False) for _ in range(3))
+        self.o = nn.Linear(d, d, bias=False)
+
+    def forward(self, x, enc):
+        return x + self.o(torch.tanh(self.q(x)) * self.k(enc) + self.v(enc))
+
+
+class Cross(nn.Module):
+    def __init__(self, d=16, n=2):
+        super().__init__()
+        self.blocks = nn.ModuleList(CrossBlock(d) for _ in range(n))
+        self.enc = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        enc = torch.tanh(self.enc(x))
+        for b in self.blocks:
+            x = b(x, enc)
+        return x.square().mean()
+
+
+CROSS_RULES = [(r"blocks\.\d+\.(q|k|v)\.weight", sp.P(("tp", "dp"))), (r"blocks\.\d+\.o\.weight", sp.P("dp", "tp")),
+               (r".*", sp.P("dp"))]
+
+
+def _acts(plan, **facts):
+    return [o for o in plan.ops(**facts) if o.what == "activations"]
+
+
+def test_plan_lists_every_tensor_parallel_collective_in_order():
+    plan = sp.plan(gpt.build("tiny"), gpt_rules_tp.rules, sp.Mesh(dp=2, tp=2), **TP)
+    acts = _acts(plan)
+    fwd = [(o.kind, o.at) for o in acts if o.event == "module_forward"]
+    bwd = [(o.kind, o.at) for o in acts if o.event == "module_backward"]
+    assert fwd == [("all_reduce", "tok_embeddings"),
+                   ("all_reduce", "layers.0.attention.wo"), ("all_reduce", "layers.0.feed_forward.w2"),
+                   ("all_reduce", "layers.1.attention.wo"), ("all_reduce", "layers.1.feed_forward.w2"),
+                   ("all_gather", "output")]
+    # siblings reading one input share its gradient's all-reduce; backward meets modules in reverse
+    assert bwd == [("all_reduce", "output"), ("all_reduce", "layers.1.feed_forward.w1"),
+                   ("all_reduce", "layers.1.attention.wq"), ("all_reduce", "layers.0.feed_forward.w1"),
+                   ("all_reduce", "layers.0.attention.wq")]
+    assert all(o.axes == ("tp",) for o in acts)
+    ops = list(plan.ops())
+    at = lambda kind, what, unit, event: next(i for i, o in enumerate(ops)  # noqa: E731
+                                              if (o.kind, o.what, o.unit, o.event) == (kind, what, unit, event))
+    wo0 = next(i for i, o in enumerate(ops) if o.at == "layers.0.attention.wo")
+    assert at("wait", "params", "layers.0", "pre_forward") < wo0 < at("free", "params", "layers.0", "post_forward")
+    w1b = next(i for i, o in enumerate(ops) if o.at == "layers.1.feed_forward.w1" and o.event == "module_backward")
+    assert at("prepare", "grads", "layers.1", "pre_backward") < w1b < at("reduce_scatter", "grads", "layers.1",
+                                                                          "post_backward")
+    # no backward in eval; recomputation repeats each block's forward collectives after its pre_backward
+    assert all(o.event == "module_forward" for o in _acts(plan, grad=False))
+    again = [o for o in _acts(plan, recompute=True) if o.when == "recompute"]
+    assert [o.at for o in again] == ["layers.1.attention.wo", "layers.1.feed_forward.w2",
+                                     "layers.0.attention.wo", "layers.0.feed_forward.w2"]
+    # visible in print(plan), and kept through JSON and the with_* transformations
+    text = str(plan)
+    assert "reads wq's input" in text and "activation collectives per step: 6 in forward, 5 in backward" in text
+    assert sp.Plan.from_json(plan.to_json()).schedule == plan.schedule
+    assert _acts(plan.with_prefetch(2)) == acts and _acts(plan.with_order("dynamic")) == acts
+    # a compute axis of one rank moves nothing
+    assert not _acts(sp.plan(gpt.build("tiny"), gpt_rules_tp.rules, sp.Mesh(dp=4, tp=1), **TP))
+
+
+def test_traced_plan_knows_shared_inputs_and_bytes():
+    x = torch.randn(3, 5, 16)
+    static = sp.plan(Cross(), CROSS_RULES, sp.Mesh(dp=2, tp=2), compute_axes="tp", units=[r"blocks\.\d+"],
+                     min_unit_bytes=0)
+    traced = sp.plan(Cross(), CROSS_RULES, sp.Mesh(dp=2, tp=2), compute_axes="tp", units=[r"blocks\.\d+"],
+                     min_unit_bytes=0, trace=(x,))
+    shares = lambda p: {m.path: m.shares_with for m in p.tp_modules}  # noqa: E731
+    assert shares(static)["blocks.0.k"] == "blocks.0.q"       # siblings assumed to read one input
+    assert shares(traced)["blocks.0.k"] == "" and shares(traced)["blocks.0.v"] == "blocks.0.k"
+    # every block's k and v read the one encoder output: one all-reduce of its gradient, in the backward of
+    # the first block, where the last of the four partial gradients arrives
+    assert shares(traced)["blocks.1.k"] == shares(traced)["blocks.1.v"] == "blocks.0.k"
+    # and the first block's q reads the model's input, which takes no gradient: nothing to reduce
+    assert [o.at for o in _acts(traced) if o.event == "module_backward"] == ["blocks.1.q", "blocks.0.k"]
+    # the traced ops carry the payloads the byte count is made of (ring: 2(n-1)/n of an all-reduce)
+    n = 2
+    sent = sum(o.bytes * (2 if o.kind == "all_reduce" else 1) * (n - 1) // n for o in _acts(traced))
+    assert sent == traced.comm_bytes()["tensor_parallel"] > 0
+    assert all(o.bytes == 0 for o in _acts(static)) and static.comm_bytes()["tensor_parallel"] is None
+
+
+def _record_worker(rank, world):
+    out = {}
+    x = torch.randn(4, 5, 16, generator=torch.Generator().manual_seed(0))
+    for traced in (False, True):
+        torch.manual_seed(0)
+        model = Cross()
+        plan = sp.plan(model, CROSS_RULES, sp.Mesh(dp=2, tp=2), compute_axes="tp", units=[r"blocks\.\d+"],
+                       min_unit_bytes=0, trace=(x[:2],) if traced else None)
+        sp.shard(model, plan)
+        xs = x.chunk(plan.data_size)[plan.data_index(rank)]
+        with warnings.catch_warnings(record=True) as caught, sp.record_ops(model) as ops:
+            warnings.simplefilter("always")
+            model(xs).backward()
+        out[traced] = (ops == list(plan.ops()), [str(w.message) for w in caught if "reads another input" in str(w.message)],
+                       sum(o.what == "activations" for o in ops))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_runtime_records_the_plans_activation_ops_and_says_when_a_guess_was_wrong():
+    for out in run(_record_worker, 4):
+        equal, warned, n = out[True]
+        assert equal and not warned and n == 2 + 2, out[True]   # traced: exactly the plan
+        equal, warned, n = out[False]
+        assert not equal and warned and "blocks.0.k" in warned[0] and "trace=" in warned[0], out[False]
