@@ -117,7 +117,7 @@ def _imports_after(*args) -> set:
 
 def test_help_and_version_answer_without_importing_torch():
     """torch is what makes a start slow (seconds): --help and --version never import it."""
-    for args in (("--help",), ("--version",), ("plan", "--help"), ("rules", "--help")):
+    for args in (("--help",), ("--version",), ("plan", "--help"), ("rules", "--help"), ("forecast", "--help")):
         mods = _imports_after(*args)
         assert "torch" not in mods and "shardplan.cli" in mods, args
 

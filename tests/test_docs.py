@@ -167,9 +167,9 @@ def cli_lines(text: str) -> list[str]:
 
 def _doc_cli_blocks() -> list[tuple[str, list[str]]]:
     """``[(where, the shardplan lines of one block)]``: README and docs bash blocks, the CLI's --help examples."""
-    from shardplan.cli import MAIN_EXAMPLES, PLAN_EXAMPLES, RULES_EXAMPLES
+    from shardplan.cli import FORECAST_EXAMPLES, MAIN_EXAMPLES, PLAN_EXAMPLES, RULES_EXAMPLES
     found = [(path.name, cli_lines(b)) for path in PAGES for b in blocks(path, "bash")]
-    found += [("--help", cli_lines(text)) for text in (MAIN_EXAMPLES, PLAN_EXAMPLES, RULES_EXAMPLES)]
+    found += [("--help", cli_lines(text)) for text in (MAIN_EXAMPLES, PLAN_EXAMPLES, RULES_EXAMPLES, FORECAST_EXAMPLES)]
     return [(where, lines) for where, lines in found if lines]
 
 

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import sys
+import textwrap
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -169,6 +170,14 @@ defines `rules` and may define UNITS, MESH, OPTIONS (keywords of shardplan.plan)
 as `shardplan rules` and plan.to_source() write them; flags given here override the file.
 """
 
+FORECAST_EXAMPLES = """\
+examples:
+  # a 70B model on 64 H100s (8 per node, 400 Gb/s InfiniBand), 4096 tokens per rank per step
+  shardplan forecast examples/gpt.py:llama_70b --mesh dp=64 --rules examples/gpt_rules.py --dtype bf16 --network h100-8x-ib400 --batch 1x4096
+  # the same at an achievable 400 TFLOP/s per GPU, as JSON, with the predicted timeline as a Chrome trace
+  shardplan forecast examples/gpt.py:llama_70b --mesh dp=64 --rules examples/gpt_rules.py --dtype bf16 --network h100-8x-ib400 --batch 1x4096 --tflops 400 --json --trace forecast_trace.json
+"""
+
 RULES_EXAMPLES = """\
 examples:
   # propose rules and units for a model; planning with the file gives the same plan as planning without it
@@ -179,33 +188,28 @@ examples:
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
-    ap = argparse.ArgumentParser(prog="shardplan", description="Plan sharding of a model without launching anything.",
-                                 epilog=MAIN_EXAMPLES, formatter_class=_Formatter, allow_abbrev=False)
-    ap.add_argument("--version", action="version", version=f"shardplan {__version__}")
-    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = sub.add_parser("plan", help="print the plan for a model, mesh and rules", epilog=PLAN_EXAMPLES,
-                       description="Print the plan of a model on a mesh: parameters, units, memory per rank, bytes\n"
-                                   "per step, the planner's choices and its warnings.",
-                       formatter_class=_Formatter, allow_abbrev=False)
+def plan_options_parser() -> argparse.ArgumentParser:
+    """The options that say which plan to build (TARGET, mesh, rules, strategy, ...) and the plan views
+    (--summary, --schedule, --json, --explain): ``shardplan plan`` and ``shardplan forecast`` share them."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     p.add_argument("target", help="path/to/file.py:fn or package.module:fn returning an nn.Module, or "
                                   "hf:path/to/config.json (a Hugging Face model, built on the meta device)")
-    p.add_argument("--mesh", default=None, metavar="AXES", help="axes, e.g. dp=8 or replica=2,shard=4 (default: the rules file's "
-                                                "MESH; one of the two is needed)")
-    p.add_argument("--rules", default=None, metavar="FILE", help="a .py file defining `rules`, or FILE.py:NAME for another variable "
-                                                 "(default: shardplan.auto_rules of the model)")
+    p.add_argument("--mesh", default=None, metavar="AXES",
+                   help="axes, e.g. dp=8 or replica=2,shard=4 (default: the rules file's MESH; one of the two is needed)")
+    p.add_argument("--rules", default=None, metavar="FILE",
+                   help="a .py file defining `rules`, or FILE.py:NAME for another variable (default: "
+                        "shardplan.auto_rules of the model)")
     p.add_argument("--strategy", default=None, metavar="NAME",
                    help="no_shard | optim | optim_grads | optim_grads_params (or 0..3) (default: the rules file's "
                         "OPTIONS, else optim_grads_params)")
-    p.add_argument("--units", nargs="*", default=None, metavar="REGEX", help="regexes over module paths; --units alone: one root unit "
-                                                            "(default: the rules file's UNITS, else the model's "
-                                                            "repeated blocks)")
+    p.add_argument("--units", nargs="*", default=None, metavar="REGEX",
+                   help="regexes over module paths; --units alone: one root unit (default: the rules file's UNITS, "
+                        "else the model's repeated blocks)")
     p.add_argument("--dtype", default=None, metavar="DTYPE", help="compute dtype, e.g. bf16 (default: the parameters' own)")
-    p.add_argument("--reduce-dtype", default=None, metavar="DTYPE", help="gradient reduction dtype, e.g. fp32 (default: the compute "
-                                                        "dtype)")
-    p.add_argument("--prefetch", type=int, default=None, metavar="N", help="units gathered ahead (default: the rules file's "
-                                                              "OPTIONS, else 1)")
+    p.add_argument("--reduce-dtype", default=None, metavar="DTYPE",
+                   help="gradient reduction dtype, e.g. fp32 (default: the compute dtype)")
+    p.add_argument("--prefetch", type=int, default=None, metavar="N",
+                   help="units gathered ahead (default: the rules file's OPTIONS, else 1)")
     p.add_argument("--min-unit-bytes", type=parse_size, default=None, metavar="SIZE",
                    help="merge neighbouring units up to this size, e.g. 16MiB; 0: no merging (default: chosen from "
                         "the unit sizes and said under \"planner's choices\")")
@@ -214,29 +218,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
                    help="free each unit's gathered parameters after its forward and gather again for the backward "
                         "(default: yes)")
-    p.add_argument("--param-dtype", default=None, metavar="DTYPE", help="store parameters in this dtype, e.g. fp32 (default: the "
-                                                       "model's)")
-    p.add_argument("--compute-axes", default=None, metavar="AXES", help="mesh axes that shard compute (tensor parallelism), e.g. tp "
-                                                        "(default: the rules file's compute_axes)")
+    p.add_argument("--param-dtype", default=None, metavar="DTYPE",
+                   help="store parameters in this dtype, e.g. fp32 (default: the model's)")
+    p.add_argument("--compute-axes", default=None, metavar="AXES",
+                   help="mesh axes that shard compute (tensor parallelism), e.g. tp (default: the rules file's "
+                        "compute_axes)")
+    p.add_argument("--trace-tokens", default=None, metavar="BxT",
+                   help="trace the forward once with a (B, T) token tensor on the meta device, e.g. 1x4096: the "
+                        "unit order it takes and the tensor-parallel activation bytes per step")
     p.add_argument("--rank", type=int, default=0, metavar="R", help="rank whose local shapes and memory are shown")
     p.add_argument("--summary", action="store_true", help="sizes, memory and bytes only: no per-parameter table")
     p.add_argument("--schedule", action="store_true", help="also print the op schedule")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (with memory and bytes per step)")
     p.add_argument("--explain", metavar="NAME", default=None, help="say which rule matches parameter NAME and why")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+    from .forecast.cli import add_parser as add_forecast
+    ap = argparse.ArgumentParser(prog="shardplan", description="Plan sharding of a model without launching anything.",
+                                 epilog=MAIN_EXAMPLES, formatter_class=_Formatter, allow_abbrev=False)
+    ap.add_argument("--version", action="version", version=f"shardplan {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = plan_options_parser()
+    p = sub.add_parser("plan", parents=[common], help="print the plan for a model, mesh and rules", epilog=PLAN_EXAMPLES,
+                       description="Print the plan of a model on a mesh: parameters, units, memory per rank, bytes\n"
+                                   "per step, the planner's choices and its warnings.",
+                       formatter_class=_Formatter, allow_abbrev=False)
     p.add_argument("--trace", metavar="FILE", default=None,
                    help="also write the planned schedule as a Chrome trace to FILE (open it in ui.perfetto.dev): "
                         "its order and sizes at --trace-gbps, a picture of the plan, not a measurement")
-    p.add_argument("--trace-gbps", type=float, default=100.0, metavar="GBPS", help="link speed the --trace picture assumes, in GB/s")
-    p.add_argument("--trace-tokens", default=None, metavar="BxT",
-                   help="trace the forward once with a (B, T) token tensor on the meta device, e.g. 1x4096: the "
-                        "unit order it takes and the tensor-parallel activation bytes per step")
+    p.add_argument("--trace-gbps", type=float, default=100.0, metavar="GBPS",
+                   help="link speed the --trace picture assumes, in GB/s")
+    f = add_forecast(sub, common)  # `shardplan forecast`: the plan options, and its own (src/shardplan/forecast/cli.py)
+    f.formatter_class, f.allow_abbrev, f.epilog = _Formatter, False, FORECAST_EXAMPLES
+    f.description = textwrap.fill(f.description or "", 100)  # the examples keep their layout, so wrap this here
+    f.add_argument("-h", "--help", action="help", help="show this help message and exit")  # the shared options have none
     r = sub.add_parser("rules", help="propose partition rules for a model (shardplan.auto_rules) as a rules file",
                        description="Print proposed partition rules and units as a Python rules file, which\n"
                                    "`shardplan plan --rules FILE` reads back.",
                        epilog=RULES_EXAMPLES, formatter_class=_Formatter, allow_abbrev=False)
     r.add_argument("target", help="path/to/file.py:fn, package.module:fn or hf:path/to/config.json")
     r.add_argument("--mesh", required=True, metavar="AXES", help="axes, e.g. dp=8 or replica=2,shard=4")
-    r.add_argument("--min-shard-bytes", type=parse_size, default="1MiB", metavar="SIZE", help="replicate parameters below this size")
+    r.add_argument("--min-shard-bytes", type=parse_size, default="1MiB", metavar="SIZE",
+                   help="replicate parameters below this size")
     return ap
 
 
@@ -306,6 +332,9 @@ def plan_options(args, file: Optional[RulesFile]) -> dict:
 def run(args) -> str:
     if args.command == "rules":
         return run_rules(args)
+    if args.command == "forecast":
+        from .forecast.cli import run as run_forecast
+        return run_forecast(args, run)
     from .auto import auto_rules
     from .mesh import Mesh
     from .plan import plan, strategy_level
@@ -336,12 +365,13 @@ def run(args) -> str:
     if args.trace_tokens is not None:
         opts["trace"] = trace_tokens(args.trace_tokens)
     p = plan(model, rules_obj, mesh, units=units, **opts)
-    if args.trace:
+    trace = getattr(args, "trace", None)  # `shardplan forecast` asks for the plan without --trace (its own is another)
+    if trace:
         try:
-            p.to_chrome_trace(args.trace, gbps=args.trace_gbps)
+            p.to_chrome_trace(trace, gbps=args.trace_gbps)
         except OSError as exc:
-            raise CliError(f"--trace {args.trace}: cannot write it: {exc.strerror or exc}") from None
-        print(f"shardplan: wrote the schedule's Chrome trace to {args.trace} (open it in ui.perfetto.dev)",
+            raise CliError(f"--trace {trace}: cannot write it: {exc.strerror or exc}") from None
+        print(f"shardplan: wrote the schedule's Chrome trace to {trace} (open it in ui.perfetto.dev)",
               file=sys.stderr)
     if args.json:
         d = p.to_dict()

@@ -43,6 +43,11 @@ class CheckpointError(ShardingError):
     """A checkpoint does not fit the model it is loaded into."""
 
 
+class ForecastError(ShardingError):
+    """A forecast cannot be made from these inputs (an unknown preset, a mesh the network cannot hold,
+    a compute model that does not cover the plan)."""
+
+
 class UnusedRuleWarning(UserWarning):
     """A rule matched no leaf: it is probably misspelled or shadowed by an earlier rule."""
 

@@ -335,6 +335,21 @@ class Plan:
         """Padded elements summed over buffers (per rank group)."""
         return sum(b.padding for b in self.buffers)
 
+    def forecast(self, network, compute=None, *, batch: tuple[int, int], rank: int = 0, scalar_all_reduces: int = 0):
+        """Predicted step time of ``rank`` on ``network`` (a preset name, a dict, a JSON file or a
+        :class:`shardplan.forecast.Network`) with per-rank ``batch = (B, T)``: compute (FLOPs at an achievable
+        rate, or measured unit times: ``compute=``), each collective from an α–β model of the link its group
+        crosses, and the overlap this schedule allows. Returns a frozen :class:`shardplan.forecast.Forecast`.
+        ``scalar_all_reduces``: blocking one-number all-reduces per step (``sp.clip_grad_norm_`` issues one).
+
+        >>> f = plan.forecast(network="h100-8x-ib400", batch=(1, 4096))
+        >>> print(f); f.step_s, f.exposed_s, f.tokens_per_s, f.mfu; f.to_chrome_trace("forecast.json")
+        """
+        # [Note: shardplan.forecast sits above the planner (it reads plans, the planner never reads it); the
+        # import is here, at call time, as declarative() imports auto: nothing in plan/ loads it otherwise]
+        from ..forecast.model import forecast
+        return forecast(self, network, compute, batch=batch, rank=rank, scalar_all_reduces=scalar_all_reduces)
+
     def to_chrome_trace(self, path: str, *, gbps: float = 100.0) -> None:
         """Write the planned schedule as a Chrome/Perfetto trace (open in ui.perfetto.dev); a picture of the
         plan's order and sizes at ``gbps`` GB/s, not a measurement."""

@@ -155,8 +155,7 @@ def chrome_trace(plan: "Plan", path: str, gbps: float) -> None:
     tracks = {ALL_GATHER: 1, REDUCE_SCATTER: 2, ALL_REDUCE: 3, WAIT: 4, FREE: 5, PREPARE: 6}
     clock = {t: 0.0 for t in tracks.values()}
     start = 0.0
-    events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": kind}}
-              for kind, tid in tracks.items()]
+    events = []
     for i, op in enumerate(plan.schedule):
         if op.when == "recompute":  # a training step without activation checkpointing
             continue
@@ -169,5 +168,14 @@ def chrome_trace(plan: "Plan", path: str, gbps: float) -> None:
                                                       "prefetch": op.prefetch, "what": op.what}})
         clock[tid] = ts + dur
         start = ts + (0.0 if op.prefetch else 0.5)
+    write_trace(path, {str(k): t for k, t in tracks.items()}, events)
+
+
+def write_trace(path: str, tracks: dict[str, int], events: list[dict]) -> None:
+    """A Chrome/Perfetto trace file: one named track (``tid``) per entry of ``tracks``, then ``events``
+    (``"ph": "X"`` slices with ``ts``/``dur`` in microseconds). The planned schedule and the forecast's
+    predicted timeline are both written through here."""
+    meta = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": name}}
+            for name, tid in tracks.items()]
     with open(path, "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+        json.dump({"traceEvents": meta + events, "displayTimeUnit": "ms"}, f)

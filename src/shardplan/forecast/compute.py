@@ -1,0 +1,153 @@
+"""How long compute takes: an achievable FLOP rate (presets with their sources), or times measured per unit.
+
+>>> compute_model("h100-sxm-bf16").tflops                   # achievable BF16 matmul rate, TFLOP/s
+>>> ComputeModel(tflops=400.0, peak_tflops=989.4)           # your own rate
+>>> ComputeModel(units=(("<root>", 0.002, 0.004), ("layers.0", 0.010, 0.020)), optimizer_s=0.003, batch=(4, 64))
+
+A measured model (``units``: forward and backward seconds per unit, e.g. from a run at world 1) is used
+as is for the batch it was measured at; units it does not list fall back to FLOPs at ``tflops``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Union
+
+from ..errors import ForecastError
+
+
+@dataclass(frozen=True)
+class ComputeModel:
+    """Compute time per rank.
+
+    From FLOPs: a unit's forward + backward takes ``3F / tflops`` (``F``: its forward matmul FLOPs, see
+    :mod:`shardplan.forecast.flops`) plus ``elementwise_bytes x tokens x width / memory_gbs`` for the work
+    that is not matmuls (norms, activations, residual adds, casts; ``width``: the unit's hidden size), split
+    1 : ``backward_factor`` between forward and backward (2 for plain training, about 3 with full
+    activation checkpointing). ``peak_tflops``: the datasheet peak, for MFU. The optimizer step moves
+    ``optimizer_bytes`` per trained local element at ``memory_gbs`` unless ``optimizer_s`` gives it.
+
+    Measured: ``units`` gives ``(unit, forward_s, backward_s)``; ``optimizer_s`` the step after backward
+    (clip, step, zero_grad); ``batch`` the per-rank ``(B, T)`` they were measured at.
+    """
+
+    name: str = "custom"
+    tflops: Optional[float] = None
+    peak_tflops: Optional[float] = None
+    memory_gbs: Optional[float] = None
+    backward_factor: float = 2.0
+    elementwise_bytes: float = 0.0
+    optimizer_bytes: float = 80.0
+    units: tuple[tuple[str, float, float], ...] = ()
+    optimizer_s: Optional[float] = None
+    batch: Optional[tuple[int, int]] = None
+    source: str = ""
+
+    def __post_init__(self):
+        for f in ("tflops", "peak_tflops", "memory_gbs", "optimizer_s"):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0
+                                  or (v == 0 and f != "optimizer_s")):
+                raise ForecastError(f"compute model {self.name!r}: {f} must be a positive number; got {v!r}")
+        if not self.backward_factor > 0:
+            raise ForecastError(f"compute model {self.name!r}: backward_factor must be positive; got {self.backward_factor!r}")
+        for f in ("elementwise_bytes", "optimizer_bytes"):
+            if not getattr(self, f) >= 0:
+                raise ForecastError(f"compute model {self.name!r}: {f} must be non-negative; got {getattr(self, f)!r}")
+        object.__setattr__(self, "units", tuple((str(u), float(f), float(b)) for u, f, b in self.units))
+        if self.batch is not None:
+            object.__setattr__(self, "batch", tuple(int(x) for x in self.batch))
+
+    @property
+    def measured(self) -> dict[str, tuple[float, float]]:
+        return {u: (f, b) for u, f, b in self.units}
+
+    def with_rate(self, tflops: float) -> "ComputeModel":
+        return dataclasses.replace(self, tflops=tflops)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["units"] = [list(u) for u in self.units]
+        d["batch"] = None if self.batch is None else list(self.batch)
+        return d
+
+    def to_json(self, indent: Optional[int] = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ComputeModel":
+        """A compute model from its dict; ``{"base": "h100-sxm-bf16", "tflops": 400}`` overrides a preset."""
+        d = dict(d)
+        if "base" in d:
+            d = {**compute_model(d.pop("base")).to_dict(), **d}
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ForecastError(f"compute model has unknown field(s) {sorted(unknown)}; fields: "
+                                f"{[f.name for f in dataclasses.fields(cls)]}")
+        if "units" in d:
+            d["units"] = tuple(tuple(u) for u in d["units"])
+        if d.get("batch") is not None:
+            d["batch"] = tuple(d["batch"])
+        return cls(**d)
+
+
+# [Note: sources and choices. Peaks: NVIDIA datasheets, dense (no sparsity) BF16 tensor-core rates: H100 SXM
+# 989.4 TFLOP/s, H200 SXM 989.4 (the same GH100 compute), A100 SXM 312. H100/H200: measured on one H200
+# here (benchmarks/forecast_gpu.py, results/forecast_h200_w1.json): one examples/gpt.py block of the 1B,
+# Llama-3-8B and 70B shapes in bf16, forward + backward, at 8x1024, 2x8192, 1x4096 and 1x4096 tokens, ran
+# in 5.91, 45.24, 10.85 and 36.26 ms; a least-squares fit of t = 3F / R + e x tokens x width / BW gives
+# R = 725 TFLOP/s for the matmuls (a plain 8192^3 bf16 GEMM runs at 770-800 there) and e = 485 bytes per
+# token and unit of width at 0.8 x 4.8 TB/s, every block within 4%. The H100 SXM preset takes the same
+# matmul rate (same SMs and clocks at 700 W) and its own memory bandwidth (3.35 TB/s x 0.8).
+# A100: no measurement here; torchtitan's FSDP runs of Llama 3 8B on 64 A100s report 56.8-58.2% MFU
+# (torchtitan docs/performance.md), so 0.57 x 312 = 178 TFLOP/s is taken as a whole-step rate (no separate
+# elementwise term). optimizer_bytes = 80: torch's foreach AdamW with weight decay passes over fp32
+# memory eight times per element (param *= 1 - lr wd: 8 B; exp_avg.lerp_: 12; exp_avg_sq *= b2: 8;
+# addcmul_: 12; sqrt: 8; div_: 8; add_ eps: 8; param addcdiv_: 16); a fused AdamW moves about 28.]
+PRESETS: dict[str, ComputeModel] = {
+    "h100-sxm-bf16": ComputeModel("h100-sxm-bf16", tflops=725.0, peak_tflops=989.4, memory_gbs=2680.0,
+                                  elementwise_bytes=485.0,
+                                  source="H100 SXM, BF16: peak 989.4 TFLOP/s (datasheet); matmul rate and elementwise "
+                                         "bytes fitted on one H200 (same compute; benchmarks/forecast_gpu.py); "
+                                         "HBM 3.35 TB/s x 0.8"),
+    "h200-sxm-bf16": ComputeModel("h200-sxm-bf16", tflops=725.0, peak_tflops=989.4, memory_gbs=3840.0,
+                                  elementwise_bytes=485.0,
+                                  source="H200 SXM, BF16: peak 989.4 TFLOP/s (datasheet); matmul rate and elementwise "
+                                         "bytes fitted on one H200 (benchmarks/forecast_gpu.py); HBM 4.8 TB/s x 0.8"),
+    "a100-sxm-bf16": ComputeModel("a100-sxm-bf16", tflops=178.0, peak_tflops=312.0, memory_gbs=1630.0,
+                                  source="A100 SXM 80GB, BF16: peak 312 TFLOP/s (datasheet); a whole-step rate of 57% "
+                                         "of it (torchtitan, Llama 3 8B FSDP on 64 A100s); HBM 2.04 TB/s x 0.8"),
+}
+
+
+def compute_model(spec: Union[None, str, float, Mapping[str, Any], ComputeModel, "os.PathLike[str]"]) -> ComputeModel:
+    """A :class:`ComputeModel` from a preset name, a number (achievable TFLOP/s), a dict, a JSON file or itself."""
+    if isinstance(spec, ComputeModel):
+        return spec
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        return ComputeModel(tflops=float(spec))
+    if isinstance(spec, Mapping):
+        return ComputeModel.from_dict(spec)
+    if isinstance(spec, (str, os.PathLike)):
+        text = os.fspath(spec)
+        if text in PRESETS:
+            return PRESETS[text]
+        if os.path.exists(text):
+            try:
+                with open(text) as f:
+                    d = json.load(f)
+            except (OSError, ValueError) as exc:
+                raise ForecastError(f"compute file {text}: not readable JSON ({exc})") from None
+            return ComputeModel.from_dict(d.get("compute", d) if isinstance(d, Mapping) else d)
+        raise ForecastError(f"unknown compute model {text!r}: use a preset ({', '.join(PRESETS)}), a number "
+                            f"(achievable TFLOP/s), a dict or a JSON file")
+    if spec is None:
+        raise ForecastError("no compute model: the network names no device; pass compute= a preset "
+                            f"({', '.join(PRESETS)}), an achievable TFLOP/s number, or measured unit times "
+                            f"(CLI: --compute NAME|FILE or --tflops N)")
+    raise ForecastError(f"compute must be a preset name, a number, a dict, a JSON file or a ComputeModel; "
+                        f"got {type(spec).__name__}")

@@ -1,0 +1,208 @@
+"""``forecast(plan, network, compute, batch=...)``: one rank's training step as the executor would run it,
+timed. Pure: the plan's program and ops, a network and a compute model in; a :class:`Forecast` out.
+
+>>> f = forecast(plan, "h100-8x-ib400", batch=(1, 4096))      # or plan.forecast(network=..., batch=...)
+>>> print(f)
+
+The walk follows ``plan.program`` (the order the executor runs steps in) and the ops of a training step
+(``plan.ops()``: stale shards, a backward, synchronised gradients). Each unit's forward runs after its
+``pre_forward`` step, its backward after its ``pre_backward`` step; the root unit's own forward (output
+head, loss) runs just before ``post_forward(<root>)`` and its backward right after ``begin_backward``;
+the optimizer runs after ``end_backward``. All-gathers go on the gather stream, reduce-scatters and
+all-reduces of gradients on the reduce stream, the used-parameter exchange on its own; ``wait`` ops stall
+compute until what they wait for has ended. Tensor-parallel activation collectives block compute.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+from ..errors import ForecastError
+from ..plan.kinds import ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, USED, WAIT
+from ..units import ROOT
+from .compute import ComputeModel, compute_model
+from .flops import model_flops, unit_flops, unit_widths
+from .network import Network, Placement, Timing, check_fits, collective_time, network as resolve_network, placement
+from .result import CollectiveForecast, Forecast
+from .timeline import Comm, Issue, Item, Run, Wait, Work, simulate
+from .tp_comm import activation_collectives
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..plan.facade import Plan
+
+
+def _batch(batch: Any) -> tuple[int, int]:
+    try:
+        b, t = batch
+        b, t = int(b), int(t)
+        assert b > 0 and t > 0 and (b, t) == tuple(batch)
+    except (TypeError, ValueError, AssertionError):
+        raise ForecastError(f"batch must be (B, T) per rank, two positive integers, e.g. (1, 4096); got {batch!r}") from None
+    return b, t
+
+
+def _stream(kind: str, what: str) -> str:
+    if what == USED:
+        return "used"
+    return "gather" if kind == ALL_GATHER else "reduce"
+
+
+def _unit_times(plan: "Plan", cm: ComputeModel, batch: tuple[int, int]) -> tuple[dict[str, tuple[float, float]], list[str]]:
+    """(forward, backward) seconds per unit, and notes."""
+    measured = cm.measured
+    notes = []
+    if measured:
+        unknown = sorted(set(measured) - {u.name for u in plan.units})
+        if unknown:
+            raise ForecastError(f"compute model {cm.name!r} times units {unknown[:4]} that this plan does not have "
+                                f"(units: {[u.name for u in plan.units][:6]} ...); measure with the same units")
+        if cm.batch is not None and tuple(cm.batch) != batch:
+            raise ForecastError(f"compute model {cm.name!r} was measured at batch {cm.batch[0]}x{cm.batch[1]} per rank; "
+                                f"forecast that batch, or measure at {batch[0]}x{batch[1]}")
+    flops = unit_flops(plan, batch)
+    widths = unit_widths(plan)
+    out = {}
+    missing = []
+    for u in plan.units:
+        if u.name in measured:
+            out[u.name] = measured[u.name]
+        elif cm.tflops:
+            fwd = flops[u.name] / (cm.tflops * 1e12)
+            if cm.elementwise_bytes and cm.memory_gbs:  # forward's share of the non-matmul memory traffic
+                fwd += (cm.elementwise_bytes * batch[0] * batch[1] * widths[u.name] / (cm.memory_gbs * 1e9)
+                        / (1 + cm.backward_factor))
+            out[u.name] = (fwd, cm.backward_factor * fwd)
+        else:
+            missing.append(u.name)
+    if missing:
+        raise ForecastError(f"compute model {cm.name!r} has no time for unit(s) {missing[:4]} and no FLOP rate; give "
+                            f"tflops= (achievable TFLOP/s) or measured times for every unit")
+    if measured and len(measured) < len(plan.units):
+        notes.append(f"{len(plan.units) - len(measured)} unit(s) not measured: timed from FLOPs at {cm.tflops:g} TFLOP/s")
+    return out, notes
+
+
+def _optimizer_s(plan: "Plan", cm: ComputeModel, rank: int) -> tuple[float, Optional[str]]:
+    if cm.optimizer_s is not None:
+        return cm.optimizer_s, None
+    if not cm.memory_gbs:
+        return 0.0, "optimizer step not timed: the compute model has neither optimizer_s nor memory_gbs"
+    # [Note: the optimizer step is memory-bound: optimizer_bytes per trained local element (see
+    # forecast/compute.py for the count) at the achievable bandwidth]
+    elements = sum(math.prod(plan.local_shape(p.name, rank)) for p in plan.params if p.requires_grad)
+    return elements * cm.optimizer_bytes / (cm.memory_gbs * 1e9), None
+
+
+def forecast(plan: "Plan", network: Union[str, dict, Network], compute: Union[None, str, float, dict, ComputeModel] = None,
+             *, batch: tuple[int, int], rank: int = 0, scalar_all_reduces: int = 0) -> Forecast:
+    """Predicted step time of ``rank`` running ``plan`` on ``network``, per-rank ``batch = (B, T)``.
+
+    ``compute``: a preset name, achievable TFLOP/s, a dict, a JSON file or a :class:`ComputeModel`
+    (default: the network's ``device``). ``scalar_all_reduces``: blocking all-reduces of one
+    number over every rank after backward (``sp.clip_grad_norm_`` issues one; a logged mean loss another).
+
+    >>> f = forecast(plan, "h100-8x-ib400", batch=(1, 4096))
+    >>> f.step_s, f.exposed_s, f.mfu
+    """
+    net = resolve_network(network)
+    batch = _batch(batch)
+    rank = plan._check_rank(rank)
+    check_fits(net, plan.mesh)
+    cm = compute_model(net.device if compute is None else compute)
+    times, notes = _unit_times(plan, cm, batch)
+    opt_s, opt_note = _optimizer_s(plan, cm, rank)
+    notes += [opt_note] if opt_note else []
+
+    places: dict[tuple[str, ...], Placement] = {}
+
+    def where(axes: tuple[str, ...]) -> Placement:
+        if axes not in places:
+            places[axes] = placement(net, plan.mesh, rank, axes)
+        return places[axes]
+
+    records: list[dict] = []   # per collective, in issue order; index = the simulator's id
+    items: list[Item] = []
+
+    def issue(kind: str, what: str, unit: str, axes: tuple[str, ...], payload: int, stream: str, index: int) -> int:
+        w = where(axes)
+        t: Timing = collective_time(net, kind, payload, w)
+        n = w.size
+        sent = payload * (2 if kind == ALL_REDUCE else 1) * (n - 1) // n
+        cid = len(records)
+        records.append(dict(index=index, kind=str(kind), what=str(what), unit=unit, axes=tuple(axes), stream=stream,
+                            link=w.link, group=n, algorithm=t.algorithm, busbw=t.busbw, payload=payload, sent=sent,
+                            latency_s=t.latency_s, transfer_s=t.transfer_s))
+        name = f"{kind} {what} {unit}".strip()
+        items.append(Issue(Comm(cid, name, stream, w.link if t.transfer_s > 0 else None, t.latency_s, t.transfer_s)))
+        return cid
+
+    tp_calls = activation_collectives(plan)
+    if plan.compute_axes and plan.tp_activations is None:
+        notes.append("tensor-parallel activations not forecast: plan with trace= example inputs (CLI: --trace-tokens)")
+
+    def run(unit: str, phase: str) -> None:
+        fwd, bwd = times[unit]
+        items.append(Run(Work(f"{phase} {unit}", unit, phase, fwd if phase == "forward" else bwd)))
+        for a in tp_calls:  # [Note: activation collectives sit inside the unit's compute; blocking, so after it]
+            if a.unit == unit and a.phase == phase:
+                issue(a.kind, "activations", unit, (a.axis,), a.payload, "compute", -1)
+
+    schedule = plan.schedule
+    pending: dict[tuple[str, str], list[int]] = {}
+    for step in plan.program.canonical():
+        if step.event == POST_FORWARD and step.at == ROOT:
+            run(ROOT, "forward")
+        for i in step.ops:
+            op = schedule[i]
+            if not op.applies():
+                continue
+            if op.is_collective:
+                cid = issue(op.kind, op.what, op.unit, tuple(op.axes), op.bytes, _stream(op.kind, op.what), i)
+                pending.setdefault((op.unit, op.what), []).append(cid)
+            elif op.kind == WAIT:
+                ids = tuple(pending.pop((op.unit, op.what), ()))
+                if ids:
+                    items.append(Wait(ids, f"wait {op.what} {op.unit}".strip()))
+        if step.event == PRE_FORWARD and step.at != ROOT:
+            run(step.at, "forward")
+        elif step.event == BEGIN_BACKWARD:
+            run(ROOT, "backward")
+        elif step.event == PRE_BACKWARD:
+            run(step.at, "backward")
+    leftover = [cid for ids in pending.values() for cid in ids]
+    if leftover:  # a schedule edited to leave a collective unwaited: the step still ends with it
+        items.append(Wait(tuple(leftover), "end of step"))
+    if not isinstance(scalar_all_reduces, int) or scalar_all_reduces < 0:
+        raise ForecastError(f"scalar_all_reduces must be a non-negative integer; got {scalar_all_reduces!r}")
+    for _ in range(scalar_all_reduces):
+        issue("all_reduce", "scalar", "", tuple(plan.mesh.axis_names), 8, "compute", -1)
+    items.append(Run(Work("optimizer step", "", "optimizer", opt_s)))
+
+    tl = simulate(items, overlap=net.overlap)
+    spans = {c.id: c for c in tl.comms}
+    collectives = tuple(CollectiveForecast(**r, issued_s=spans[k].issued_s, start_s=spans[k].start_s,
+                                           end_s=spans[k].end_s) for k, r in enumerate(records))
+    sent = {str(ALL_GATHER): 0, "reduce_scatter": 0, str(ALL_REDUCE): 0}
+    for c in collectives:
+        if c.index >= 0:
+            sent[c.kind] += c.sent
+    sent["total"] = sum(sent.values())
+    if plan.compute_axes:
+        sent["tensor_parallel"] = None if plan.tp_activations is None else sum(c.sent for c in collectives
+                                                                               if c.what == "activations")
+        if sent["tensor_parallel"] is not None:
+            sent["total"] += sent["tensor_parallel"]
+    phase_s = {"forward": 0.0, "backward": 0.0}
+    for s in tl.compute:
+        if s.kind == "compute" and s.phase in phase_s:
+            phase_s[s.phase] += s.end_s - s.start_s
+    ordered = [places[a] for a in sorted(places, key=lambda a: [plan.mesh.axis_names.index(x) for x in a])]
+    return Forecast(
+        network=net, compute=cm, batch=batch, rank=rank, mesh=plan.mesh, strategy=str(plan.strategy),
+        prefetch=plan.prefetch, fingerprint=plan.fingerprint(), step_s=tl.step_s, forward_s=phase_s["forward"],
+        backward_s=phase_s["backward"], optimizer_s=opt_s, exposed_s=tl.exposed_s,
+        tokens_per_step=batch[0] * batch[1] * plan.data_size, flops_per_step=model_flops(plan, batch),
+        collectives=collectives, spans=tl.compute, placements=tuple(ordered), bytes=tuple(sent.items()),
+        notes=tuple(notes))
+
