@@ -36,6 +36,16 @@ def test_one_op_per_group():
         plan.with_schedule(merged)
 
 
+def test_a_schedule_missing_one_groups_reduction_is_refused():
+    """Dropping the reduce-scatter (or all-reduce) of one group while another group's stays would leave
+    that buffer's gradient unreduced: a wrong number, so validation refuses it, naming the buffer."""
+    plan = _plan(_model())
+    for kind in ("reduce_scatter", "all_reduce"):
+        drop = next(o for o in plan.schedule if o.kind == kind and o.unit == "0" and o.axes == ("b",))
+        with pytest.raises(sp.PlanError, match=f"{kind} of buffer #{drop.buffers[0]} was never issued"):
+            plan.with_schedule([o for o in plan.schedule if o is not drop])
+
+
 def dataclasses_replace_axes(o):
     """The unit's two gathers merged into one op over both groups: refused."""
     import dataclasses

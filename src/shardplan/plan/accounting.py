@@ -153,6 +153,8 @@ def max_gathered_units(plan: "Plan") -> int:
     live, most = set(), 0
     transient = {u.name for u in plan.units if any(not plan.buffers[i].persistent for i in u.buffers)}
     for op in plan.ops():
+        if op.in_module:
+            continue
         if op.kind == ALL_GATHER and op.unit in transient:
             live.add(op.unit)
         elif op.kind == FREE and op.what == PARAMS:

@@ -136,11 +136,14 @@ def _check_op(plan: "Plan", units, i: int, op: Op) -> None:
 
 
 def _needed_reductions(plan: "Plan", bs) -> set:
+    """(kind, buffer) of every reduction a unit's gradients need: per buffer, not per kind, since a unit
+    whose buffers span several process groups takes one op per group (and dropping one must not pass)."""
     out = set()
-    if any(b.requires_grad and b.sharded for b in bs):
-        out.add(REDUCE_SCATTER)
-    if any(b.requires_grad and b.replica_axes and plan.mesh.axis_size(b.replica_axes) > 1 for b in bs):
-        out.add(ALL_REDUCE)
+    for b in bs:
+        if b.requires_grad and b.sharded:
+            out.add((REDUCE_SCATTER, b.index))
+        if b.requires_grad and b.replica_axes and plan.mesh.axis_size(b.replica_axes) > 1:
+            out.add((ALL_REDUCE, b.index))
     return out
 
 
@@ -209,12 +212,13 @@ def _simulate(plan: "Plan", units, prog: Program, *, stale: bool, grad: bool, sy
                 if u not in complete:
                     raise _fail(i, op, f"reduces unit {u!r}'s gradients before they are complete (before "
                                        f"{'end_backward' if u == ROOT else f'post_backward({u})'}) {mode}")
-                issued[u].add(op.kind)
+                issued[u].update((op.kind, b) for b in op.buffers)
             elif op.kind == WAIT and op.what == GRADS:
-                missing = reductions[u] - issued[u]
+                missing = sorted(reductions[u] - issued[u], key=str)
                 if missing:
-                    raise _fail(i, op, f"waits for unit {u!r}'s gradients but its {' and '.join(sorted(missing))} "
-                                       f"was never issued {mode}: its gradient would stay unreduced")
+                    what = ", ".join(f"{k} of buffer #{b}" for k, b in missing)
+                    raise _fail(i, op, f"waits for unit {u!r}'s gradients but its {what} was never issued {mode}: "
+                                       f"that gradient would stay unreduced")
                 waited.add(u)
             elif op.kind == FREE and op.what == GRADS:
                 if u not in waited:

@@ -71,30 +71,39 @@ class _SharedInputs:
     """Replicated inputs already wrapped for a column-parallel module in this forward: the siblings the
     plan says read one input (``TPModule.shares_with``: wq, wk, wv; w1, w3) get the same DTensor when
     they do read the same tensor, so autograd sums their partial input gradients and DTensor all-reduces
-    the sum once (the plan's one ``module_backward`` op) instead of once per module. Entries live for one
-    forward (cleared at the root's) and one graph task (an activation-checkpoint recompute in backward
-    wraps afresh); references are weak."""
+    the sum once (the plan's one ``module_backward`` op) instead of once per module.
+
+    [Note: the cache holds the DTensor strongly (nothing else keeps the wrapper alive between two
+    sibling calls), so it must let go: an entry is dropped when the last sibling the plan lists after
+    its wrapper has read it; a group keeps at most one entry (a new wrap replaces the old one, as when a
+    sibling reads another input than planned); and entries of another graph task (the forward's, once a
+    checkpoint recompute in backward wraps afresh) are dropped at the next wrap. At most one entry per
+    group outlives its readers, until the root's next forward clears all.]"""
 
     def __init__(self):
-        self.entries: dict = {}
+        self.entries: dict = {}   # group -> (key, x weakref, DTensor, x version, readers left)
 
     def clear(self, *_):
         self.entries.clear()
 
-    def get(self, group: str, x: torch.Tensor, mesh, make, readers: int):
-        """(the DTensor for ``x``, whether it was wrapped here). The entry holds the DTensor until the
-        group's ``readers`` have all taken it (nothing else keeps the wrapper alive between two sibling
-        calls); a sibling that finds no entry for its tensor reads another input than the plan assumed."""
-        key = (group, id(x), id(mesh), torch._C._current_graph_task_id())
-        hit = self.entries.get(key)
-        if hit is not None and hit[0]() is x and hit[2] == x._version:
-            hit[3] -= 1
-            if hit[3] <= 0:
-                del self.entries[key]
-            return hit[1], False
+    def get(self, group: str, x: torch.Tensor, mesh, make, after: int):
+        """(the DTensor for ``x``, whether it was wrapped here); ``after``: the group's readers the plan
+        lists after this module."""
+        task = torch._C._current_graph_task_id()
+        key = (id(x), id(mesh), task)
+        hit = self.entries.get(group)
+        if hit is not None and hit[0] == key and hit[1]() is x and hit[3] == x._version:
+            hit[4] -= 1
+            if hit[4] <= 0:
+                del self.entries[group]
+            return hit[2], False
+        if self.entries and any(e[0][2] != task for e in self.entries.values()):
+            self.entries = {g: e for g, e in self.entries.items() if e[0][2] == task}
         dt = make()
-        if readers > 1:
-            self.entries[key] = [weakref.ref(x), dt, x._version, readers - 1]
+        if after > 0:
+            self.entries[group] = [key, weakref.ref(x), dt, x._version, after]
+        else:
+            self.entries.pop(group, None)
         return dt, True
 
 
@@ -149,19 +158,26 @@ def install_styles(module: nn.Module, plan, meshes: dict, exe=None) -> list:
     handles = [module.register_forward_pre_hook(shared.clear)]
     mods = dict(module.named_modules())
     placed = {m.path: m for m in plan.tp_modules}
-    readers: dict[str, int] = {}
+    if any(not m.after for m in plan.tp_modules):
+        import warnings
+        from ..errors import PlanWarning
+        warnings.warn("this plan's tensor-parallel modules carry no placement (a plan saved by an older shardplan): "
+                      "its schedule lists none of their collectives and column-parallel siblings each all-reduce "
+                      "their input's gradient. Plan again from the model to get both", PlanWarning, stacklevel=3)
+    members: dict[str, list[str]] = {}  # a shared input's readers, in plan order
     for m in plan.tp_modules:
-        readers[m.shares_with or m.path] = readers.get(m.shares_with or m.path, 0) + 1
+        members.setdefault(m.shares_with or m.path, []).append(m.path)
     for m in active_modules(plan):
         m = placed.get(m.path, m)
         mod = mods[m.path]
+        group = members[m.shares_with or m.path]
         handles.append(mod.register_forward_pre_hook(
-            _input_hook(m, meshes[m.axis], shared, ops, readers[m.shares_with or m.path])))
+            _input_hook(m, meshes[m.axis], shared, ops, len(group) - 1 - group.index(m.path))))
         handles.append(mod.register_forward_hook(_output_hook(m, meshes[m.axis], ops)))
     return handles
 
 
-def _input_hook(m: TPModule, mesh, shared: _SharedInputs, ops: _Ops, readers: int):
+def _input_hook(m: TPModule, mesh, shared: _SharedInputs, ops: _Ops, after: int):
     DTensor, Replicate, Shard = _dt()
     arrives = [Shard(-1)] if m.input_sharded else [Replicate()]
     split = m.style == "rowwise_split" and m.kind != EMBEDDING
@@ -186,7 +202,7 @@ def _input_hook(m: TPModule, mesh, shared: _SharedInputs, ops: _Ops, readers: in
                 return DTensor.from_local(ops.expect(op, x0), mesh, arrives, run_check=False)
             return DTensor.from_local(x0, mesh, arrives, run_check=False)
 
-        x = shared.get(group, x0, mesh, make, readers)[0] if shares else make()
+        x = shared.get(group, x0, mesh, make, after)[0] if shares else make()
         if split:  # a replicated input to a row-parallel layer: each rank keeps its slice (no communication)
             x = x.redistribute(mesh, [Shard(-1)])
         return (x,) + tuple(args[1:])
