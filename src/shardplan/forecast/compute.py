@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
 from ..errors import ForecastError
+from .sources import preset_or_file
 
 
 @dataclass(frozen=True)
@@ -134,15 +135,9 @@ def compute_model(spec: Union[None, str, float, Mapping[str, Any], ComputeModel,
         return ComputeModel.from_dict(spec)
     if isinstance(spec, (str, os.PathLike)):
         text = os.fspath(spec)
-        if text in PRESETS:
-            return PRESETS[text]
-        if os.path.exists(text):
-            try:
-                with open(text) as f:
-                    d = json.load(f)
-            except (OSError, ValueError) as exc:
-                raise ForecastError(f"compute file {text}: not readable JSON ({exc})") from None
-            return ComputeModel.from_dict(d.get("compute", d) if isinstance(d, Mapping) else d)
+        found = preset_or_file(text, PRESETS, 'compute', 'compute')
+        if found is not None:
+            return found if isinstance(found, ComputeModel) else ComputeModel.from_dict(found)
         raise ForecastError(f"unknown compute model {text!r}: use a preset ({', '.join(PRESETS)}), a number "
                             f"(achievable TFLOP/s), a dict or a JSON file")
     if spec is None:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
 from ..errors import ForecastError
+from .sources import preset_or_file
 from ..mesh import Mesh
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -260,16 +261,9 @@ def network(spec: Union[str, Mapping[str, Any], Network, "os.PathLike[str]"]) ->
         return Network.from_dict(spec)
     if isinstance(spec, (str, os.PathLike)):
         text = os.fspath(spec)
-        if text in PRESETS:
-            return PRESETS[text]
-        if os.path.exists(text):
-            try:
-                with open(text) as f:
-                    d = json.load(f)
-            except (OSError, ValueError) as exc:
-                raise ForecastError(f"network file {text}: not readable JSON ({exc}); write one with "
-                                    f"benchmarks/collectives.py --out FILE") from None
-            return Network.from_dict(d.get("network", d) if isinstance(d, Mapping) else d)
+        found = preset_or_file(text, PRESETS, 'network', 'network', '; write one with benchmarks/collectives.py --out FILE')
+        if found is not None:
+            return found if isinstance(found, Network) else Network.from_dict(found)
         raise ForecastError(f"unknown network {text!r}: use a preset ({', '.join(PRESETS)}), a JSON file "
                             f"(benchmarks/collectives.py --out FILE writes one) or a dict")
     raise ForecastError(f"network must be a preset name, a dict, a JSON file path or a Network; got {type(spec).__name__}")

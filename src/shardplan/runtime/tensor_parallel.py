@@ -157,7 +157,6 @@ def install_styles(module: nn.Module, plan, meshes: dict, exe=None) -> list:
     ops = _Ops(plan, exe)
     handles = [module.register_forward_pre_hook(shared.clear)]
     mods = dict(module.named_modules())
-    placed = {m.path: m for m in plan.tp_modules}
     if any(not m.after for m in plan.tp_modules):
         import warnings
         from ..errors import PlanWarning
@@ -167,8 +166,7 @@ def install_styles(module: nn.Module, plan, meshes: dict, exe=None) -> list:
     members: dict[str, list[str]] = {}  # a shared input's readers, in plan order
     for m in plan.tp_modules:
         members.setdefault(m.shares_with or m.path, []).append(m.path)
-    for m in active_modules(plan):
-        m = placed.get(m.path, m)
+    for m in active_modules(plan):  # the plan's placed modules
         mod = mods[m.path]
         group = members[m.shares_with or m.path]
         handles.append(mod.register_forward_pre_hook(
