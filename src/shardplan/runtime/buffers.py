@@ -45,6 +45,21 @@ def alias(base: torch.Tensor, offset: int, shape) -> torch.Tensor:
     return t
 
 
+def _contiguous_strides(shape) -> tuple:
+    stride, acc = [], 1
+    for d in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= d
+    return tuple(reversed(stride))
+
+
+def _local_part(g: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor gradient, in the placements of its DTensor parameter."""
+    if getattr(g, "placements", None) is not None and tuple(g.placements) != tuple(param.placements):
+        g = g.redistribute(param.device_mesh, param.placements)
+    return g.to_local() if hasattr(g, "to_local") else g
+
+
 def same_storage(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
     return a is not None and b is not None and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() \
         and a.untyped_storage().size() > 0
@@ -63,7 +78,6 @@ class Member:
     local: Optional[nn.Parameter] = None  # this rank's shard, a view of the flat shard
     full: Optional[nn.Parameter] = None   # the full parameter, over the gathered storage
     view: Optional[torch.Tensor] = None   # its part of the unsharded gradient
-    handle: Optional[torch.Tensor] = None  # what ``full.grad`` is: ``view`` (or a DTensor over it)
 
     def __post_init__(self):
         # [Note: read on every step: plain attributes, not properties over the frozen values]
@@ -95,6 +109,9 @@ class BufferState:
             self.shard = torch.zeros(self.S, dtype=self.dtype, device=device)
         self.flat: Optional[torch.Tensor] = None  # the unsharded gradient, in compute dtype
         self.flat_window = -1
+        self.lent = False  # the local shards' gradients are views of ``flat``
+        self.forming = False  # the unit's backward started: autograd is forming the gradients that will land
+        self.flat_itemsize = torch.empty(0, dtype=self.cdtype).element_size()
         self.gappy = bp.grad_numel != sum(m.info.numel for m in self.members)  # padding between parameters
         if self.packed is not None:
             free_storage(self.packed)
@@ -131,6 +148,7 @@ class BufferState:
             m.local = nn.Parameter(self.shard[m.shard].view(m.piece.shape), requires_grad=m.info.requires_grad)
             m.full = nn.Parameter(self._wrap(m, alias(self.full, m.piece.full_offset, m.info.shape)),
                                   requires_grad=m.info.requires_grad)
+            m.lshape, m.lstride = tuple(m.piece.shape), _contiguous_strides(m.piece.shape)
         if not self.bp.persistent:
             free_storage(self.full)
 
@@ -171,47 +189,71 @@ class BufferState:
             free_storage(self.packed)
 
     # -- gradients ------------------------------------------------------------------------------------
+    # [Note: gradients land, they are not accumulated in place]
+    # Autograd forms each full parameter's gradient as it would without shardplan (the first
+    # contribution is stolen, later ones are added), and a unit's gradients land in its unsharded flat
+    # gradient in one foreach copy when the unit completes (``collect_grads``), as FSDP2 copies into its
+    # reduce-scatter input. Pointing ``.grad`` at views of a zeroed flat buffer instead costs a zeroing and
+    # one in-place add per parameter and step, and keeps the whole buffer alive from the unit's first
+    # gradient on (the root's for all of backward). Under ``no_sync`` the gradients stay with autograd,
+    # which adds the next micro-step's into them, and land at the synchronising backward. The flat tensor
+    # and its per-parameter views are made once; between windows only its storage is released.
+
+    def collect_grads(self, window: int) -> None:
+        """Land the gradients autograd formed on the full parameters (the module face) and drop them there."""
+        arrived = []
+        for i, m in enumerate(self.members):
+            g = m.full.grad
+            if g is not None:
+                if m.wrap is not None:  # a DTensor (tensor parallelism): this rank's part, in its own placement
+                    g = _local_part(g, m.full)
+                arrived.append((i, g))
+                m.full.grad = None
+        if arrived:
+            self.land_grads(window, arrived)
+
+    def start_grads(self) -> None:
+        """The unit's gradients start forming (its ``prepare grads`` op)."""
+        self.forming = self.requires_grad
+
+    def forming_bytes(self) -> int:
+        """Bytes of the gradients autograd forms before they land: the plan counts them as the flat gradient
+        from ``prepare`` on (the runtime's accounting does the same, see :meth:`Executor._account`)."""
+        if not self.forming or (self.flat is not None and self.flat.untyped_storage().size()):
+            return 0
+        return self.bp.grad_numel * self.flat_itemsize
+
     def prepare_grads(self, window: int) -> None:
-        """Make the unsharded gradient of ``window`` exist (zeroed once per window) and point every full
-        parameter's ``.grad`` at its view, folding in gradients autograd made before we got here."""
-        if not self.requires_grad:
-            return
-        if self.flat is None or self.flat_window != window:
-            lent = self.flat is not None and any(same_storage(m.local.grad, self.flat) for m in self.members)
-            if self.flat is None or lent:  # the old one still holds the local shards' gradients
-                self._new_flat(torch.zeros)
-            else:
-                self.flat.zero_()
+        """Make the unsharded gradient of ``window`` exist: zeros where nothing landed in this window."""
+        if self.requires_grad and (self.flat_window != window or not self.flat.untyped_storage().size()):
+            self._fresh_flat()
+            self.flat.zero_()
             self.flat_window = window
-        for m in self.members:
-            fp, h = m.full, m.handle
-            if fp.requires_grad and fp.grad is not h:
-                if fp.grad is not None:
-                    h.add_(fp.grad)
-                fp.grad = h
 
     @staticmethod
     def _wrap(m: Member, t: torch.Tensor) -> torch.Tensor:
         return m.wrap(t) if m.wrap is not None else t
 
-    def _new_flat(self, make) -> None:
-        self.flat = make(self.bp.grad_numel, dtype=self.cdtype, device=self.device)
-        for m in self.members:
-            m.view = self.flat[m.whole].view(m.info.shape)
-            m.handle = self._wrap(m, m.view)
+    def _fresh_flat(self) -> None:
+        """The flat gradient with storage, not lent to the local shards' gradients (contents undefined)."""
+        if self.flat is None or self.lent:  # a lent one still holds the local shards' gradients: a new one
+            self.flat = torch.empty(self.bp.grad_numel, dtype=self.cdtype, device=self.device)
+            self.lent = False
+            for m in self.members:
+                m.view = self.flat[m.whole].view(m.info.shape)
+        else:
+            alloc_storage(self.flat)
 
     def land_grads(self, window: int, arrived: list) -> None:
         """Add ``(parameter index, gradient)`` pairs into the unsharded gradient; the first arrival of a
         window copies instead of zeroing and adding (the other parameters' pieces are zeroed)."""
-        fresh = self.flat is None or self.flat_window != window
-        if self.flat is None:
-            self._new_flat(torch.empty)
-        views = [self.members[i].view for i, _ in arrived]
         grads = [g for _, g in arrived]
-        if not fresh:
-            torch._foreach_add_(views, grads)
+        if self.flat_window == window and self.flat is not None and self.flat.untyped_storage().size():
+            torch._foreach_add_([self.members[i].view for i, _ in arrived], grads)
             return
+        self._fresh_flat()
         self.flat_window = window
+        views = [self.members[i].view for i, _ in arrived]
         given = {i for i, _ in arrived}
         rest = [m.view for i, m in enumerate(self.members) if i not in given]
         torch._foreach_copy_(views, grads)
@@ -251,13 +293,16 @@ class BufferState:
         returns the plan indices of parameters whose ``.grad`` this created."""
         if result.dtype != self.dtype:
             result = result.to(self.dtype)
+        if self.flat is not None and result.untyped_storage().data_ptr() == self.flat.untyped_storage().data_ptr():
+            self.lent = True  # the local gradients are views of the flat one: the next window makes a new one
         created = []
+        base = result.storage_offset()
         try:
             for m in self.members:
                 lp = m.local
                 if not lp.requires_grad:
                     continue
-                g = result[m.shard].view(m.piece.shape)
+                g = result.as_strided(m.lshape, m.lstride, base + m.shard.start)
                 if lp.grad is None:
                     lp.grad = g
                     created.append(m.index)
@@ -274,16 +319,23 @@ class BufferState:
         return created
 
     def detach_grads(self) -> None:
-        """The full parameters stop pointing at the unsharded gradient (it is reduced; a later gradient
-        must not land in it)."""
+        """The full parameters hold no gradient (the next backward's start afresh)."""
         for m in self.members:
             m.full.grad = None
 
     def release_grads(self) -> None:
-        self.detach_grads()
-        self.flat, self.flat_window = None, -1
-        for m in self.members:
-            m.view = m.handle = None
+        """The unsharded gradient is reduced and delivered: release its storage (kept as one tensor with its
+        views for the next window, unless the local gradients still read it)."""
+        self.flat_window = -1
+        self.forming = False
+        if self.flat is None:
+            return
+        if self.lent:  # the local gradients hold its storage now: drop ours, the next window makes a new one
+            self.flat = None
+            for m in self.members:
+                m.view = None
+        else:
+            free_storage(self.flat)
 
     def local_grad_by_index(self) -> dict[int, nn.Parameter]:
         return {m.index: m.local for m in self.members}

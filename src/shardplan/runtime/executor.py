@@ -300,7 +300,11 @@ class Executor:
 
     def _reduction_inputs(self, u: UnitRuntime) -> dict:
         window = self.grads.window
-        return {b.bp.index: b.reduction_input(window, self.comm.local_result(b)) for b in u.with_grads}
+        out = {}
+        for b in u.with_grads:
+            self.face.land(b, window)
+            out[b.bp.index] = b.reduction_input(window, self.comm.local_result(b))
+        return out
 
     def _reduce(self, op: Op) -> None:
         u = self.units[op.unit]
@@ -314,15 +318,16 @@ class Executor:
             rec = PendingReduce(op, {}, self._reduction_inputs(u), {})
         self.comm.finish_reduce(rec, op)
         for i in op.buffers:
-            b = self.buffer[i]
-            self.face.deliver(b, rec.results.get(i, rec.inputs[i]))
-            b.detach_grads()
+            self.face.deliver(self.buffer[i], rec.results.get(i, rec.inputs[i]))
         u.reduce = None
         u.grads = Grads.DONE
 
     def _prepare_grads(self, op: Op) -> None:
+        """The unit's gradients start: autograd forms them on the full parameters (the module face) or hands
+        them to the unit's backward (the tree face); they land in the flat gradient when the unit completes
+        (see [Note: gradients land, they are not accumulated in place] in buffers.py)."""
         for i in op.buffers:
-            self.buffer[i].prepare_grads(self.grads.window)
+            self.buffer[i].start_grads()
 
     def _free_grads(self, op: Op) -> None:
         for i in op.buffers:
@@ -390,7 +395,8 @@ class Executor:
                     st = t.untyped_storage()
                     if st.size():
                         seen[st.data_ptr()] = st.size()
-        self.live_bytes = sum(seen.values())
+        # gradients autograd is forming, before they land: the plan counts them from the unit's prepare op
+        self.live_bytes = sum(seen.values()) + sum(b.forming_bytes() for b in self.buffer.values())
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
 
     def local_params(self) -> dict[str, torch.Tensor]:

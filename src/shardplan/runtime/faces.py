@@ -32,6 +32,7 @@ class Face(Protocol):
     def gather_input(self, b: BufferState, collective: bool) -> torch.Tensor: ...   # what the all-gather sends
     def reduce_output(self, b: BufferState) -> torch.Tensor: ...                    # where a reduce-scatter writes
     def local_reduce_output(self, b: BufferState) -> Optional[torch.Tensor]: ...    # ... one that moves nothing
+    def land(self, b: BufferState, window: int) -> None: ...     # the unit's gradients into its flat gradient
     def deliver(self, b: BufferState, result: torch.Tensor) -> None: ...            # the reduced local gradient
     def unused(self, indices: list[int]) -> None: ...            # parameters no rank used this window
     def window_ended(self) -> None: ...
@@ -68,6 +69,9 @@ class ModuleFace:
 
     def local_reduce_output(self, b: BufferState) -> Optional[torch.Tensor]:
         return None  # the local gradients become views of the (cast) unsharded gradient
+
+    def land(self, b: BufferState, window: int) -> None:
+        b.collect_grads(window)  # autograd formed them on the full parameters
 
     def deliver(self, b: BufferState, result: torch.Tensor) -> None:
         self.created.update(b.assign_local_grads(result))
@@ -218,6 +222,9 @@ class TreeFace:
         if dst is None:
             dst = self.dst[b.bp.index] = torch.zeros(b.S if b.sharded else b.G, dtype=b.dtype, device=b.device)
         return dst
+
+    def land(self, b: BufferState, window: int) -> None:
+        return None  # the unit's backward landed them (unit_backward)
 
     def deliver(self, b: BufferState, result: torch.Tensor) -> None:
         dst = self._dst(b)
