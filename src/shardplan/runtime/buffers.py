@@ -162,9 +162,15 @@ class BufferState:
             return self.packed
         return self.full
 
-    def gather_input(self, collective: bool) -> torch.Tensor:
+    def gather_input(self, collective: bool, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The shard as the all-gather sends it: cast to the compute dtype, or a copy when it is part of
-        the output (in-place gathers are not portable across backends)."""
+        the output (in-place gathers are not portable across backends). A gather that moves nothing
+        (``collective`` False) writes the shard straight into ``out``, casting in the same copy."""
+        if not collective and out is not None:
+            if out.data_ptr() != self.shard.data_ptr() or out.dtype != self.shard.dtype:
+                with torch.no_grad():
+                    out[:self.S].copy_(self.shard)
+            return out
         if self.cdtype != self.dtype:
             return self.shard.to(self.cdtype)
         return self.shard.clone() if collective and self.bp.alias else self.shard
@@ -241,6 +247,7 @@ class BufferState:
             self.lent = False
             for m in self.members:
                 m.view = self.flat[m.whole].view(m.info.shape)
+            self.gap_views = [self.flat[g] for g in self._gaps()] if self.gappy else []
         else:
             alloc_storage(self.flat)
 
@@ -253,24 +260,25 @@ class BufferState:
             return
         self._fresh_flat()
         self.flat_window = window
-        views = [self.members[i].view for i, _ in arrived]
-        given = {i for i, _ in arrived}
-        rest = [m.view for i, m in enumerate(self.members) if i not in given]
-        torch._foreach_copy_(views, grads)
+        members = self.members
+        torch._foreach_copy_([members[i].view for i, _ in arrived], grads)
+        rest = self.gap_views
+        if len(arrived) < len(members):
+            given = {i for i, _ in arrived}
+            rest = rest + [m.view for i, m in enumerate(members) if i not in given]
         if rest:
             torch._foreach_zero_(rest)
-        if self.gappy:
-            self._zero_gaps()
 
-    def _zero_gaps(self) -> None:
-        """Zero the padding between parameters (it is reduced too: keep it finite)."""
-        c = 0
+    def _gaps(self) -> list[slice]:
+        """The padding between parameters in the flat gradient (it is reduced too: kept zero, finite)."""
+        out, c = [], 0
         for off, p in sorted((m.whole.start, m.whole.stop - m.whole.start) for m in self.members):
             if off > c:
-                self.flat[c:off].zero_()
+                out.append(slice(c, off))
             c = max(c, off + p)
-        if c < self.flat.numel():
-            self.flat[c:].zero_()
+        if c < self.bp.grad_numel:
+            out.append(slice(c, self.bp.grad_numel))
+        return out
 
     def reduction_input(self, window: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The gradient as the reduction reads it: gathered layout, reduce dtype (written into ``out`` when

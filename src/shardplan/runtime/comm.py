@@ -42,7 +42,7 @@ class CommEngine:
             for b, out in outs:
                 group = self.groups.gather(op.axes) if b.sharded else C.ONE  # the op names its group
                 collective = group.pg is not None
-                send = face.gather_input(b, collective)
+                send = face.gather_input(b, collective, None if collective else out)
                 if collective:
                     keep.append(send)
                     works.append(self.call(C.all_gather, op, out, send, group, async_op=not cuda))

@@ -29,7 +29,8 @@ class Face(Protocol):
 
     def bind(self, u: UnitRuntime) -> None: ...                  # full parameters reach the compute
     def unbind(self, u: UnitRuntime) -> None: ...                # the local shards are back
-    def gather_input(self, b: BufferState, collective: bool) -> torch.Tensor: ...   # what the all-gather sends
+    def gather_input(self, b: BufferState, collective: bool,                         # what the all-gather sends
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor: ...       # (into ``out`` if it moves nothing)
     def reduce_output(self, b: BufferState) -> torch.Tensor: ...                    # where a reduce-scatter writes
     def local_reduce_output(self, b: BufferState) -> Optional[torch.Tensor]: ...    # ... one that moves nothing
     def land(self, b: BufferState, window: int) -> None: ...     # the unit's gradients into its flat gradient
@@ -61,8 +62,8 @@ class ModuleFace:
         for m, attr, lp, _ in self.slots[u.name]:
             m._parameters[attr] = lp
 
-    def gather_input(self, b: BufferState, collective: bool) -> torch.Tensor:
-        return b.gather_input(collective)
+    def gather_input(self, b: BufferState, collective: bool, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return b.gather_input(collective, out)
 
     def reduce_output(self, b: BufferState) -> torch.Tensor:
         return torch.empty(b.S, dtype=b.rdtype, device=b.device)
@@ -151,10 +152,13 @@ class TreeFace:
         self.leaves = leaves
         return changed
 
-    def gather_input(self, b: BufferState, collective: bool) -> torch.Tensor:
+    def gather_input(self, b: BufferState, collective: bool, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if b.bp.alias:
-            return b.gather_input(collective)
-        send = torch.empty(b.S, dtype=b.cdtype, device=b.device)  # gaps between pieces are never read
+            return b.gather_input(collective, out)
+        if not collective and out is not None:  # a gather that moves nothing: straight into the output
+            send = out
+        else:
+            send = torch.empty(b.S, dtype=b.cdtype, device=b.device)  # gaps between pieces are never read
         dsts, srcs = [], []
         for m in b.members:
             if m.held:
