@@ -1,0 +1,136 @@
+"""CPU offload: the plan (which buffers, host bytes, copies as ops) and the runtime (host optimizer step,
+checkpoints across offload settings, accounting), on CPU gloo groups where "host" and "device" are the
+same memory but the code path (copies between two tensors) is the one a GPU runs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings, strategies as st
+
+import shardplan as sp
+from shardplan.plan.kinds import COPY_D2H, COPY_H2D, GRADS, PARAMS, WAIT
+
+from distributed import run
+from models import Toy, batches, toy_rules
+
+UNITS = [r"blocks\.\d+"]
+
+
+def _model():
+    return nn.Sequential(nn.Embedding(64, 16), nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 8)),
+                         nn.Linear(8, 64))
+
+
+def _plan(strategy=3, offload="optimizer", fraction=1.0, dp=4, **kw):
+    return sp.plan(_model(), [(r".*", sp.P("dp"))], sp.Mesh(dp=dp), strategy=strategy, units=[r"1\.\d"],
+                   min_unit_bytes=0, offload=offload, offload_fraction=fraction, **kw)
+
+
+# -- planning ----------------------------------------------------------------------------------------
+
+def test_options_are_validated_naming_the_fix():
+    with pytest.raises(sp.PlanError, match="optim_grads_params"):
+        _plan(strategy=2, offload="params")
+    for bad in (0, -0.5, 1.5, float("nan"), "half", True):
+        with pytest.raises(sp.PlanError, match="offload_fraction"):
+            _plan(fraction=bad)
+    with pytest.raises(sp.PlanError, match="offload must be one of"):
+        _plan(offload="gpu")
+    with pytest.raises(sp.PlanError, match="needs offload="):
+        _plan(offload=None, fraction=0.5)
+
+
+@pytest.mark.parametrize("strategy", range(4))
+def test_device_bytes_move_to_the_host(strategy):
+    base, off = _plan(strategy, offload=None), _plan(strategy)
+    mb, mo = base.memory(1), off.memory(1)
+    assert (mb.host, mo.optimizer) == (0, 0) and mo.peak == mb.peak - mb.optimizer
+    assert mo.params == mb.params and mo.grads == mb.grads and mo.host == mo.host_peak > 0
+    c = off.comm_bytes()
+    assert c["copy_d2h"] == c["copy_h2d"] == sum(b.shard_numel * b.itemsize for b in off.buffers if b.requires_grad)
+    assert c["total"] == base.comm_bytes()["total"] and "copy_d2h" not in base.comm_bytes()
+
+
+def test_params_offload_frees_the_device_shards():
+    base, off = _plan(offload=None), _plan(offload="params")
+    assert {b.offload for b in off.buffers} == {"params"}
+    assert off.memory().params == 0 and off.memory().peak < base.memory().peak - base.memory().optimizer
+    # every all-gather of an offloaded unit has the shard copied in right before it, same trigger
+    ops = off.ops()
+    for i, o in enumerate(ops):
+        if o.kind == "all_gather":
+            assert ops[i - 1].kind == COPY_H2D and ops[i - 1].trigger == o.trigger and ops[i - 1].unit == o.unit
+
+
+def test_copies_are_ops_after_the_reduction_and_before_the_forward():
+    plan = _plan(strategy=2)
+    ops = plan.ops()
+    for i, o in enumerate(ops):
+        if o.kind == COPY_D2H:
+            assert o.what == GRADS and ops[i - 1].kind == WAIT and ops[i - 1].unit == o.unit and o.when == "sync"
+    h2d = [o for o in ops if o.kind == COPY_H2D]
+    assert h2d and all(o.event == "before_forward" and o.when == "stale" and o.what == PARAMS for o in h2d)
+    assert not [o for o in plan.ops(stale=False) if o.kind == COPY_H2D]
+    assert not [o for o in plan.ops(sync=False) if o.kind == COPY_D2H]
+
+
+def test_validation_rejects_a_missing_copy():
+    plan = _plan()
+    with pytest.raises(sp.PlanError, match="never copies the gradients"):
+        plan.with_schedule([o for o in plan.schedule if o.kind != COPY_D2H])
+    pp = _plan(offload="params")
+    with pytest.raises(sp.PlanError, match="no copy_h2d before it"):
+        pp.with_schedule([o for o in pp.schedule if o.kind != COPY_H2D])
+    sched = list(plan.schedule)
+    k = next(i for i, o in enumerate(sched) if o.kind == COPY_D2H)
+    sched[k - 1], sched[k] = sched[k], sched[k - 1]  # the copy before the wait for the reduction
+    with pytest.raises(sp.PlanError, match="before their reduction completed"):
+        plan.with_schedule(sched)
+
+
+def test_json_source_print_and_rebuild():
+    plan = _plan(offload="params", fraction=0.5)
+    again = sp.Plan.from_json(plan.to_json())
+    assert again == plan and again.offload == "params" and again.offload_fraction == 0.5
+    assert sp.plan(_model(), **plan.declarative()).equivalent(plan)
+    assert "offload='params'" in plan.to_source() and "offload_fraction=0.5" in plan.to_source()
+    text = str(plan)
+    assert "device memory on rank 0" in text and "host memory on rank 0" in text and "host->device" in text
+    assert _plan(offload=None).to_json() == sp.plan(_model(), [(r".*", sp.P("dp"))], sp.Mesh(dp=4),
+                                                     units=[r"1\.\d"], min_unit_bytes=0).to_json()
+
+
+def test_cli_shows_both_memories(capsys):
+    from shardplan.cli import main
+    assert main(["plan", "examples/gpt.py:tiny", "--mesh", "dp=2", "--offload", "optimizer", "--summary"]) == 0
+    out = capsys.readouterr().out
+    assert "device memory on rank 0" in out and "host memory on rank 0" in out
+
+
+@settings(max_examples=40, deadline=None)
+@given(strategy=st.integers(0, 3), f1=st.floats(0.01, 1.0), f2=st.floats(0.01, 1.0), params=st.booleans(),
+       dp=st.sampled_from([1, 2, 4]), rank=st.integers(0, 3))
+def test_offloaded_and_device_bytes_are_conserved_and_monotone(strategy, f1, f2, params, dp, rank):
+    rank %= dp
+    mode = "params" if params and strategy == 3 else "optimizer"
+    base = _plan(strategy, offload=None, dp=dp)
+    lo, hi = sorted((f1, f2))
+    a, b = _plan(strategy, mode, lo, dp=dp), _plan(strategy, mode, hi, dp=dp)
+    sa, sb = {x.index for x in a.buffers if x.offload}, {x.index for x in b.buffers if x.offload}
+    assert sa and sa <= sb  # the fraction is monotone: more offloads a superset
+    for p in (a, b):
+        m, mb = p.memory(rank), base.memory(rank)
+        hosted_states = sum(
+            __import__("math").prod(p.local_shape(q.name, rank)) * 4 * p.optimizer_states
+            for q in p.params if q.requires_grad and p.buffers[q.buffer].offload)
+        assert m.optimizer + hosted_states == mb.optimizer  # optimizer bytes: on the device or on the host
+        trainable = sum(x.shard_numel * x.itemsize for x in p.buffers if x.requires_grad)
+        taken = sum(x.shard_numel * x.itemsize for x in p.buffers if x.offload)
+        frac = p.offload_fraction
+        assert taken <= frac * trainable * (1 + 1e-9) or len([x for x in p.buffers if x.offload]) == 1
+        assert m.host == sum(x.shard_numel * x.itemsize * (2 + p.optimizer_states) for x in p.buffers if x.offload)
+        assert m.peak <= mb.peak
