@@ -134,3 +134,55 @@ def test_offloaded_and_device_bytes_are_conserved_and_monotone(strategy, f1, f2,
         assert taken <= frac * trainable * (1 + 1e-9) or len([x for x in p.buffers if x.offload]) == 1
         assert m.host == sum(x.shard_numel * x.itemsize * (2 + p.optimizer_states) for x in p.buffers if x.offload)
         assert m.peak <= mb.peak
+
+
+# -- runtime: training with offload equals training without it -----------------------------------------
+
+def _trained(rank, world, strategy, offload, fraction=1.0, *, clip=False, accum=False, fused=True, steps=3,
+             compute_dtype=None):
+    model = Toy()
+    plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), strategy=strategy, units=UNITS, min_unit_bytes=0,
+                   offload=offload, offload_fraction=fraction, compute_dtype=compute_dtype)
+    sp.shard(model, plan)
+    hyper = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = sp.offload_optimizer(model, fused=fused, **hyper) if offload else torch.optim.AdamW(model.parameters(), **hyper)
+    data = batches(2 * steps, seed=1 + rank)
+    for s in range(steps):
+        if accum:  # a micro-step without reduction, then one that reduces the sum
+            with sp.no_sync(model):
+                model(*data[2 * s + 1]).backward()
+        model(*data[2 * s]).backward()
+        if clip:
+            sp.clip_grad_norm_(model, 0.05)
+        opt.step()
+        opt.zero_grad()
+    return model, plan, opt
+
+
+def _state(model):
+    return {n: p.detach().clone() for n, p in model._shardplan.local_params().items()}
+
+
+def _train_worker(rank, world, cases):
+    out = []
+    for strategy, offload, fraction, extra in cases:
+        base = _state(_trained(rank, world, strategy, None, **extra)[0])
+        got = _state(_trained(rank, world, strategy, offload, fraction, **extra)[0])
+        out.append(max((base[n] - got[n]).abs().max().item() if base[n].numel() else 0.0 for n in base))
+    return out
+
+
+TRAIN_CASES = [(s, "optimizer", 1.0, {}) for s in range(4)] + [
+    (3, "optimizer", 0.5, {}), (1, "optimizer", 0.5, {}),
+    (3, "optimizer", 1.0, dict(clip=True)), (2, "optimizer", 1.0, dict(clip=True, accum=True)),
+    (3, "optimizer", 1.0, dict(accum=True)), (3, "optimizer", 1.0, dict(fused=False)),
+    (3, "optimizer", 1.0, dict(compute_dtype=torch.bfloat16)),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_training_with_offload_matches_training_without(world):
+    for rank_out in run(_train_worker, world, TRAIN_CASES, timeout=280):
+        for case, diff in zip(TRAIN_CASES, rank_out):
+            assert diff <= 1e-6, (case, diff)

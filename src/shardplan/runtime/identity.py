@@ -73,6 +73,13 @@ def check_optimizer(opt: torch.optim.Optimizer, args, kwargs) -> None:
                     f"model.parameters()")
             if "_shardplan_engine" not in p.__dict__:
                 continue
+            eng = p.__dict__["_shardplan_engine"]()
+            if eng is not None and eng.plan.offload and not getattr(opt, "_shardplan_offload", False):
+                raise RuntimeShardingError(
+                    f"shardplan: the plan offloads the optimizer to host memory (offload={eng.plan.offload!r}), so "
+                    f"{type(opt).__name__} over model.parameters() would step the device shards and miss the host "
+                    f"masters; build the optimizer with shardplan.offload_optimizer(model, lr=..., betas=..., "
+                    f"weight_decay=...) (AdamW), or plan without offload")
             for key, v in opt.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != p.shape:
                     raise RuntimeShardingError(
