@@ -186,3 +186,105 @@ def test_training_with_offload_matches_training_without(world):
     for rank_out in run(_train_worker, world, TRAIN_CASES, timeout=280):
         for case, diff in zip(TRAIN_CASES, rank_out):
             assert diff <= 1e-6, (case, diff)
+
+
+# -- checkpoints: saved with offload, loaded without (and vice versa), across world sizes -------------
+
+def _ckpt_model(world, strategy, offload):
+    model = Toy()
+    plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), strategy=strategy, units=UNITS, min_unit_bytes=0,
+                   offload=offload)
+    sp.shard(model, plan)
+    hyper = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = sp.offload_optimizer(model, fused=False, **hyper) if offload else torch.optim.AdamW(model.parameters(), **hyper)
+    return model, opt
+
+
+def _steps(model, opt, which):
+    data = batches(3, seed=7)  # the same batch on every rank: the run does not depend on the world size
+    for s in which:
+        model(*data[s]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _ckpt_worker(rank, world, root, jobs):
+    out = []
+    for job, strategy, offload in jobs:
+        model, opt = _ckpt_model(world, strategy, offload)
+        if job == "reference":
+            _steps(model, opt, range(3))
+        elif job.startswith("save:"):
+            _steps(model, opt, range(2))
+            sp.checkpoint.save(f"{root}/{job[5:]}", model, opt, step=2)
+            continue
+        else:  # "resume:NAME": load, then the third step
+            assert sp.checkpoint.load(f"{root}/{job[7:]}", model, opt) == 2
+            _steps(model, opt, [2])
+        out.append(sp.full_state_dict(model))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_checkpoints_load_across_offload_settings_and_world_sizes(tmp_path):
+    root = str(tmp_path)
+    two = run(_ckpt_worker, 2, root, [("reference", 3, None), ("save:offloaded", 3, "optimizer"), ("save:on_device", 2, None),
+                                      ("resume:offloaded", 2, None), ("resume:on_device", 3, "optimizer")], timeout=280)[0]
+    ref = two[0]
+    four = run(_ckpt_worker, 4, root, [("resume:offloaded", 3, "optimizer"), ("resume:on_device", 1, "optimizer"),
+                                       ("resume:offloaded", 0, None)], timeout=280)[0]
+    for got in two[1:] + four:
+        assert set(got) == set(ref)
+        for n in ref:
+            assert torch.allclose(got[n], ref[n], atol=1e-6, rtol=0), n
+
+
+# -- accounting and the supported optimizer ----------------------------------------------------------------
+
+def _memory_worker(rank, world, cases):
+    out = []
+    for strategy, fraction, dtype in cases:
+        model = Toy()
+        plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), strategy=strategy, units=UNITS, min_unit_bytes=0,
+                       offload="optimizer", offload_fraction=fraction, compute_dtype=dtype)
+        sp.shard(model, plan)
+        opt = sp.offload_optimizer(model)
+        for step in range(2):
+            if step == 1:
+                sp.reset_peak(model)
+            model(*batches(1, batch=2)[0]).backward()
+            opt.step()
+            opt.zero_grad()
+        mem = plan.memory(rank)
+        out.append(((sp.memory_stats(model)["peak"], model._shardplan.offload.host_bytes()),
+                    (mem.peak - mem.optimizer, mem.host)))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_runtime_host_and_device_bytes_match_plan():
+    """As tests/test_runtime.py::test_runtime_memory_matches_plan, with the host side: the host tensors the
+    runtime holds equal plan.memory().host, and the device peak still equals the plan's walk."""
+    cases = [(s, f, d) for s in range(4) for f in (1.0, 0.5) for d in (None, torch.bfloat16)]
+    for rank_out in run(_memory_worker, 2, cases, timeout=280):
+        for case, (measured, planned) in zip(cases, rank_out):
+            assert measured == planned, (case, measured, planned)
+
+
+def _refusal_worker(rank, world):
+    model = Toy()
+    plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=UNITS, min_unit_bytes=0, offload="optimizer")
+    sp.shard(model, plan)
+    opt = torch.optim.AdamW(model.parameters())
+    model(*batches(1)[0]).backward()
+    try:
+        opt.step()
+        return "stepped"
+    except sp.RuntimeShardingError as exc:
+        return str(exc)
+
+
+@pytest.mark.timeout(120)
+def test_a_stock_optimizer_is_refused_naming_the_fix():
+    for msg in run(_refusal_worker, 2, timeout=100):
+        assert "shardplan.offload_optimizer(model" in msg and "offload='optimizer'" in msg, msg
