@@ -9,7 +9,8 @@ keeping its attributes), and an optimizer built earlier steps exactly what the r
 Where the swap is impossible (a tensor subclass, a weak reference torch refuses to move), the original
 is marked, and :func:`check_optimizer` (a global optimizer step pre-hook) makes the first ``step()``
 that holds a marked parameter raise, naming it and the fix, rather than train nothing. It also refuses
-an optimizer whose state was built for the full, unsharded parameters.
+an optimizer whose state was built for the full, unsharded parameters, and, for a plan that offloads the
+optimizer to host memory, any optimizer but :func:`shardplan.offload_optimizer`'s.
 """
 
 from __future__ import annotations
