@@ -1,6 +1,8 @@
 """Train-step benchmark: shardplan vs FSDP2 (fully_shard) vs unsharded vs Megatron-FSDP, one launch.
 
     python benchmarks/train_step.py --config 1B --batch 8 --seq 1024 --dtype bf16 --out out.json   # 1 GPU
+    python benchmarks/train_step.py --config 8B --batch 1 --seq 8192 --dtype bf16 --act-ckpt \
+        --systems shardplan_offload --offload optimizer                 # CPU offload (docs/offload.md)
     torchrun --nproc-per-node 2 benchmarks/train_step.py --config small --out cpu.json             # CPU, gloo
 
 Every system trains the same GPT (examples/gpt.py; units = transformer blocks) from the same
@@ -51,6 +53,10 @@ def build_model(args, dev):
                 p.fill_(1.0)
             else:
                 p.normal_(0, 0.02, generator=g)
+    if args.act_ckpt:  # activation checkpointing of every block (inside its call: the unit hooks stay outside)
+        from torch.utils.checkpoint import checkpoint
+        for layer in model.layers:
+            layer.forward = lambda *a, _f=layer.forward: checkpoint(_f, *a, use_reentrant=False)
     return model
 
 
@@ -75,6 +81,17 @@ def make_system(name, args, dev, world):
         info["plan_peak"] = plan.memory().peak
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         return model, opt, None, info
+    if name == "shardplan_offload":  # CPU offload (--offload): the shardplan system with host optimizer state
+        mode, _, frac = args.offload.partition("=")
+        mode, frac = ("optimizer", float(frac)) if mode == "fraction" else (mode, 1.0)
+        plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[r"layers\.\d+"], compute_dtype=dt,
+                       reduce_dtype=torch.float32 if dt else None, prefetch=args.prefetch,
+                       min_unit_bytes=args.min_unit_bytes, offload=mode, offload_fraction=frac)
+        sp.shard(model, plan)
+        info.update(planned_memory=plan.memory().__dict__, comm_bytes=plan.comm_bytes()["total"],
+                    plan_peak=plan.memory().peak, units=len(plan.units), offload=args.offload,
+                    host_copy_bytes=plan.comm_bytes()["copy_d2h"] + plan.comm_bytes()["copy_h2d"])
+        return model, sp.offload_optimizer(model, lr=1e-4), None, info
     if name in ("shardplan_tp", "shardplan_tp_dtensor"):  # FSDP x TP from examples/gpt_rules_tp.py (--tp N)
         plan = sp.plan(model, gpt_rules_tp.rules, sp.Mesh(dp=world // args.tp, tp=args.tp),
                        compute_axes=gpt_rules_tp.compute_axes, units=gpt_rules_tp.UNITS, compute_dtype=dt,
@@ -210,6 +227,10 @@ def main():
                     help="shardplan: merge neighbouring blocks up to this size (default: the planner chooses; 0: never)")
     ap.add_argument("--tp", type=int, default=1, help="shardplan_tp: size of the tensor-parallel axis")
     ap.add_argument("--breakdown", action="store_true")
+    ap.add_argument("--offload", default="optimizer", metavar="optimizer|params|fraction=F",
+                    help="the shardplan_offload system's plan(offload=...): optimizer state on the host, parameters too, "
+                         "or that fraction of the optimizer state")
+    ap.add_argument("--act-ckpt", action="store_true", help="activation checkpointing of every block (all systems)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -255,9 +276,12 @@ def main():
             res["parts"] += parts[args.warmup:]
             res["losses"] = res["losses"] or losses
             res.update(info)
+            if s == "shardplan_offload":  # the process's peak resident host memory (Linux: KiB)
+                import resource
+                res["host_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             if cuda:
                 res["peak"].append(torch.cuda.max_memory_allocated())
-            elif s == "shardplan":  # CPU: the runtime's own accounting, in one more step outside the timing
+            elif s in ("shardplan", "shardplan_offload"):  # CPU: the runtime's own accounting, one step untimed
                 sp.reset_peak(model)  # (it costs a pass over every tensor per op while on)
                 run_steps(model, opt, ctx, data[:1], dev)
                 res["peak"].append(sp.memory_stats(model)["peak"])
@@ -279,7 +303,8 @@ def main():
             entry["forward_ms"] = 1000 * statistics.median(p[0] for p in res["parts"])
             entry["backward_ms"] = 1000 * statistics.median(p[1] for p in res["parts"])
             entry["optimizer_ms"] = 1000 * statistics.median(p[2] for p in res["parts"])
-        for k in ("comm_bytes", "plan_peak", "planned_memory", "hook_us_per_unit", "units", "notes", "data_size"):
+        for k in ("comm_bytes", "plan_peak", "planned_memory", "hook_us_per_unit", "units", "notes", "data_size",
+                  "offload", "host_copy_bytes", "host_rss_bytes"):
             if k in res:
                 entry[k] = res[k]
         summary["systems"][s] = entry

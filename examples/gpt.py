@@ -33,6 +33,7 @@ CONFIGS = {
     "124M": GPTConfig(vocab=50304, dim=768, layers=12, heads=12, kv_heads=12, ffn=3072, max_seq=1024),
     "tiny200": GPTConfig(vocab=4096, dim=256, layers=200, heads=4, kv_heads=4, ffn=1024, max_seq=1024, tie_embeddings=False),
     "1B": GPTConfig(vocab=32000, dim=2048, layers=16, heads=16, kv_heads=16, ffn=5632, max_seq=2048, tie_embeddings=False),
+    "3B": GPTConfig(vocab=128256, dim=3072, layers=28, heads=24, kv_heads=8, ffn=8192, max_seq=8192),  # Llama-3.2-3B shape
     "8B": GPTConfig(vocab=128256, dim=4096, layers=32, heads=32, kv_heads=8, ffn=14336, max_seq=8192, tie_embeddings=False),
     "70B": GPTConfig(vocab=32000, dim=8192, layers=80, heads=64, kv_heads=8, ffn=28672, max_seq=4096, tie_embeddings=False),
 }

@@ -34,6 +34,7 @@ _LAZY = {
     **dict.fromkeys(("MixedPrecisionPolicy", "fully_shard", "fully_shard_model", "fully_shard_optimizer", "plan_of"),
                     "dropin"),
     "run_main": "entry",
+    **dict.fromkeys(("offload_optimizer", "OffloadAdamW"), "runtime.offload_optim"),
 }
 _LAZY_MODULES = {"checkpoint": "runtime.checkpoint", "optim": "optim", "metrics": "metrics"}
 
@@ -66,5 +67,5 @@ __all__ = [
     "compile_units", "checkpoint", "state_dict", "load_state_dict", "full_state_dict", "load_full_state_dict",
     "shard_tree", "unshard_tree", "assemble", "functional_call", "value_and_grad", "grad", "optim",
     "clip_by_global_norm", "auto_rules", "fully_shard", "MixedPrecisionPolicy", "fully_shard_model",
-    "fully_shard_optimizer", "plan_of", "run_main", "metrics",
+    "fully_shard_optimizer", "plan_of", "run_main", "metrics", "offload_optimizer", "OffloadAdamW",
 ]

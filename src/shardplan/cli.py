@@ -79,7 +79,7 @@ def load_target(target: str):
 
 # the keywords of shardplan.plan a rules file's OPTIONS may set (rules, units and the mesh have names of their own)
 PLAN_OPTIONS = ("strategy", "compute_dtype", "reduce_dtype", "prefetch", "reshard_after_forward", "optimizer_states",
-                "min_unit_bytes", "order", "layout", "compute_axes", "styles")
+                "min_unit_bytes", "order", "layout", "compute_axes", "styles", "offload", "offload_fraction")
 
 
 @dataclass
@@ -218,6 +218,11 @@ def plan_options_parser() -> argparse.ArgumentParser:
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
                    help="free each unit's gathered parameters after its forward and gather again for the backward "
                         "(default: yes)")
+    p.add_argument("--offload", default=None, choices=("optimizer", "params"),
+                   help="CPU offload: master shards and optimizer state in host memory (optimizer), and parameter "
+                        "shards too (params, ZeRO-3 only); device and host memory are both shown")
+    p.add_argument("--offload-fraction", type=float, default=None, metavar="F",
+                   help="offload only this share (0 < F <= 1) of the trainable buffers (default 1)")
     p.add_argument("--param-dtype", default=None, metavar="DTYPE",
                    help="store parameters in this dtype, e.g. fp32 (default: the model's)")
     p.add_argument("--compute-axes", default=None, metavar="AXES",
@@ -319,7 +324,8 @@ def plan_options(args, file: Optional[RulesFile]) -> dict:
     opts = dict(file.options) if file else {}
     given = {"strategy": args.strategy, "compute_dtype": args.dtype, "reduce_dtype": args.reduce_dtype,
              "prefetch": args.prefetch, "min_unit_bytes": args.min_unit_bytes, "order": args.order,
-             "reshard_after_forward": args.reshard_after_forward}
+             "reshard_after_forward": args.reshard_after_forward, "offload": args.offload,
+             "offload_fraction": args.offload_fraction}
     if args.compute_axes is not None:
         given["compute_axes"] = tuple(a.strip() for a in args.compute_axes.split(",") if a.strip())
     opts.update({k: v for k, v in given.items() if v is not None})

@@ -2,7 +2,8 @@
 
 * ``kinds``: the vocabularies as string enums (op kinds, events, conditions, strategies, orders, layouts);
 * ``values``: the plain frozen values (``ParamPlan``, ``BufferPlan``, ``UnitPlan``, ``Op``, ``Program``, ``Piece``...);
-* ``heads``, ``tensor_parallel``: compute axes and styles; ``geometry``: layout policy and per-rank pieces;
+* ``heads``, ``tensor_parallel``: compute axes and styles; ``geometry``: layout policy and per-rank pieces; ``offload``:
+  which buffers live in host memory (CPU offload);
   ``schedule``: the ops of a step (checked by ``validate``); ``accounting``: memory, bytes, warnings;
   ``serialize``: JSON; ``render``: printed views;
 * ``facade``: :class:`Plan`, the compiled plan, whose methods read the values through the modules above;

@@ -15,7 +15,8 @@ from .. import layout as L
 from ..units import natural_sorted
 from ..mesh import Mesh
 from . import tensor_parallel as tp
-from .kinds import ALL_GATHER, ALL_REDUCE, FREE, GRADS, PARAMS, PREPARE, REDUCE_SCATTER, WAIT
+from .kinds import ALL_GATHER, ALL_REDUCE, COPY_D2H, COPY_H2D, FREE, GRADS, PARAMS, PREPARE, REDUCE_SCATTER, WAIT, Offload
+from .offload import host_bytes
 from .values import BufferPlan, ParamPlan, UnitPlan
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -57,7 +58,8 @@ def memory(plan: "Plan", rank: int = 0) -> dict[str, int]:
             live[(kind, i)] = per[i][kind]
 
     for b in plan.buffers:
-        put("shard", b.index)
+        if b.offload != Offload.PARAMS:  # offloaded parameters: on the device from copy_h2d to the gather's wait
+            put("shard", b.index)
         if b.persistent:
             put("full", b.index)
         if b.requires_grad and b.keeps_grads:
@@ -81,15 +83,21 @@ def memory(plan: "Plan", rank: int = 0) -> dict[str, int]:
     optimizer = 0
     if plan.optimizer_states:
         for p in plan.params:
-            if p.requires_grad:
+            if p.requires_grad and not plan.buffers[p.buffer].offload:  # offloaded: the state is on the host
                 optimizer += math.prod(plan.local_shape(p.name, rank)) * 4 * plan.optimizer_states
     grads = sum(v for (k, _), v in live.items() if k in ("lgrad", "flat", "rin", "rout"))
-    return dict(params=params, grads=grads, optimizer=optimizer, gathered_peak=gathered_peak, peak=peak + optimizer)
+    host = sum(host_bytes(b, plan.optimizer_states) for b in plan.buffers)
+    return dict(params=params, grads=grads, optimizer=optimizer, gathered_peak=gathered_peak, peak=peak + optimizer,
+                host=host, host_peak=host)
 
 
 def _apply(op, plan, per, live, lent, collected, put) -> None:
     bufs = [plan.buffers[i] for i in op.buffers]
-    if op.kind == PREPARE:
+    if op.kind == COPY_H2D:
+        for b in bufs:
+            if b.offload == Offload.PARAMS:
+                put("shard", b.index)
+    elif op.kind == PREPARE:
         for b in bufs:
             if ("flat", b.index) not in live:
                 put("flat", b.index)
@@ -103,6 +111,8 @@ def _apply(op, plan, per, live, lent, collected, put) -> None:
         for b in bufs:
             live.pop(("send", b.index), None)
             live.pop(("packed", b.index), None)
+            if b.offload == Offload.PARAMS:
+                live.pop(("shard", b.index), None)
     elif op.kind == FREE and op.what == PARAMS:
         for b in bufs:
             if not b.persistent:
@@ -134,7 +144,10 @@ def _apply(op, plan, per, live, lent, collected, put) -> None:
 
 def comm_bytes(plan: "Plan") -> dict:
     out = {ALL_GATHER: 0, REDUCE_SCATTER: 0, ALL_REDUCE: 0}
+    copies = {COPY_D2H: 0, COPY_H2D: 0}
     for op in plan.ops():
+        if op.kind in copies:
+            copies[op.kind] += op.bytes
         if not op.is_collective or op.in_module:  # tensor-parallel activations: counted below
             continue
         n = plan.mesh.axis_size(op.axes) if op.axes else 1
@@ -146,6 +159,8 @@ def comm_bytes(plan: "Plan") -> dict:
         out["tensor_parallel"] = None if acts is None else tp.activation_bytes(plan.tp_modules, acts, plan.mesh)
         if acts is not None:
             out["total"] += out["tensor_parallel"]
+    if plan.offload:  # host<->device copies over PCIe, not the network: not in "total"
+        out.update(copies)
     return out
 
 

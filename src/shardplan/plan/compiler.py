@@ -16,6 +16,7 @@ from ..spec import P
 from ..units import assign_units, check_entries, collect_leaves, module_classes, trace_order
 from ..auto import choose_min_unit_bytes, find_units, merge_note, root_unit_warning
 from . import geometry
+from . import offload as OFF
 from . import tensor_parallel as tp
 from .accounting import plan_warnings
 from .facade import Plan
@@ -81,7 +82,7 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
          compute_dtype=None, reduce_dtype=None, prefetch: int = 1, reshard_after_forward: bool = True,
          trace=None, optimizer_states: int = 2, world_size: Optional[int] = None,
          min_unit_bytes: Optional[int] = None, order=Order.STATIC, compute_axes=(), styles=None,
-         layout=LayoutChoice.AUTO) -> Plan:
+         layout=LayoutChoice.AUTO, offload=None, offload_fraction: float = 1.0) -> Plan:
     """Compile rules, a mesh and options into a :class:`Plan`. Pure: no process group, no GPU.
 
     >>> plan = shardplan.plan(model, rules, Mesh(dp=8), units=[r"layers\\.\\d+"], compute_dtype=torch.bfloat16)
@@ -109,6 +110,14 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
     DTensor's layout: ``model.state_dict()`` then returns DTensors that are views of the shards) instead of
     the planner's choice (``"auto"``: whole rows packed contiguously where that costs little padding, which
     saves the copy-out after each gather).
+
+    ``offload="optimizer"`` keeps the master shards and the optimizer state in host memory and steps them
+    there (train with :func:`shardplan.offload_optimizer`); ``offload="params"`` (ZeRO-3) also keeps the
+    parameter shards there, copied in ahead of each gather; ``offload_fraction=f`` offloads only that share
+    of the buffers (see :mod:`shardplan.plan.offload` and docs/offload.md).
+
+    >>> plan = shardplan.plan(model, rules, Mesh(dp=8), offload="optimizer")
+    >>> plan.memory().host                       # bytes of host memory per rank
     """
     if not isinstance(mesh, Mesh):
         raise MeshError(f"mesh must be a shardplan.Mesh, e.g. Mesh(dp=8); got {type(mesh).__name__}")
@@ -116,6 +125,7 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
         raise MeshError(f"mesh {mesh!r} has {mesh.size} ranks but the world size is {world_size}; "
                         f"make the axis sizes multiply to {world_size}")
     level = strategy_level(strategy)
+    offload, offload_fraction = OFF.check(offload, offload_fraction, level)
     if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
         raise PlanError(f"prefetch must be a non-negative integer (units gathered ahead); got {prefetch!r}")
     order = choose(Order, order, "order")
@@ -205,6 +215,9 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
         raf = reshard_after_forward and uname not in (ROOT, last)
         unit_plans.append(UnitPlan(name=uname, buffers=tuple(idxs), reshard_after_forward=raf,
                                    modules=covers.get(uname, ()), parent=parent.get(uname, ROOT)))
+    if offload is not None:
+        hosted = OFF.choose_offloaded(buffers, unit_plans, level=level, offload=offload, fraction=offload_fraction)
+        buffers = [dataclasses.replace(b, offload=hosted.get(b.index, "")) for b in buffers]
     activations = None
     if tp_modules:
         choices.append(tp.modules_note(tp_modules))
@@ -220,6 +233,7 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
                   buffers=buffers_, units=units_, schedule=schedule,
                   warnings=tuple(notes) + plan_warnings(mesh, param_plans, buffers_, units_), order=order,
                   notes=tuple(choices), min_unit_bytes=min_unit_bytes, compute_axes=compute_axes,
-                  tp_modules=tp_modules, tp_activations=activations, layout=layout)
+                  tp_modules=tp_modules, tp_activations=activations, layout=layout,
+                  offload=offload, offload_fraction=offload_fraction)
     validate(result)  # the builder's own schedules obey the rules edited ones must
     return result

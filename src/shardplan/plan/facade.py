@@ -22,7 +22,7 @@ from ..units import ROOT
 from . import accounting, geometry, render, serialize
 from . import schedule as S
 from . import tensor_parallel as tp
-from .kinds import LayoutChoice, Order, Strategy, choose, strategy_level
+from .kinds import LayoutChoice, Offload, Order, Strategy, choose, strategy_level
 from .validate import normalised, validate
 from .values import BufferPlan, Memory, Op, ParamPlan, Piece, Program, UnitPlan
 
@@ -57,6 +57,8 @@ class Plan:
     tp_modules: tuple[tp.TPModule, ...] = ()    # modules run tensor-parallel, with their styles
     tp_activations: Optional[tuple[tp.Activation, ...]] = None  # traced activation sizes (None: not traced)
     layout: LayoutChoice = LayoutChoice.AUTO    # "chunked": torch.chunk pieces everywhere (DTensor-describable)
+    offload: Optional[Offload] = None           # CPU offload: "optimizer" or "params" (which buffers: BufferPlan.offload)
+    offload_fraction: float = 1.0               # the share of the trainable shard bytes offloaded
 
     # -- lookups -----------------------------------------------------------------------------------
     @cached_property
@@ -317,13 +319,15 @@ class Plan:
 
     # -- accounting ----------------------------------------------------------------------------------
     def memory(self, rank: int = 0) -> Memory:
-        """Planned bytes on ``rank``: params, grads and optimizer state, and the peak over the schedule."""
+        """Planned bytes on ``rank``: params, grads and optimizer state, and the peak over the schedule, on the
+        device; ``host``/``host_peak``: host memory of CPU offload (0 without it)."""
         return Memory(**accounting.memory(self, rank))
 
     def comm_bytes(self, rank: int = 0) -> dict[str, Optional[int]]:
         """Bytes each rank sends per training step, by op kind (ring algorithms: (n-1)/n of the payload).
         With compute axes, ``tensor_parallel`` adds the activations the styles move: estimated when the plan
-        was traced with example inputs (``trace=``), ``None`` ("not estimated") otherwise."""
+        was traced with example inputs (``trace=``), ``None`` ("not estimated") otherwise. With CPU offload,
+        ``copy_d2h`` / ``copy_h2d`` are the host<->device copy bytes per step (not in ``total``, the network's)."""
         return accounting.comm_bytes(self)
 
     def max_gathered_units(self) -> int:
@@ -402,7 +406,9 @@ class Plan:
                     reduce_dtype=self.reduce_dtype, prefetch=self.prefetch,
                     reshard_after_forward=rafs.pop() if len(rafs) == 1 else self.reshard_after_forward,
                     optimizer_states=self.optimizer_states, min_unit_bytes=self.min_unit_bytes, order=self.order,
-                    **({"layout": self.layout} if self.layout != LayoutChoice.AUTO else {}))
+                    **({"layout": self.layout} if self.layout != LayoutChoice.AUTO else {}),
+                    **({"offload": self.offload} if self.offload else {}),
+                    **({"offload_fraction": self.offload_fraction} if self.offload_fraction != 1 else {}))
 
     def to_source(self) -> str:
         """A rules file that rebuilds this plan: ``rules``, ``UNITS`` (the exact modules of its units),

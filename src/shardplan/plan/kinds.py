@@ -45,6 +45,15 @@ class OpKind(Name):
     FREE = "free"
     PREPARE = "prepare"  # grads: the unsharded gradient exists for this window and the full parameters'
     #                      ``.grad`` point into it (gradients accumulate straight into the flat buffer)
+    COPY_D2H = "copy_d2h"  # grads: a reduced local gradient shard goes to host memory (CPU offload)
+    COPY_H2D = "copy_h2d"  # params: a shard the host stepped (or holds) is on the device before its gather
+
+
+class Offload(Name):
+    """``plan(offload=...)``: what lives in host memory (see :mod:`shardplan.plan.offload`)."""
+
+    OPTIMIZER = "optimizer"  # the master shard copy and the optimizer state; the step runs on the host
+    PARAMS = "params"        # also the parameter shard itself (ZeRO-3): copied in ahead of each gather
 
 
 class Subject(Name):
@@ -105,7 +114,8 @@ class LayoutChoice(Name):
     CHUNKED = "chunked"
 
 
-ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, WAIT, FREE, PREPARE = OpKind
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, WAIT, FREE, PREPARE, COPY_D2H, COPY_H2D = OpKind
+COPIES = (COPY_D2H, COPY_H2D)
 COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
 KINDS = tuple(OpKind)
 PARAMS, GRADS, USED, ACTIVATIONS = Subject

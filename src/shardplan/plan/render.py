@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from .. import layout as L
 from ..dtypes import itemsize
 from .accounting import coverage
-from .kinds import ALL_GATHER, ALL_REDUCE, FREE, PREPARE, REDUCE_SCATTER, WAIT
+from .kinds import ALL_GATHER, ALL_REDUCE, COPY_D2H, COPY_H2D, FREE, PREPARE, REDUCE_SCATTER, WAIT
 
 if TYPE_CHECKING:  # pragma: no cover
     from .facade import Plan
@@ -73,10 +73,19 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
         out.insert(len(out) - 2, f"  ... {len(plan.units) - len(shown)} more units")
     m = plan.memory(rank)
     out.append("")
-    out.append(f"memory on rank {rank}: params {fmt_bytes(m.params)}, grads {fmt_bytes(m.grads)}, "
+    where = "device memory" if plan.offload else "memory"
+    out.append(f"{where} on rank {rank}: params {fmt_bytes(m.params)}, grads {fmt_bytes(m.grads)}, "
                f"optimizer {fmt_bytes(m.optimizer)} ({plan.optimizer_states} fp32 states), "
                f"gathered peak {fmt_bytes(m.gathered_peak)}, peak {fmt_bytes(m.peak)} (activations not counted)")
     c = plan.comm_bytes(rank)
+    if plan.offload:
+        hosted = [b for b in plan.buffers if b.offload]
+        trainable = sum(b.shard_numel * b.itemsize for b in plan.buffers if b.requires_grad)
+        share = sum(b.shard_numel * b.itemsize for b in hosted if b.requires_grad) / max(trainable, 1)
+        out.append(f"host memory on rank {rank}: {fmt_bytes(m.host)} (offload={plan.offload}: {len(hosted)} of "
+                   f"{len(plan.buffers)} buffers, {100 * share:.0f}% of the trainable shard bytes; master, gradient and "
+                   f"{plan.optimizer_states} state shards), host peak {fmt_bytes(m.host_peak)}; copied per step: "
+                   f"device->host {fmt_bytes(c['copy_d2h'])}, host->device {fmt_bytes(c['copy_h2d'])}")
     tp_part = ""
     if plan.compute_axes:
         tp_part = (f", tensor-parallel activations {fmt_bytes(c['tensor_parallel'])}" if c["tensor_parallel"] is not None
@@ -140,7 +149,9 @@ def render_schedule(plan: "Plan") -> str:
             lines.append(f"{op.trigger}:")
             last = op.trigger
         flags = (" prefetch" if op.prefetch else "") + (f"  [{op.when}]" if op.when else "")
-        if op.is_collective:
+        if op.kind in (COPY_D2H, COPY_H2D):
+            body = f"{op.kind} {op.what} {op.unit or 'all'}, {fmt_bytes(op.bytes)}"
+        elif op.is_collective:
             ax = ",".join(op.axes) or "local"
             body = f"{op.kind} {op.what} {op.unit or 'all'} over {ax}, {fmt_bytes(op.bytes)}"
         else:
@@ -152,7 +163,7 @@ def render_schedule(plan: "Plan") -> str:
 def chrome_trace(plan: "Plan", path: str, gbps: float) -> None:
     """One track per op kind; each collective's length is its payload at ``gbps`` GB/s, laid end to end
     per track in schedule order; waits and frees are instants."""
-    tracks = {ALL_GATHER: 1, REDUCE_SCATTER: 2, ALL_REDUCE: 3, WAIT: 4, FREE: 5, PREPARE: 6}
+    tracks = {ALL_GATHER: 1, REDUCE_SCATTER: 2, ALL_REDUCE: 3, WAIT: 4, FREE: 5, PREPARE: 6, COPY_D2H: 7, COPY_H2D: 8}
     clock = {t: 0.0 for t in tracks.values()}
     start = 0.0
     events = []

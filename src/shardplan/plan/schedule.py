@@ -29,6 +29,7 @@ from ..errors import PlanError
 from ..units import ROOT
 # [Note: the names below are re-exported: the runtime and users import them from here]
 from .kinds import (ALL_GATHER, ALL_REDUCE, ALWAYS, BACKWARD, BEFORE_FORWARD, BEGIN_BACKWARD, PREPARE, COLLECTIVES, CONDITIONS, END_BACKWARD,
+                    COPY_D2H, COPY_H2D, Offload,
                     EVENTS, FORWARD, FREE, GRADS, KINDS, NO_GRAD, ORDERS, PARAMS, POST_BACKWARD, POST_FORWARD,
                     PRE_BACKWARD, PRE_FORWARD, REDUCE_SCATTER, STALE, STEP, STRATEGIES, SYNC, USED, WAIT, Condition,
                     Event, OpKind, Order, Subject)
@@ -37,7 +38,7 @@ from .values import Op, Program, Step
 if TYPE_CHECKING:  # pragma: no cover
     from .values import BufferPlan, UnitPlan
 
-__all__ = ["ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "FREE", "PREPARE", "BEGIN_BACKWARD", "COLLECTIVES", "KINDS", "PARAMS", "GRADS",
+__all__ = ["ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "FREE", "PREPARE", "COPY_D2H", "COPY_H2D", "BEGIN_BACKWARD", "COLLECTIVES", "KINDS", "PARAMS", "GRADS",
            "USED", "BEFORE_FORWARD", "PRE_FORWARD", "POST_FORWARD", "PRE_BACKWARD", "POST_BACKWARD", "END_BACKWARD",
            "EVENTS", "ALWAYS", "STALE", "SYNC", "NO_GRAD", "CONDITIONS", "ORDERS", "FORWARD", "BACKWARD", "STEP",
            "STRATEGIES", "ROOT", "Op", "Step", "Program", "OpKind", "Subject", "Event", "Condition", "Order",
@@ -122,9 +123,20 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
         # a local cast (a replicated buffer computing in another dtype) rides with the first group's op
         parts = by_group([b for b in entries if b.sharded], lambda b: b.axes) or [[]]
         parts[0] = [b for b in entries if not b.sharded] + parts[0]
-        return [op(ALL_GATHER, u, PARAMS, event, at, sorted(p, key=lambda b: b.index), lambda b: b.axes if b.sharded
-                   else (), sum(b.gathered_numel * b.compute_itemsize for b in p if b.sharded), pf, when)
-                for p in parts]
+        # CPU offload of the parameters: the shard is copied in from the host ahead of each of its gathers
+        hosted = [b for b in entries if b.offload == Offload.PARAMS]
+        copy = [op(COPY_H2D, u, PARAMS, event, at, hosted, lambda b: (), sum(b.shard_numel * b.itemsize for b in hosted),
+                   pf, when)] if hosted else []
+        return copy + [op(ALL_GATHER, u, PARAMS, event, at, sorted(p, key=lambda b: b.index), lambda b: b.axes
+                          if b.sharded else (), sum(b.gathered_numel * b.compute_itemsize for b in p if b.sharded), pf,
+                          when) for p in parts]
+
+    def copy_back(u) -> list[Op]:
+        """CPU offload of the optimizer: the shards the host stepped are on the device before the forward
+        (``stale``: only after a step may have changed them; the optimizer issues the copies as it goes)."""
+        mine = bufs(u, lambda b: b.offload == Offload.OPTIMIZER)
+        return [op(COPY_H2D, u, PARAMS, BEFORE_FORWARD, "", mine, lambda b: (),
+                   sum(b.shard_numel * b.itemsize for b in mine), when=STALE)] if mine else []
 
     def wait_params(u, event, at, when=ALWAYS) -> list[Op]:
         mine = [buffers[i] for i in by_name[u].buffers]
@@ -157,6 +169,10 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
         if not grads:
             return []
         out = [op(WAIT, u, GRADS, event, at, grads, when=SYNC)]
+        hosted = [b for b in grads if b.offload]  # CPU offload: the reduced gradient shard goes to the host
+        if hosted:
+            out.append(op(COPY_D2H, u, GRADS, event, at, hosted, lambda b: (),
+                          sum(b.shard_numel * b.itemsize for b in hosted), when=SYNC))
         transient = [b for b in grads if not b.keeps_grads]
         if transient:
             out.append(op(FREE, u, GRADS, event, at, transient, when=SYNC))
@@ -181,6 +197,8 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
     deferred: list[Op] = []
     for event, at in fwd_events:
         if event == BEFORE_FORWARD:
+            for u in pre_order:
+                ops += copy_back(u)
             if level in (0, 1, 2):
                 for u in pre_order:
                     ops += gather(u, event, at, when=STALE)

@@ -10,7 +10,7 @@ from ..errors import PlanError
 from ..mesh import Mesh
 from ..spec import P
 from . import tensor_parallel as tp
-from .kinds import LayoutChoice, Order, Strategy, choose
+from .kinds import LayoutChoice, Offload, Order, Strategy, choose
 from .validate import normalised
 from .values import BufferPlan, Compute, Op, ParamPlan, UnitPlan
 
@@ -39,7 +39,8 @@ def to_dict(plan: "Plan") -> dict[str, Any]:
                          reduce_dtype=b.reduce_dtype, layout=b.layout, axes=list(b.axes),
                          replica_axes=list(b.replica_axes), group_size=b.group_size, shard_numel=b.shard_numel,
                          numel=b.numel, params=list(b.params), requires_grad=b.requires_grad, alias=b.alias,
-                         persistent=b.persistent, grad_alias=b.grad_alias, keeps_grads=b.keeps_grads)
+                         persistent=b.persistent, grad_alias=b.grad_alias, keeps_grads=b.keeps_grads,
+                         **({"offload": b.offload} if b.offload else {}))
                     for b in plan.buffers],
         "units": [dict(name=u.name, buffers=list(u.buffers), reshard_after_forward=u.reshard_after_forward,
                        modules=list(u.modules), parent=u.parent) for u in plan.units],
@@ -50,6 +51,7 @@ def to_dict(plan: "Plan") -> dict[str, Any]:
         "min_unit_bytes": plan.min_unit_bytes,
         # [Note: only a non-default layout is written, so plans made before the option keep their fingerprints]
         **({"layout": plan.layout} if plan.layout != "auto" else {}),
+        **({"offload": plan.offload, "offload_fraction": plan.offload_fraction} if plan.offload else {}),
         **({"compute_axes": list(plan.compute_axes), "tp_modules": [dataclasses.asdict(m) for m in plan.tp_modules],
             "tp_activations": None if plan.tp_activations is None else [dataclasses.asdict(a) for a in plan.tp_activations]}
            if plan.compute_axes else {}),
@@ -88,6 +90,8 @@ def plan_fields(text: str) -> dict[str, Any]:
         compute_axes=tuple(d.get("compute_axes", ())), tp_modules=tuple(tp.TPModule(**m) for m in d.get("tp_modules", ())),
         tp_activations=None if d.get("tp_activations") is None else tuple(tp.Activation(**a) for a in d["tp_activations"]),
         layout=choose(LayoutChoice, d.get("layout", "auto"), "layout"),
+        offload=choose(Offload, d["offload"], "offload") if d.get("offload") else None,
+        offload_fraction=float(d.get("offload_fraction", 1.0)),
     )
 
 
@@ -101,4 +105,5 @@ def summary(plan: "Plan") -> dict[str, Any]:
         "elements": sum(p.numel for p in plan.params), "units": [u.name for u in plan.units],
         "ops": len(plan.schedule), "min_unit_bytes": plan.min_unit_bytes, "compute_axes": list(plan.compute_axes),
         "tp_modules": len(plan.tp_modules), "layout": plan.layout,
+        "offload": plan.offload, "offload_fraction": plan.offload_fraction,
     }

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Iterable
 from ..errors import PlanError
 from ..units import ROOT, natural_sorted
 from . import kinds as K
-from .kinds import (ACTIVATIONS, ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, END_BACKWARD, FREE, GRADS, MODULE_BACKWARD,
+from .kinds import (ACTIVATIONS, ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, COPY_D2H, COPY_H2D, END_BACKWARD, FREE, GRADS,
+                    MODULE_BACKWARD, Offload,
                     MODULE_FORWARD, PARAMS, POST_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, PREPARE,
                     REDUCE_SCATTER, USED, WAIT)
 from .schedule import needs_gather
@@ -121,6 +122,16 @@ def _check_op(plan: "Plan", units, i: int, op: Op) -> None:
             raise _fail(i, op, "all-reduces buffers over different replica groups: one op per group")
         if op.what != GRADS or any(not b.requires_grad for b in bufs):
             raise _fail(i, op, "all_reduce reduces gradients over the replica axes")
+    elif op.kind in (COPY_D2H, COPY_H2D):
+        # CPU offload: a copy moves offloaded buffers only, of its own unit, locally
+        what = GRADS if op.kind == COPY_D2H else PARAMS
+        if op.what != what:
+            raise _fail(i, op, f"{op.kind} moves {what}")
+        bad = [b.index for b in bufs if not b.offload or (op.kind == COPY_D2H and not b.requires_grad)]
+        if bad:
+            raise _fail(i, op, f"copies buffer(s) {bad}, which the plan does not offload"
+                               + (" (or which take no gradient)" if op.kind == COPY_D2H else ""))
+        want = ()
     elif op.kind == PREPARE:
         need = [b.index for b in plan.buffers if b.index in mine and b.requires_grad]
         if op.what != GRADS or sorted(op.buffers) != need:
@@ -161,6 +172,10 @@ def _simulate(plan: "Plan", units, prog: Program, *, stale: bool, grad: bool, sy
     issued: dict[str, set] = {n: set() for n in units}
     waited: set[str] = set()
     prepared: set[str] = set()
+    hosted = {n: {b.index for b in bs if b.offload == Offload.PARAMS} for n, bs in bufs.items()}
+    staged: set[int] = set()   # offloaded parameter shards copied to the device, not yet gathered
+    copied_grads: set[str] = set()
+    hosted_grads = {n: any(b.offload and b.requires_grad for b in bs) for n, bs in bufs.items()}
     used_issued = used_waited = False
     mode = f"(in a step with stale={stale}, grad={grad}, sync={sync})"
     steps = list(prog.forward) if not grad else prog.canonical()
@@ -189,7 +204,18 @@ def _simulate(plan: "Plan", units, prog: Program, *, stale: bool, grad: bool, sy
                 continue
             if op.kind == PREPARE:
                 prepared.add(u)
+            elif op.kind == COPY_H2D:
+                staged |= set(op.buffers) & hosted[u]
+            elif op.kind == COPY_D2H:
+                if u not in waited:
+                    raise _fail(i, op, f"copies unit {u!r}'s gradients to the host before their reduction completed "
+                                       f"{mode}: put it after the unit's wait for grads")
+                copied_grads.add(u)
             elif op.kind == ALL_GATHER:  # one op per process group: a unit may take several
+                missing = hosted[u] & set(op.buffers) - staged
+                if missing:
+                    raise _fail(i, op, f"gathers buffer(s) {sorted(missing)} of unit {u!r}, whose shards live on the "
+                                       f"host, with no copy_h2d before it {mode}: add one at the same trigger")
                 if state[u] == "gathering" and not gathering[u] & set(op.buffers):
                     gathering[u] |= set(op.buffers)
                     continue
@@ -204,6 +230,7 @@ def _simulate(plan: "Plan", units, prog: Program, *, stale: bool, grad: bool, sy
                     raise _fail(i, op, f"binds unit {u!r}'s parameters, but its buffer(s) "
                                        f"{sorted(to_gather[u] - gathering[u])} were not gathered {mode}")
                 state[u] = "bound"
+                staged -= hosted[u]
             elif op.kind == FREE and op.what == PARAMS:
                 if u in in_use:
                     raise _fail(i, op, f"frees unit {u!r}'s parameters while {u!r} still computes {mode}")
@@ -239,6 +266,10 @@ def _simulate(plan: "Plan", units, prog: Program, *, stale: bool, grad: bool, sy
         if left:
             raise PlanError(f"the schedule leaves the gradients of unit(s) {left} unreduced {mode}: each needs its "
                             f"reduce_scatter / all_reduce after its post_backward and a wait for grads")
+        left = [n for n in units if hosted_grads[n] and n in waited and n not in copied_grads]
+        if left:
+            raise PlanError(f"the schedule never copies the gradients of unit(s) {left} to the host {mode}, but the "
+                            f"plan offloads their optimizer step: add a copy_d2h of grads after each one's wait")
         if not used_waited:
             raise PlanError(f"the schedule lacks the used-parameter exchange at end_backward {mode} (an all_reduce "
                             f"and a wait of what='used'): parameters no rank used would get zero gradients")

@@ -151,6 +151,7 @@ class BufferPlan:
     persistent: bool = True
     grad_alias: bool = False
     keeps_grads: bool = True
+    offload: str = ""  # "" (all on the device), "optimizer" or "params": what of it lives in host memory
 
     @property
     def sharded(self) -> bool:
@@ -215,13 +216,17 @@ class UnitPlan:
 
 @dataclass(frozen=True)
 class Memory:
-    """Bytes on one rank. ``peak`` = the most the schedule holds at once (optimizer state included)."""
+    """Bytes on one rank. ``peak`` = the most the schedule holds at once on the device (optimizer state
+    included); ``host`` / ``host_peak``: host memory of CPU offload (master shards, gradient shards and
+    optimizer state of the offloaded buffers; every host tensor is kept for the whole run, so the two agree)."""
 
     params: int
     grads: int
     optimizer: int
     gathered_peak: int
     peak: int
+    host: int = 0
+    host_peak: int = 0
 
     @property
     def persistent(self) -> int:

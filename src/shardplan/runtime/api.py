@@ -22,6 +22,7 @@ from .startup import tp_local
 from .seams import guard_apply
 from .faces import ModuleFace
 from . import identity
+from . import offload
 from .hooks import install
 
 
@@ -78,6 +79,7 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     face = ModuleFace(unit_slots)
     face.attach(units, plan)
     exe = Executor(plan, units, rt.groups, device, rank, timeout_s, face)
+    offload.attach(exe)  # CPU offload: host master shards and optimizer state (None without it)
     for lp in face.by_index.values():
         lp._shardplan_engine = weakref.ref(exe)  # who steps it (fully_shard_optimizer checks)
     meshes = rt.meshes
@@ -184,6 +186,8 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     if grads:
         torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+    if getattr(eng, "offload", None) is not None:  # the host copies of the gradients are scaled alike
+        eng.offload.grads_scaled(coef.to(grads[0].dtype) if grads else coef)
     return total
 
 

@@ -34,8 +34,9 @@ import torch
 
 from ..errors import RuntimeShardingError
 from ..plan import Plan
-from ..plan.schedule import (ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, FREE, GRADS, PARAMS, POST_BACKWARD, POST_FORWARD,
-                             PRE_FORWARD, PREPARE, REDUCE_SCATTER, ROOT, STALE, USED, WAIT, Op, Step)
+from ..plan.schedule import (ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, COPY_D2H, COPY_H2D, FREE, GRADS, PARAMS,
+                             POST_BACKWARD, POST_FORWARD, PRE_FORWARD, PREPARE, REDUCE_SCATTER, ROOT, STALE, USED, WAIT,
+                             Op, Step)
 from . import collectives as C
 from .comm import CommEngine
 from .cursor import Cursor, Facts
@@ -84,7 +85,9 @@ class Executor:
                         (FREE, PARAMS): self._free_params, (REDUCE_SCATTER, GRADS): self._reduce,
                         (ALL_REDUCE, GRADS): self._reduce, (WAIT, GRADS): self._wait_grads,
                         (FREE, GRADS): self._free_grads, (ALL_REDUCE, USED): self._exchange_used,
-                        (WAIT, USED): self._wait_used, (PREPARE, GRADS): self._prepare_grads}
+                        (WAIT, USED): self._wait_used, (PREPARE, GRADS): self._prepare_grads,
+                        (COPY_D2H, GRADS): self._offload_copy, (COPY_H2D, PARAMS): self._offload_copy}
+        self.offload = None  # [offload hook] runtime/offload.py's OffloadState, set by shard() for offloading plans
 
     @property
     def face(self) -> Optional[Face]:
@@ -343,6 +346,13 @@ class Executor:
         self.grads.pending_used = None
         self.face.unused([i for i, f in enumerate(rec.flags.tolist()) if not f])
 
+    def _offload_copy(self, op: Op) -> None:
+        """[offload hook] copy_d2h / copy_h2d: CPU offload's copies (runtime/offload.py)."""
+        if self.offload is None:
+            raise RuntimeShardingError("shardplan: this plan offloads to host memory (plan(offload=...)), which runs "
+                                       "with shardplan.shard(model, plan) only; plan without offload for this face")
+        self.offload.run(op)
+
     # -- helpers -----------------------------------------------------------------------------------
     def _versions(self) -> int:
         return self.face.shard_version()
@@ -410,3 +420,5 @@ class Executor:
     def mark_shards_changed(self) -> None:
         """The local shards were written outside an optimizer step (a checkpoint load): gather again."""
         self.stale = True
+        if self.offload is not None:  # [offload hook] the host master shards follow the device shards
+            self.offload.shards_changed()

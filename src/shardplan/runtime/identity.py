@@ -9,7 +9,8 @@ keeping its attributes), and an optimizer built earlier steps exactly what the r
 Where the swap is impossible (a tensor subclass, a weak reference torch refuses to move), the original
 is marked, and :func:`check_optimizer` (a global optimizer step pre-hook) makes the first ``step()``
 that holds a marked parameter raise, naming it and the fix, rather than train nothing. It also refuses
-an optimizer whose state was built for the full, unsharded parameters.
+an optimizer whose state was built for the full, unsharded parameters, and, for a plan that offloads the
+optimizer to host memory, any optimizer but :func:`shardplan.offload_optimizer`'s.
 """
 
 from __future__ import annotations
@@ -73,6 +74,13 @@ def check_optimizer(opt: torch.optim.Optimizer, args, kwargs) -> None:
                     f"model.parameters()")
             if "_shardplan_engine" not in p.__dict__:
                 continue
+            eng = p.__dict__["_shardplan_engine"]()
+            if eng is not None and eng.plan.offload and not getattr(opt, "_shardplan_offload", False):
+                raise RuntimeShardingError(
+                    f"shardplan: the plan offloads the optimizer to host memory (offload={eng.plan.offload!r}), so "
+                    f"{type(opt).__name__} over model.parameters() would step the device shards and miss the host "
+                    f"masters; build the optimizer with shardplan.offload_optimizer(model, lr=..., betas=..., "
+                    f"weight_decay=...) (AdamW), or plan without offload")
             for key, v in opt.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != p.shape:
                     raise RuntimeShardingError(

@@ -1,0 +1,91 @@
+"""The optimizer of an offloaded model: AdamW whose offloaded buffers step on the host.
+
+>>> plan = sp.plan(model, rules, sp.Mesh(dp=8), offload="optimizer")
+>>> sp.shard(model, plan)
+>>> opt = sp.offload_optimizer(model, lr=3e-4, weight_decay=0.1)    # torch.optim.AdamW's hyper-parameters
+>>> loss.backward(); sp.clip_grad_norm_(model, 1.0); opt.step(); opt.zero_grad()
+
+It is a ``torch.optim.Optimizer`` over the local shards (``model.parameters()``), with torch AdamW's
+state per parameter (``step``, ``exp_avg``, ``exp_avg_sq``): learning-rate schedulers, ``state_dict()``
+and ``shardplan.checkpoint`` treat it like ``torch.optim.AdamW``, and a checkpoint of either loads into
+the other. The state of an offloaded buffer *is* a view of its flat host tensors; the rest lives on
+the device and steps there (``offload_fraction < 1``), with the same kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from ..errors import RuntimeShardingError
+from .builder import engine_of
+from .offload import _by_step, adamw  # noqa: F401  (the kernel both sides share)
+
+
+class OffloadAdamW(torch.optim.Optimizer):
+    """AdamW over a sharded model's local shards; offloaded buffers step on the host (see the module)."""
+
+    _shardplan_offload = True  # the optimizer check (runtime/identity.py) accepts it for offloaded models
+
+    def __init__(self, model: nn.Module, lr=1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, fused: Optional[bool] = True):
+        eng = engine_of(model)
+        self._engine = eng
+        self._host = eng.offload
+        self.fused = fused
+        members = [(b, m) for u in eng.unit_list for b in u.buffers for m in b.members if m.info.requires_grad]
+        if not members:
+            raise RuntimeShardingError("shardplan.offload_optimizer: the model has no parameter that requires grad")
+        super().__init__([m.local for _, m in members], dict(lr=lr, betas=tuple(betas), eps=eps,
+                                                               weight_decay=weight_decay))
+        hosts = self._host.hosts if self._host is not None else {}
+        self._device: list = []  # (local shard) of buffers stepped on the device
+        for b, m in members:
+            hb = hosts.get(b.bp.index)
+            lp = m.local
+            if hb is not None:  # views of the flat host tensors: a checkpoint load writes straight into them
+                shape = m.piece.shape
+                self.state[lp] = {"step": hb.steps[m.index], "exp_avg": hb.exp_avg[m.shard].view(shape),
+                                  "exp_avg_sq": hb.exp_avg_sq[m.shard].view(shape)}
+            else:
+                self.state[lp] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(lp.detach()),
+                                  "exp_avg_sq": torch.zeros_like(lp.detach())}
+                self._device.append(lp)
+        # the host buffers in the order their gradients arrive (the last unit's first): the first copies
+        # back to the device start while later buffers still step
+        order = {u.name: k for k, u in enumerate(reversed(eng.plan.units[1:]))}
+        self._hosts = sorted(hosts.values(), key=lambda hb: order.get(hb.b.bp.unit, len(order)))
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        group = self.param_groups[0]
+        for hb in self._hosts:
+            self._host.host_step(hb, group, self.fused)
+        dev = [p for p in self._device if p.grad is not None]
+        if dev:
+            st = [self.state[p] for p in dev]
+            adamw(dev, [p.grad for p in dev], [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st],
+                  [s["step"] for s in st], group, None)
+        if self._host is not None:
+            self._host.finish_step()
+        return loss
+
+
+def offload_optimizer(model: nn.Module, lr=1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                      weight_decay: float = 1e-2, *, fused: Optional[bool] = True) -> OffloadAdamW:
+    """AdamW for a model sharded with an offloading plan (``plan(..., offload="optimizer")``): the offloaded
+    buffers' master shards and moments live in host memory and step there; hyper-parameters as
+    ``torch.optim.AdamW``'s. ``fused``: torch's fused kernel for the host step (``None``: torch's default).
+
+    >>> opt = shardplan.offload_optimizer(model, lr=3e-4, weight_decay=0.1)
+    >>> loss.backward(); opt.step(); opt.zero_grad()
+
+    Also runs a plan without offload (every buffer steps on the device), so one training script serves both.
+    """
+    return OffloadAdamW(model, lr, betas, eps, weight_decay, fused=fused)

@@ -1,0 +1,290 @@
+"""CPU offload: the plan (which buffers, host bytes, copies as ops) and the runtime (host optimizer step,
+checkpoints across offload settings, accounting), on CPU gloo groups where "host" and "device" are the
+same memory but the code path (copies between two tensors) is the one a GPU runs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings, strategies as st
+
+import shardplan as sp
+from shardplan.plan.kinds import COPY_D2H, COPY_H2D, GRADS, PARAMS, WAIT
+
+from distributed import run
+from models import Toy, batches, toy_rules
+
+UNITS = [r"blocks\.\d+"]
+
+
+def _model():
+    return nn.Sequential(nn.Embedding(64, 16), nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 8)),
+                         nn.Linear(8, 64))
+
+
+def _plan(strategy=3, offload="optimizer", fraction=1.0, dp=4, **kw):
+    return sp.plan(_model(), [(r".*", sp.P("dp"))], sp.Mesh(dp=dp), strategy=strategy, units=[r"1\.\d"],
+                   min_unit_bytes=0, offload=offload, offload_fraction=fraction, **kw)
+
+
+# -- planning ----------------------------------------------------------------------------------------
+
+def test_options_are_validated_naming_the_fix():
+    with pytest.raises(sp.PlanError, match="optim_grads_params"):
+        _plan(strategy=2, offload="params")
+    for bad in (0, -0.5, 1.5, float("nan"), "half", True):
+        with pytest.raises(sp.PlanError, match="offload_fraction"):
+            _plan(fraction=bad)
+    with pytest.raises(sp.PlanError, match="offload must be one of"):
+        _plan(offload="gpu")
+    with pytest.raises(sp.PlanError, match="needs offload="):
+        _plan(offload=None, fraction=0.5)
+
+
+@pytest.mark.parametrize("strategy", range(4))
+def test_device_bytes_move_to_the_host(strategy):
+    base, off = _plan(strategy, offload=None), _plan(strategy)
+    mb, mo = base.memory(1), off.memory(1)
+    assert (mb.host, mo.optimizer) == (0, 0) and mo.peak == mb.peak - mb.optimizer
+    assert mo.params == mb.params and mo.grads == mb.grads and mo.host == mo.host_peak > 0
+    c = off.comm_bytes()
+    assert c["copy_d2h"] == c["copy_h2d"] == sum(b.shard_numel * b.itemsize for b in off.buffers if b.requires_grad)
+    assert c["total"] == base.comm_bytes()["total"] and "copy_d2h" not in base.comm_bytes()
+
+
+def test_params_offload_frees_the_device_shards():
+    base, off = _plan(offload=None), _plan(offload="params")
+    assert {b.offload for b in off.buffers} == {"params"}
+    assert off.memory().params == 0 and off.memory().peak < base.memory().peak - base.memory().optimizer
+    # every all-gather of an offloaded unit has the shard copied in right before it, same trigger
+    ops = off.ops()
+    for i, o in enumerate(ops):
+        if o.kind == "all_gather":
+            assert ops[i - 1].kind == COPY_H2D and ops[i - 1].trigger == o.trigger and ops[i - 1].unit == o.unit
+
+
+def test_copies_are_ops_after_the_reduction_and_before_the_forward():
+    plan = _plan(strategy=2)
+    ops = plan.ops()
+    for i, o in enumerate(ops):
+        if o.kind == COPY_D2H:
+            assert o.what == GRADS and ops[i - 1].kind == WAIT and ops[i - 1].unit == o.unit and o.when == "sync"
+    h2d = [o for o in ops if o.kind == COPY_H2D]
+    assert h2d and all(o.event == "before_forward" and o.when == "stale" and o.what == PARAMS for o in h2d)
+    assert not [o for o in plan.ops(stale=False) if o.kind == COPY_H2D]
+    assert not [o for o in plan.ops(sync=False) if o.kind == COPY_D2H]
+
+
+def test_validation_rejects_a_missing_copy():
+    plan = _plan()
+    with pytest.raises(sp.PlanError, match="never copies the gradients"):
+        plan.with_schedule([o for o in plan.schedule if o.kind != COPY_D2H])
+    pp = _plan(offload="params")
+    with pytest.raises(sp.PlanError, match="no copy_h2d before it"):
+        pp.with_schedule([o for o in pp.schedule if o.kind != COPY_H2D])
+    sched = list(plan.schedule)
+    k = next(i for i, o in enumerate(sched) if o.kind == COPY_D2H)
+    sched[k - 1], sched[k] = sched[k], sched[k - 1]  # the copy before the wait for the reduction
+    with pytest.raises(sp.PlanError, match="before their reduction completed"):
+        plan.with_schedule(sched)
+
+
+def test_json_source_print_and_rebuild():
+    plan = _plan(offload="params", fraction=0.5)
+    again = sp.Plan.from_json(plan.to_json())
+    assert again == plan and again.offload == "params" and again.offload_fraction == 0.5
+    assert sp.plan(_model(), **plan.declarative()).equivalent(plan)
+    assert "offload='params'" in plan.to_source() and "offload_fraction=0.5" in plan.to_source()
+    text = str(plan)
+    assert "device memory on rank 0" in text and "host memory on rank 0" in text and "host->device" in text
+    assert _plan(offload=None).to_json() == sp.plan(_model(), [(r".*", sp.P("dp"))], sp.Mesh(dp=4),
+                                                     units=[r"1\.\d"], min_unit_bytes=0).to_json()
+
+
+def test_cli_shows_both_memories(capsys):
+    from shardplan.cli import main
+    assert main(["plan", "examples/gpt.py:tiny", "--mesh", "dp=2", "--offload", "optimizer", "--summary"]) == 0
+    out = capsys.readouterr().out
+    assert "device memory on rank 0" in out and "host memory on rank 0" in out
+
+
+@settings(max_examples=40, deadline=None)
+@given(strategy=st.integers(0, 3), f1=st.floats(0.01, 1.0), f2=st.floats(0.01, 1.0), params=st.booleans(),
+       dp=st.sampled_from([1, 2, 4]), rank=st.integers(0, 3))
+def test_offloaded_and_device_bytes_are_conserved_and_monotone(strategy, f1, f2, params, dp, rank):
+    rank %= dp
+    mode = "params" if params and strategy == 3 else "optimizer"
+    base = _plan(strategy, offload=None, dp=dp)
+    lo, hi = sorted((f1, f2))
+    a, b = _plan(strategy, mode, lo, dp=dp), _plan(strategy, mode, hi, dp=dp)
+    sa, sb = {x.index for x in a.buffers if x.offload}, {x.index for x in b.buffers if x.offload}
+    assert sa and sa <= sb  # the fraction is monotone: more offloads a superset
+    for p in (a, b):
+        m, mb = p.memory(rank), base.memory(rank)
+        hosted_states = sum(
+            __import__("math").prod(p.local_shape(q.name, rank)) * 4 * p.optimizer_states
+            for q in p.params if q.requires_grad and p.buffers[q.buffer].offload)
+        assert m.optimizer + hosted_states == mb.optimizer  # optimizer bytes: on the device or on the host
+        trainable = sum(x.shard_numel * x.itemsize for x in p.buffers if x.requires_grad)
+        taken = sum(x.shard_numel * x.itemsize for x in p.buffers if x.offload)
+        frac = p.offload_fraction
+        assert taken <= frac * trainable * (1 + 1e-9) or len([x for x in p.buffers if x.offload]) == 1
+        assert m.host == sum(x.shard_numel * x.itemsize * (2 + p.optimizer_states) for x in p.buffers if x.offload)
+        assert m.peak <= mb.peak
+
+
+# -- runtime: training with offload equals training without it -----------------------------------------
+
+def _trained(rank, world, strategy, offload, fraction=1.0, *, clip=False, accum=False, fused=True, steps=3,
+             compute_dtype=None):
+    model = Toy()
+    plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), strategy=strategy, units=UNITS, min_unit_bytes=0,
+                   offload=offload, offload_fraction=fraction, compute_dtype=compute_dtype)
+    sp.shard(model, plan)
+    hyper = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = sp.offload_optimizer(model, fused=fused, **hyper) if offload else torch.optim.AdamW(model.parameters(), **hyper)
+    data = batches(2 * steps, seed=1 + rank)
+    for s in range(steps):
+        if accum:  # a micro-step without reduction, then one that reduces the sum
+            with sp.no_sync(model):
+                model(*data[2 * s + 1]).backward()
+        model(*data[2 * s]).backward()
+        if clip:
+            sp.clip_grad_norm_(model, 0.05)
+        opt.step()
+        opt.zero_grad()
+    return model, plan, opt
+
+
+def _state(model):
+    return {n: p.detach().clone() for n, p in model._shardplan.local_params().items()}
+
+
+def _train_worker(rank, world, cases):
+    out = []
+    for strategy, offload, fraction, extra in cases:
+        base = _state(_trained(rank, world, strategy, None, **extra)[0])
+        got = _state(_trained(rank, world, strategy, offload, fraction, **extra)[0])
+        out.append(max((base[n] - got[n]).abs().max().item() if base[n].numel() else 0.0 for n in base))
+    return out
+
+
+TRAIN_CASES = [(s, "optimizer", 1.0, {}) for s in range(4)] + [
+    (3, "optimizer", 0.5, {}), (1, "optimizer", 0.5, {}),
+    (3, "optimizer", 1.0, dict(clip=True)), (2, "optimizer", 1.0, dict(clip=True, accum=True)),
+    (3, "optimizer", 1.0, dict(accum=True)), (3, "optimizer", 1.0, dict(fused=False)),
+    (3, "optimizer", 1.0, dict(compute_dtype=torch.bfloat16)),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_training_with_offload_matches_training_without(world):
+    for rank_out in run(_train_worker, world, TRAIN_CASES, timeout=280):
+        for case, diff in zip(TRAIN_CASES, rank_out):
+            assert diff <= 1e-6, (case, diff)
+
+
+# -- checkpoints: saved with offload, loaded without (and vice versa), across world sizes -------------
+
+def _ckpt_model(world, strategy, offload):
+    model = Toy()
+    plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), strategy=strategy, units=UNITS, min_unit_bytes=0,
+                   offload=offload)
+    sp.shard(model, plan)
+    hyper = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = sp.offload_optimizer(model, fused=False, **hyper) if offload else torch.optim.AdamW(model.parameters(), **hyper)
+    return model, opt
+
+
+def _steps(model, opt, which):
+    data = batches(3, seed=7)  # the same batch on every rank: the run does not depend on the world size
+    for s in which:
+        model(*data[s]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _ckpt_worker(rank, world, root, jobs):
+    out = []
+    for job, strategy, offload in jobs:
+        model, opt = _ckpt_model(world, strategy, offload)
+        if job == "reference":
+            _steps(model, opt, range(3))
+        elif job.startswith("save:"):
+            _steps(model, opt, range(2))
+            sp.checkpoint.save(f"{root}/{job[5:]}", model, opt, step=2)
+            continue
+        else:  # "resume:NAME": load, then the third step
+            assert sp.checkpoint.load(f"{root}/{job[7:]}", model, opt) == 2
+            _steps(model, opt, [2])
+        out.append(sp.full_state_dict(model))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_checkpoints_load_across_offload_settings_and_world_sizes(tmp_path):
+    root = str(tmp_path)
+    two = run(_ckpt_worker, 2, root, [("reference", 3, None), ("save:offloaded", 3, "optimizer"), ("save:on_device", 2, None),
+                                      ("resume:offloaded", 2, None), ("resume:on_device", 3, "optimizer")], timeout=280)[0]
+    ref = two[0]
+    four = run(_ckpt_worker, 4, root, [("resume:offloaded", 3, "optimizer"), ("resume:on_device", 1, "optimizer"),
+                                       ("resume:offloaded", 0, None)], timeout=280)[0]
+    for got in two[1:] + four:
+        assert set(got) == set(ref)
+        for n in ref:
+            assert torch.allclose(got[n], ref[n], atol=1e-6, rtol=0), n
+
+
+# -- accounting and the supported optimizer ----------------------------------------------------------------
+
+def _memory_worker(rank, world, cases):
+    out = []
+    for strategy, fraction, dtype in cases:
+        model = Toy()
+        plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), strategy=strategy, units=UNITS, min_unit_bytes=0,
+                       offload="optimizer", offload_fraction=fraction, compute_dtype=dtype)
+        sp.shard(model, plan)
+        opt = sp.offload_optimizer(model)
+        for step in range(2):
+            if step == 1:
+                sp.reset_peak(model)
+            model(*batches(1, batch=2)[0]).backward()
+            opt.step()
+            opt.zero_grad()
+        mem = plan.memory(rank)
+        out.append(((sp.memory_stats(model)["peak"], model._shardplan.offload.host_bytes()),
+                    (mem.peak - mem.optimizer, mem.host)))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_runtime_host_and_device_bytes_match_plan():
+    """As tests/test_runtime.py::test_runtime_memory_matches_plan, with the host side: the host tensors the
+    runtime holds equal plan.memory().host, and the device peak still equals the plan's walk."""
+    cases = [(s, f, d) for s in range(4) for f in (1.0, 0.5) for d in (None, torch.bfloat16)]
+    for rank_out in run(_memory_worker, 2, cases, timeout=280):
+        for case, (measured, planned) in zip(cases, rank_out):
+            assert measured == planned, (case, measured, planned)
+
+
+def _refusal_worker(rank, world):
+    model = Toy()
+    plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=UNITS, min_unit_bytes=0, offload="optimizer")
+    sp.shard(model, plan)
+    opt = torch.optim.AdamW(model.parameters())
+    model(*batches(1)[0]).backward()
+    try:
+        opt.step()
+        return "stepped"
+    except sp.RuntimeShardingError as exc:
+        return str(exc)
+
+
+@pytest.mark.timeout(120)
+def test_a_stock_optimizer_is_refused_naming_the_fix():
+    for msg in run(_refusal_worker, 2, timeout=100):
+        assert "shardplan.offload_optimizer(model" in msg and "offload='optimizer'" in msg, msg
