@@ -14,7 +14,8 @@ import importlib as _importlib
 from importlib.util import find_spec as _find_spec
 
 from .errors import (CheckpointError, CollectiveError, ForecastError, MeshError, PlanError, PlanWarning, RuleError,
-                     RuntimeShardingError, ShardingError, SpecError, UnmatchedParametersError, UnusedRuleWarning)
+                     RehearsalError, RuntimeShardingError, ShardingError, SpecError, UnmatchedParametersError,
+                     UnusedRuleWarning)
 from .mesh import Mesh
 from .plan import BufferPlan, Memory, Op, ParamPlan, Plan, UnitPlan, plan
 from .rules import Rules, explain, match
@@ -34,6 +35,7 @@ _LAZY = {
     **dict.fromkeys(("MixedPrecisionPolicy", "fully_shard", "fully_shard_model", "fully_shard_optimizer", "plan_of"),
                     "dropin"),
     "run_main": "entry",
+    **dict.fromkeys(("rehearse", "Rehearsal"), "rehearsal"),
 }
 _LAZY_MODULES = {"checkpoint": "runtime.checkpoint", "optim": "optim", "metrics": "metrics"}
 
@@ -66,5 +68,5 @@ __all__ = [
     "compile_units", "checkpoint", "state_dict", "load_state_dict", "full_state_dict", "load_full_state_dict",
     "shard_tree", "unshard_tree", "assemble", "functional_call", "value_and_grad", "grad", "optim",
     "clip_by_global_norm", "auto_rules", "fully_shard", "MixedPrecisionPolicy", "fully_shard_model",
-    "fully_shard_optimizer", "plan_of", "run_main", "metrics",
+    "fully_shard_optimizer", "plan_of", "run_main", "metrics", "rehearse", "Rehearsal", "RehearsalError",
 ]
