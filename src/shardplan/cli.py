@@ -180,10 +180,11 @@ examples:
 
 REHEARSE_EXAMPLES = """\
 examples:
-  # rank 0 of a 64-rank plan of Llama-3 8B shapes, one step of 4096 tokens, on this machine's GPU
-  shardplan rehearse examples/gpt.py:llama_8b --mesh dp=64 --rules examples/gpt_rules.py --dtype bf16 --batch 1x4096
-  # rank 3 of 8 of the tiny model on a CPU, with activation checkpointing, as JSON for `shardplan forecast --compute`
-  shardplan rehearse examples/gpt.py:tiny --mesh dp=8 --rank 3 --batch 2x32 --steps 2 --checkpoint --out rehearsal.json
+  # rank 3 of a 64-rank plan, 2 steps of 2x32 tokens, on this machine's device (Llama-3 8B: examples/gpt.py:llama_8b,
+  # --dtype bf16 --batch 1x4096, on a GPU)
+  shardplan rehearse examples/gpt.py:tiny --mesh dp=64 --rules examples/gpt_rules.py --rank 3 --batch 2x32 --steps 2
+  # with activation checkpointing; the results as JSON for `shardplan forecast --compute rehearsal.json`
+  shardplan rehearse examples/gpt.py:tiny --mesh dp=8 --batch 2x32 --steps 2 --checkpoint --out rehearsal.json
 """
 
 RULES_EXAMPLES = """\
