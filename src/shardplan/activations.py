@@ -113,6 +113,25 @@ def undo_checkpoint(done: list) -> None:
             m.forward = original
 
 
+def _fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+    """``scaled_dot_product_attention`` as a GPU runs it: the fused kernels, which keep the output and the
+    log-sum-exp for backward instead of the T x T attention weights. [Note: on the meta device torch picks
+    the math path, whose saved weights would count tens of GiB a GPU never holds; CPUs have fused kernels
+    too.] A call the fused kernels do not take (grouped-query ``enable_gqa``) keeps torch's own."""
+    import torch
+    if kw.get("enable_gqa") or q.dim() != 4:
+        return _SDPA[0](q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
+    if attn_mask is None:
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+    if attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device)
+    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask.expand(q.shape[0], q.shape[1], -1, -1),
+                                                                   True, dropout_p, is_causal, scale=scale)[0]
+
+
+_SDPA: list = []
+
+
 class _Tracker:
     """Live bytes of the storages a step allocates (parameters excluded), with the most seen per interval."""
 
@@ -231,6 +250,9 @@ def _run(model, trace, entries: dict[str, list[str]], checkpointed: bool) -> tup
             u = owner.get(id(q))
             handles.append(q.register_post_accumulate_grad_hook(on_grad(u) if u else (lambda p: setattr(p, "grad", None))))
     undo = checkpoint_units(model, entries) if checkpointed else []
+    import torch.nn.functional as F
+    _SDPA[:] = [F.scaled_dot_product_attention]
+    F.scaled_dot_product_attention = _fused_attention
     args, kwargs = trace_args(trace)
     args, kwargs = tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, (args, kwargs))
     try:
@@ -246,6 +268,7 @@ def _run(model, trace, entries: dict[str, list[str]], checkpointed: bool) -> tup
             del loss
             mark("end_backward")
     finally:
+        F.scaled_dot_product_attention = _SDPA[0]
         for h in handles:
             h.remove()
         undo_checkpoint(undo)

@@ -13,6 +13,13 @@ stand-in (torch's fake process group), measured beside what the plan says.
 """
 
 from .result import Rehearsal, UnitTime
-from .run import rehearse
 
 __all__ = ["rehearse", "Rehearsal", "UnitTime"]
+
+
+def __getattr__(name: str):
+    # [Note: `shardplan --help` registers this package's CLI without torch: run.py (torch) loads on first use]
+    if name == "rehearse":
+        from .run import rehearse
+        return rehearse
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
