@@ -14,7 +14,8 @@ import importlib as _importlib
 from importlib.util import find_spec as _find_spec
 
 from .errors import (CheckpointError, CollectiveError, ForecastError, MeshError, PlanError, PlanWarning, RuleError,
-                     RuntimeShardingError, ShardingError, SpecError, UnmatchedParametersError, UnusedRuleWarning)
+                     RehearsalError, RuntimeShardingError, ShardingError, SpecError, UnmatchedParametersError,
+                     UnusedRuleWarning)
 from .mesh import Mesh
 from .plan import BufferPlan, Memory, Op, ParamPlan, Plan, UnitPlan, plan
 from .rules import Rules, explain, match
@@ -35,6 +36,7 @@ _LAZY = {
                     "dropin"),
     "run_main": "entry",
     **dict.fromkeys(("offload_optimizer", "OffloadAdamW"), "runtime.offload_optim"),
+    **dict.fromkeys(("rehearse", "Rehearsal"), "rehearsal"),
 }
 _LAZY_MODULES = {"checkpoint": "runtime.checkpoint", "optim": "optim", "metrics": "metrics"}
 
@@ -68,4 +70,5 @@ __all__ = [
     "shard_tree", "unshard_tree", "assemble", "functional_call", "value_and_grad", "grad", "optim",
     "clip_by_global_norm", "auto_rules", "fully_shard", "MixedPrecisionPolicy", "fully_shard_model",
     "fully_shard_optimizer", "plan_of", "run_main", "metrics", "offload_optimizer", "OffloadAdamW",
+    "rehearse", "Rehearsal", "RehearsalError",
 ]

@@ -178,6 +178,15 @@ examples:
   shardplan forecast examples/gpt.py:llama_70b --mesh dp=64 --rules examples/gpt_rules.py --dtype bf16 --network h100-8x-ib400 --batch 1x4096 --tflops 400 --json --trace forecast_trace.json
 """
 
+REHEARSE_EXAMPLES = """\
+examples:
+  # rank 3 of a 64-rank plan, 2 steps of 2x32 tokens, on this machine's device (Llama-3 8B: examples/gpt.py:llama_8b,
+  # --dtype bf16 --batch 1x4096, on a GPU)
+  shardplan rehearse examples/gpt.py:tiny --mesh dp=64 --rules examples/gpt_rules.py --rank 3 --batch 2x32 --steps 2
+  # with activation checkpointing; the results as JSON for `shardplan forecast --compute rehearsal.json`
+  shardplan rehearse examples/gpt.py:tiny --mesh dp=8 --batch 2x32 --steps 2 --checkpoint --out rehearsal.json
+"""
+
 RULES_EXAMPLES = """\
 examples:
   # propose rules and units for a model; planning with the file gives the same plan as planning without it
@@ -242,6 +251,7 @@ def plan_options_parser() -> argparse.ArgumentParser:
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     from .forecast.cli import add_parser as add_forecast
+    from .rehearsal.cli import add_parser as add_rehearse
     ap = argparse.ArgumentParser(prog="shardplan", description="Plan sharding of a model without launching anything.",
                                  epilog=MAIN_EXAMPLES, formatter_class=_Formatter, allow_abbrev=False)
     ap.add_argument("--version", action="version", version=f"shardplan {__version__}")
@@ -260,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.formatter_class, f.allow_abbrev, f.epilog = _Formatter, False, FORECAST_EXAMPLES
     f.description = textwrap.fill(f.description or "", 100)  # the examples keep their layout, so wrap this here
     f.add_argument("-h", "--help", action="help", help="show this help message and exit")  # the shared options have none
+    h = add_rehearse(sub, common)  # `shardplan rehearse` (src/shardplan/rehearsal/cli.py)
+    h.formatter_class, h.allow_abbrev, h.epilog = _Formatter, False, REHEARSE_EXAMPLES
+    h.description = textwrap.fill(h.description or "", 100)
+    h.add_argument("-h", "--help", action="help", help="show this help message and exit")
     r = sub.add_parser("rules", help="propose partition rules for a model (shardplan.auto_rules) as a rules file",
                        description="Print proposed partition rules and units as a Python rules file, which\n"
                                    "`shardplan plan --rules FILE` reads back.",
@@ -341,6 +355,9 @@ def run(args) -> str:
     if args.command == "forecast":
         from .forecast.cli import run as run_forecast
         return run_forecast(args, run)
+    if args.command == "rehearse":
+        from .rehearsal.cli import run as run_rehearse
+        return run_rehearse(args, run, build_model)
     from .auto import auto_rules
     from .mesh import Mesh
     from .plan import plan, strategy_level
@@ -368,8 +385,9 @@ def run(args) -> str:
     strategy_level(opts.get("strategy", "optim_grads_params"))
     if not 0 <= args.rank < mesh.size:
         raise CliError(f"--rank {args.rank} is outside the mesh's {mesh.size} ranks")
-    if args.trace_tokens is not None:
-        opts["trace"] = trace_tokens(args.trace_tokens)
+    if args.trace_tokens is not None:  # called as a training step calls it (targets too, where it takes them)
+        from .activations import token_inputs
+        opts["trace"] = token_inputs(model, trace_tokens(args.trace_tokens))
     p = plan(model, rules_obj, mesh, units=units, **opts)
     trace = getattr(args, "trace", None)  # `shardplan forecast` asks for the plan without --trace (its own is another)
     if trace:

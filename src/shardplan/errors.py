@@ -54,3 +54,8 @@ class UnusedRuleWarning(UserWarning):
 
 class PlanWarning(UserWarning):
     """Something in a plan is legal but probably not what was meant."""
+
+
+class RehearsalError(ShardingError):
+    """One rank of a plan cannot be rehearsed here (a rank outside the mesh, a device too small for it,
+    a plan the rehearsal cannot run yet)."""

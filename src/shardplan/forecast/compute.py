@@ -4,8 +4,9 @@
 >>> ComputeModel(tflops=400.0, peak_tflops=989.4)           # your own rate
 >>> ComputeModel(units=(("<root>", 0.002, 0.004), ("layers.0", 0.010, 0.020)), optimizer_s=0.003, batch=(4, 64))
 
-A measured model (``units``: forward and backward seconds per unit, e.g. from a run at world 1) is used
-as is for the batch it was measured at; units it does not list fall back to FLOPs at ``tflops``.
+A measured model (``units``: forward and backward seconds per unit, e.g. from a run at world 1, or the JSON
+``shardplan rehearse --out FILE`` writes) is used as is for the batch it was measured at; units it does not
+list fall back to FLOPs at ``tflops``.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ class ComputeModel:
     def from_dict(cls, d: Mapping[str, Any]) -> "ComputeModel":
         """A compute model from its dict; ``{"base": "h100-sxm-bf16", "tflops": 400}`` overrides a preset."""
         d = dict(d)
+        if "rehearsal" in d and "compute" in d:  # a rehearsal's JSON: its measured unit times (shardplan rehearse)
+            d = dict(d["compute"])
         if "base" in d:
             d = {**compute_model(d.pop("base")).to_dict(), **d}
         unknown = set(d) - {f.name for f in dataclasses.fields(cls)}

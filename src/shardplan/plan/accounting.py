@@ -48,7 +48,9 @@ def reduction_result(b: BufferPlan) -> str:
     return "rin" if s["rin"] else "flat"
 
 
-def memory(plan: "Plan", rank: int = 0) -> dict[str, int]:
+def memory(plan: "Plan", rank: int = 0, recompute: bool = False) -> dict:
+    """The walk: model states op by op; with a traced plan, the activation profile's bytes at the same
+    events (``recompute``: every unit checkpointed) on top of them."""
     per = {b.index: sizes(b) for b in plan.buffers}
     live: dict[tuple[str, int], int] = {}
     lent: set[int] = set()
@@ -66,20 +68,35 @@ def memory(plan: "Plan", rank: int = 0) -> dict[str, int]:
             put("flat", b.index)
     params = sum(v for (k, _), v in live.items() if k in ("shard", "full"))
     transient_full = {b.index for b in plan.buffers if not b.persistent}
-    peak = gathered_peak = 0
+    peak = gathered_peak = states_peak = 0
     collected: set[int] = set()
+    acts = getattr(plan, "activations", None)
+    points = {p.event: p for p in acts.points(recompute)} if acts is not None else {}
+    act = act_at_peak = 0  # activation bytes alive now; those alive at the peak
 
-    def bump() -> None:
-        nonlocal peak, gathered_peak
-        peak = max(peak, sum(live.values()))
+    def bump(extra: int) -> None:
+        nonlocal peak, gathered_peak, states_peak, act_at_peak
+        states = sum(live.values())
+        states_peak = max(states_peak, states)
+        if states + extra > peak:
+            peak, act_at_peak = states + extra, extra
         gathered_peak = max(gathered_peak, sum(v for (k, i), v in live.items()
                                                if k == "packed" or (k == "full" and i in transient_full)))
 
     schedule = plan.schedule
     for step in plan.program.canonical():
-        for op in (schedule[i] for i in step.ops if schedule[i].applies()):
+        # [Note: activations at events] the compute between the previous event and this one (a unit's
+        # forward, its backward) held at most point.peak activation bytes, beside the model states as the
+        # previous step's ops left them; after this step's ops, point.live stay alive
+        point = points.get(step.name)
+        if point is not None:
+            bump(point.peak)
+        for op in (schedule[i] for i in step.ops if schedule[i].applies(recompute=recompute)):
             _apply(op, plan, per, live, lent, collected, put)
-            bump()
+            bump(act)
+        if point is not None:
+            act = point.live
+            bump(act)
     optimizer = 0
     if plan.optimizer_states:
         for p in plan.params:
@@ -88,7 +105,8 @@ def memory(plan: "Plan", rank: int = 0) -> dict[str, int]:
     grads = sum(v for (k, _), v in live.items() if k in ("lgrad", "flat", "rin", "rout"))
     host = sum(host_bytes(b, plan.optimizer_states) for b in plan.buffers)
     return dict(params=params, grads=grads, optimizer=optimizer, gathered_peak=gathered_peak, peak=peak + optimizer,
-                host=host, host_peak=host)
+                host=host, host_peak=host, activations=act_at_peak if acts is not None else None, recompute=recompute,
+                states_peak=states_peak + optimizer)
 
 
 def _apply(op, plan, per, live, lent, collected, put) -> None:

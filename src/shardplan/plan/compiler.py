@@ -226,6 +226,17 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
         tp_modules = tp.place(module, tp_modules, unit_plans, activations)
     schedule = tp.with_activation_ops(build_schedule(unit_plans, buffers, mesh, level, prefetch, order, len(infos)),
                                       unit_plans, tp_modules, activations, mesh)
+    profile = None
+    if trace is not None and not compute_axes:
+        # [Note: the activation profile] one more traced step, forward and backward on a meta copy, measures
+        # what the step keeps alive at each event; the plan stores the numbers (plan.memory adds them).
+        # Under tensor parallelism each rank computes with local shapes the meta copy does not have: not yet
+        from ..activations import profile as profile_activations
+        profile = profile_activations(module, trace, [(u.name, u.module_paths) for u in unit_plans if u.name != ROOT],
+                                      compute)
+    elif trace is not None:
+        choices.append("activations not counted in memory: the activation profile does not yet measure "
+                       "tensor-parallel (local) shapes")
     param_plans, buffers_ = tuple(params[i.name] for i in infos), tuple(buffers)
     units_ = tuple(unit_plans)
     result = Plan(mesh=mesh, strategy=STRATEGIES[level], compute_dtype=compute, reduce_dtype=reduce, prefetch=prefetch,
@@ -234,6 +245,6 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
                   warnings=tuple(notes) + plan_warnings(mesh, param_plans, buffers_, units_), order=order,
                   notes=tuple(choices), min_unit_bytes=min_unit_bytes, compute_axes=compute_axes,
                   tp_modules=tp_modules, tp_activations=activations, layout=layout,
-                  offload=offload, offload_fraction=offload_fraction)
+                  offload=offload, offload_fraction=offload_fraction, activations=profile)
     validate(result)  # the builder's own schedules obey the rules edited ones must
     return result

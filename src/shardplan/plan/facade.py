@@ -24,7 +24,7 @@ from . import schedule as S
 from . import tensor_parallel as tp
 from .kinds import LayoutChoice, Offload, Order, Strategy, choose, strategy_level
 from .validate import normalised, validate
-from .values import BufferPlan, Memory, Op, ParamPlan, Piece, Program, UnitPlan
+from .values import Activations, BufferPlan, Memory, Op, ParamPlan, Piece, Program, UnitPlan
 
 PIECE_CACHE_RANKS = 64  # ranks whose pieces a plan keeps (a 70B plan at dp=1024 holds ~700 pieces per rank)
 
@@ -59,6 +59,7 @@ class Plan:
     layout: LayoutChoice = LayoutChoice.AUTO    # "chunked": torch.chunk pieces everywhere (DTensor-describable)
     offload: Optional[Offload] = None           # CPU offload: "optimizer" or "params" (which buffers: BufferPlan.offload)
     offload_fraction: float = 1.0               # the share of the trainable shard bytes offloaded
+    activations: Optional[Activations] = None  # traced step's activation profile (None: not traced); memory() adds it
 
     # -- lookups -----------------------------------------------------------------------------------
     @cached_property
@@ -318,10 +319,15 @@ class Plan:
         return out
 
     # -- accounting ----------------------------------------------------------------------------------
-    def memory(self, rank: int = 0) -> Memory:
-        """Planned bytes on ``rank``: params, grads and optimizer state, and the peak over the schedule, on the
-        device; ``host``/``host_peak``: host memory of CPU offload (0 without it)."""
-        return Memory(**accounting.memory(self, rank))
+    def memory(self, rank: int = 0, *, recompute: bool = False) -> Memory:
+        """Planned bytes on ``rank``: params, grads and optimizer state, and the peak over the schedule.
+        A plan traced with example inputs (``trace=``) adds the traced step's activations to the peak
+        (``memory.activations``: their share of it); ``recompute=True``: with every unit checkpointed.
+        ``host``/``host_peak``: host memory of CPU offload (0 without it).
+
+        >>> m = plan.memory(0); m.peak, m.states_peak, m.activations   # activations None: not traced
+        """
+        return Memory(**accounting.memory(self, rank, recompute))
 
     def comm_bytes(self, rank: int = 0) -> dict[str, Optional[int]]:
         """Bytes each rank sends per training step, by op kind (ring algorithms: (n-1)/n of the payload).

@@ -36,6 +36,17 @@ def header(plan: "Plan") -> str:
             f"reshard after forward {plan.reshard_after_forward}, order {plan.order}; fingerprint {plan.fingerprint()}")
 
 
+def activations_note(plan: "Plan", rank: int, m) -> str:
+    """What the printed peak says about activations: included (traced) or not."""
+    if m.activations is None:
+        why = ("tensor parallelism: not measured yet" if plan.compute_axes else
+               "plan with trace=example inputs, CLI --trace-tokens, to count them")
+        return f"(activations not counted: {why})"
+    ck = plan.memory(rank, recompute=True)
+    return (f"(activations included: {fmt_bytes(m.activations)} of it, traced on {plan.activations.inputs}; with every "
+            f"unit checkpointed the peak is {fmt_bytes(ck.peak)}, activations {fmt_bytes(ck.activations)})")
+
+
 def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
     """The parameter table, units, memory, bytes per step and warnings; ``max_rows=0`` for a summary."""
     tp = bool(plan.compute_axes)  # then: the global shape, what a tensor-parallel rank computes with, its shard
@@ -76,7 +87,7 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
     where = "device memory" if plan.offload else "memory"
     out.append(f"{where} on rank {rank}: params {fmt_bytes(m.params)}, grads {fmt_bytes(m.grads)}, "
                f"optimizer {fmt_bytes(m.optimizer)} ({plan.optimizer_states} fp32 states), "
-               f"gathered peak {fmt_bytes(m.gathered_peak)}, peak {fmt_bytes(m.peak)} (activations not counted)")
+               f"gathered peak {fmt_bytes(m.gathered_peak)}, peak {fmt_bytes(m.peak)} " + activations_note(plan, rank, m))
     c = plan.comm_bytes(rank)
     if plan.offload:
         hosted = [b for b in plan.buffers if b.offload]

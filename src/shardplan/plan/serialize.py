@@ -12,7 +12,7 @@ from ..spec import P
 from . import tensor_parallel as tp
 from .kinds import LayoutChoice, Offload, Order, Strategy, choose
 from .validate import normalised
-from .values import BufferPlan, Compute, Op, ParamPlan, UnitPlan
+from .values import ActivationPoint, Activations, BufferPlan, Compute, Op, ParamPlan, UnitPlan
 
 if TYPE_CHECKING:  # pragma: no cover
     from .facade import Plan
@@ -55,7 +55,21 @@ def to_dict(plan: "Plan") -> dict[str, Any]:
         **({"compute_axes": list(plan.compute_axes), "tp_modules": [dataclasses.asdict(m) for m in plan.tp_modules],
             "tp_activations": None if plan.tp_activations is None else [dataclasses.asdict(a) for a in plan.tp_activations]}
            if plan.compute_axes else {}),
+        # [Note: written only for a plan traced with it, so older plans keep their JSON and fingerprints]
+        **({"activations": _activations_dict(plan.activations)} if getattr(plan, "activations", None) is not None else {}),
     }
+
+
+def _activations_dict(a: Activations) -> dict[str, Any]:
+    return {"inputs": a.inputs, "plain": [[p.event, p.live, p.peak] for p in a.plain],
+            "recompute": [[p.event, p.live, p.peak] for p in a.recompute]}
+
+
+def _activations(d: Optional[dict]) -> Optional[Activations]:
+    if d is None:
+        return None
+    return Activations(inputs=d["inputs"], plain=tuple(ActivationPoint(*p) for p in d["plain"]),
+                       recompute=tuple(ActivationPoint(*p) for p in d["recompute"]))
 
 
 def to_json(plan: "Plan", indent: Optional[int] = None) -> str:
@@ -92,6 +106,7 @@ def plan_fields(text: str) -> dict[str, Any]:
         layout=choose(LayoutChoice, d.get("layout", "auto"), "layout"),
         offload=choose(Offload, d["offload"], "offload") if d.get("offload") else None,
         offload_fraction=float(d.get("offload_fraction", 1.0)),
+        activations=_activations(d.get("activations")),
     )
 
 

@@ -227,10 +227,41 @@ class Memory:
     peak: int
     host: int = 0
     host_peak: int = 0
+    # [Note: activations] With a traced plan (``trace=``), ``peak`` includes the activations the traced
+    # step keeps (``activations``: their bytes at the peak; ``recompute``: with every unit checkpointed)
+    # and ``states_peak`` is the model states' own peak (what the runtime's own accounting measures).
+    # Without a trace ``activations`` is None and ``peak == states_peak``.
+    activations: Optional[int] = None
+    recompute: bool = False
+    states_peak: Optional[int] = None
 
     @property
     def persistent(self) -> int:
         return self.params + self.grads + self.optimizer
+
+
+@dataclass(frozen=True)
+class ActivationPoint:
+    """Activation bytes at one event of a traced step: ``live`` just after it, ``peak`` the most alive
+    between the previous event and this one (the compute in between: a unit's forward, its backward)."""
+
+    event: str
+    live: int
+    peak: int
+
+
+@dataclass(frozen=True)
+class Activations:
+    """The activation profile of one traced training step (``inputs`` describes the traced inputs):
+    ``plain`` as the model runs, ``recompute`` with every unit checkpointed. Measured on the meta device
+    by :func:`shardplan.activations.profile`; the plan only stores the numbers."""
+
+    inputs: str
+    plain: tuple[ActivationPoint, ...]
+    recompute: tuple[ActivationPoint, ...]
+
+    def points(self, recompute: bool = False) -> tuple[ActivationPoint, ...]:
+        return self.recompute if recompute else self.plain
 
 
 # -- the schedule ----------------------------------------------------------------------------------

@@ -202,9 +202,37 @@ def build_groups(plan, rank: int, backend: str, timeout_s: float) -> Groups:
         made[key] = mine
     world = made[everyone]
     used = world  # its tensor lives on the CPU: on any other backend it gets a gloo group of its own
-    if backend != "gloo" and world.pg is not None:
+    if backend not in ("gloo", REHEARSAL_BACKEND) and world.pg is not None:
         used = Group(dist.new_group(list(range(mesh.size)), backend="gloo", timeout=timeout), mesh.size, rank)
     return Groups(made, world, used)
+
+
+# -- rehearsal: one rank of an N-rank world, every collective a local stand-in ----------------------------
+
+REHEARSAL_BACKEND = "fake"
+
+
+def start_rehearsal(rank: int, world: int) -> None:
+    """Make this process rank ``rank`` of a ``world``-rank process group whose collectives do not
+    communicate (torch's fake process group: outputs keep their shape and dtype, nothing is sent).
+
+    [Note: the fake store implements no keys, so nothing that goes through the store (the start-up
+    exchange, an error report) can run: :func:`rehearsing` tells start-up to check locally only]"""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        raise RuntimeShardingError("a rehearsal makes its own (fake) process group, but one is already initialised "
+                                   "in this process; rehearse in a process without torch.distributed.init_process_group")
+    dist.init_process_group(REHEARSAL_BACKEND, store=FakeStore(), rank=rank, world_size=world)
+
+
+def rehearsing() -> bool:
+    """Whether the default process group is a rehearsal's (:func:`start_rehearsal`)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() == REHEARSAL_BACKEND
+
+
+def end_rehearsal() -> None:
+    if rehearsing():
+        dist.destroy_process_group()
 
 
 # -- start-up exchange ---------------------------------------------------------------------------------

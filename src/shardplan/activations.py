@@ -1,0 +1,299 @@
+"""Activation memory of a traced training step, measured on the meta device (no memory, no compute).
+
+The planner calls :func:`profile` when a plan is traced with example inputs (``trace=``): one forward and
+backward of a meta copy of the model, in the plan's compute dtype, once as it is and once with every
+unit checkpointed (``torch.utils.checkpoint``, non-reentrant). A dispatch mode sees every tensor the step
+allocates and follows each storage until it dies; parameters and their gradients are left out (the plan
+counts them, in its own layout). At each event the runtime reports (``pre_forward(u)``,
+``post_backward(u)``, ...) the profile records the activation bytes alive and the most alive since the
+previous event; :func:`shardplan.plan.accounting.memory` adds them to the model states at the same events.
+
+>>> acts = profile(model, trace=(tokens, tokens), units=plan.units, compute_dtype="bfloat16")
+>>> acts.plain[-1].event, acts.recompute[-1].event
+('end_backward', 'end_backward')
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional, Sequence
+
+from .plan.values import ActivationPoint, Activations
+from .units import entry_points, has_forward, trace_args
+
+ROOT = "<root>"
+
+
+def _tensors(obj, out: list) -> list:
+    import torch
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            _tensors(x, out)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _tensors(x, out)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for k in obj.__dataclass_fields__:
+            _tensors(getattr(obj, k, None), out)
+    return out
+
+
+def scalar_of(output: Any):
+    """The number a training step differentiates: a scalar output itself, a model output's ``.loss``
+    (Hugging Face), else the mean of the first output tensor in fp32 (a stand-in loss for a model that
+    returns logits). The rehearsal and the activation profile use the same one."""
+    import torch
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    ts = _tensors(output, [])
+    if not ts:
+        raise TypeError(f"the model's output ({type(output).__name__}) holds no tensor to differentiate")
+    t = ts[0]
+    return t if t.numel() == 1 else t.float().mean()
+
+
+def token_inputs(model, tokens):
+    """How a training step calls ``model`` on a (B, T) token tensor, as ``trace=`` takes it: Hugging Face
+    style (a ``forward`` with ``input_ids`` and ``labels``) ``((), {"input_ids": tokens, "labels": tokens})``;
+    a ``forward(tokens, targets)`` (a second parameter named targets/target/labels/y) ``(tokens, tokens)``;
+    else ``tokens``. The rehearsal and ``--trace-tokens`` use the same call, so the traced activations are
+    the rehearsed step's.
+
+    >>> token_inputs(gpt.tiny(), torch.zeros(1, 64, dtype=torch.long, device="meta"))   # (tokens, tokens)
+    """
+    import inspect
+    try:
+        names = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return tokens
+    if "input_ids" in names and "labels" in names:
+        return (), {"input_ids": tokens, "labels": tokens}
+    if len(names) >= 2 and names[1] in ("targets", "target", "labels", "y"):
+        return tokens, tokens
+    return tokens
+
+
+def unit_entries(model, units: Sequence[tuple[str, Sequence[str]]]) -> dict[str, list[str]]:
+    """unit -> the module paths whose calls are the unit's forward (the runtime's hooks sit there)."""
+    unit_paths = [p for _, paths in units for p in paths]
+    out = {}
+    for name, paths in units:
+        entries: list[str] = []
+        for p in paths:
+            entries += [p] if has_forward(model.get_submodule(p)) else entry_points(model, p, unit_paths)
+        out[name] = entries
+    return out
+
+
+def checkpoint_units(model, entries: dict[str, list[str]]) -> list:
+    """Wrap each unit's entry modules' forward in ``torch.utils.checkpoint`` (non-reentrant): activation
+    checkpointing per unit. Returns ``[(module, original forward)]`` to undo it (:func:`undo_checkpoint`)."""
+    import torch.utils.checkpoint as ckpt
+    done = []
+    for paths in entries.values():
+        for p in paths:
+            m = model.get_submodule(p)
+            original = m.forward
+
+            def wrapped(*args, _f=original, **kwargs):
+                return ckpt.checkpoint(_f, *args, use_reentrant=False, **kwargs)
+            m.forward = wrapped
+            done.append((m, original))
+    return done
+
+
+def undo_checkpoint(done: list) -> None:
+    for m, original in done:
+        if m.__dict__.get("forward") is not None:
+            del m.__dict__["forward"]
+        if m.forward != original:  # a forward set on the instance before us
+            m.forward = original
+
+
+def _fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+    """``scaled_dot_product_attention`` as a GPU runs it: the fused kernels, which keep the output and the
+    log-sum-exp for backward instead of the T x T attention weights. [Note: on the meta device torch picks
+    the math path, whose saved weights would count tens of GiB a GPU never holds; CPUs have fused kernels
+    too.] A call the fused kernels do not take (grouped-query ``enable_gqa``) keeps torch's own."""
+    import torch
+    if kw.get("enable_gqa") or q.dim() != 4:
+        return _SDPA[0](q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
+    if attn_mask is None:
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+    if attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device)
+    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask.expand(q.shape[0], q.shape[1], -1, -1),
+                                                                   True, dropout_p, is_causal, scale=scale)[0]
+
+
+_SDPA: list = []
+
+
+class _Tracker:
+    """Live bytes of the storages a step allocates (parameters excluded), with the most seen per interval."""
+
+    def __init__(self, skip: set):
+        from torch.multiprocessing.reductions import StorageWeakRef
+        self._ref = StorageWeakRef
+        self.skip = skip                      # storage ids (parameters) left out
+        self.live: dict[int, tuple[Any, int]] = {}
+        self.total = 0
+        self.high = 0                          # most since the last event
+
+    def add(self, t) -> None:
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.skip:
+            return
+        held = self.live.get(key)
+        if held is not None and not held[0].expired():
+            return
+        n = st.nbytes()
+        if held is not None:
+            self.total -= held[1]
+        self.live[key] = (self._ref(st), n)
+        self.total += n
+
+    def purge(self) -> int:
+        dead = [k for k, (w, _) in self.live.items() if w.expired()]
+        for k in dead:
+            self.total -= self.live.pop(k)[1]
+        return self.total
+
+    def after_op(self) -> None:
+        self.high = max(self.high, self.purge())
+
+    def point(self, event: str) -> ActivationPoint:
+        live = self.purge()
+        p = ActivationPoint(event, live, max(self.high, live))
+        self.high = live
+        return p
+
+
+def _run(model, trace, entries: dict[str, list[str]], checkpointed: bool) -> tuple[ActivationPoint, ...]:
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_map
+
+    params = [p for p in model.parameters()]
+    tracker = _Tracker({p.untyped_storage()._cdata for p in params})
+    points: list[ActivationPoint] = []
+    state = {"backward": False}
+
+    def mark(event: str) -> None:
+        points.append(tracker.point(event))
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in _tensors(out, []):
+                if t.device.type == "meta":
+                    tracker.add(t)
+            tracker.after_op()
+            return out
+
+    handles = []
+    pending = {u: 0 for u in entries}
+    owner = {}
+    for u, paths in entries.items():
+        for p in paths:
+            for q in model.get_submodule(p).parameters():
+                if q.requires_grad and id(q) not in owner:
+                    owner[id(q)] = u
+                    pending[u] += 1
+    waiting = dict(pending)
+    started = set()
+
+    def fwd_pre(u):
+        def hook(_m, _a):
+            if not state["backward"] and u not in started:
+                started.add(u)
+                mark(f"pre_forward({u})")
+        return hook
+
+    def fwd_post(u, last):
+        def hook(_m, _a, out):
+            if state["backward"]:
+                return out
+            if last:
+                mark(f"post_forward({u})")
+            fired = []
+
+            def grad_hook(_g):
+                if not fired:
+                    fired.append(1)
+                    mark(f"pre_backward({u})")
+            for t in _tensors(out, []):
+                if t.requires_grad:
+                    t.register_hook(grad_hook)
+            return out
+        return hook
+
+    def on_grad(u):
+        def hook(p):
+            p.grad = None  # the runtime moves gradients into its own buffers (counted by the plan)
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                mark(f"post_backward({u})")
+        return hook
+
+    for u, paths in entries.items():
+        for k, p in enumerate(paths):
+            m = model.get_submodule(p)
+            handles.append(m.register_forward_pre_hook(fwd_pre(u)))
+            handles.append(m.register_forward_hook(fwd_post(u, k == len(paths) - 1)))
+    for q in params:
+        if q.requires_grad:
+            u = owner.get(id(q))
+            handles.append(q.register_post_accumulate_grad_hook(on_grad(u) if u else (lambda p: setattr(p, "grad", None))))
+    undo = checkpoint_units(model, entries) if checkpointed else []
+    import torch.nn.functional as F
+    _SDPA[:] = [F.scaled_dot_product_attention]
+    F.scaled_dot_product_attention = _fused_attention
+    args, kwargs = trace_args(trace)
+    args, kwargs = tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, (args, kwargs))
+    try:
+        with torch.enable_grad(), Mode():
+            for x in _tensors((args, kwargs), []):
+                tracker.add(x)
+            mark("before_forward")
+            loss = scalar_of(model(*args, **kwargs))
+            mark(f"post_forward({ROOT})")
+            state["backward"] = True
+            mark("begin_backward")
+            loss.backward()
+            del loss
+            mark("end_backward")
+    finally:
+        F.scaled_dot_product_attention = _SDPA[0]
+        for h in handles:
+            h.remove()
+        undo_checkpoint(undo)
+    return tuple(points)
+
+
+def profile(model, trace, units: Sequence[tuple[str, Sequence[str]]], compute_dtype: Optional[str] = None,
+            describe: str = "") -> Activations:
+    """The activation profile of one training step on ``trace`` (see the module's docstring).
+
+    ``units``: ``[(unit name, module paths)]`` without the root, as the plan has them."""
+    import torch
+    from .dtypes import to_torch
+    meta = copy.deepcopy(model).to("meta") if any(p.device.type != "meta" for p in model.parameters()) \
+        else copy.deepcopy(model)
+    if compute_dtype:
+        dt = to_torch(compute_dtype)
+        for p in meta.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(dt)
+    meta.train()
+    entries = unit_entries(meta, units)
+    ins = _tensors(trace_args(trace), [])
+    what = describe or ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in ins)
+    with torch.random.fork_rng(devices=[]):
+        plain = _run(meta, trace, entries, checkpointed=False)
+        recompute = _run(meta, trace, entries, checkpointed=True)
+    return Activations(inputs=what, plain=plain, recompute=recompute)

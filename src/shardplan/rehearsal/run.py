@@ -1,0 +1,223 @@
+"""``shardplan.rehearse``: one rank of an N-rank plan, trained for a few steps on this machine."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+
+from ..activations import checkpoint_units, scalar_of, token_inputs, undo_checkpoint, unit_entries
+from ..errors import RehearsalError
+from ..plan import Plan
+from ..plan.render import fmt_bytes
+from ..plan.schedule import ROOT
+from ..runtime import collectives as C
+from .result import Rehearsal, UnitTime
+from .timing import Clock, UnitTimer, unit_times
+
+START_UP_NOTE = ("start-up checked this rank only: the cross-rank exchange (plans and parameter values equal on "
+                 "every rank) is skipped in a rehearsal")
+
+
+def device_capacity(device: torch.device) -> tuple[int, str]:
+    """(bytes free for this process, what they are) on ``device``."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free, f"{device} ({torch.cuda.get_device_name(device)}) has {fmt_bytes(free)} free"
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 1 << 62, "the host"
+    return free, f"the host has {fmt_bytes(free)} of memory available"
+
+
+def check(plan: Plan, rank: int, world: Optional[int], device: torch.device, checkpoint: bool,
+          capacity: Optional[int] = None) -> None:
+    """Refuse, in one line naming the fix, what cannot be rehearsed here: a rank outside the mesh, a world
+    that is not the mesh's, tensor parallelism, a rank whose planned peak exceeds the device."""
+    n = plan.mesh.size
+    if world is not None and world != n:
+        raise RehearsalError(f"the plan's mesh {plan.mesh!r} has {n} ranks but world={world} was asked for; plan "
+                             f"again with a mesh whose axis sizes multiply to {world}, or rehearse world={n}")
+    if not isinstance(rank, int) or not 0 <= rank < n:
+        raise RehearsalError(f"rank {rank!r} is outside the plan's {n} ranks (mesh {plan.mesh!r}); pick a rank in "
+                             f"0..{n - 1}")
+    if plan.compute_axes:
+        raise RehearsalError(f"tensor parallelism (compute axes {', '.join(plan.compute_axes)}) does not run under "
+                             f"rehearsal yet; rehearse the same mesh without compute_axes (every axis sharding "
+                             f"storage only) to measure memory and compute of one rank")
+    peak = plan.memory(rank, recompute=checkpoint).peak
+    if capacity is None:
+        capacity, where = device_capacity(device)
+    else:
+        where = f"{device} has {fmt_bytes(capacity)}"
+    if peak > capacity:
+        acts = plan.memory(rank, recompute=checkpoint).activations
+        fixes = "shard over more ranks (a larger mesh), a higher strategy (optim_grads_params)"
+        if acts:
+            fixes += ", a smaller batch" + ("" if checkpoint else ", activation checkpointing (checkpoint=True / --checkpoint)")
+        raise RehearsalError(f"rank {rank} of {plan.mesh!r} needs {fmt_bytes(peak)} at its planned peak but {where}: "
+                             f"the model does not fit this device even for one rank; {fixes}")
+
+
+def _vocab(model: nn.Module) -> int:
+    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return emb.num_embeddings if emb is not None else 2
+
+
+def _fill_meta_buffers(model: nn.Module, device: torch.device) -> list[str]:
+    """Non-parameter buffers still on the meta device (the rehearsal built the model there) get ones on
+    ``device``: their values cannot matter to a rehearsal's memory and time, nor to a loss it does not show."""
+    filled = []
+    for path, mod in model.named_modules():
+        for name, b in list(mod._buffers.items()):
+            if b is None:
+                continue
+            if b.device.type == "meta":
+                mod._buffers[name] = torch.ones(b.shape, dtype=b.dtype, device=device)
+                filled.append(f"{path}.{name}" if path else name)
+            elif b.device != device:
+                mod._buffers[name] = b.to(device)
+    return filled
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world: int):
+    """This process as rank ``rank`` of ``world`` ranks whose collectives are local stand-ins."""
+    C.start_rehearsal(rank, world)
+    try:
+        yield
+    finally:
+        C.end_rehearsal()
+
+
+def _default_optimizer(params, device: torch.device) -> torch.optim.Optimizer:
+    params = list(params)
+    try:  # fused: no foreach temporaries (the plan counts 2 fp32 states per element, nothing more)
+        return torch.optim.AdamW(params, lr=1e-4, fused=True)
+    except (RuntimeError, ValueError, TypeError):
+        return torch.optim.AdamW(params, lr=1e-4, foreach=False)
+
+
+def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, batch: Union[tuple[int, int], Sequence[int]],
+             steps: int = 3, checkpoint: bool = False, world: Optional[int] = None,
+             init_fn: Optional[Callable[[nn.Module], None]] = None,
+             optimizer_fn: Optional[Callable[..., torch.optim.Optimizer]] = None,
+             inputs_fn: Optional[Callable[[nn.Module, torch.Tensor], object]] = None,
+             device_memory: Optional[int] = None) -> Rehearsal:
+    """Run ``steps`` training steps of ``rank`` of ``plan`` on this process's device (a GPU if there is one)
+    and measure them; every collective is a local stand-in of the right shape and dtype (torch's fake
+    process group), so one GPU (or a CPU) plays one rank of an N-rank job.
+
+    >>> plan = sp.plan(model_on_meta, rules, sp.Mesh(dp=64), units=[r"layers\\.\\d+"], compute_dtype="bf16",
+    ...                trace=sp.activations.token_inputs(model_on_meta, torch.zeros(1, 4096, dtype=torch.long, device="meta")))
+    >>> r = sp.rehearse(lambda: gpt.build("70B"), plan, rank=0, batch=(1, 4096), steps=3, checkpoint=True)
+    >>> print(r)            # per step: time and peak memory, measured and planned; per unit: compute time
+
+    ``model_fn()`` builds the model (called under ``torch.device("meta")``: only this rank's shards are
+    ever materialised, one unit at a time, by ``init_fn`` or each module's ``reset_parameters``). Each step
+    feeds ``batch = (B, T)`` random tokens (``inputs_fn(model, tokens)`` gives the model's arguments
+    otherwise: see :func:`shardplan.activations.token_inputs`), differentiates
+    :func:`shardplan.activations.scalar_of` of the output, and steps ``optimizer_fn(params)`` (AdamW).
+    ``checkpoint=True`` checkpoints every unit (activation checkpointing); compare with
+    ``plan.memory(rank, recompute=True)``. Must run in a process without a process group of its own.
+    """
+    b, t = (int(x) for x in batch)
+    if b <= 0 or t <= 0:
+        raise RehearsalError(f"batch {tuple(batch)}: expected (B, T) tokens per rank with positive integers, e.g. (1, 4096)")
+    if steps < 1:
+        raise RehearsalError(f"steps={steps}: rehearse at least one step")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    check(plan, rank, world, device, checkpoint, device_memory)
+    mem = plan.memory(rank, recompute=checkpoint)
+    notes = [START_UP_NOTE]
+    if plan.activations is None:
+        notes.append("the plan was not traced: its peak counts model states only (plan with trace=example inputs, "
+                     "CLI --trace-tokens, to count activations)")
+    with fake_world(rank, plan.mesh.size):
+        from ..runtime.api import engine_of, memory_stats, reset_peak, shard
+        with torch.device("meta"):
+            model = model_fn()
+        if not isinstance(model, nn.Module):
+            raise RehearsalError(f"model_fn returned {type(model).__name__}, not an nn.Module")
+        model.train()
+        shard(model, plan, init_fn=init_fn)
+        filled = _fill_meta_buffers(model, device)
+        if filled:
+            notes.append(f"{len(filled)} buffer(s) built on the meta device were filled with ones "
+                         f"({', '.join(filled[:3])}{' ...' if len(filled) > 3 else ''})")
+        opt = (optimizer_fn or (lambda ps: _default_optimizer(ps, device)))(model.parameters())
+        units = [u.name for u in plan.units if u.name != ROOT]
+        entries = unit_entries(model, [(u.name, u.module_paths) for u in plan.units if u.name != ROOT])
+        undo = checkpoint_units(model, entries) if checkpoint else []
+        clock = Clock(device)
+        timer = UnitTimer(model, entries, clock)
+        exe = engine_of(model)
+        gen = torch.Generator(device="cpu").manual_seed(rank)
+        vocab = _vocab(model)
+        step_s, peaks, per_unit, opt_s, host_s, states = [], [], [], [], [], None
+        try:
+            for i in range(steps):
+                tokens = torch.randint(0, vocab, (b, t), generator=gen).to(device)
+                args, kwargs = _as_call(inputs_fn(model, tokens) if inputs_fn else token_inputs(model, tokens))
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats(device)
+                if i == min(1, steps - 1):
+                    reset_peak(model)
+                hooks0 = exe.hook_seconds
+                timer.in_backward = False
+                clock.mark("step0")
+                loss = scalar_of(model(*args, **kwargs))
+                clock.mark("forward1")
+                timer.in_backward = True
+                loss.backward()
+                clock.mark("backward1")
+                del loss
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                clock.mark("step1")
+                marks = clock.read()
+                host_s.append(exe.hook_seconds - hooks0)
+                step_s.append(marks["step1"])
+                opt_s.append(marks["step1"] - marks["backward1"])
+                per_unit.append(unit_times(marks, units, ROOT))
+                if device.type == "cuda":
+                    peaks.append(int(torch.cuda.max_memory_allocated(device)))
+            states = memory_stats(model)["peak"]
+        finally:
+            timer.remove()
+            undo_checkpoint(undo)
+    measured_from = slice(1, None) if steps > 1 else slice(0, None)  # step 0 creates the optimizer state
+    measured = max(peaks[measured_from]) if peaks else None
+    kept = [u for u in per_unit[measured_from] if u is not None]
+    unit_list = [ROOT] + units
+    times = tuple(UnitTime(u, statistics.median(k[u][0] for k in kept), statistics.median(k[u][1] for k in kept))
+                  for u in unit_list) if kept else ()
+    if device.type != "cuda":
+        notes.append("peak device memory is not measured on the CPU; the parameters and gradients the runtime held "
+                     "are compared with the plan instead")
+    return Rehearsal(
+        rank=rank, world=plan.mesh.size, mesh=repr(plan.mesh), device=_device_name(device), batch=(b, t),
+        checkpoint=checkpoint, plan_fingerprint=plan.fingerprint(), step_s=tuple(step_s), measured_peak=measured,
+        measured_peaks=tuple(peaks), peak_source="torch.cuda.max_memory_allocated" if peaks else "CPU",
+        planned_peak=mem.peak, planned_states_peak=mem.states_peak, planned_activations=mem.activations,
+        activation_inputs=plan.activations.inputs if plan.activations is not None else "",
+        states_peak_measured=states, states_peak_planned=mem.states_peak - mem.optimizer, units=times,
+        host_s_per_unit=statistics.median(host_s[measured_from]) / max(len(unit_list), 1),
+        optimizer_s=statistics.median(opt_s[measured_from]), notes=tuple(notes))
+
+
+def _as_call(inputs) -> tuple[tuple, dict]:
+    from ..units import trace_args
+    return trace_args(inputs)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return "cpu"

@@ -1,0 +1,215 @@
+"""Rehearsal (one rank of an N-rank plan under torch's fake process group) and the activation profile in
+the plan's memory. Rehearsals run in a forked process each (a fake default process group of their own)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import shardplan as sp
+from shardplan.activations import token_inputs
+from shardplan.errors import RehearsalError
+from shardplan.rehearsal.run import check
+
+from distributed import run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import gpt  # noqa: E402
+
+
+def traced_plan(model_fn, mesh, batch=(2, 32), **kw):
+    with torch.device("meta"):
+        model = model_fn()
+    tokens = torch.zeros(*batch, dtype=torch.long, device="meta")
+    return sp.plan(model, [(r".*", sp.P("dp"))], mesh, trace=token_inputs(model, tokens), min_unit_bytes=0, **kw)
+
+
+# -- a Hugging Face-style model: forward(input_ids, labels) -> an output with .loss; a rotary buffer ------------
+
+@dataclass
+class Output:
+    loss: torch.Tensor
+    logits: torch.Tensor
+
+
+class HFBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.q = nn.Linear(d, d, bias=False)
+        self.up = nn.Linear(d, 2 * d, bias=False)
+        self.down = nn.Linear(2 * d, d, bias=False)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), persistent=False)
+
+    def forward(self, x):
+        x = x + self.q(x) * self.inv_freq.repeat(2)
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class HFStyle(nn.Module):
+    def __init__(self, vocab=97, d=32, n=3):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(HFBlock(d) for _ in range(n))
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, input_ids=None, labels=None):
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.lm_head(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        return Output(loss, logits)
+
+
+def _rehearse_worker(_rank, _world, which, dp, rank, checkpoint):
+    torch.set_num_threads(1)
+    model_fn = (lambda: gpt.build("small")) if which == "gpt" else HFStyle
+    plan = traced_plan(model_fn, sp.Mesh(dp=dp), units=[r"layers\.\d+"])
+    r = sp.rehearse(model_fn, plan, rank=rank, batch=(2, 32), steps=2, checkpoint=checkpoint)
+    return r.to_dict(), str(r), [u.name for u in plan.units]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("which,dp,rank,checkpoint", [("gpt", 8, 3, False), ("gpt", 4, 1, True), ("hf", 4, 2, False)])
+def test_rehearse_one_rank(which, dp, rank, checkpoint):
+    d, text, units = run(_rehearse_worker, 1, which, dp, rank, checkpoint, init=False, timeout=110)[0]
+    assert (d["rank"], d["world"], d["checkpoint"], len(d["step_s"])) == (rank, dp, checkpoint, 2)
+    # the runtime held exactly the parameter and gradient bytes the plan walks for this rank
+    assert d["states_peak_measured"] == d["states_peak_planned"] > 0
+    assert d["planned_activations"] > 0 and d["planned_peak"] > d["planned_states_peak"] - 1
+    assert [u["unit"] for u in d["units"]] == units
+    assert all(u["forward_s"] >= 0 and u["backward_s"] >= 0 for u in d["units"])
+    assert d["measured_peak"] is None  # CPU: not measured, and said so
+    assert "ONE RANK ONLY" in text and "loss" in text and "not meaningful" in text
+    assert not any(k.startswith("loss") for k in d)
+    if which == "hf":
+        assert any("filled with ones" in n for n in d["notes"])  # the meta-built rotary buffers
+    cm = sp.forecast.ComputeModel.from_dict(d)  # the forecast reads a rehearsal's JSON
+    assert cm.measured.keys() == set(units) and cm.batch == (2, 32)
+
+
+# -- the activation profile in the plan's memory -------------------------------------------------------
+
+def test_traced_plan_counts_activations():
+    plan = traced_plan(lambda: gpt.build("small"), sp.Mesh(dp=4), units=[r"layers\.\d+"])
+    plain, ck = plan.memory(1), plan.memory(1, recompute=True)
+    assert plain.activations > 0 and ck.activations > 0
+    assert plain.peak > plain.states_peak and plain.peak <= plain.states_peak + max(p.peak for p in plan.activations.plain)
+    assert ck.peak < plain.peak  # checkpointing keeps less
+    assert plain.states_peak == ck.states_peak
+    # activations accumulate through the forward and are released through the backward
+    live = {p.event: p.live for p in plan.activations.plain}
+    assert live["post_forward(layers.0)"] < live["post_forward(layers.3)"] <= live["begin_backward"]
+    assert live["post_backward(layers.0)"] < live["post_backward(layers.3)"]
+    assert live["end_backward"] < live["post_forward(layers.0)"]
+    ckl = {p.event: p.live for p in plan.activations.recompute}
+    assert ckl["post_forward(layers.3)"] < live["post_forward(layers.3)"]
+    assert "activations included" in str(plan)
+
+
+def test_activation_profile_scales_with_tokens_and_dtype():
+    small = traced_plan(lambda: gpt.build("small"), sp.Mesh(dp=2), batch=(1, 32), units=[r"layers\.\d+"])
+    big = traced_plan(lambda: gpt.build("small"), sp.Mesh(dp=2), batch=(2, 32), units=[r"layers\.\d+"])
+    half = traced_plan(lambda: gpt.build("small"), sp.Mesh(dp=2), batch=(2, 32), units=[r"layers\.\d+"],
+                       compute_dtype=torch.bfloat16)
+    a1, a2 = (p.activations.plain[-1 - 8].live for p in (small, big))  # an event inside the backward
+    assert 1.8 < a2 / a1 < 2.2
+    assert half.memory().activations < big.memory().activations
+
+
+def test_untraced_plan_and_old_json():
+    with torch.device("meta"):
+        model = gpt.build("small")
+    plain = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=4), units=[r"layers\.\d+"], min_unit_bytes=0)
+    m = plain.memory(0)
+    assert m.activations is None and m.peak == m.states_peak
+    assert "activations not counted" in str(plain)
+    traced = traced_plan(lambda: gpt.build("small"), sp.Mesh(dp=4), units=[r"layers\.\d+"])
+    back = sp.Plan.from_json(traced.to_json())
+    assert back == traced and back.memory(2) == traced.memory(2) and back.fingerprint() == traced.fingerprint()
+    d = json.loads(traced.to_json())
+    d.pop("activations")  # a plan saved before activation profiles
+    old = sp.Plan.from_json(json.dumps(d))
+    assert old.activations is None and old.memory(2).peak == traced.memory(2).states_peak
+    assert "activations" not in plain.to_dict()  # untraced plans keep their JSON (and fingerprints)
+
+
+# -- errors: one line naming the fix --------------------------------------------------------------------
+
+def test_errors_name_the_fix():
+    plan = traced_plan(lambda: gpt.build("small"), sp.Mesh(dp=8), units=[r"layers\.\d+"])
+    cpu = torch.device("cpu")
+    with pytest.raises(RehearsalError, match=r"rank 8 is outside the plan's 8 ranks.*0\.\.7"):
+        check(plan, 8, None, cpu, False)
+    with pytest.raises(RehearsalError, match=r"has 8 ranks but world=16 .*multiply to 16"):
+        check(plan, 0, 16, cpu, False)
+    with pytest.raises(RehearsalError, match=r"does not fit this device even for one rank.*activation checkpointing"):
+        check(plan, 0, None, cpu, False, capacity=1000)
+    check(plan, 7, 8, cpu, True)  # fits
+    with torch.device("meta"):
+        model = gpt.build("small")
+    tp = sp.plan(model, __import__("gpt_rules_tp").rules, sp.Mesh(dp=2, tp=2), compute_axes=("tp",))
+    with pytest.raises(RehearsalError, match="tensor parallelism .* does not run under rehearsal yet"):
+        check(tp, 0, None, cpu, False)
+    for e in (RehearsalError,):
+        assert issubclass(e, sp.ShardingError)
+
+
+def _cli(*args, timeout=150):
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), CUDA_VISIBLE_DEVICES="")
+    return subprocess.run([sys.executable, "-m", "shardplan", *args], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=timeout)
+
+
+@pytest.mark.timeout(200)
+def test_cli_json_and_errors(tmp_path):
+    out = tmp_path / "r.json"
+    p = _cli("rehearse", "examples/gpt.py:tiny", "--mesh", "dp=8", "--rank", "3", "--batch", "2x16", "--steps", "2",
+             "--json", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d == json.loads(out.read_text())
+    assert (d["rank"], d["world"], d["batch"], d["rehearsal"]) == (3, 8, [2, 16], 1)
+    assert d["planned_activations"] > 0 and d["activation_inputs"].startswith("(2, 16)")
+    assert d["states_peak_measured"] == d["states_peak_planned"]
+    bad = _cli("rehearse", "examples/gpt.py:tiny", "--mesh", "dp=8", "--rank", "9", "--batch", "2x16")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--rank 9 is outside" in bad.stderr
+    bad = _cli("rehearse", "examples/gpt.py:tiny", "--mesh", "dp=8", "--batch", "2by16")
+    assert bad.returncode == 2 and "expected BxT" in bad.stderr
+    f = _cli("forecast", "examples/gpt.py:tiny", "--mesh", "dp=8", "--network", "h100-8x-ib400", "--batch", "2x16",
+             "--compute", str(out), "--json")
+    assert f.returncode == 0, f.stderr
+    assert json.loads(f.stdout)["compute"]["units"]
+
+
+@pytest.mark.timeout(200)
+def test_help_examples_run(tmp_path):
+    from shardplan.cli import REHEARSE_EXAMPLES
+    from test_docs import cli_lines
+    lines = cli_lines(REHEARSE_EXAMPLES)
+    assert len(lines) == 2
+    (tmp_path / "examples").symlink_to(os.path.join(ROOT, "examples"))
+    for line in lines:
+        p = subprocess.run([sys.executable, "-m", "shardplan", *line.split()[1:]], capture_output=True, text=True,
+                           cwd=tmp_path, env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src")), timeout=150)
+        assert p.returncode == 0, (line, p.stderr)
+
+
+@pytest.mark.timeout(250)
+def test_benchmark_tiny(tmp_path):
+    out = tmp_path / "check.json"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "rehearse_check.py"), "--tiny", "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=240,
+                       env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), CUDA_VISIBLE_DEVICES=""))
+    assert p.returncode == 0, p.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert len(d["cases"]) == 4 and all(c["states_peak_measured"] == c["states_peak_planned"] for c in d["cases"])
