@@ -172,8 +172,8 @@ class FunctionalSystem:
         loss, self.grads = self.vg(self.params, x, y)
         return self._Loss(loss)
 
-    def step(self):
-        self.params, self.state = self.opt.update(self.grads, self.state, self.params)
+    def step(self):  # donated: params and moments updated in place, as shard()'s torch optimizer does
+        self.params, self.state = self.opt.update(self.grads, self.state, self.params, donate=True)
 
     def zero_grad(self, set_to_none=True):
         self.grads = None

@@ -289,3 +289,33 @@ def test_functional_checkpoint_saved_at_4_resumes_at_2(tmp_path):
     step, rest = run(_ckpt_worker, 2, path, "load")[0]
     assert step == 3
     assert rest == pytest.approx(full[3:], abs=1e-5)
+
+
+def test_pure_optimizers_donate_in_place_bit_for_bit():
+    """``donate=True`` updates params and state in place (no second copy: JAX donation) with the same bits as
+    the out-of-place update and as torch.optim.AdamW/SGD on the same tensors."""
+    g = torch.Generator().manual_seed(0)
+    params = {"a": torch.randn(5, 3, generator=g), "b": {"c": torch.randn(7, generator=g)}}
+    grads = [{"a": torch.randn(5, 3, generator=g), "b": {"c": torch.randn(7, generator=g)}} for _ in range(3)]
+    for make, ref in ((lambda: sp.optim.adamw(lr=1e-2, weight_decay=0.1),
+                       lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True)),
+                      (lambda: sp.optim.sgd(lr=1e-2, momentum=0.9, weight_decay=0.01),
+                       lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=0.01, foreach=True))):
+        opt = make()
+        out = optree.tree_map(torch.clone, params)
+        state = opt.init(out)
+        don = optree.tree_map(torch.clone, params)
+        dstate = opt.init(don)
+        tp = [torch.nn.Parameter(t.clone()) for t in optree.tree_leaves(params)]
+        topt = ref(tp)
+        for gr in grads:
+            out, state = opt.update(gr, state, out)
+            before = [t.data_ptr() for t in optree.tree_leaves(don)]
+            don2, dstate = opt.update(gr, dstate, don, donate=True)
+            assert [t.data_ptr() for t in optree.tree_leaves(don2)] == before  # in place
+            don = don2
+            for p, t in zip(tp, optree.tree_leaves(gr)):
+                p.grad = t.clone()
+            topt.step()
+        for a, b, c in zip(optree.tree_leaves(out), optree.tree_leaves(don), tp):
+            assert torch.equal(a, b) and torch.equal(a, c.detach())

@@ -3,11 +3,15 @@
 >>> opt = sp.optim.adamw(lr=3e-4, weight_decay=0.1)
 >>> state = opt.init(local_params)
 >>> local_params, state = opt.update(grads, state, local_params)   # nothing the caller holds is changed
+>>> local_params, state = opt.update(grads, state, local_params, donate=True)   # in place, as JAX donation
 >>> opt = sp.optim.adamw(lr=sp.optim.warmup_cosine(3e-4, warmup=100, total=10_000))   # a schedule: lr(step)
 
-Updates use ``torch._foreach_*`` (out of place) with the arithmetic, in the order, of
-``torch.optim.AdamW`` / ``SGD``, so a shard trains bit for bit like the same elements under torch's
-optimizers. ``clip_by_global_norm`` needs the plan: a parameter replicated over some mesh axes is
+Updates use ``torch._foreach_*`` with the arithmetic, in the order, of ``torch.optim.AdamW`` / ``SGD``, so
+a shard trains bit for bit like the same elements under torch's optimizers. Out of place by default (the
+new parameters and moments live beside the old ones until the caller drops them); ``donate=True`` gives
+the inputs to the update, as JAX's buffer donation does: ``params`` and ``state`` are updated in place and
+returned, so a step needs no second copy of them (the caller must not use the old trees afterwards: they
+are the new ones). ``clip_by_global_norm`` needs the plan: a parameter replicated over some mesh axes is
 counted once, not once per replica.
 """
 
@@ -30,7 +34,7 @@ __all__ = ["Optimizer", "adamw", "sgd", "trainable", "clip_by_global_norm",
 
 
 class Optimizer(NamedTuple):
-    """``init(params) -> state`` and ``update(grads, state, params) -> (params, state)``."""
+    """``init(params) -> state`` and ``update(grads, state, params, donate=False) -> (params, state)``."""
 
     init: Callable[[Any], Any]
     update: Callable[[Any, Any, Any], tuple[Any, Any]]
@@ -90,13 +94,19 @@ def adamw(lr: LearningRate = 1e-3, betas: tuple[float, float] = (0.9, 0.999), ep
         zeros = lambda: optree.tree_unflatten(spec, [torch.zeros_like(p) for p in leaves])
         return {"step": torch.tensor(0.0), "exp_avg": zeros(), "exp_avg_sq": zeros()}
 
-    def step_some(p, g, m, v, t):
-        # one new tensor per output (params, moments) plus one temporary; then in place on those only
+    def step_some(p, g, m, v, t, donate=False):
+        # one new tensor per output (params, moments) plus one temporary; then in place on those only.
+        # donated: in place on the inputs, one temporary (the denominator), as torch.optim.AdamW(foreach=True)
         lr_t = value_at(lr, int(t) - 1)
         bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-        p = torch._foreach_mul(p, 1 - lr_t * weight_decay)
-        m = torch._foreach_lerp(m, g, 1 - b1)
-        v = torch._foreach_mul(v, b2)
+        if donate:
+            torch._foreach_mul_(p, 1 - lr_t * weight_decay)
+            torch._foreach_lerp_(m, g, 1 - b1)
+            torch._foreach_mul_(v, b2)
+        else:
+            p = torch._foreach_mul(p, 1 - lr_t * weight_decay)
+            m = torch._foreach_lerp(m, g, 1 - b1)
+            v = torch._foreach_mul(v, b2)
         torch._foreach_addcmul_(v, g, g, value=1 - b2)
         denom = torch._foreach_sqrt(v)
         torch._foreach_div_(denom, math.sqrt(bc2))
@@ -104,14 +114,16 @@ def adamw(lr: LearningRate = 1e-3, betas: tuple[float, float] = (0.9, 0.999), ep
         torch._foreach_addcdiv_(p, m, denom, value=-lr_t / bc1)
         return p, m, v
 
-    def update(grads, state, params):
+    def update(grads, state, params, donate: bool = False):
         p, spec = _flat(params, "params")
         g, _ = _flat(grads, "grads", spec)
         m, _ = _flat(state["exp_avg"], "exp_avg", spec)
         v, _ = _flat(state["exp_avg_sq"], "exp_avg_sq", spec)
         step = state["step"] + 1
         t = float(step)
-        p, m, v = _masked(lambda p_, g_, m_, v_: step_some(p_, g_, m_, v_, t))([p, g, m, v], _selected(params, mask))
+        with torch.no_grad():
+            p, m, v = _masked(lambda p_, g_, m_, v_: step_some(p_, g_, m_, v_, t, donate))(
+                [p, g, m, v], _selected(params, mask))
         rebuild = lambda xs: optree.tree_unflatten(spec, xs)
         return rebuild(p), {"step": step, "exp_avg": rebuild(m), "exp_avg_sq": rebuild(v)}
 
@@ -127,7 +139,7 @@ def sgd(lr: LearningRate, momentum: float = 0.0, weight_decay: float = 0.0, mask
         return {"momentum_buffer": optree.tree_unflatten(spec, [torch.zeros_like(p) for p in leaves]),
                 "step": torch.tensor(0.0)}
 
-    def update(grads, state, params):
+    def update(grads, state, params, donate: bool = False):
         p, spec = _flat(params, "params")
         g, _ = _flat(grads, "grads", spec)
         buf, _ = _flat(state["momentum_buffer"], "momentum_buffer", spec)
@@ -138,11 +150,21 @@ def sgd(lr: LearningRate, momentum: float = 0.0, weight_decay: float = 0.0, mask
             if weight_decay:
                 g_ = torch._foreach_add(g_, p_, alpha=weight_decay)
             if momentum:
-                b_ = [x.clone() for x in g_] if first else torch._foreach_add(torch._foreach_mul(b_, momentum), g_)
+                if first:
+                    b_ = [x.clone() for x in g_]
+                elif donate:
+                    torch._foreach_mul_(b_, momentum)
+                    torch._foreach_add_(b_, g_)
+                else:
+                    b_ = torch._foreach_add(torch._foreach_mul(b_, momentum), g_)
                 g_ = b_
+            if donate:
+                torch._foreach_add_(p_, g_, alpha=-lr_t)
+                return p_, b_
             return torch._foreach_add(p_, g_, alpha=-lr_t), b_
 
-        p, buf = _masked(step_some)([p, g, buf], _selected(params, mask))
+        with torch.no_grad():
+            p, buf = _masked(step_some)([p, g, buf], _selected(params, mask))
         return optree.tree_unflatten(spec, p), {"momentum_buffer": optree.tree_unflatten(spec, buf),
                                                 "step": state["step"] + 1}
 
