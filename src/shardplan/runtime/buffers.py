@@ -149,6 +149,7 @@ class BufferState:
             m.full = nn.Parameter(self._wrap(m, alias(self.full, m.piece.full_offset, m.info.shape)),
                                   requires_grad=m.info.requires_grad)
             m.lshape, m.lstride = tuple(m.piece.shape), _contiguous_strides(m.piece.shape)
+            m.fshape, m.fstride = tuple(m.info.shape), _contiguous_strides(m.info.shape)
         if not self.bp.persistent:
             free_storage(self.full)
 

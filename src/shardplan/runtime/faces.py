@@ -122,6 +122,8 @@ class TreeFace:
         self.grads: dict[str, torch.Tensor] = {}         # plan name -> reduced local gradient, this backward
         self.dst: dict[int, torch.Tensor] = {}           # buffer -> flat local gradient (param dtype)
         self.versions: dict[str, tuple] = {}
+        self.srcs: dict[int, list] = {}    # buffer -> its held leaves, flat, this call (what its gathers send)
+        self.dsts: dict[int, list] = {}    # buffer -> slices of its gathered buffer the leaves are copied into
 
     # -- loading the caller's tree ---------------------------------------------------------------------
     def load(self, leaves: dict[str, torch.Tensor], sources: Optional[dict] = None) -> bool:
@@ -150,20 +152,24 @@ class TreeFace:
             with torch.no_grad():
                 torch._foreach_copy_(dsts, srcs)
         self.leaves = leaves
+        self.srcs = {}
         return changed
 
     def gather_input(self, b: BufferState, collective: bool, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if b.bp.alias:
             return b.gather_input(collective, out)
+        srcs = self.srcs.get(b.bp.index)
+        if srcs is None:  # once per call: a ZeRO-3 unit gathers in forward and again in backward
+            srcs = self.srcs[b.bp.index] = [self.leaves[m.name].detach().reshape(-1) for m in b.members if m.held]
         if not collective and out is not None:  # a gather that moves nothing: straight into the output
             send = out
+            dsts = self.dsts.get(b.bp.index)  # the gathered buffer is one tensor for the runtime's life
+            if dsts is None or dsts[0] is not out:
+                dsts = self.dsts[b.bp.index] = (out, [out[m.shard] for m in b.members if m.held])
+            dsts = dsts[1]
         else:
             send = torch.empty(b.S, dtype=b.cdtype, device=b.device)  # gaps between pieces are never read
-        dsts, srcs = [], []
-        for m in b.members:
-            if m.held:
-                dsts.append(send[m.shard])
-                srcs.append(self.leaves[m.name].detach().reshape(-1))
+            dsts = [send[m.shard] for m in b.members if m.held]
         if dsts:
             with torch.no_grad():
                 torch._foreach_copy_(dsts, srcs)  # the cast to the compute dtype happens in the same pass
@@ -196,7 +202,13 @@ class TreeFace:
         return None  # the call restores the module's own parameters when it returns
 
     def full_tensors(self, u: UnitRuntime) -> list[torch.Tensor]:
-        return [alias(b.full, m.piece.full_offset, m.info.shape) for b in u.buffers for m in b.members]
+        """Tensors over the unit's gathered storage, with a version counter of their own (one fresh alias of
+        each buffer, the parameters strided views of it)."""
+        out = []
+        for b in u.buffers:
+            base = alias(b.full, 0, (b.full.numel(),))
+            out += [base.as_strided(m.fshape, m.fstride, m.piece.full_offset) for m in b.members]
+        return out
 
     def unit_backward(self, u: UnitRuntime, grads) -> list[Optional[torch.Tensor]]:
         """The unit's full gradients arrived (complete: autograd summed every use): land them in the
@@ -215,7 +227,7 @@ class TreeFace:
                     arrived.append((i, g))
                     exe.used[m.index] = 1
                 if self.leaves[m.name].requires_grad:
-                    out.append(dst[m.shard].view(m.piece.shape) if dst is not None else None)
+                    out.append(dst.as_strided(m.lshape, m.lstride, m.shard.start) if dst is not None else None)
             if arrived:
                 b.land_grads(exe.window, arrived)
         exe.complete(u.name)
@@ -237,7 +249,7 @@ class TreeFace:
                 dst.copy_(result[:dst.numel()])
         for m in b.members:
             if m.info.requires_grad:
-                self.grads[m.name] = dst[m.shard].view(m.piece.shape)
+                self.grads[m.name] = dst.as_strided(m.lshape, m.lstride, m.shard.start)
         del self.dst[b.bp.index]  # the next backward gets fresh tensors: these now belong to the caller
 
     def unused(self, indices: list[int]) -> None:

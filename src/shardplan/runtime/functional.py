@@ -30,7 +30,7 @@ from .buffers import free_storage
 from .builder import FUNCTIONAL, build
 from .executor import Executor
 from .faces import TreeFace
-from .hooks import install
+from .hooks import module_hooks, register
 
 _SESSION = threading.local()
 
@@ -60,6 +60,7 @@ class FunctionalRuntime:
         self.face.slots = {u.name: [list(slots[m.name]) for b in u.buffers for m in b.members] for u in units}
         self.originals = [(m, attr, m._parameters[attr]) for places in slots.values() for m, attr in places]
         self.checked: set = set()
+        self.hooks: Optional[list] = None  # the module hooks' entries (hooks.register), made at the first call
         if self.meshes:
             TP.align_generators(plan, rt.groups.world, rt.device)
 
@@ -114,7 +115,9 @@ def functional_call(module: nn.Module, plan: Plan, local_params, args=(), kwargs
         rt.exe.mark_shards_changed()
     if session is not None:
         session.append(rt)
-    handles = install(module, rt.exe, rt.modules_of, param_hooks=False)
+    if rt.hooks is None:  # made once, registered for the call
+        rt.hooks = module_hooks(module, rt.exe, rt.modules_of)
+    handles = register(rt.hooks)
     if rt.meshes:
         from . import tensor_parallel as TP
         handles += TP.install_styles(module, plan, rt.meshes, rt.exe)
@@ -140,10 +143,15 @@ def value_and_grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool 
     each local shard's reduced gradient; a parameter the step did not use gets zeros, not a missing
     entry. The caller's tree is not modified.
     """
+    trained: dict = {}  # tree structure -> which leaves the plan trains
+
     def wrapped(*args, **kwargs):
         params = args[argnums]
         paths, leaves, spec = leaves_with_paths(params)
-        trains = [plan.param(p).requires_grad if p in plan else False for p in paths]
+        key = (spec, tuple(paths)) if spec is not None else tuple(paths)
+        trains = trained.get(key)
+        if trains is None:
+            trains = trained[key] = [plan.param(p).requires_grad if p in plan else False for p in paths]
         fresh = [l.detach().requires_grad_(t and l.is_floating_point()) for l, t in zip(leaves, trains)]
         tree = dict(zip(paths, fresh)) if spec is None else optree.tree_unflatten(spec, fresh)
         call = args[:argnums] + (tree,) + args[argnums + 1:]

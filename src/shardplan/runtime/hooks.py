@@ -63,6 +63,22 @@ def install(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn.Modu
     """Register every hook; returns the module hooks' handles (``param_hooks``: also the gradient hooks of
     the module face's parameters, which live as long as they do). Hooks hold the executor weakly where
     they live in C++."""
+    handles = register(module_hooks(module, exe, modules_of))
+    if param_hooks:
+        for u in exe.unit_list:
+            _hook_params(exe, u)
+    return handles
+
+
+def register(hooks: list) -> list:
+    """Register ``(module, forward pre-hook?, fn, with_kwargs)`` entries (from :func:`module_hooks`); returns
+    the handles. The functional face makes the entries once and registers them for each call."""
+    return [m.register_forward_pre_hook(fn, with_kwargs=kw) if pre else m.register_forward_hook(fn)
+            for m, pre, fn, kw in hooks]
+
+
+def module_hooks(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn.Module]]) -> list:
+    """The module hooks that report the executor's events, as entries for :func:`register`."""
     handles: list = []
     clock = time.perf_counter
     me = weakref.ref(exe)
@@ -116,9 +132,9 @@ def install(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn.Modu
         watch_outputs(ROOT, output)
         return output
 
-    handles.append(module.register_forward_pre_hook(root_pre, with_kwargs=True))
-    handles.append(module.register_forward_hook(root_post))
-    path_of = {id(m): p for p, m in module.named_modules()}
+    handles.append((module, True, root_pre, True))
+    handles.append((module, False, root_post, False))
+    path_of: dict = {}  # filled once, only for containers (the functional face installs at every call)
     unit_paths = [p for u in exe.plan.units[1:] for p in u.module_paths]
     for name, mods in modules_of.items():
 
@@ -144,21 +160,19 @@ def install(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn.Modu
 
         for k, mod in enumerate(mods):
             if has_forward(mod):
-                handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True) if k == 0
-                               else mod.register_forward_pre_hook(pre_inner))
+                handles.append((mod, True, pre, True) if k == 0 else (mod, True, pre_inner, False))
                 if k == len(mods) - 1:
-                    handles.append(mod.register_forward_hook(post))
+                    handles.append((mod, False, post, False))
                 continue
             # [Note: containers as units] (units.entry_points): a module without a forward is never
             # called; its entry points gather the unit and watch their outputs for its backward. No
             # post_forward: the unit's free runs when the next event moves the cursor past it.
+            if not path_of:
+                path_of.update((id(m), p) for p, m in module.named_modules())
             for path in entry_points(module, path_of[id(mod)], unit_paths):
                 entry = module.get_submodule(path)
-                handles.append(entry.register_forward_pre_hook(pre, with_kwargs=True))
-                handles.append(entry.register_forward_hook(entered_post))
-    if param_hooks:
-        for u in exe.unit_list:
-            _hook_params(exe, u)
+                handles.append((entry, True, pre, True))
+                handles.append((entry, False, entered_post, False))
     return handles
 
 
