@@ -260,13 +260,20 @@ def main():
             try:
                 model, opt, ctx, info = make_system(s, args, dev, world)
                 if s == "shardplan":
-                    sp.runtime.engine_of(model).hook_seconds = 0.0
+                    eng = sp.runtime.engine_of(model)
+                    eng.hook_seconds = eng.backward_seconds = 0.0
                 steps = data
                 if info.get("data_size", world) != world:
                     steps = batches(args, dev, info["data_index"], info["data_size"], len(data))
                 times, losses, parts = run_steps(model, opt, ctx, steps, dev, args.breakdown)
-                if s == "shardplan":
-                    info["hook_us_per_unit"] = 1e6 * sp.runtime.engine_of(model).hook_seconds / len(times) / (
+                if s == "shardplan":  # the runtime's CPU time per unit and step: forward hooks, backward hooks
+                    eng = sp.runtime.engine_of(model)
+                    per = 1e6 / len(times) / info["units"]
+                    info["hook_us_per_unit"] = (eng.hook_seconds + eng.backward_seconds) * per
+                    info["forward_hook_us_per_unit"] = eng.hook_seconds * per
+                    info["backward_hook_us_per_unit"] = eng.backward_seconds * per
+                    # the definition of earlier results: forward hooks only, per block (not per merged unit)
+                    info["forward_hook_us_per_block"] = 1e6 * eng.hook_seconds / len(times) / (
                         gpt.CONFIGS[args.config].layers + 1)
             except Exception as exc:  # noqa: BLE001 - recorded, the other systems still run
                 results[s]["error"] = f"{type(exc).__name__}: {exc}"[:500]
@@ -303,7 +310,8 @@ def main():
             entry["forward_ms"] = 1000 * statistics.median(p[0] for p in res["parts"])
             entry["backward_ms"] = 1000 * statistics.median(p[1] for p in res["parts"])
             entry["optimizer_ms"] = 1000 * statistics.median(p[2] for p in res["parts"])
-        for k in ("comm_bytes", "plan_peak", "planned_memory", "hook_us_per_unit", "units", "notes", "data_size",
+        for k in ("comm_bytes", "plan_peak", "planned_memory", "hook_us_per_unit", "forward_hook_us_per_unit",
+                  "backward_hook_us_per_unit", "forward_hook_us_per_block", "units", "notes", "data_size",
                   "offload", "host_copy_bytes", "host_rss_bytes"):
             if k in res:
                 entry[k] = res[k]

@@ -27,6 +27,7 @@ state (:class:`~.unit.Params`, :class:`~.unit.Grads`) and runs each op through o
 
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Optional
 
@@ -73,7 +74,8 @@ class Executor:
         self.awaiting_backward = False
         self.versions = -1
         self.record: Optional[list] = None
-        self.hook_seconds = 0.0
+        self.hook_seconds = 0.0      # CPU time inside the forward module hooks
+        self.backward_seconds = 0.0  # ... inside the backward hooks, the end-of-backward callback, unit backwards
         self.track_memory = False
         self.live_bytes = self.peak_live_bytes = 0
         self.n_gathered = self.max_gathered = 0
@@ -244,6 +246,7 @@ class Executor:
 
     def end_backward(self) -> None:
         """The autograd engine's final callback: run every backward step left, then ``end_backward``."""
+        t = time.perf_counter()
         try:
             self._advance_backward(len(self.cursor.program.backward) - 1)
             self._run_step(self.cursor.program.end, grad=True)
@@ -257,6 +260,7 @@ class Executor:
             for u in self.unit_list:
                 u.start_pass()
             self._account()
+            self.backward_seconds += time.perf_counter() - t
 
     # -- running ops ---------------------------------------------------------------------------------
     def _run_step(self, step: Step, *, grad: bool) -> None:

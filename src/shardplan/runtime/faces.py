@@ -11,6 +11,7 @@ where its reduced gradient goes (``deliver``).
 
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Optional, Protocol, runtime_checkable
 
@@ -214,6 +215,7 @@ class TreeFace:
         """The unit's full gradients arrived (complete: autograd summed every use): land them in the
         unsharded gradient, complete the unit, and return views of the local gradients to be."""
         exe = self.exe()
+        t = time.perf_counter()
         exe.begin_backward()
         exe.check_not_reduced(u, [m.name for b in u.buffers for m in b.members])
         grads = iter(grads)  # one per full tensor, in buffer order (frozen parameters too)
@@ -231,6 +233,7 @@ class TreeFace:
             if arrived:
                 b.land_grads(exe.window, arrived)
         exe.complete(u.name)
+        exe.backward_seconds += time.perf_counter() - t
         return out
 
     def _dst(self, b: BufferState) -> torch.Tensor:

@@ -115,7 +115,7 @@ def module_hooks(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn
             return
         for t in tensors_in(output):
             if t.requires_grad and not any(t is g for g in given):
-                t.register_hook(lambda _g, _n=name: me().pre_backward(_n))
+                t.register_hook(_timed_backward(me, lambda _g, _n=name: me().pre_backward(_n)))
 
     @timed
     def root_pre(_m, args, kwargs):
@@ -185,8 +185,23 @@ def _hook_params(exe: Executor, u: UnitRuntime) -> None:
             u.expected += 1
             # weak references: a hook lives in C++, where the garbage collector cannot see the cycle
             # parameter -> hook -> executor -> parameter, so strong ones would leak the model
-            fp.register_post_accumulate_grad_hook(lambda _p, _i=idx: me().on_grad(unit_ref, _i))
+            fp.register_post_accumulate_grad_hook(_timed_backward(me, lambda _p, _i=idx: me().on_grad(unit_ref, _i)))
             lp.register_post_accumulate_grad_hook(lambda _p, _name=info.name: _shard_used(_name))
+
+
+def _timed_backward(me, fn):
+    """``fn`` (a hook autograd calls in backward), its time added to the executor's ``backward_seconds``."""
+    clock = time.perf_counter
+
+    def run(*args):
+        t = clock()
+        try:
+            return fn(*args)
+        finally:
+            exe = me()
+            if exe is not None:
+                exe.backward_seconds += clock() - t
+    return run
 
 
 def _shard_used(name: str) -> None:
