@@ -13,7 +13,6 @@ local tree) and which face the executor serves (runtime/faces.py).
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
@@ -36,15 +35,23 @@ if TYPE_CHECKING:  # pragma: no cover
 
 ATTR = "_shardplan"  # module.__dict__ key of the executor shard() attaches
 _GROUPS: dict[str, tuple[object, C.Groups]] = {}
-FUNCTIONAL: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
-"""module -> {plan fingerprint: the functional face's runtime of that pair} (runtime/functional.py)."""
+FUNCTIONAL_ATTR = "_shardplan_functional"
+"""module.__dict__ key of {plan fingerprint: the functional face's runtime of that pair} (runtime/functional.py).
+[Note: on the module, not in a weak-keyed cache: a runtime refers to its modules (the parameters' owners,
+the root included when it owns one), and a weak-keyed cache's value that refers to its key keeps it alive
+for ever; a module <-> runtime cycle is collected with the module.]"""
+
+
+def functional_runtimes(module: nn.Module) -> dict:
+    """{plan fingerprint: runtime} of ``module`` for the functional face (made empty on first use)."""
+    return module.__dict__.setdefault(FUNCTIONAL_ATTR, {})
 
 
 def engine_of(module: nn.Module, plan: Optional[Plan] = None) -> "Executor":
     """The executor running ``module``'s plan (``shard`` attaches it; with ``plan``, the one
     ``functional_call(module, plan, ...)`` made)."""
     if plan is not None:
-        rt = FUNCTIONAL.get(module, {}).get(plan.fingerprint())
+        rt = module.__dict__.get(FUNCTIONAL_ATTR, {}).get(plan.fingerprint())
         if rt is None:
             raise RuntimeShardingError("functional_call has not run this module with this plan yet")
         return rt.exe

@@ -27,7 +27,7 @@ from ..plan import Plan
 from ..rules import leaves_with_paths
 from ..tree import check_tree
 from .buffers import free_storage
-from .builder import FUNCTIONAL, build
+from .builder import build, functional_runtimes
 from .executor import Executor
 from .faces import TreeFace
 from .hooks import module_hooks, register
@@ -77,7 +77,7 @@ class FunctionalRuntime:
 def runtime_of(module: nn.Module, plan: Plan, timeout_s: float = 300.0, local_params=None) -> FunctionalRuntime:
     """The (module, plan) runtime, made at the first call: every rank checks its module, plan and (given)
     local tree, and all exchange the findings, so a rank with a bad tree ends every rank at once."""
-    per = FUNCTIONAL.setdefault(module, {})
+    per = functional_runtimes(module)
     key = plan.fingerprint()
     if key not in per:
         problems = []

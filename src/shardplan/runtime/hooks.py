@@ -72,9 +72,15 @@ def install(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn.Modu
 
 def register(hooks: list) -> list:
     """Register ``(module, forward pre-hook?, fn, with_kwargs)`` entries (from :func:`module_hooks`); returns
-    the handles. The functional face makes the entries once and registers them for each call."""
-    return [m.register_forward_pre_hook(fn, with_kwargs=kw) if pre else m.register_forward_hook(fn)
-            for m, pre, fn, kw in hooks]
+    the handles. The functional face makes the entries once and registers them for each call. [Note: the
+    entries hold their modules weakly: the functional face keeps them in a cache keyed weakly by the root
+    module, which a strong reference from its value would keep alive forever.]"""
+    out = []
+    for ref, pre, fn, kw in hooks:
+        m = ref()
+        if m is not None:
+            out.append(m.register_forward_pre_hook(fn, with_kwargs=kw) if pre else m.register_forward_hook(fn))
+    return out
 
 
 def module_hooks(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn.Module]]) -> list:
@@ -132,8 +138,8 @@ def module_hooks(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn
         watch_outputs(ROOT, output)
         return output
 
-    handles.append((module, True, root_pre, True))
-    handles.append((module, False, root_post, False))
+    handles.append((weakref.ref(module), True, root_pre, True))
+    handles.append((weakref.ref(module), False, root_post, False))
     path_of: dict = {}  # filled once, only for containers (the functional face installs at every call)
     unit_paths = [p for u in exe.plan.units[1:] for p in u.module_paths]
     for name, mods in modules_of.items():
@@ -160,9 +166,10 @@ def module_hooks(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn
 
         for k, mod in enumerate(mods):
             if has_forward(mod):
-                handles.append((mod, True, pre, True) if k == 0 else (mod, True, pre_inner, False))
+                ref = weakref.ref(mod)
+                handles.append((ref, True, pre, True) if k == 0 else (ref, True, pre_inner, False))
                 if k == len(mods) - 1:
-                    handles.append((mod, False, post, False))
+                    handles.append((ref, False, post, False))
                 continue
             # [Note: containers as units] (units.entry_points): a module without a forward is never
             # called; its entry points gather the unit and watch their outputs for its backward. No
@@ -171,8 +178,8 @@ def module_hooks(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn
                 path_of.update((id(m), p) for p, m in module.named_modules())
             for path in entry_points(module, path_of[id(mod)], unit_paths):
                 entry = module.get_submodule(path)
-                handles.append((entry, True, pre, True))
-                handles.append((entry, False, entered_post, False))
+                handles.append((weakref.ref(entry), True, pre, True))
+                handles.append((weakref.ref(entry), False, entered_post, False))
     return handles
 
 
