@@ -55,6 +55,29 @@ def test_device_bytes_move_to_the_host(strategy):
     assert c["total"] == base.comm_bytes()["total"] and "copy_d2h" not in base.comm_bytes()
 
 
+@pytest.mark.parametrize("strategy,mode", [(3, "optimizer"), (1, "optimizer"), (3, "params")])
+def test_auto_fraction_is_the_smallest_that_fits(strategy, mode):
+    from shardplan.plan.offload import prefix_fractions
+    full = _plan(strategy, mode)
+    fractions = prefix_fractions(full.buffers, full.units)
+    peaks = [max(_plan(strategy, mode, f).memory(r).peak for r in range(4)) for f in fractions]
+    assert peaks == sorted(peaks, reverse=True)  # offloading more never raises the device peak
+    for budget in sorted(set(peaks)) + [peaks[0] + 1]:
+        auto = _plan(strategy, mode, "auto", device_memory=budget)
+        k = fractions.index(auto.offload_fraction)
+        assert peaks[k] <= budget and (k == 0 or peaks[k - 1] > budget)  # fits, and the one before does not
+        assert auto.equivalent(_plan(strategy, mode, auto.offload_fraction))  # the number chosen rebuilds it
+        assert "offload_fraction='auto'" in auto.notes[-1]
+    with pytest.raises(sp.PlanError, match="even offloading every buffer"):
+        _plan(strategy, mode, "auto", device_memory=peaks[-1] - 1)
+    with pytest.raises(sp.PlanError, match="pass device_memory"):
+        _plan(strategy, mode, "auto")
+    with pytest.raises(sp.PlanError, match="offload_fraction='auto'"):
+        _plan(strategy, mode, 0.5, device_memory=10**9)
+    with pytest.raises(sp.PlanError, match="needs offload="):
+        _plan(strategy, None, "auto", device_memory=10**9)
+
+
 def test_params_offload_frees_the_device_shards():
     base, off = _plan(offload=None), _plan(offload="params")
     assert {b.offload for b in off.buffers} == {"params"}
