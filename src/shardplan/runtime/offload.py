@@ -109,6 +109,7 @@ class OffloadState:
         self.worker: Optional[ThreadPoolExecutor] = None
         self.stats = dict(host_step_s=0.0, exposed_s=0.0, steps=0, overlapped=0)
         self.hosts: dict[int, HostBuffer] = {}
+        self.submitted: list[HostBuffer] = []  # early steps in the order the worker runs them
         for u in exe.unit_list:
             for b in u.buffers:
                 if not b.bp.offload:
@@ -142,9 +143,10 @@ class OffloadState:
                 for m in hb.trainable:
                     g = m.local.grad
                     if m.held and g is not None:
+                        src = g.detach().reshape(-1)  # (a copy, when strided, made on the copy stream itself)
                         dsts.append(hb.grad[m.shard])
-                        srcs.append(g.detach().reshape(-1))
-                        if self.cuda:  # [Note: keeping copies' tensors alive]
+                        srcs.append(src)
+                        if self.cuda:  # [Note: keeping copies' tensors alive]: made on the compute stream
                             g.record_stream(self.d2h_stream)
                     hb.copied[m.index] = None if g is None else (id(g), g._version)
                 if dsts:
@@ -186,6 +188,7 @@ class OffloadState:
             h = _hyper(group)
             fut = self._pool().submit(_host_compute, hb, active, dict(group), opt.fused, hb.d2h, hb.h2d)
             hb.inflight, hb.early, hb.d2h = InFlightStep(fut, h, ready), True, None
+            self.submitted.append(hb)
 
     def harvest(self) -> None:
         """Issue the copy back of every host step the worker finished (without waiting for the others)."""
@@ -211,7 +214,9 @@ class OffloadState:
         the indices of the buffers they stepped (opt.step() steps the others)."""
         done = set()
         now = _hyper(group)
-        for hb in self.hosts.values():
+        # in the worker's order: each copy back is issued as soon as its step is done, while later ones run
+        submitted, self.submitted = self.submitted, []
+        for hb in submitted:
             if not hb.early:
                 continue
             rec = hb.inflight
@@ -330,6 +335,7 @@ class OffloadState:
                 hb.h2d.synchronize()
             hb.master.copy_(hb.b.shard.detach())
             hb.dirty, hb.h2d, hb.early = False, None, False
+        self.submitted = []
 
     # -- inspection --------------------------------------------------------------------------------------
     def host_bytes(self) -> int:
