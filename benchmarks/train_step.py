@@ -83,10 +83,15 @@ def make_system(name, args, dev, world):
         return model, opt, None, info
     if name == "shardplan_offload":  # CPU offload (--offload): the shardplan system with host optimizer state
         mode, _, frac = args.offload.partition("=")
-        mode, frac = ("optimizer", float(frac)) if mode == "fraction" else (mode, 1.0)
+        budget = None
+        if mode == "auto":  # auto=GIB: the smallest fraction whose plan fits GIB per device
+            mode, frac, budget = "optimizer", "auto", int(float(frac) * 2**30)
+        else:
+            mode, frac = ("optimizer", float(frac)) if mode == "fraction" else (mode, 1.0)
         plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[r"layers\.\d+"], compute_dtype=dt,
                        reduce_dtype=torch.float32 if dt else None, prefetch=args.prefetch,
-                       min_unit_bytes=args.min_unit_bytes, offload=mode, offload_fraction=frac)
+                       min_unit_bytes=args.min_unit_bytes, offload=mode, offload_fraction=frac, device_memory=budget)
+        info["offload_fraction"] = plan.offload_fraction
         sp.shard(model, plan)
         info.update(planned_memory=plan.memory().__dict__, comm_bytes=plan.comm_bytes()["total"],
                     plan_peak=plan.memory().peak, units=len(plan.units), offload=args.offload,
@@ -227,9 +232,10 @@ def main():
                     help="shardplan: merge neighbouring blocks up to this size (default: the planner chooses; 0: never)")
     ap.add_argument("--tp", type=int, default=1, help="shardplan_tp: size of the tensor-parallel axis")
     ap.add_argument("--breakdown", action="store_true")
-    ap.add_argument("--offload", default="optimizer", metavar="optimizer|params|fraction=F",
+    ap.add_argument("--offload", default="optimizer", metavar="optimizer|params|fraction=F|auto=GIB",
                     help="the shardplan_offload system's plan(offload=...): optimizer state on the host, parameters too, "
-                         "or that fraction of the optimizer state")
+                         "or that fraction of the optimizer state, or the smallest fraction fitting GIB per device; "
+                         "reports host step time (host_step_ms) and how much of it backward hid")
     ap.add_argument("--act-ckpt", action="store_true", help="activation checkpointing of every block (all systems)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -265,7 +271,14 @@ def main():
                 steps = data
                 if info.get("data_size", world) != world:
                     steps = batches(args, dev, info["data_index"], info["data_size"], len(data))
+                if s == "shardplan_offload":
+                    opt.host_stats(reset=True)
                 times, losses, parts = run_steps(model, opt, ctx, steps, dev, args.breakdown)
+                if s == "shardplan_offload":  # the host AdamW: its time per step and how much backward hid
+                    hs, n = opt.host_stats(), len(steps)
+                    info.update(host_step_ms=1000 * hs["host_step_s"] / n, host_exposed_ms=1000 * hs["exposed_s"] / n,
+                                host_hidden_fraction=hs["hidden_s"] / hs["host_step_s"] if hs["host_step_s"] else None,
+                                host_steps_overlapped=f"{hs['overlapped']}/{hs['steps']}")
                 if s == "shardplan":  # the runtime's CPU time per unit and step: forward hooks, backward hooks
                     eng = sp.runtime.engine_of(model)
                     per = 1e6 / len(times) / info["units"]
@@ -312,7 +325,8 @@ def main():
             entry["optimizer_ms"] = 1000 * statistics.median(p[2] for p in res["parts"])
         for k in ("comm_bytes", "plan_peak", "planned_memory", "hook_us_per_unit", "forward_hook_us_per_unit",
                   "backward_hook_us_per_unit", "forward_hook_us_per_block", "units", "notes", "data_size",
-                  "offload", "host_copy_bytes", "host_rss_bytes"):
+                  "offload", "offload_fraction", "host_copy_bytes", "host_rss_bytes", "host_step_ms",
+                  "host_exposed_ms", "host_hidden_fraction", "host_steps_overlapped"):
             if k in res:
                 entry[k] = res[k]
         summary["systems"][s] = entry
@@ -340,6 +354,12 @@ def main():
                 row += f" {e['forward_ms']:>8.1f} {e['backward_ms']:>8.1f} {e['optimizer_ms']:>8.1f}"
             hook = e.get("hook_us_per_unit")
             print(row + (f" {hook:>12.0f}" if hook is not None else f" {'-':>12}"))
+            if "host_step_ms" in e:  # CPU offload: the host AdamW per step, and what backward hid of it
+                hidden = e["host_hidden_fraction"]
+                print(f"  {'':<18} host step {e['host_step_ms']:.1f} ms/step, exposed {e['host_exposed_ms']:.1f} ms "
+                      f"({'-' if hidden is None else f'{100 * hidden:.0f}%'} hidden; buffer steps overlapped "
+                      f"{e['host_steps_overlapped']}), offload_fraction {e.get('offload_fraction')}, host RSS "
+                      f"{e.get('host_rss_bytes', 0) / 2**30:.2f} GiB")
         for k, v in summary["ratios"].items():
             print(f"  {k}: {v:.3f}")
         print("losses agree:", summary["losses_agree"])

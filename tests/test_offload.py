@@ -12,7 +12,7 @@ import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
 import shardplan as sp
-from shardplan.plan.kinds import COPY_D2H, COPY_H2D, GRADS, PARAMS, WAIT
+from shardplan.plan.kinds import COPY_D2H, COPY_H2D, GRADS, OPTIM_STEP, PARAMS, WAIT
 
 from distributed import run
 from models import Toy, batches, toy_rules
@@ -55,6 +55,29 @@ def test_device_bytes_move_to_the_host(strategy):
     assert c["total"] == base.comm_bytes()["total"] and "copy_d2h" not in base.comm_bytes()
 
 
+@pytest.mark.parametrize("strategy,mode", [(3, "optimizer"), (1, "optimizer"), (3, "params")])
+def test_auto_fraction_is_the_smallest_that_fits(strategy, mode):
+    from shardplan.plan.offload import prefix_fractions
+    full = _plan(strategy, mode)
+    fractions = prefix_fractions(full.buffers, full.units)
+    peaks = [max(_plan(strategy, mode, f).memory(r).peak for r in range(4)) for f in fractions]
+    assert peaks == sorted(peaks, reverse=True)  # offloading more never raises the device peak
+    for budget in sorted(set(peaks)) + [peaks[0] + 1]:
+        auto = _plan(strategy, mode, "auto", device_memory=budget)
+        k = fractions.index(auto.offload_fraction)
+        assert peaks[k] <= budget and (k == 0 or peaks[k - 1] > budget)  # fits, and the one before does not
+        assert auto.equivalent(_plan(strategy, mode, auto.offload_fraction))  # the number chosen rebuilds it
+        assert "offload_fraction='auto'" in auto.notes[-1]
+    with pytest.raises(sp.PlanError, match="even offloading every buffer"):
+        _plan(strategy, mode, "auto", device_memory=peaks[-1] - 1)
+    with pytest.raises(sp.PlanError, match="pass device_memory"):
+        _plan(strategy, mode, "auto")
+    with pytest.raises(sp.PlanError, match="offload_fraction='auto'"):
+        _plan(strategy, mode, 0.5, device_memory=10**9)
+    with pytest.raises(sp.PlanError, match="needs offload="):
+        _plan(strategy, None, "auto", device_memory=10**9)
+
+
 def test_params_offload_frees_the_device_shards():
     base, off = _plan(offload=None), _plan(offload="params")
     assert {b.offload for b in off.buffers} == {"params"}
@@ -72,6 +95,12 @@ def test_copies_are_ops_after_the_reduction_and_before_the_forward():
     for i, o in enumerate(ops):
         if o.kind == COPY_D2H:
             assert o.what == GRADS and ops[i - 1].kind == WAIT and ops[i - 1].unit == o.unit and o.when == "sync"
+    for i, o in enumerate(ops):  # the host step follows the gradient's copy, same trigger, same buffers
+        if o.kind == OPTIM_STEP:
+            c = ops[i - 1]
+            assert (c.kind, c.trigger, c.buffers, o.what, o.when) == (COPY_D2H, o.trigger, o.buffers, PARAMS, "sync")
+    assert len([o for o in ops if o.kind == OPTIM_STEP]) == len([o for o in ops if o.kind == COPY_D2H])
+    assert not [o for o in plan.ops(sync=False) if o.kind == OPTIM_STEP]
     h2d = [o for o in ops if o.kind == COPY_H2D]
     assert h2d and all(o.event == "before_forward" and o.when == "stale" and o.what == PARAMS for o in h2d)
     assert not [o for o in plan.ops(stale=False) if o.kind == COPY_H2D]
@@ -81,7 +110,13 @@ def test_copies_are_ops_after_the_reduction_and_before_the_forward():
 def test_validation_rejects_a_missing_copy():
     plan = _plan()
     with pytest.raises(sp.PlanError, match="never copies the gradients"):
+        plan.with_schedule([o for o in plan.schedule if o.kind not in (COPY_D2H, OPTIM_STEP)])
+    with pytest.raises(sp.PlanError, match="before their gradient was copied there"):
         plan.with_schedule([o for o in plan.schedule if o.kind != COPY_D2H])
+    with pytest.raises(sp.PlanError, match="synchronising backwards only"):
+        plan.with_schedule([dataclasses.replace(o, when="") if o.kind == OPTIM_STEP else o for o in plan.schedule])
+    # without optim_step ops the schedule is valid: every host step then runs in opt.step()
+    plan.with_schedule([o for o in plan.schedule if o.kind != OPTIM_STEP])
     pp = _plan(offload="params")
     with pytest.raises(sp.PlanError, match="no copy_h2d before it"):
         pp.with_schedule([o for o in pp.schedule if o.kind != COPY_H2D])
@@ -139,22 +174,29 @@ def test_offloaded_and_device_bytes_are_conserved_and_monotone(strategy, f1, f2,
 # -- runtime: training with offload equals training without it -----------------------------------------
 
 def _trained(rank, world, strategy, offload, fraction=1.0, *, clip=False, accum=False, fused=True, steps=3,
-             compute_dtype=None):
+             compute_dtype=None, overlap=True, sched=False):
+    """``clip``: by the global norm, through ``max_grad_norm=`` (offload with overlap) or
+    ``sp.clip_grad_norm_`` (otherwise); ``sched``: a learning-rate scheduler stepped after ``opt.step()``."""
     model = Toy()
     plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), strategy=strategy, units=UNITS, min_unit_bytes=0,
                    offload=offload, offload_fraction=fraction, compute_dtype=compute_dtype)
     sp.shard(model, plan)
     hyper = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
-    opt = sp.offload_optimizer(model, fused=fused, **hyper) if offload else torch.optim.AdamW(model.parameters(), **hyper)
+    own_clip = clip and offload and overlap
+    opt = sp.offload_optimizer(model, fused=fused, overlap=overlap, max_grad_norm=0.05 if own_clip else None,
+                               **hyper) if offload else torch.optim.AdamW(model.parameters(), **hyper)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 2 * s)) if sched else None
     data = batches(2 * steps, seed=1 + rank)
     for s in range(steps):
         if accum:  # a micro-step without reduction, then one that reduces the sum
             with sp.no_sync(model):
                 model(*data[2 * s + 1]).backward()
         model(*data[2 * s]).backward()
-        if clip:
+        if clip and not own_clip:
             sp.clip_grad_norm_(model, 0.05)
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
         opt.zero_grad()
     return model, plan, opt
 
@@ -167,16 +209,20 @@ def _train_worker(rank, world, cases):
     out = []
     for strategy, offload, fraction, extra in cases:
         base = _state(_trained(rank, world, strategy, None, **extra)[0])
-        got = _state(_trained(rank, world, strategy, offload, fraction, **extra)[0])
-        out.append(max((base[n] - got[n]).abs().max().item() if base[n].numel() else 0.0 for n in base))
+        model, _, opt = _trained(rank, world, strategy, offload, fraction, **extra)
+        got = _state(model)
+        out.append((max((base[n] - got[n]).abs().max().item() if base[n].numel() else 0.0 for n in base),
+                    opt.host_stats()["overlapped"]))
     return out
 
 
 TRAIN_CASES = [(s, "optimizer", 1.0, {}) for s in range(4)] + [
     (3, "optimizer", 0.5, {}), (1, "optimizer", 0.5, {}),
     (3, "optimizer", 1.0, dict(clip=True)), (2, "optimizer", 1.0, dict(clip=True, accum=True)),
+    (3, "optimizer", 1.0, dict(clip=True, overlap=False)), (1, "optimizer", 0.5, dict(clip=True, overlap=False)),
     (3, "optimizer", 1.0, dict(accum=True)), (3, "optimizer", 1.0, dict(fused=False)),
-    (3, "optimizer", 1.0, dict(compute_dtype=torch.bfloat16)),
+    (3, "optimizer", 1.0, dict(compute_dtype=torch.bfloat16)), (2, "optimizer", 1.0, dict(sched=True)),
+    (3, "optimizer", 1.0, dict(sched=True, accum=True)), (0, "optimizer", 1.0, dict(overlap=False)),
 ]
 
 
@@ -184,8 +230,11 @@ TRAIN_CASES = [(s, "optimizer", 1.0, {}) for s in range(4)] + [
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_training_with_offload_matches_training_without(world):
     for rank_out in run(_train_worker, world, TRAIN_CASES, timeout=280):
-        for case, diff in zip(TRAIN_CASES, rank_out):
+        for case, (diff, overlapped) in zip(TRAIN_CASES, rank_out):
             assert diff <= 1e-6, (case, diff)
+            extra = case[3]
+            # the host steps ran during backward unless clipping or overlap=False kept them in opt.step()
+            assert (overlapped > 0) == (extra.get("overlap", True) and not extra.get("clip")), (case, overlapped)
 
 
 # -- checkpoints: saved with offload, loaded without (and vice versa), across world sizes -------------
@@ -288,3 +337,40 @@ def _refusal_worker(rank, world):
 def test_a_stock_optimizer_is_refused_naming_the_fix():
     for msg in run(_refusal_worker, 2, timeout=100):
         assert "shardplan.offload_optimizer(model" in msg and "offload='optimizer'" in msg, msg
+
+
+def _overlap_refusal_worker(rank, world):
+    def fresh():
+        model = Toy()
+        plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=UNITS, min_unit_bytes=0, offload="optimizer")
+        sp.shard(model, plan)
+        return model, sp.offload_optimizer(model, lr=1e-2)
+
+    out = []
+    x = batches(2)
+    model, opt = fresh()
+    model(*x[0]).backward()
+    for attempt in (lambda: sp.clip_grad_norm_(model, 1.0),              # clipping after the host steps ran
+                    lambda: model(*x[1]).backward()):                    # a second backward without opt.step()
+        try:
+            attempt()
+            out.append("ran")
+        except sp.RuntimeShardingError as exc:
+            out.append(str(exc))
+    model, opt = fresh()
+    model(*x[0]).backward()
+    opt.param_groups[0]["lr"] = 5e-3                                      # the lr set after backward
+    try:
+        opt.step()
+        out.append("ran")
+    except sp.RuntimeShardingError as exc:
+        out.append(str(exc))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_the_overlapped_step_refuses_what_it_cannot_honour():
+    for clip, again, lr in run(_overlap_refusal_worker, 2, timeout=100):
+        assert "max_grad_norm=" in clip and "overlap=False" in clip, clip
+        assert "opt.step() was not called" in again and "overlap=False" in again, again
+        assert "hyper-parameters changed between backward and opt.step()" in lr and "scheduler.step()" in lr, lr

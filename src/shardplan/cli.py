@@ -79,7 +79,12 @@ def load_target(target: str):
 
 # the keywords of shardplan.plan a rules file's OPTIONS may set (rules, units and the mesh have names of their own)
 PLAN_OPTIONS = ("strategy", "compute_dtype", "reduce_dtype", "prefetch", "reshard_after_forward", "optimizer_states",
-                "min_unit_bytes", "order", "layout", "compute_axes", "styles", "offload", "offload_fraction")
+                "min_unit_bytes", "order", "layout", "compute_axes", "styles", "offload", "offload_fraction", "device_memory")
+
+
+def _fraction(text: str):
+    """``--offload-fraction``: a number, or ``auto``."""
+    return text if text == "auto" else float(text)
 
 
 @dataclass
@@ -230,8 +235,11 @@ def plan_options_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload", default=None, choices=("optimizer", "params"),
                    help="CPU offload: master shards and optimizer state in host memory (optimizer), and parameter "
                         "shards too (params, ZeRO-3 only); device and host memory are both shown")
-    p.add_argument("--offload-fraction", type=float, default=None, metavar="F",
-                   help="offload only this share (0 < F <= 1) of the trainable buffers (default 1)")
+    p.add_argument("--offload-fraction", type=_fraction, default=None, metavar="F|auto",
+                   help="offload only this share (0 < F <= 1) of the trainable buffers (default 1); auto: the "
+                        "smallest that fits --device-memory")
+    p.add_argument("--device-memory", type=float, default=None, metavar="GIB",
+                   help="device memory budget in GiB per device, for --offload-fraction auto")
     p.add_argument("--param-dtype", default=None, metavar="DTYPE",
                    help="store parameters in this dtype, e.g. fp32 (default: the model's)")
     p.add_argument("--compute-axes", default=None, metavar="AXES",
@@ -339,7 +347,8 @@ def plan_options(args, file: Optional[RulesFile]) -> dict:
     given = {"strategy": args.strategy, "compute_dtype": args.dtype, "reduce_dtype": args.reduce_dtype,
              "prefetch": args.prefetch, "min_unit_bytes": args.min_unit_bytes, "order": args.order,
              "reshard_after_forward": args.reshard_after_forward, "offload": args.offload,
-             "offload_fraction": args.offload_fraction}
+             "offload_fraction": args.offload_fraction,
+             "device_memory": None if getattr(args, "device_memory", None) is None else int(args.device_memory * 2**30)}
     if args.compute_axes is not None:
         given["compute_axes"] = tuple(a.strip() for a in args.compute_axes.split(",") if a.strip())
     opts.update({k: v for k, v in given.items() if v is not None})

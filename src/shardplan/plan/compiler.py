@@ -82,7 +82,8 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
          compute_dtype=None, reduce_dtype=None, prefetch: int = 1, reshard_after_forward: bool = True,
          trace=None, optimizer_states: int = 2, world_size: Optional[int] = None,
          min_unit_bytes: Optional[int] = None, order=Order.STATIC, compute_axes=(), styles=None,
-         layout=LayoutChoice.AUTO, offload=None, offload_fraction: float = 1.0) -> Plan:
+         layout=LayoutChoice.AUTO, offload=None, offload_fraction: float = 1.0,
+         device_memory: Optional[float] = None) -> Plan:
     """Compile rules, a mesh and options into a :class:`Plan`. Pure: no process group, no GPU.
 
     >>> plan = shardplan.plan(model, rules, Mesh(dp=8), units=[r"layers\\.\\d+"], compute_dtype=torch.bfloat16)
@@ -114,10 +115,13 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
     ``offload="optimizer"`` keeps the master shards and the optimizer state in host memory and steps them
     there (train with :func:`shardplan.offload_optimizer`); ``offload="params"`` (ZeRO-3) also keeps the
     parameter shards there, copied in ahead of each gather; ``offload_fraction=f`` offloads only that share
-    of the buffers (see :mod:`shardplan.plan.offload` and docs/offload.md).
+    of the buffers (see :mod:`shardplan.plan.offload` and docs/offload.md); ``offload_fraction="auto"``
+    with ``device_memory=`` (bytes per device) takes the smallest fraction whose device peak fits.
 
     >>> plan = shardplan.plan(model, rules, Mesh(dp=8), offload="optimizer")
     >>> plan.memory().host                       # bytes of host memory per rank
+    >>> plan = shardplan.plan(model, rules, Mesh(dp=8), offload="optimizer", offload_fraction="auto",
+    ...                       device_memory=80 * 2**30)
     """
     if not isinstance(mesh, Mesh):
         raise MeshError(f"mesh must be a shardplan.Mesh, e.g. Mesh(dp=8); got {type(mesh).__name__}")
@@ -125,7 +129,7 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
         raise MeshError(f"mesh {mesh!r} has {mesh.size} ranks but the world size is {world_size}; "
                         f"make the axis sizes multiply to {world_size}")
     level = strategy_level(strategy)
-    offload, offload_fraction = OFF.check(offload, offload_fraction, level)
+    offload, offload_fraction = OFF.check(offload, offload_fraction, level, device_memory)
     if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
         raise PlanError(f"prefetch must be a non-negative integer (units gathered ahead); got {prefetch!r}")
     order = choose(Order, order, "order")
@@ -215,17 +219,12 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
         raf = reshard_after_forward and uname not in (ROOT, last)
         unit_plans.append(UnitPlan(name=uname, buffers=tuple(idxs), reshard_after_forward=raf,
                                    modules=covers.get(uname, ()), parent=parent.get(uname, ROOT)))
-    if offload is not None:
-        hosted = OFF.choose_offloaded(buffers, unit_plans, level=level, offload=offload, fraction=offload_fraction)
-        buffers = [dataclasses.replace(b, offload=hosted.get(b.index, "")) for b in buffers]
     activations = None
     if tp_modules:
         choices.append(tp.modules_note(tp_modules))
         if trace is not None:
             activations = tp.trace_activations(module, tp_modules, trace, itemsize(compute) if compute else None)
         tp_modules = tp.place(module, tp_modules, unit_plans, activations)
-    schedule = tp.with_activation_ops(build_schedule(unit_plans, buffers, mesh, level, prefetch, order, len(infos)),
-                                      unit_plans, tp_modules, activations, mesh)
     profile = None
     if trace is not None and not compute_axes:
         # [Note: the activation profile] one more traced step, forward and backward on a meta copy, measures
@@ -237,14 +236,35 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
     elif trace is not None:
         choices.append("activations not counted in memory: the activation profile does not yet measure "
                        "tensor-parallel (local) shapes")
-    param_plans, buffers_ = tuple(params[i.name] for i in infos), tuple(buffers)
-    units_ = tuple(unit_plans)
-    result = Plan(mesh=mesh, strategy=STRATEGIES[level], compute_dtype=compute, reduce_dtype=reduce, prefetch=prefetch,
-                  reshard_after_forward=reshard_after_forward, optimizer_states=optimizer_states, params=param_plans,
-                  buffers=buffers_, units=units_, schedule=schedule,
-                  warnings=tuple(notes) + plan_warnings(mesh, param_plans, buffers_, units_), order=order,
-                  notes=tuple(choices), min_unit_bytes=min_unit_bytes, compute_axes=compute_axes,
-                  tp_modules=tp_modules, tp_activations=activations, layout=layout,
-                  offload=offload, offload_fraction=offload_fraction, activations=profile)
+    param_plans, units_ = tuple(params[i.name] for i in infos), tuple(unit_plans)
+    planned = buffers
+
+    def build(fraction) -> Plan:
+        buffers = planned
+        if offload is not None:
+            hosted = OFF.choose_offloaded(buffers, unit_plans, level=level, offload=offload, fraction=fraction)
+            buffers = [dataclasses.replace(b, offload=hosted.get(b.index, "")) for b in buffers]
+        schedule = tp.with_activation_ops(build_schedule(unit_plans, buffers, mesh, level, prefetch, order, len(infos)),
+                                          unit_plans, tp_modules, activations, mesh)
+        buffers_ = tuple(buffers)
+        return Plan(mesh=mesh, strategy=STRATEGIES[level], compute_dtype=compute, reduce_dtype=reduce, prefetch=prefetch,
+                    reshard_after_forward=reshard_after_forward, optimizer_states=optimizer_states, params=param_plans,
+                    buffers=buffers_, units=units_, schedule=schedule,
+                    warnings=tuple(notes) + plan_warnings(mesh, param_plans, buffers_, units_), order=order,
+                    notes=tuple(choices), min_unit_bytes=min_unit_bytes, compute_axes=compute_axes,
+                    tp_modules=tp_modules, tp_activations=activations, layout=layout,
+                    offload=offload, offload_fraction=fraction, activations=profile)
+
+    if offload_fraction == OFF.AUTO:  # [Note: the automatic fraction] in plan/offload.py
+        ranks = range(mesh.size) if mesh.size <= 64 else sorted({r * (mesh.size - 1) // 63 for r in range(64)})
+
+        def peak(f: float) -> tuple[int, int]:
+            p = build(f)
+            return max((p.memory(r).peak, r) for r in ranks)
+
+        offload_fraction = OFF.smallest_fitting(OFF.prefix_fractions(planned, unit_plans), peak, device_memory)
+        choices.append(f"offload_fraction={offload_fraction:.6g}: the smallest share of the trainable shard bytes "
+                       f"whose device peak fits device_memory={int(device_memory):,d} B (offload_fraction='auto')")
+    result = build(offload_fraction)
     validate(result)  # the builder's own schedules obey the rules edited ones must
     return result

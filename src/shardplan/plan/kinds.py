@@ -47,6 +47,7 @@ class OpKind(Name):
     #                      ``.grad`` point into it (gradients accumulate straight into the flat buffer)
     COPY_D2H = "copy_d2h"  # grads: a reduced local gradient shard goes to host memory (CPU offload)
     COPY_H2D = "copy_h2d"  # params: a shard the host stepped (or holds) is on the device before its gather
+    OPTIM_STEP = "optim_step"  # params: the host steps an offloaded buffer's master shard, overlapping backward
 
 
 class Offload(Name):
@@ -114,8 +115,9 @@ class LayoutChoice(Name):
     CHUNKED = "chunked"
 
 
-ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, WAIT, FREE, PREPARE, COPY_D2H, COPY_H2D = OpKind
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, WAIT, FREE, PREPARE, COPY_D2H, COPY_H2D, OPTIM_STEP = OpKind
 COPIES = (COPY_D2H, COPY_H2D)
+HOST_OPS = (COPY_D2H, COPY_H2D, OPTIM_STEP)  # CPU offload's ops: local, no process group
 COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
 KINDS = tuple(OpKind)
 PARAMS, GRADS, USED, ACTIVATIONS = Subject

@@ -11,25 +11,48 @@ last), taken while the offloaded shard bytes stay within ``f`` of the total (at 
 buffers whose gradients are ready first are offloaded first: their host copies have the most backward
 left to overlap with. A prefix of one fixed order, so a larger fraction offloads a superset.
 
+[Note: the automatic fraction] ``offload_fraction="auto"`` with ``device_memory=B`` (bytes per device)
+takes the smallest fraction whose plan fits: ``plan.memory(rank).peak <= B`` on every rank (64 spread over
+the mesh beyond 64 ranks; activations
+included when the plan is traced). The candidates are the fractions at which the rule above takes one
+more buffer (:func:`prefix_fractions`); the device peak does not grow as more is offloaded, so a binary
+search over them finds it with a few memory walks. The plan records the number chosen, so its JSON and
+``to_source()`` rebuild the same plan without the budget.
+
 >>> choose_offloaded(buffers, units, level=3, offload="optimizer", fraction=0.5)   # {buffer index: "optimizer"}
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from ..errors import PlanError
 from .kinds import Offload, choose
 from .values import BufferPlan, UnitPlan
 
 
-def check(offload, fraction, level: int) -> tuple[Optional[Offload], float]:
-    """``(offload, fraction)`` validated; a :class:`PlanError` naming the fix otherwise.
+AUTO = "auto"
+
+
+def check(offload, fraction, level: int, device_memory=None):
+    """``(offload, fraction)`` validated (``fraction`` a number, or ``"auto"``); a :class:`PlanError` naming
+    the fix otherwise.
 
     >>> check("optimizer", 1.0, 3)
     ('optimizer', 1.0)
     """
+    if fraction == AUTO:
+        if offload is None or offload == "" or offload is False:
+            raise PlanError("offload_fraction='auto' chooses how much to offload: it needs offload='optimizer' "
+                            "or offload='params'")
+        if isinstance(device_memory, bool) or not isinstance(device_memory, (int, float)) or not device_memory > 0:
+            raise PlanError(f"offload_fraction='auto' takes the smallest fraction whose plan fits the device: pass "
+                            f"device_memory=<bytes per device>, e.g. device_memory=80 * 2**30; got {device_memory!r}")
+        return check(offload, 1.0, level)[0], AUTO
+    if device_memory is not None:
+        raise PlanError("device_memory= is the budget offload_fraction='auto' fits: pass offload_fraction='auto' "
+                        "too, or leave device_memory out")
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (0 < fraction <= 1) \
             or math.isnan(fraction):
         raise PlanError(f"offload_fraction must be a number with 0 < f <= 1 (the share of the optimizer state "
@@ -76,6 +99,42 @@ def choose_offloaded(buffers: Sequence[BufferPlan], units: Sequence[UnitPlan], *
         params = offload == Offload.PARAMS and level == 3 and b.sharded and not b.alias
         out[b.index] = Offload.PARAMS.value if params else Offload.OPTIMIZER.value
     return out
+
+
+def prefix_fractions(buffers: Sequence[BufferPlan], units: Sequence[UnitPlan]) -> list[float]:
+    """The fractions at which the fraction rule takes one more buffer, ascending (the last is 1.0)."""
+    by_unit = {u.name: u for u in units}
+    sizes = [shard_bytes(buffers[i]) for name in gradient_order(units) for i in by_unit[name].buffers
+             if buffers[i].requires_grad]
+    total = sum(sizes)
+    if not sizes or total == 0:
+        return [1.0]
+    out, taken = [], 0
+    for size in sizes:
+        taken += size
+        f = min(taken / total, 1.0)
+        if not out or f > out[-1]:
+            out.append(f)
+    out[-1] = 1.0
+    return out
+
+
+def smallest_fitting(fractions: Sequence[float], peak: Callable[[float], tuple[int, int]], budget: float) -> float:
+    """The smallest of ``fractions`` (ascending) whose plan's device peak fits ``budget`` (see the note);
+    ``peak(f)``: ``(largest device peak over the ranks, its rank)``."""
+    worst, rank = peak(fractions[-1])
+    if worst > budget:
+        raise PlanError(f"offload_fraction='auto': even offloading every buffer the device peak on rank {rank} is "
+                        f"{worst:,d} B, over device_memory={int(budget):,d} B; offload the parameters too "
+                        f"(offload='params', ZeRO-3), use more ranks, or checkpoint activations")
+    lo, hi = 0, len(fractions) - 1  # fractions[hi] fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if peak(fractions[mid])[0] <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return fractions[hi]
 
 
 def host_bytes(b: BufferPlan, optimizer_states: int) -> int:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from .. import layout as L
 from ..dtypes import itemsize
 from .accounting import coverage
-from .kinds import ALL_GATHER, ALL_REDUCE, COPY_D2H, COPY_H2D, FREE, PREPARE, REDUCE_SCATTER, WAIT
+from .kinds import ALL_GATHER, ALL_REDUCE, COPY_D2H, COPY_H2D, FREE, OPTIM_STEP, PREPARE, REDUCE_SCATTER, WAIT
 
 if TYPE_CHECKING:  # pragma: no cover
     from .facade import Plan
@@ -96,7 +96,8 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
         out.append(f"host memory on rank {rank}: {fmt_bytes(m.host)} (offload={plan.offload}: {len(hosted)} of "
                    f"{len(plan.buffers)} buffers, {100 * share:.0f}% of the trainable shard bytes; master, gradient and "
                    f"{plan.optimizer_states} state shards), host peak {fmt_bytes(m.host_peak)}; copied per step: "
-                   f"device->host {fmt_bytes(c['copy_d2h'])}, host->device {fmt_bytes(c['copy_h2d'])}")
+                   f"device->host {fmt_bytes(c['copy_d2h'])}, host->device {fmt_bytes(c['copy_h2d'])}; the host steps "
+                   f"each buffer as its gradient arrives (optim_step), overlapping backward")
     tp_part = ""
     if plan.compute_axes:
         tp_part = (f", tensor-parallel activations {fmt_bytes(c['tensor_parallel'])}" if c["tensor_parallel"] is not None
@@ -160,7 +161,7 @@ def render_schedule(plan: "Plan") -> str:
             lines.append(f"{op.trigger}:")
             last = op.trigger
         flags = (" prefetch" if op.prefetch else "") + (f"  [{op.when}]" if op.when else "")
-        if op.kind in (COPY_D2H, COPY_H2D):
+        if op.kind in (COPY_D2H, COPY_H2D, OPTIM_STEP):
             body = f"{op.kind} {op.what} {op.unit or 'all'}, {fmt_bytes(op.bytes)}"
         elif op.is_collective:
             ax = ",".join(op.axes) or "local"
@@ -174,7 +175,8 @@ def render_schedule(plan: "Plan") -> str:
 def chrome_trace(plan: "Plan", path: str, gbps: float) -> None:
     """One track per op kind; each collective's length is its payload at ``gbps`` GB/s, laid end to end
     per track in schedule order; waits and frees are instants."""
-    tracks = {ALL_GATHER: 1, REDUCE_SCATTER: 2, ALL_REDUCE: 3, WAIT: 4, FREE: 5, PREPARE: 6, COPY_D2H: 7, COPY_H2D: 8}
+    tracks = {ALL_GATHER: 1, REDUCE_SCATTER: 2, ALL_REDUCE: 3, WAIT: 4, FREE: 5, PREPARE: 6, COPY_D2H: 7, COPY_H2D: 8,
+              OPTIM_STEP: 9}
     clock = {t: 0.0 for t in tracks.values()}
     start = 0.0
     events = []

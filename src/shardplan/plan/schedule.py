@@ -29,7 +29,7 @@ from ..errors import PlanError
 from ..units import ROOT
 # [Note: the names below are re-exported: the runtime and users import them from here]
 from .kinds import (ALL_GATHER, ALL_REDUCE, ALWAYS, BACKWARD, BEFORE_FORWARD, BEGIN_BACKWARD, PREPARE, COLLECTIVES, CONDITIONS, END_BACKWARD,
-                    COPY_D2H, COPY_H2D, Offload,
+                    COPY_D2H, COPY_H2D, OPTIM_STEP, Offload,
                     EVENTS, FORWARD, FREE, GRADS, KINDS, NO_GRAD, ORDERS, PARAMS, POST_BACKWARD, POST_FORWARD,
                     PRE_BACKWARD, PRE_FORWARD, REDUCE_SCATTER, STALE, STEP, STRATEGIES, SYNC, USED, WAIT, Condition,
                     Event, OpKind, Order, Subject)
@@ -38,7 +38,7 @@ from .values import Op, Program, Step
 if TYPE_CHECKING:  # pragma: no cover
     from .values import BufferPlan, UnitPlan
 
-__all__ = ["ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "FREE", "PREPARE", "COPY_D2H", "COPY_H2D", "BEGIN_BACKWARD", "COLLECTIVES", "KINDS", "PARAMS", "GRADS",
+__all__ = ["ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "FREE", "PREPARE", "COPY_D2H", "COPY_H2D", "OPTIM_STEP", "BEGIN_BACKWARD", "COLLECTIVES", "KINDS", "PARAMS", "GRADS",
            "USED", "BEFORE_FORWARD", "PRE_FORWARD", "POST_FORWARD", "PRE_BACKWARD", "POST_BACKWARD", "END_BACKWARD",
            "EVENTS", "ALWAYS", "STALE", "SYNC", "NO_GRAD", "CONDITIONS", "ORDERS", "FORWARD", "BACKWARD", "STEP",
            "STRATEGIES", "ROOT", "Op", "Step", "Program", "OpKind", "Subject", "Event", "Condition", "Order",
@@ -171,8 +171,10 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
         out = [op(WAIT, u, GRADS, event, at, grads, when=SYNC)]
         hosted = [b for b in grads if b.offload]  # CPU offload: the reduced gradient shard goes to the host
         if hosted:
-            out.append(op(COPY_D2H, u, GRADS, event, at, hosted, lambda b: (),
-                          sum(b.shard_numel * b.itemsize for b in hosted), when=SYNC))
+            nbytes = sum(b.shard_numel * b.itemsize for b in hosted)
+            out.append(op(COPY_D2H, u, GRADS, event, at, hosted, lambda b: (), nbytes, when=SYNC))
+            # ... and the host steps it while backward goes on (runtime/offload.py: [Note: the overlapped step])
+            out.append(op(OPTIM_STEP, u, PARAMS, event, at, hosted, lambda b: (), nbytes, when=SYNC))
         transient = [b for b in grads if not b.keeps_grads]
         if transient:
             out.append(op(FREE, u, GRADS, event, at, transient, when=SYNC))

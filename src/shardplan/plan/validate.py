@@ -11,6 +11,7 @@ from ..errors import PlanError
 from ..units import ROOT, natural_sorted
 from . import kinds as K
 from .kinds import (ACTIVATIONS, ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, COPY_D2H, COPY_H2D, END_BACKWARD, FREE, GRADS,
+                    OPTIM_STEP, SYNC,
                     MODULE_BACKWARD, Offload,
                     MODULE_FORWARD, PARAMS, POST_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, PREPARE,
                     REDUCE_SCATTER, USED, WAIT)
@@ -122,15 +123,19 @@ def _check_op(plan: "Plan", units, i: int, op: Op) -> None:
             raise _fail(i, op, "all-reduces buffers over different replica groups: one op per group")
         if op.what != GRADS or any(not b.requires_grad for b in bufs):
             raise _fail(i, op, "all_reduce reduces gradients over the replica axes")
-    elif op.kind in (COPY_D2H, COPY_H2D):
-        # CPU offload: a copy moves offloaded buffers only, of its own unit, locally
+    elif op.kind in (COPY_D2H, COPY_H2D, OPTIM_STEP):
+        # CPU offload: a copy (or a host step) moves offloaded buffers only, of its own unit, locally
         what = GRADS if op.kind == COPY_D2H else PARAMS
         if op.what != what:
             raise _fail(i, op, f"{op.kind} moves {what}")
-        bad = [b.index for b in bufs if not b.offload or (op.kind == COPY_D2H and not b.requires_grad)]
+        grads = op.kind != COPY_H2D
+        bad = [b.index for b in bufs if not b.offload or (grads and not b.requires_grad)]
         if bad:
-            raise _fail(i, op, f"copies buffer(s) {bad}, which the plan does not offload"
-                               + (" (or which take no gradient)" if op.kind == COPY_D2H else ""))
+            raise _fail(i, op, f"{'steps' if op.kind == OPTIM_STEP else 'copies'} buffer(s) {bad}, which the plan "
+                               f"does not offload" + (" (or which take no gradient)" if grads else ""))
+        if op.kind == OPTIM_STEP and op.when != SYNC:
+            raise _fail(i, op, "optim_step runs in synchronising backwards only (when='sync'): a step under "
+                               "no_sync would drop the accumulated gradient")
         want = ()
     elif op.kind == PREPARE:
         need = [b.index for b in plan.buffers if b.index in mine and b.requires_grad]
@@ -175,6 +180,7 @@ def _simulate(plan: "Plan", units, prog: Program, *, stale: bool, grad: bool, sy
     hosted = {n: {b.index for b in bs if b.offload == Offload.PARAMS} for n, bs in bufs.items()}
     staged: set[int] = set()   # offloaded parameter shards copied to the device, not yet gathered
     copied_grads: set[str] = set()
+    copied_bufs: set[int] = set()  # offloaded buffers whose reduced gradient reached the host this step
     hosted_grads = {n: any(b.offload and b.requires_grad for b in bs) for n, bs in bufs.items()}
     used_issued = used_waited = False
     mode = f"(in a step with stale={stale}, grad={grad}, sync={sync})"
@@ -211,6 +217,12 @@ def _simulate(plan: "Plan", units, prog: Program, *, stale: bool, grad: bool, sy
                     raise _fail(i, op, f"copies unit {u!r}'s gradients to the host before their reduction completed "
                                        f"{mode}: put it after the unit's wait for grads")
                 copied_grads.add(u)
+                copied_bufs |= set(op.buffers)
+            elif op.kind == OPTIM_STEP:
+                missing = sorted(set(op.buffers) - copied_bufs)
+                if missing:
+                    raise _fail(i, op, f"steps buffer(s) {missing} on the host before their gradient was copied there "
+                                       f"{mode}: put it after the unit's copy_d2h of grads")
             elif op.kind == ALL_GATHER:  # one op per process group: a unit may take several
                 missing = hosted[u] & set(op.buffers) - staged
                 if missing:

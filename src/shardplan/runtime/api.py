@@ -154,6 +154,8 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
     >>> norm = shardplan.clip_grad_norm_(model, 1.0)   # like torch.nn.utils.clip_grad_norm_, over every rank
     """
     eng = engine_of(module)
+    if getattr(eng, "offload", None) is not None:  # host steps that already used the gradients: refuse
+        eng.offload.check_clip()
     norm_type = float(norm_type)
     dev = eng.device
     world = eng.groups.world

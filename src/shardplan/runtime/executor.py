@@ -35,7 +35,7 @@ import torch
 
 from ..errors import RuntimeShardingError
 from ..plan import Plan
-from ..plan.schedule import (ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, COPY_D2H, COPY_H2D, FREE, GRADS, PARAMS,
+from ..plan.schedule import (ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, COPY_D2H, COPY_H2D, FREE, GRADS, OPTIM_STEP, PARAMS,
                              POST_BACKWARD, POST_FORWARD, PRE_FORWARD, PREPARE, REDUCE_SCATTER, ROOT, STALE, USED, WAIT,
                              Op, Step)
 from . import collectives as C
@@ -88,7 +88,8 @@ class Executor:
                         (ALL_REDUCE, GRADS): self._reduce, (WAIT, GRADS): self._wait_grads,
                         (FREE, GRADS): self._free_grads, (ALL_REDUCE, USED): self._exchange_used,
                         (WAIT, USED): self._wait_used, (PREPARE, GRADS): self._prepare_grads,
-                        (COPY_D2H, GRADS): self._offload_copy, (COPY_H2D, PARAMS): self._offload_copy}
+                        (COPY_D2H, GRADS): self._offload_copy, (COPY_H2D, PARAMS): self._offload_copy,
+                        (OPTIM_STEP, PARAMS): self._offload_copy}  # [offload hook]
         self.offload = None  # [offload hook] runtime/offload.py's OffloadState, set by shard() for offloading plans
 
     @property
@@ -351,7 +352,7 @@ class Executor:
         self.face.unused([i for i, f in enumerate(rec.flags.tolist()) if not f])
 
     def _offload_copy(self, op: Op) -> None:
-        """[offload hook] copy_d2h / copy_h2d: CPU offload's copies (runtime/offload.py)."""
+        """[offload hook] copy_d2h / copy_h2d / optim_step: CPU offload's ops (runtime/offload.py)."""
         if self.offload is None:
             raise RuntimeShardingError("shardplan: this plan offloads to host memory (plan(offload=...)), which runs "
                                        "with shardplan.shard(model, plan) only; plan without offload for this face")

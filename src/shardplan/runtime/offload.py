@@ -1,4 +1,4 @@
-"""CPU offload at run time: host copies of the offloaded buffers, the schedule's copy ops, the host step.
+"""CPU offload at run time: host copies of the offloaded buffers, the schedule's host ops, the host step.
 
 For every buffer the plan offloads (``BufferPlan.offload``) this rank keeps four flat host tensors the size
 of its shard, in the parameters' dtype (pinned on CUDA): the master shard, the gradient shard, and AdamW's
@@ -6,39 +6,70 @@ two moments. :mod:`shardplan.plan.accounting` counts exactly these (``plan.memor
 
 * ``copy_d2h grads`` (after the unit's reduction wait, ``sync`` backwards only): the local gradient shards
   go to the host gradient on a side copy stream, overlapping the rest of backward.
-* the host step (:class:`OffloadAdamW.step`, called by the user after backward and clipping): per buffer,
-  wait for its gradient copy, step the master shard and moments on the CPU (torch's AdamW kernels over
-  one flat tensor: fused on the host by default), and issue the copy of the new shard back to the
-  device at once, so buffer ``k``'s copy overlaps buffer ``k+1``'s host step.
+* ``optim_step params`` (right after it): the host step of those buffers is handed to a worker thread
+  (torch's CPU kernels release the GIL), so it runs while backward goes on; see [Note: the overlapped step].
 * ``copy_h2d params`` (``before_forward``, after a step): the updated shards are on the device before any
   gather reads them; it issues any copy not yet issued and orders the compute stream after them.
 
-[Note: what overlaps when] The device-to-host gradient copies overlap backward. The host step runs in
-``opt.step()``, after the backward and after ``sp.clip_grad_norm_`` (whose global norm it needs): it
-does not overlap backward in this version. The host-to-device copies overlap the host steps of the
-buffers after them. On CPU the copies are plain tensor copies: the same code path, synchronous.
+[Note: the overlapped step] At ``optim_step`` a buffer steps on the host at once (in the worker) when
+the step is known now to be the one ``opt.step()`` would take: the optimizer is built with ``overlap=True``
+(the default) and without ``max_grad_norm`` (clipping needs the global norm, known only after the whole
+backward), and every trainable parameter of the buffer got a gradient on this rank (otherwise the used-
+parameter exchange at ``end_backward`` may still turn a gradient into ``None``, which skips it: such a
+buffer steps in ``opt.step()``). The step reads the optimizer's hyper-parameters (the learning rate a
+scheduler set) when it starts, i.e. during backward; ``opt.step()`` checks that they and the gradients
+are still what the step used, and raises naming the fix otherwise (never a silently different step).
+The new shard goes back to the device as soon as the executor next sees the worker done (at the next
+host op, at ``opt.step()`` or at the next ``copy_h2d``), on a host-to-device stream that waits only for
+the device's last read of the shard (``ready``, recorded at ``optim_step``). ``opt.step()`` waits for the
+steps in flight, steps the buffers that could not overlap, and the device-resident buffers.
 
-[Note: clipping] ``sp.clip_grad_norm_`` scales the device gradients after they were copied; it tells this
-module the coefficient (:meth:`OffloadState.grads_scaled`), and the host gradient is scaled by the same
-number before the step. Any other change to a gradient after its copy (its tensor or version differs
-at step time) makes the step copy that gradient again: slower, never stale.
+[Note: keeping copies' tensors alive] A non-blocking copy reads its source after the call returns. The
+device gradients a ``copy_d2h`` reads are marked with ``record_stream`` (the caching allocator does not
+reuse them before the copy stream is past them, even if ``zero_grad`` drops them at once); the host
+tensors are ours: the worker waits for a buffer's gradient copy (``d2h``) before reading the host gradient
+and for its last copy to the device (``h2d``) before writing the master again.
+
+[Note: clipping] Without overlap, ``sp.clip_grad_norm_`` scales the device gradients after they were
+copied; it tells this module the coefficient (:meth:`OffloadState.grads_scaled`), and the host gradient is
+scaled by the same number before the step. Any other change to a gradient after its copy (its tensor or
+version differs at step time) makes the step copy that gradient again: slower, never stale. With
+overlap, ``clip_grad_norm_`` after a host step already ran raises (pass ``max_grad_norm=`` instead).
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from ..errors import RuntimeShardingError
-from ..plan.kinds import COPY_D2H, Offload
+from ..plan.kinds import COPY_D2H, OPTIM_STEP, Offload
 from .buffers import BufferState
+
+HYPER = ("lr", "betas", "eps", "weight_decay")  # what the host step reads from the optimizer's param group
 
 
 def _pin(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory() if device.type == "cuda" else t
+
+
+def _hyper(group: dict) -> dict:
+    """The hyper-parameters a step uses, as plain values (a tensor learning rate by value)."""
+    return {k: (float(group[k]) if isinstance(group[k], torch.Tensor) else group[k]) for k in HYPER}
+
+
+@dataclass(eq=False)
+class InFlightStep:
+    """A host step handed to the worker during backward (``optim_step``); ``opt.step()`` claims it."""
+
+    future: Future                    # -> seconds the host step took
+    hyper: dict                       # the hyper-parameters it used
+    ready: Any = None                 # event: the device read the shard for the last time before the copy back
 
 
 @dataclass(eq=False)
@@ -57,6 +88,8 @@ class HostBuffer:
     d2h: Any = None                   # event: the gradient copy is done
     h2d: Any = None                   # event: the master's copy to the device is done
     dirty: bool = False               # the master changed since it was last copied to the device
+    inflight: Optional[InFlightStep] = None  # its host step, running in the worker
+    early: bool = False               # stepped during this backward; opt.step() has not claimed it yet
 
     @property
     def trainable(self) -> list:
@@ -69,8 +102,14 @@ class OffloadState:
     def __init__(self, exe):
         self.exe = exe
         self.cuda = exe.device.type == "cuda"
-        self.stream = torch.cuda.Stream(exe.device) if self.cuda else None
+        # one stream per direction: PCIe copies both ways at once
+        self.d2h_stream = torch.cuda.Stream(exe.device) if self.cuda else None
+        self.h2d_stream = torch.cuda.Stream(exe.device) if self.cuda else None
+        self.optimizer_ref = None         # weak reference to the OffloadAdamW stepping this model (it registers)
+        self.worker: Optional[ThreadPoolExecutor] = None
+        self.stats = dict(host_step_s=0.0, exposed_s=0.0, steps=0, overlapped=0)
         self.hosts: dict[int, HostBuffer] = {}
+        self.submitted: list[HostBuffer] = []  # early steps in the order the worker runs them
         for u in exe.unit_list:
             for b in u.buffers:
                 if not b.bp.offload:
@@ -87,36 +126,137 @@ class OffloadState:
 
     # -- the schedule's ops (executor handlers) ------------------------------------------------------
     def run(self, op) -> None:
+        hosts = [self.hosts[i] for i in op.buffers]
         if op.kind == COPY_D2H:
-            self.copy_grads([self.hosts[i] for i in op.buffers])
+            self.copy_grads(hosts)
+        elif op.kind == OPTIM_STEP:
+            self.start_steps(hosts)
         else:
-            self.copy_params([self.hosts[i] for i in op.buffers])
+            self.copy_params(hosts)
+        self.harvest()
 
     def copy_grads(self, hosts: list[HostBuffer]) -> None:
         """The reduced local gradients of ``hosts`` to host memory (a side stream on CUDA)."""
-        with self._side():
+        with self._side(self.d2h_stream):
             for hb in hosts:
                 dsts, srcs = [], []
                 for m in hb.trainable:
                     g = m.local.grad
                     if m.held and g is not None:
+                        src = g.detach().reshape(-1)  # (a copy, when strided, made on the copy stream itself)
                         dsts.append(hb.grad[m.shard])
-                        srcs.append(g.detach().reshape(-1))
+                        srcs.append(src)
+                        if self.cuda:  # [Note: keeping copies' tensors alive]: made on the compute stream
+                            g.record_stream(self.d2h_stream)
                     hb.copied[m.index] = None if g is None else (id(g), g._version)
                 if dsts:
                     torch._foreach_copy_(dsts, srcs, non_blocking=self.cuda)
                 hb.scales.clear()
-                hb.d2h = self._event()
+                hb.d2h = self._event(self.d2h_stream)
 
     def copy_params(self, hosts: list[HostBuffer]) -> None:
         """The stepped master shards on the device before anything reads them (idempotent)."""
         for hb in hosts:
+            if hb.inflight is not None:
+                self._land(hb, block=True)
             if hb.dirty:
                 self._issue_h2d(hb)
             if self.cuda and hb.h2d is not None:
                 torch.cuda.current_stream().wait_event(hb.h2d)
 
-    # -- the host step ------------------------------------------------------------------------------
+    # -- the overlapped host step ([Note: the overlapped step]) --------------------------------------------
+    def start_steps(self, hosts: list[HostBuffer]) -> None:
+        """``optim_step``: hand the host steps of ``hosts`` to the worker, where that gives opt.step()'s result."""
+        opt = self.optimizer_ref() if self.optimizer_ref is not None else None
+        if opt is None or not opt.overlap or opt.max_grad_norm is not None:
+            return  # the step runs in opt.step()
+        used = self.exe.grads.used
+        group = opt.param_groups[0]
+        for hb in hosts:
+            if hb.early:
+                raise RuntimeShardingError(
+                    f"shardplan: the host stepped buffer #{hb.b.bp.index} in the previous synchronising backward, "
+                    f"but opt.step() was not called before this one: with the overlapped host step every "
+                    f"synchronising backward is an optimizer step. Call opt.step() after each (no_sync for "
+                    f"accumulation), or build the optimizer with shardplan.offload_optimizer(..., overlap=False)")
+            if not all(used[m.index] for m in hb.trainable):
+                continue  # a gradient may still become None at end_backward: opt.step() decides
+            active = [m for m in hb.trainable if m.local.grad is not None]
+            if not active:
+                continue
+            ready = self._event(torch.cuda.current_stream()) if self.cuda else None
+            h = _hyper(group)
+            fut = self._pool().submit(_host_compute, hb, active, dict(group), opt.fused, hb.d2h, hb.h2d)
+            hb.inflight, hb.early, hb.d2h = InFlightStep(fut, h, ready), True, None
+            self.submitted.append(hb)
+
+    def harvest(self) -> None:
+        """Issue the copy back of every host step the worker finished (without waiting for the others)."""
+        for hb in self.hosts.values():
+            if hb.inflight is not None and hb.inflight.future.done():
+                self._land(hb, block=False)
+
+    def _land(self, hb: HostBuffer, block: bool) -> None:
+        rec = hb.inflight
+        t0 = time.perf_counter()
+        seconds = rec.future.result()  # re-raises what the worker raised
+        if block:
+            self.stats["exposed_s"] += time.perf_counter() - t0
+        self.stats["host_step_s"] += seconds
+        self.stats["steps"] += 1
+        self.stats["overlapped"] += 1
+        hb.inflight = None
+        hb.dirty = True
+        self._issue_h2d(hb, after=rec.ready)
+
+    def claim(self, group: dict) -> set:
+        """``opt.step()``: wait for the steps in flight, check they are the steps it would take now; returns
+        the indices of the buffers they stepped (opt.step() steps the others)."""
+        done = set()
+        now = _hyper(group)
+        # in the worker's order: each copy back is issued as soon as its step is done, while later ones run
+        submitted, self.submitted = self.submitted, []
+        for hb in submitted:
+            if not hb.early:
+                continue
+            rec = hb.inflight
+            if rec is not None:
+                self._land(hb, block=True)
+            hb.early = False
+            done.add(hb.b.bp.index)
+            used = rec.hyper if rec is not None else now
+            if used != now:
+                raise RuntimeShardingError(
+                    f"shardplan: the optimizer's hyper-parameters changed between backward and opt.step() ({used} "
+                    f"-> {now}), but the host steps ran during backward with the old ones: set the learning rate "
+                    f"(scheduler.step()) before backward, e.g. right after opt.step(), or build the optimizer with "
+                    f"shardplan.offload_optimizer(..., overlap=False)")
+            for m in hb.trainable:
+                g = m.local.grad
+                if hb.copied.get(m.index) is not None and (g is None or hb.copied[m.index] != (id(g), g._version)):
+                    raise RuntimeShardingError(
+                        f"shardplan: the gradient of {m.name!r} changed after backward, but its host step already ran "
+                        f"during backward with the gradient backward produced: to clip, pass max_grad_norm= to "
+                        f"shardplan.offload_optimizer (it clips before stepping); to change gradients by hand, build "
+                        f"it with overlap=False")
+        return done
+
+    def check_clip(self) -> None:
+        """``sp.clip_grad_norm_`` is about to scale the gradients: impossible once host steps used them."""
+        if any(hb.early for hb in self.hosts.values()):
+            raise RuntimeShardingError(
+                "shardplan: clip_grad_norm_ after backward, but the host optimizer step of the offloaded buffers "
+                "already ran during backward (overlapped) with the unclipped gradients: pass max_grad_norm= to "
+                "shardplan.offload_optimizer(model, ..., max_grad_norm=1.0) (it clips by the global norm before its "
+                "steps), or build it with overlap=False to keep calling clip_grad_norm_ yourself")
+
+    def wait_all(self) -> None:
+        """Finish every step in flight (before anything else reads or writes the host tensors)."""
+        for hb in self.hosts.values():
+            if hb.inflight is not None:
+                self._land(hb, block=True)
+
+    # -- the host step in opt.step() ----------------------------------------------------------------------
     def grads_scaled(self, coef: torch.Tensor) -> None:
         """``sp.clip_grad_norm_`` multiplied the device gradients by ``coef``: do the same to the copies."""
         c = coef.detach().to("cpu")
@@ -128,16 +268,17 @@ class OffloadState:
                     hb.copied[m.index] = (id(g), g._version)
 
     def host_step(self, hb: HostBuffer, group: dict, fused: Optional[bool]) -> None:
-        """AdamW on ``hb``'s master shard, on the CPU; then its copy back to the device is issued."""
-        if hb.d2h is not None:
-            hb.d2h.synchronize()
-            hb.d2h = None
+        """AdamW on ``hb``'s master shard, on the CPU, in ``opt.step()``; then its copy back to the device."""
+        t0 = time.perf_counter()
         active = []
         for m in hb.trainable:
             g = m.local.grad
             if g is None:  # no gradient this step: skipped, as torch's optimizers skip it
                 continue
             if hb.copied.get(m.index) != (id(g), g._version):  # changed after its copy (or never copied): again
+                if hb.d2h is not None:  # the pending copy into the host gradient lands first
+                    hb.d2h.synchronize()
+                    hb.d2h = None
                 if m.held:
                     hb.grad[m.shard].copy_(g.detach().reshape(-1))
                 hb.copied[m.index] = (id(g), g._version)
@@ -150,22 +291,33 @@ class OffloadState:
         with torch.no_grad():
             for m, fresh in active:
                 if hb.scales and not fresh and m.held:
+                    if hb.d2h is not None:
+                        hb.d2h.synchronize()
+                        hb.d2h = None
                     for c in hb.scales:
                         hb.grad[m.shard].mul_(c.to(hb.grad.dtype))
             hb.scales.clear()
-            for members in _by_step(hb, [m for m, _ in active]):
-                views, steps, followers = _spans(hb, members)
-                adamw(*views, steps, group, fused)
-                for m in followers:  # pieces stepped within the flat span, or empty ones: the same count
-                    hb.steps[m.index].copy_(steps[0])
+        _host_compute(hb, [m for m, _ in active], group, fused, hb.d2h, hb.h2d)
+        hb.d2h = None
+        seconds = time.perf_counter() - t0
+        self.stats["host_step_s"] += seconds
+        self.stats["exposed_s"] += seconds
+        self.stats["steps"] += 1
         hb.dirty = True
         self._issue_h2d(hb)
 
-    def _issue_h2d(self, hb: HostBuffer) -> None:
-        with self._side():
+    def _issue_h2d(self, hb: HostBuffer, after=None) -> None:
+        """The master to the device shard, non-blocking on the host-to-device stream. ``after``: an event
+        the copy waits for (the device's last read of the shard); else everything issued so far."""
+        if self.cuda:
+            if after is not None:
+                self.h2d_stream.wait_event(after)
+            else:
+                self.h2d_stream.wait_stream(torch.cuda.current_stream())
+        with (torch.cuda.stream(self.h2d_stream) if self.cuda else contextlib.nullcontext()):
             with torch.no_grad():
                 hb.b.shard.copy_(hb.master, non_blocking=self.cuda)
-            hb.h2d = self._event()
+            hb.h2d = self._event(self.h2d_stream)
         hb.dirty = False
 
     def finish_step(self) -> None:
@@ -177,9 +329,13 @@ class OffloadState:
 
     def shards_changed(self) -> None:
         """The device shards were written outside a step (a checkpoint load): the masters follow them."""
+        self.wait_all()
         for hb in self.hosts.values():
+            if hb.h2d is not None:
+                hb.h2d.synchronize()
             hb.master.copy_(hb.b.shard.detach())
-            hb.dirty, hb.h2d = False, None
+            hb.dirty, hb.h2d, hb.early = False, None, False
+        self.submitted = []
 
     # -- inspection --------------------------------------------------------------------------------------
     def host_bytes(self) -> int:
@@ -192,19 +348,40 @@ class OffloadState:
         return sum(seen.values())
 
     # -- helpers ------------------------------------------------------------------------------------------
-    def _side(self):
-        if not self.cuda:
-            import contextlib
-            return contextlib.nullcontext()
-        self.stream.wait_stream(torch.cuda.current_stream())
-        return torch.cuda.stream(self.stream)
+    def _pool(self) -> ThreadPoolExecutor:
+        if self.worker is None:  # one thread: buffers step in the order their gradients arrived
+            self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardplan-host-step")
+        return self.worker
 
-    def _event(self):
+    def _side(self, stream):
+        if not self.cuda:
+            return contextlib.nullcontext()
+        stream.wait_stream(torch.cuda.current_stream())
+        return torch.cuda.stream(stream)
+
+    def _event(self, stream):
         if not self.cuda:
             return None
         ev = torch.cuda.Event()
-        ev.record(self.stream)
+        ev.record(stream)
         return ev
+
+
+def _host_compute(hb: HostBuffer, members: list, group: dict, fused: Optional[bool], d2h, h2d) -> float:
+    """The AdamW kernels over ``hb``'s host tensors (the worker runs this; no device work, no Python state
+    shared with the main thread but ``hb``'s host tensors). Returns the seconds it took."""
+    t0 = time.perf_counter()
+    if d2h is not None:  # the gradient copy has landed in hb.grad
+        d2h.synchronize()
+    if h2d is not None:  # the last copy of the master to the device has read it
+        h2d.synchronize()
+    with torch.no_grad():
+        for group_members in _by_step(hb, members):
+            views, steps, followers = _spans(hb, group_members)
+            adamw(*views, steps, group, fused)
+            for m in followers:  # pieces stepped within the flat span, or empty ones: the same count
+                hb.steps[m.index].copy_(steps[0])
+    return time.perf_counter() - t0
 
 
 def _by_step(hb: HostBuffer, members: list) -> list[list]:

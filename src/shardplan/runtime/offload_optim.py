@@ -2,8 +2,8 @@
 
 >>> plan = sp.plan(model, rules, sp.Mesh(dp=8), offload="optimizer")
 >>> sp.shard(model, plan)
->>> opt = sp.offload_optimizer(model, lr=3e-4, weight_decay=0.1)    # torch.optim.AdamW's hyper-parameters
->>> loss.backward(); sp.clip_grad_norm_(model, 1.0); opt.step(); opt.zero_grad()
+>>> opt = sp.offload_optimizer(model, lr=3e-4, weight_decay=0.1, max_grad_norm=1.0)   # AdamW's hyper-parameters
+>>> loss.backward(); opt.step(); opt.zero_grad()      # the host steps ran during backward; step() waits for them
 
 It is a ``torch.optim.Optimizer`` over the local shards (``model.parameters()``), with torch AdamW's
 state per parameter (``step``, ``exp_avg``, ``exp_avg_sq``): learning-rate schedulers, ``state_dict()``
@@ -14,6 +14,7 @@ the device and steps there (``offload_fraction < 1``), with the same kernels.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -30,11 +31,16 @@ class OffloadAdamW(torch.optim.Optimizer):
     _shardplan_offload = True  # the optimizer check (runtime/identity.py) accepts it for offloaded models
 
     def __init__(self, model: nn.Module, lr=1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, fused: Optional[bool] = True):
+                 weight_decay: float = 1e-2, *, fused: Optional[bool] = True, overlap: bool = True,
+                 max_grad_norm: Optional[float] = None):
         eng = engine_of(model)
         self._engine = eng
+        self._model = weakref.ref(model)
         self._host = eng.offload
         self.fused = fused
+        self.overlap = bool(overlap)  # host steps during backward ([Note: the overlapped step], runtime/offload.py)
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.last_grad_norm: Optional[torch.Tensor] = None  # the global norm step() clipped by (max_grad_norm)
         members = [(b, m) for u in eng.unit_list for b in u.buffers for m in b.members if m.info.requires_grad]
         if not members:
             raise RuntimeShardingError("shardplan.offload_optimizer: the model has no parameter that requires grad")
@@ -57,6 +63,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         # back to the device start while later buffers still step
         order = {u.name: k for k, u in enumerate(reversed(eng.plan.units[1:]))}
         self._hosts = sorted(hosts.values(), key=lambda hb: order.get(hb.b.bp.unit, len(order)))
+        if self._host is not None:
+            self._host.optimizer_ref = weakref.ref(self)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable] = None):
@@ -65,27 +73,54 @@ class OffloadAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         group = self.param_groups[0]
-        for hb in self._hosts:
-            self._host.host_step(hb, group, self.fused)
+        if self.max_grad_norm is not None:  # no host step ran yet (clipping turns the overlap off)
+            from .api import clip_grad_norm_
+            model = self._model()
+            if model is None:
+                raise RuntimeShardingError("shardplan.offload_optimizer: the model was garbage-collected")
+            self.last_grad_norm = clip_grad_norm_(model, self.max_grad_norm)
         dev = [p for p in self._device if p.grad is not None]
-        if dev:
+        if dev:  # first: on a GPU these kernels run while the host finishes its steps
             st = [self.state[p] for p in dev]
             adamw(dev, [p.grad for p in dev], [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st],
                   [s["step"] for s in st], group, None)
+        stepped = self._host.claim(group) if self._host is not None else set()  # those that ran in backward
+        for hb in self._hosts:
+            if hb.b.bp.index not in stepped:
+                self._host.host_step(hb, group, self.fused)
         if self._host is not None:
             self._host.finish_step()
         return loss
 
+    def host_stats(self, reset: bool = False) -> dict:
+        """Seconds the host steps took (``host_step_s``) and how many of them ``step()`` waited for
+        (``exposed_s``; the rest overlapped backward: ``hidden_s``), summed since the start (or the last
+        reset); ``steps``: buffer steps, ``overlapped``: those that ran during backward."""
+        st = dict(self._host.stats) if self._host is not None else dict(host_step_s=0.0, exposed_s=0.0, steps=0,
+                                                                          overlapped=0)
+        st["hidden_s"] = max(st["host_step_s"] - st["exposed_s"], 0.0)
+        if reset and self._host is not None:
+            self._host.stats.update(host_step_s=0.0, exposed_s=0.0, steps=0, overlapped=0)
+        return st
+
 
 def offload_optimizer(model: nn.Module, lr=1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                      weight_decay: float = 1e-2, *, fused: Optional[bool] = True) -> OffloadAdamW:
+                      weight_decay: float = 1e-2, *, fused: Optional[bool] = True, overlap: bool = True,
+                      max_grad_norm: Optional[float] = None) -> OffloadAdamW:
     """AdamW for a model sharded with an offloading plan (``plan(..., offload="optimizer")``): the offloaded
     buffers' master shards and moments live in host memory and step there; hyper-parameters as
     ``torch.optim.AdamW``'s. ``fused``: torch's fused kernel for the host step (``None``: torch's default).
+
+    ``overlap`` (default): each offloaded buffer steps on the host as soon as its gradient arrived there,
+    while backward goes on; ``step()`` waits for those steps. The learning rate must then be set before
+    backward (``scheduler.step()`` right after ``opt.step()`` does that), and gradients are not changed
+    after backward: ``max_grad_norm=`` clips by the global norm inside ``step()`` (the host steps then run
+    in ``step()``, after the norm: clipping needs every gradient). ``overlap=False``: every host step
+    runs in ``step()``, and ``shardplan.clip_grad_norm_`` / learning-rate changes after backward work.
 
     >>> opt = shardplan.offload_optimizer(model, lr=3e-4, weight_decay=0.1)
     >>> loss.backward(); opt.step(); opt.zero_grad()
 
     Also runs a plan without offload (every buffer steps on the device), so one training script serves both.
     """
-    return OffloadAdamW(model, lr, betas, eps, weight_decay, fused=fused)
+    return OffloadAdamW(model, lr, betas, eps, weight_decay, fused=fused, overlap=overlap, max_grad_norm=max_grad_norm)
