@@ -213,8 +213,9 @@ class Plan:
     # -- data parallelism -------------------------------------------------------------------------------
     @property
     def data_axes(self) -> tuple[str, ...]:
-        """The mesh axes that split the batch: every axis but the compute axes."""
-        return tuple(a for a in self.mesh.axis_names if a not in self.compute_axes)
+        """The mesh axes that split the batch: every axis but the compute axes and the context axis ``cp``
+        (its ranks share their samples and split each sequence: ``shardplan.context_parallel.shard_batch``)."""
+        return tuple(a for a in self.mesh.axis_names if a not in self.compute_axes and a != "cp")
 
     @property
     def data_size(self) -> int:

@@ -138,6 +138,16 @@ def all_gather_rows(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
     _all_gather(out, inp.contiguous(), group=group.pg)
 
 
+def reduce_scatter_rows_sum(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
+    """The sum over the group of ``inp``, this rank's block of rows into ``out``, synchronously (the
+    backward of :func:`all_gather_rows`)."""
+    if group.pg is None:
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        return
+    _reduce_scatter(out, inp.contiguous(), op=dist.ReduceOp.SUM, group=group.pg)
+
+
 def broadcast(t: torch.Tensor, src_index: int, group: Group):
     """Broadcast from the group's ``src_index``-th rank."""
     if group.pg is None:
