@@ -80,3 +80,11 @@ def test_cp_at_4_ranks_equals_one_process():
     for results in run(_train, 4, ["dp=2,cp=2", "cp=4"]):
         for text, losses, ref_losses in results:
             assert losses == pytest.approx(ref_losses, abs=1e-5), text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_train_gpt_example_with_cp_equals_one_process(tmp_path):
+    from example_runs import losses
+    one = losses(tmp_path, 1, "examples/train_gpt.py", "--steps", "5")
+    assert losses(tmp_path, 4, "examples/train_gpt.py", "--steps", "5", "--mesh", "dp=2,cp=2") == pytest.approx(one, abs=1e-5)

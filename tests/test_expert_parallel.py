@@ -132,3 +132,13 @@ def test_ep_at_2_ranks_with_every_token_routed_to_one_rank():
         for text, losses, ref_losses, diff in results:
             assert losses == pytest.approx(ref_losses, abs=1e-5), text
             assert diff < 1e-5, text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_train_moe_example_meshes_equal_one_process(tmp_path):
+    from example_runs import losses
+    one = losses(tmp_path, 1, "examples/train_moe.py", "--steps", "5")
+    assert len(one) == 5 and one[-1] < one[0]
+    assert losses(tmp_path, 4, "examples/train_moe.py", "--steps", "5", "--mesh", "dp=2,ep=2") == pytest.approx(one, abs=1e-5)
+    assert losses(tmp_path, 4, "examples/train_moe.py", "--steps", "5", "--mesh", "ep=4") == pytest.approx(one, abs=1e-5)
