@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import shardplan as sp
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -71,7 +73,8 @@ class Attention(nn.Module):
         if self.kv_heads != self.heads:
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
             v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # F.scaled_dot_product_attention, or over the whole sequence under context parallelism (cp > 1)
+        y = sp.context_parallel.attention(q, k, v, is_causal=True)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -111,8 +114,10 @@ class GPT(nn.Module):
         if c.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens, targets=None):
-        pos = torch.arange(tokens.shape[1], device=tokens.device)
+    def forward(self, tokens, targets=None, positions=None):
+        """``positions``: of ``tokens`` in their sequences (default ``0..T-1``; under context parallelism, the
+        full-sequence positions of this rank's chunks: ``shardplan.context_parallel.shard_batch``)."""
+        pos = torch.arange(tokens.shape[1], device=tokens.device) if positions is None else positions
         x = self.tok_embeddings(tokens) + self.pos_embeddings(pos)
         for layer in self.layers:
             x = layer(x)

@@ -14,3 +14,10 @@ HSDP_RULES = [
 ]
 
 UNITS = [r"layers\.\d+"]
+
+
+def rules_over(mesh) -> list:
+    """Every parameter on dim 0 over the mesh's data axes together (e.g. ``P(("dp", "cp"))``: ZeRO over dp x cp
+    under context parallelism); replica axes named ``replica`` stay out."""
+    axes = tuple(a for a in mesh.axis_names if a not in ("replica", "tp"))
+    return [(r".*", P(axes[0] if len(axes) == 1 else axes))]

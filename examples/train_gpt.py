@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 examples/train_gpt.py            # CPU, gloo
     torchrun --nproc-per-node 4 examples/train_gpt.py --mesh replica=2,shard=2 --rules HSDP_RULES   # HSDP
     torchrun --nproc-per-node 4 examples/train_gpt.py --mesh dp=2,tp=2 --rules examples/gpt_rules_tp.py  # FSDP x TP
+    torchrun --nproc-per-node 4 examples/train_gpt.py --mesh dp=2,cp=2   # context parallelism: sequences split over cp
     torchrun --nproc-per-node 8 examples/train_gpt.py --config 1B --dtype bf16   # GPUs, NCCL
 
     torchrun --nproc-per-node 2 examples/train_gpt.py --steps 1000 --lr-schedule warmup_cosine --warmup 100 \\
@@ -179,6 +180,9 @@ def main(argv=None) -> list[float]:
     if cuda:
         model = model.cuda()
     mesh = sp.Mesh.parse(args.mesh) if args.mesh else sp.Mesh(dp=world)
+    cp = mesh.shape.get("cp", 1)
+    if cp > 1 and args.rules == "rules":  # context parallelism: ZeRO over the data axes and cp together
+        rules = dict(rules, rules=gpt_rules.rules_over(mesh))
     plan = sp.plan(model, mesh=mesh, strategy=args.strategy, compute_dtype=args.dtype, prefetch=args.prefetch,
                    order=args.order, **rules)
     if rank == 0 and not args.quiet_plan:
@@ -206,7 +210,11 @@ def main(argv=None) -> list[float]:
         torch.cuda.reset_peak_memory_stats()
     for step, x, y in local_batches(args, plan.data_index(rank), plan.data_size, start, cuda, end):
         lr = opt.param_groups[0]["lr"]
-        loss = model(x, y)
+        if cp > 1:  # this rank's two chunks of each sequence, at their full-sequence positions
+            pos = sp.context_parallel.positions(args.seq, cp, mesh.axis_index(rank, ("cp",)), device=x.device)
+            loss = model(x[:, pos], y[:, pos], positions=pos)
+        else:
+            loss = model(x, y)
         loss.backward()
         norm = sp.clip_grad_norm_(model, 1.0)
         opt.step()

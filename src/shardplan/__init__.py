@@ -38,7 +38,8 @@ _LAZY = {
     **dict.fromkeys(("offload_optimizer", "OffloadAdamW"), "runtime.offload_optim"),
     **dict.fromkeys(("rehearse", "Rehearsal"), "rehearsal"),
 }
-_LAZY_MODULES = {"checkpoint": "runtime.checkpoint", "optim": "optim", "metrics": "metrics"}
+_LAZY_MODULES = {"checkpoint": "runtime.checkpoint", "optim": "optim", "metrics": "metrics",
+                 "expert_parallel": "runtime.expert_parallel", "context_parallel": "runtime.context_parallel"}
 
 
 def __getattr__(name: str):

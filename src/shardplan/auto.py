@@ -132,6 +132,33 @@ def _best_dim(shape: tuple[int, ...], parts: int) -> tuple[int, str]:
     return 0, ""
 
 
+def _expert_counts(module, mesh: Mesh, axes) -> dict[str, int]:
+    """{module path: num_experts} of the expert modules whose experts divide over the mesh's ``ep`` axis
+    (when ``ep`` is one of ``axes``): their stacked weights are split by expert (expert parallelism)."""
+    if module is None or "ep" not in axes:
+        return {}
+    out = {}
+    for path, mod in module.named_modules():
+        n = getattr(mod, "num_experts", None)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0 and n % mesh.axis_size("ep") == 0:
+            out[path] = n
+    return out
+
+
+def _expert_spec(shape: tuple[int, ...], mesh: Mesh, axes) -> P:
+    """Stacked experts: dim 0 over ``ep`` (whole experts per rank), the other axes after it on dim 0 when
+    the local experts divide by them, else on the best other dimension of the local block."""
+    rest = tuple(a for a in axes if a != "ep")
+    if not rest:
+        return P("ep")
+    local = (shape[0] // mesh.axis_size("ep"),) + tuple(shape[1:])
+    d, _ = _best_dim(local, mesh.axis_size(rest))
+    entry = rest[0] if len(rest) == 1 else rest
+    if d == 0:
+        return P(("ep",) + rest)
+    return P(*(["ep"] + [None] * (d - 1) + [entry]))
+
+
 def _generalize(name: str) -> str:
     """A regex for ``name`` and its siblings in repeated blocks: numeric path parts become ``\\d+``."""
     return r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in name.split("."))
@@ -160,11 +187,15 @@ def auto_rules(model_or_tree, mesh: Mesh, *, min_shard_bytes: int = 2 ** 20,
     axes = tuple(axes) if axes is not None else data_axes(mesh)
     entry = axes[0] if len(axes) == 1 else tuple(axes)
     parts = mesh.axis_size(axes)
+    experts = _expert_counts(module, mesh, axes)
     named, why = [], {}
     for info in infos:
         nbytes = math.prod(info.shape) * info.dtype.itemsize
         if not info.shape or nbytes < min_shard_bytes:
             named.append((info.name, P()))
+            continue
+        if experts.get(info.name.rpartition(".")[0]) == info.shape[0]:
+            named.append((info.name, _expert_spec(info.shape, mesh, axes)))
             continue
         d, reason = _best_dim(info.shape, parts)
         named.append((info.name, P(*([None] * d + [entry]))))

@@ -177,6 +177,12 @@ def comm_bytes(plan: "Plan") -> dict:
         out["tensor_parallel"] = None if acts is None else tp.activation_bytes(plan.tp_modules, acts, plan.mesh)
         if acts is not None:
             out["total"] += out["tensor_parallel"]
+    if plan.expert_modules:
+        from . import expert_parallel as EP
+        calls = plan.expert_calls
+        out["expert_parallel"] = None if calls is None else EP.all_to_all_bytes(plan.expert_modules, calls, plan.mesh)
+        if calls is not None:
+            out["total"] += out["expert_parallel"]
     if plan.offload:  # host<->device copies over PCIe, not the network: not in "total"
         out.update(copies)
     return out

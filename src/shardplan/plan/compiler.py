@@ -17,6 +17,7 @@ from ..units import assign_units, check_entries, collect_leaves, module_classes,
 from ..auto import choose_min_unit_bytes, find_units, merge_note, root_unit_warning
 from . import geometry
 from . import offload as OFF
+from . import expert_parallel as EP
 from . import tensor_parallel as tp
 from .accounting import plan_warnings
 from .facade import Plan
@@ -83,7 +84,7 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
          trace=None, optimizer_states: int = 2, world_size: Optional[int] = None,
          min_unit_bytes: Optional[int] = None, order=Order.STATIC, compute_axes=(), styles=None,
          layout=LayoutChoice.AUTO, offload=None, offload_fraction: float = 1.0,
-         device_memory: Optional[float] = None) -> Plan:
+         device_memory: Optional[float] = None, expert_axes=None) -> Plan:
     """Compile rules, a mesh and options into a :class:`Plan`. Pure: no process group, no GPU.
 
     >>> plan = shardplan.plan(model, rules, Mesh(dp=8), units=[r"layers\\.\\d+"], compute_dtype=torch.bfloat16)
@@ -122,6 +123,12 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
     >>> plan.memory().host                       # bytes of host memory per rank
     >>> plan = shardplan.plan(model, rules, Mesh(dp=8), offload="optimizer", offload_fraction="auto",
     ...                       device_memory=80 * 2**30)
+
+    ``expert_axes`` (default: the mesh's ``ep`` axis, if any) splits the stacked weights of expert modules
+    by expert where a spec puts it first in dim 0 (expert parallelism, :mod:`shardplan.plan.expert_parallel`);
+    for every other parameter it is a data axis.
+
+    >>> plan = shardplan.plan(moe, [(r".*experts\\.w\\d", P("ep", None, None)), (r".*", P("dp"))], Mesh(dp=2, ep=2))
     """
     if not isinstance(mesh, Mesh):
         raise MeshError(f"mesh must be a shardplan.Mesh, e.g. Mesh(dp=8); got {type(mesh).__name__}")
@@ -139,6 +146,7 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
                         f"got {min_unit_bytes!r}")
     compute, reduce = dtype_name(compute_dtype), dtype_name(reduce_dtype)
     compute_axes = tp.as_compute_axes(compute_axes, mesh)
+    expert_axes = EP.as_expert_axes(expert_axes, mesh, compute_axes)
     rules = as_rules(rules)
     infos, leaves, candidates, module = collect_leaves(model_or_tree)
     if not infos:
@@ -169,11 +177,19 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
     rule_of = {info.name: rule.describe() for info, (_, rule) in zip(infos, matched)}
     tp_of, spec_of, tp_modules = tp.resolve(module, [(i, s, rule_of[i.name]) for i, (s, _) in zip(infos, matched)],
                                             compute_axes, mesh, styles)
+    ep_of, expert_modules = EP.resolve(module, [(i, spec_of[i.name], rule_of[i.name]) for i in infos], expert_axes, mesh)
+    for name, c in ep_of.items():
+        if tp_of[name] is not None:
+            raise PlanError(f"parameter {name!r} (rule {rule_of[name]}) is split over expert axis {c.axis!r} and "
+                            f"tensor-parallel over {tp_of[name].axis!r}; one compute axis per parameter: keep "
+                            f"{tp_of[name].axis!r} out of its spec")
+        tp_of[name] = c
     members: dict[str, list] = {u: [] for u in [ROOT] + unit_order}
     for info in infos:  # the layout sees what one tensor-parallel rank stores: its local shape, storage axes
         c = tp_of[info.name]
         local = dataclasses.replace(info, shape=tp.local_shape(info.shape, c))
-        members[owner[info.name]].append((local, tp.storage_spec(spec_of[info.name], compute_axes)))
+        own = compute_axes + ((c.axis,) if info.name in ep_of else ())
+        members[owner[info.name]].append((local, tp.storage_spec(spec_of[info.name], own)))
     parent = _parents(unit_order, {u: (u,) for u in unit_order})
     large_root = _large_root_warning(members, level, suggest)
     if large_root:
@@ -197,14 +213,20 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
     last = unit_order[-1] if unit_order else None
     for uname in [ROOT] + unit_order:
         idxs = []
-        laid = geometry.layout_unit(members[uname], mesh, level, compute, layout)
-        for (dtype, rg, axes, _), (placement, mem) in laid.items():
+        # [Note: expert weights get buffers of their own: their gradients are not reduced over the expert axis
+        # (every ep rank's tokens already reached them through the all-to-all), dense ones' are]
+        dense = [m for m in members[uname] if m[0].name not in ep_of]
+        experts = [m for m in members[uname] if m[0].name in ep_of]
+        laid = [(k, v, compute_axes) for k, v in geometry.layout_unit(dense, mesh, level, compute, layout).items()]
+        laid += [(k, v, compute_axes + expert_axes)
+                 for k, v in (geometry.layout_unit(experts, mesh, level, compute, layout).items() if experts else ())]
+        for (dtype, rg, axes, _), (placement, mem), not_reduced in laid:
             cdt = compute if compute and is_floating(dtype) else dtype
             rdt = reduce if reduce and is_floating(dtype) else cdt
             group = mesh.axis_size(axes) if axes else 1
             b = BufferPlan(index=len(buffers), unit=uname, dtype=dtype, compute_dtype=cdt, reduce_dtype=rdt,
                            layout=placement.layout, axes=axes,
-                           replica_axes=tuple(a for a in mesh.axis_names if a not in axes and a not in compute_axes),
+                           replica_axes=tuple(a for a in mesh.axis_names if a not in axes and a not in not_reduced),
                            group_size=group, shard_numel=placement.shard_numel,
                            numel=sum(math.prod(i.shape) for i, _ in mem), params=tuple(i.name for i, _ in mem),
                            requires_grad=rg, **buffer_facts(placement.layout, level, group, dtype, cdt, rdt))
@@ -225,6 +247,11 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
         if trace is not None:
             activations = tp.trace_activations(module, tp_modules, trace, itemsize(compute) if compute else None)
         tp_modules = tp.place(module, tp_modules, unit_plans, activations)
+    expert_calls = None
+    if expert_modules:
+        choices.append(EP.modules_note(expert_modules))
+        if trace is not None:
+            expert_calls = EP.trace_calls(module, expert_modules, trace, itemsize(compute) if compute else None)
     profile = None
     if trace is not None and not compute_axes:
         # [Note: the activation profile] one more traced step, forward and backward on a meta copy, measures
@@ -253,7 +280,9 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
                     warnings=tuple(notes) + plan_warnings(mesh, param_plans, buffers_, units_), order=order,
                     notes=tuple(choices), min_unit_bytes=min_unit_bytes, compute_axes=compute_axes,
                     tp_modules=tp_modules, tp_activations=activations, layout=layout,
-                    offload=offload, offload_fraction=fraction, activations=profile)
+                    offload=offload, offload_fraction=fraction, activations=profile,
+                    expert_axes=expert_axes if expert_modules else (), expert_modules=expert_modules,
+                    expert_calls=expert_calls)
 
     if offload_fraction == OFF.AUTO:  # [Note: the automatic fraction] in plan/offload.py
         ranks = range(mesh.size) if mesh.size <= 64 else sorted({r * (mesh.size - 1) // 63 for r in range(64)})

@@ -21,6 +21,7 @@ from ..mesh import Mesh
 from ..units import ROOT
 from . import accounting, geometry, render, serialize
 from . import schedule as S
+from . import expert_parallel as EP
 from . import tensor_parallel as tp
 from .kinds import LayoutChoice, Offload, Order, Strategy, choose, strategy_level
 from .validate import normalised, validate
@@ -60,6 +61,9 @@ class Plan:
     offload: Optional[Offload] = None           # CPU offload: "optimizer" or "params" (which buffers: BufferPlan.offload)
     offload_fraction: float = 1.0               # the share of the trainable shard bytes offloaded
     activations: Optional[Activations] = None  # traced step's activation profile (None: not traced); memory() adds it
+    expert_axes: tuple[str, ...] = ()           # mesh axes that split stacked experts (expert parallelism)
+    expert_modules: tuple[EP.ExpertModule, ...] = ()        # modules whose experts they split
+    expert_calls: Optional[tuple[EP.ExpertCall, ...]] = None  # traced token inputs of those (None: not traced)
 
     # -- lookups -----------------------------------------------------------------------------------
     @cached_property
@@ -209,8 +213,9 @@ class Plan:
     # -- data parallelism -------------------------------------------------------------------------------
     @property
     def data_axes(self) -> tuple[str, ...]:
-        """The mesh axes that split the batch: every axis but the compute axes."""
-        return tuple(a for a in self.mesh.axis_names if a not in self.compute_axes)
+        """The mesh axes that split the batch: every axis but the compute axes and the context axis ``cp``
+        (its ranks share their samples and split each sequence: ``shardplan.context_parallel.shard_batch``)."""
+        return tuple(a for a in self.mesh.axis_names if a not in self.compute_axes and a != "cp")
 
     @property
     def data_size(self) -> int:
@@ -226,6 +231,13 @@ class Plan:
 
     def tp_module(self, path: str) -> Optional[tp.TPModule]:
         return next((m for m in self.tp_modules if m.path == path), None)
+
+    def expert_module(self, path: str) -> Optional[EP.ExpertModule]:
+        """The expert module at ``path`` (its experts split over ``plan.expert_axes``), or ``None``.
+
+        >>> plan.expert_module("layers.0.moe.experts").local_experts   # experts one ep rank holds
+        """
+        return next((m for m in self.expert_modules if m.path == path), None)
 
     # -- the schedule as a program -----------------------------------------------------------------------
     @cached_property
@@ -333,7 +345,9 @@ class Plan:
         """Bytes each rank sends per training step, by op kind (ring algorithms: (n-1)/n of the payload).
         With compute axes, ``tensor_parallel`` adds the activations the styles move: estimated when the plan
         was traced with example inputs (``trace=``), ``None`` ("not estimated") otherwise. With CPU offload,
-        ``copy_d2h`` / ``copy_h2d`` are the host<->device copy bytes per step (not in ``total``, the network's)."""
+        ``copy_d2h`` / ``copy_h2d`` are the host<->device copy bytes per step (not in ``total``, the network's).
+        With expert modules split over an expert axis, ``expert_parallel`` adds the token all-to-alls
+        (estimated from a traced plan's expert inputs under balanced routing; ``None`` untraced)."""
         return accounting.comm_bytes(self)
 
     def max_gathered_units(self) -> int:

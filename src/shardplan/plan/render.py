@@ -49,8 +49,9 @@ def activations_note(plan: "Plan", rank: int, m) -> str:
 
 def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
     """The parameter table, units, memory, bytes per step and warnings; ``max_rows=0`` for a summary."""
-    tp = bool(plan.compute_axes)  # then: the global shape, what a tensor-parallel rank computes with, its shard
-    head = ("parameter", "shape", "dtype", "spec") + (("tp-local shape",) if tp else ()) + \
+    tp = bool(plan.compute_axes or plan.expert_modules)  # then: the global shape, what a rank computes with, its shard
+    head = ("parameter", "shape", "dtype", "spec") + ((("tp-local shape" if plan.compute_axes else "ep-local shape"),)
+                                                      if tp else ()) + \
         ("local shape", "unit", "bytes/rank")
     rows = []
     for p in plan.params[:max_rows]:
@@ -102,9 +103,17 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
     if plan.compute_axes:
         tp_part = (f", tensor-parallel activations {fmt_bytes(c['tensor_parallel'])}" if c["tensor_parallel"] is not None
                    else ", tensor-parallel activations not estimated (plan with trace=example inputs)")
+    if plan.expert_modules:
+        tp_part += (f", expert all-to-all {fmt_bytes(c['expert_parallel'])}" if c["expert_parallel"] is not None
+                    else ", expert all-to-all not estimated (plan with trace=example inputs)")
     out.append(f"sent per step per rank: all_gather {fmt_bytes(c['all_gather'])}, reduce_scatter "
                f"{fmt_bytes(c['reduce_scatter'])}, all_reduce {fmt_bytes(c['all_reduce'])}{tp_part}, "
                f"total {fmt_bytes(c['total'])}")
+    if plan.expert_modules:
+        m0 = plan.expert_modules[0]
+        out.append(f"expert axis {m0.axis}: {len(plan.expert_modules)} expert modules, {m0.local_experts} of "
+                   f"{m0.num_experts} experts per rank, tokens dispatched and combined by all-to-all; the batch is "
+                   f"split {plan.data_size} ways over {', '.join(plan.data_axes)}")
     if plan.compute_axes:
         out.append(f"compute axes {', '.join(plan.compute_axes)}: {len(plan.tp_modules)} modules tensor-parallel; the batch "
                    f"is split {plan.data_size} ways over {', '.join(plan.data_axes)}")

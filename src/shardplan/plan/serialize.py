@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from ..errors import PlanError
 from ..mesh import Mesh
 from ..spec import P
+from . import expert_parallel as EP
 from . import tensor_parallel as tp
 from .kinds import LayoutChoice, Offload, Order, Strategy, choose
 from .validate import normalised
@@ -55,6 +56,10 @@ def to_dict(plan: "Plan") -> dict[str, Any]:
         **({"compute_axes": list(plan.compute_axes), "tp_modules": [dataclasses.asdict(m) for m in plan.tp_modules],
             "tp_activations": None if plan.tp_activations is None else [dataclasses.asdict(a) for a in plan.tp_activations]}
            if plan.compute_axes else {}),
+        **({"expert_axes": list(plan.expert_axes),
+            "expert_modules": [dataclasses.asdict(m) for m in plan.expert_modules],
+            "expert_calls": None if plan.expert_calls is None else [dataclasses.asdict(c) for c in plan.expert_calls]}
+           if plan.expert_modules else {}),
         # [Note: written only for a plan traced with it, so older plans keep their JSON and fingerprints]
         **({"activations": _activations_dict(plan.activations)} if getattr(plan, "activations", None) is not None else {}),
     }
@@ -107,6 +112,9 @@ def plan_fields(text: str) -> dict[str, Any]:
         offload=choose(Offload, d["offload"], "offload") if d.get("offload") else None,
         offload_fraction=float(d.get("offload_fraction", 1.0)),
         activations=_activations(d.get("activations")),
+        expert_axes=tuple(d.get("expert_axes", ())),
+        expert_modules=tuple(EP.ExpertModule(**m) for m in d.get("expert_modules", ())),
+        expert_calls=None if d.get("expert_calls") is None else tuple(EP.ExpertCall(**c) for c in d["expert_calls"]),
     )
 
 

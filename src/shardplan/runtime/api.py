@@ -14,6 +14,8 @@ import torch.nn as nn
 from ..errors import RuntimeShardingError
 from ..plan import Plan
 from . import collectives as C
+from . import context_parallel as CP
+from . import expert_parallel as EP
 from . import tensor_parallel as TP
 from . import state_dict as SD
 from .builder import ATTR as _ATTR, build, engine_of
@@ -85,6 +87,8 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     meshes = rt.meshes
     exe.handles = install(module, exe, rt.modules_of) + TP.install_styles(module, plan, meshes, exe)
     exe.handles += SD.install(module, exe, meshes)  # model.state_dict() in DTensors, as FSDP2 gives it
+    EP.install(module, plan, rt.groups)  # expert modules find their ep group (dispatch / combine)
+    CP.install(plan, rt.groups)  # context-parallel attention finds the cp group
     module.__dict__[_ATTR] = exe
     guard_apply(module)  # .to(bf16)/.half()/.cuda() from now on raise instead of detaching the shards
     if sync_buffers and rt.world > 1:

@@ -117,6 +117,37 @@ def all_gather_list(mine: torch.Tensor, group: Group) -> list[torch.Tensor]:
     return every
 
 
+def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group: Group, out_splits: Optional[list] = None,
+                      in_splits: Optional[list] = None) -> None:
+    """Rows of ``inp`` to the ranks of ``group`` (``in_splits[i]`` rows to the i-th; equal parts if ``None``),
+    rows from them into ``out`` (``out_splits``), synchronously: expert parallelism's token exchange."""
+    if group.pg is None:
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        return
+    dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group.pg)
+
+
+def all_gather_rows(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
+    """Every rank's ``inp`` stacked along dim 0 into ``out`` (group order), synchronously: context
+    parallelism's key/value exchange."""
+    if group.pg is None:
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        return
+    _all_gather(out, inp.contiguous(), group=group.pg)
+
+
+def reduce_scatter_rows_sum(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
+    """The sum over the group of ``inp``, this rank's block of rows into ``out``, synchronously (the
+    backward of :func:`all_gather_rows`)."""
+    if group.pg is None:
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        return
+    _reduce_scatter(out, inp.contiguous(), op=dist.ReduceOp.SUM, group=group.pg)
+
+
 def broadcast(t: torch.Tensor, src_index: int, group: Group):
     """Broadcast from the group's ``src_index``-th rank."""
     if group.pg is None:

@@ -43,7 +43,7 @@ def full_state_dict(model: nn.Module, *, cpu: bool = True) -> dict[str, torch.Te
     eng = engine_of(model)
     plan = eng.plan
     locals_ = eng.local_params()
-    if plan.compute_axes:
+    if plan.compute_axes or plan.expert_modules:  # tensor- or expert-parallel blocks: by global boxes
         out = _full_by_boxes(eng, locals_, cpu)
     else:
         out = {}

@@ -1,0 +1,164 @@
+"""Expert parallelism in the plan: which stacked expert weights an ``ep`` axis splits by expert, and the
+token traffic (all-to-all) that implies. Pure functions; the runtime moves the tokens
+(:mod:`shardplan.runtime.expert_parallel`).
+
+An *expert module* stacks its experts' weights on dim 0 and says how many it has in an integer attribute
+``num_experts`` (torchtitan's ``GroupedExperts``, Hugging Face's ``MixtralExperts`` / Qwen-MoE experts,
+examples/moe.py). A rule whose spec puts the expert axis first in dim 0 of such a weight,
+
+>>> rules = [(r".*experts\\.w\\d", P(("ep", "dp"), None, None)), (r".*", P(("dp", "ep")))]
+
+gives each ``ep`` rank ``num_experts / ep`` whole experts, never gathered over ``ep`` (the expert axis is a
+compute axis for them, as ``tp`` is for a column-parallel weight) and stored sharded over the axes after
+it (here ``dp``: ZeRO). For every other parameter ``ep`` is a data axis like ``dp``: it splits the batch,
+may shard storage (``P(("dp", "ep"))``) and reduces gradients. Expert gradients are reduced over the data
+axes that are not ``ep`` only: the tokens of every ``ep`` rank already reached them through the all-to-all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from ..errors import PlanError, SpecError
+from ..mesh import Mesh
+from ..spec import P
+from .values import Compute
+
+EXPERT_AXIS = "ep"
+
+
+@dataclass(frozen=True)
+class ExpertModule:
+    """A module whose stacked experts are split over ``axis`` (``size`` ranks, ``num_experts`` in all)."""
+
+    path: str
+    axis: str
+    size: int
+    num_experts: int
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.size
+
+
+@dataclass(frozen=True)
+class ExpertCall:
+    """One traced call of an expert module: elements of its token input, experts per token (top-k),
+    bytes per element."""
+
+    path: str
+    tokens_numel: int
+    top_k: int
+    itemsize: int
+
+
+def as_expert_axes(expert_axes, mesh: Mesh, compute_axes: Sequence[str]) -> tuple[str, ...]:
+    """The expert axes: as given, or the mesh's ``ep`` axis when it has one (``None``, the default)."""
+    if expert_axes is None:
+        return (EXPERT_AXIS,) if EXPERT_AXIS in mesh.axis_names else ()
+    axes = (expert_axes,) if isinstance(expert_axes, str) else tuple(expert_axes)
+    for a in axes:
+        if a not in mesh.axis_names:
+            raise PlanError(f"expert axis {a!r} is not an axis of {mesh!r}; name one of {mesh.axis_names} or add it "
+                            f"to the mesh, e.g. Mesh(dp=2, {a}=2)")
+        if a in compute_axes:
+            raise PlanError(f"axis {a!r} is named both a compute (tensor-parallel) axis and an expert axis; "
+                            f"give each job its own axis, e.g. Mesh(dp=2, ep=2, tp=2)")
+    if len(axes) > 1:
+        raise PlanError(f"expert_axes {axes}: one expert axis is supported; fold them into one mesh axis")
+    return axes
+
+
+def _num_experts(mod) -> Optional[int]:
+    n = getattr(mod, "num_experts", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def resolve(module, names_specs: list[tuple[Any, P, str]], axes: tuple[str, ...], mesh: Mesh
+            ) -> tuple[dict[str, Compute], tuple[ExpertModule, ...]]:
+    """Per expert-sharded parameter its ``Compute`` (dim 0 over the expert axis), and the expert modules.
+    ``names_specs``: (LeafInfo, spec, rule description) per parameter. Raises, naming the parameter, its
+    rule and the fix, for an expert axis on a dimension that is not the experts' and for experts that do
+    not divide by the axis."""
+    if not axes:
+        return {}, ()
+    axis = axes[0]
+    mods = dict(module.named_modules()) if module is not None else {}
+    out: dict[str, Compute] = {}
+    by_module: dict[str, list[tuple[str, bool]]] = {}
+    for info, spec, rule in names_specs:
+        dims = [d for d in range(len(spec)) if axis in spec.dim_axes(d)]
+        path, _, attr = info.name.rpartition(".")
+        n = _num_experts(mods.get(path))
+        expert = n is not None and len(info.shape) >= 1 and info.shape[0] == n
+        where = f"parameter {info.name!r} (shape {tuple(info.shape)}, spec {spec!r}, rule {rule})"
+        if expert:
+            by_module.setdefault(path, []).append((info.name, bool(dims)))
+        if not dims or not expert:
+            continue  # for a dense parameter the expert axis is a data axis: storage, gradient reduction
+        fixed = P(*([(axis,) + tuple(a for a in spec.dim_axes(0) if a != axis)]
+                    + [tuple(a for a in spec.dim_axes(d) if a != axis) or None for d in range(1, len(spec))]))
+        if dims != [0]:
+            raise SpecError(f"{where} names expert axis {axis!r} on dimension {dims[-1]}, but dimension 0 holds its "
+                            f"module's {n} experts (num_experts): expert parallelism splits whole experts. "
+                            f"Write {fixed!r}")
+        if spec.dim_axes(0)[0] != axis:
+            raise SpecError(f"{where}: expert axis {axis!r} must come first in dimension 0's entry, so that each "
+                            f"{axis} rank holds whole, contiguous experts; write {fixed!r}")
+        size = mesh.axis_size(axis)
+        if n % size:
+            fits = [s for s in range(1, n + 1) if n % s == 0]
+            raise SpecError(f"{where}: its module {path!r} has {n} experts, which do not divide over expert axis "
+                            f"{axis!r} of size {size}; use an {axis} size in {fits}, or keep {axis!r} out of the spec "
+                            f"(every rank holds every expert)")
+        out[info.name] = Compute(0, axis, size)
+    experts = []
+    for path, members in by_module.items():
+        split = {name for name, s in members if s}
+        if split and len(split) != len(members):
+            rest = sorted(name for name, s in members if not s)
+            raise SpecError(f"module {path!r} stacks experts in {sorted(split)} split over {axis!r} and in {rest} not: "
+                            f"its experts must be split alike; give {rest} a spec with {axis!r} first in dimension 0")
+        if split:
+            experts.append(ExpertModule(path, axis, mesh.axis_size(axis), _num_experts(mods[path])))
+    return out, tuple(experts)
+
+
+def trace_calls(model, modules: Sequence[ExpertModule], trace, itemsize: Optional[int]) -> tuple[ExpertCall, ...]:
+    """Run the traced forward once and record each expert module's token input (the first tensor
+    argument) and top-k (the last dimension of the second, the experts each token is routed to)."""
+    import torch
+    from ..units import run_traced
+    seen: list[ExpertCall] = []
+
+    def record(m):
+        def hook(_m, inputs, _output):
+            ts = [t for t in inputs if isinstance(t, torch.Tensor)]
+            if not ts:
+                return
+            k = ts[1].shape[-1] if len(ts) > 1 and ts[1].dim() > 0 else 1
+            seen.append(ExpertCall(m.path, ts[0].numel(), int(k), itemsize or ts[0].element_size()))
+        return hook
+
+    run_traced(model, trace, {m.path: ("post", record(m)) for m in modules}, grad=False)
+    return tuple(seen)
+
+
+def all_to_all_bytes(modules: Sequence[ExpertModule], calls: Sequence[ExpertCall], mesh: Mesh) -> int:
+    """Bytes one rank sends per training step through the expert all-to-alls: each token goes to its top-k
+    experts (dispatch) and back (combine), and backward sends the gradients of both the other way: four
+    all-to-alls of ``tokens * k`` rows, of which ``(n-1)/n`` leave the rank under balanced routing."""
+    by_path = {m.path: m for m in modules}
+    total = 0
+    for c in calls:
+        n = by_path[c.path].size
+        total += 4 * c.tokens_numel * c.top_k * c.itemsize * (n - 1) // n
+    return total
+
+
+def modules_note(modules: Sequence[ExpertModule]) -> str:
+    m = modules[0]
+    return (f"expert parallelism: {len(modules)} expert modules split over {m.axis!r} ({m.local_experts} of "
+            f"{m.num_experts} experts per rank); tokens reach them by all-to-all; expert gradients are reduced over "
+            f"the other data axes only")

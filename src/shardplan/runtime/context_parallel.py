@@ -1,0 +1,177 @@
+"""Context parallelism at run time: each rank of the ``cp`` axis holds two chunks of every sequence, and
+attention sees the whole sequence by gathering keys and values over ``cp``.
+
+The sequence is cut into ``2*cp`` equal chunks; rank ``i`` holds chunks ``i`` and ``2*cp-1-i``, so under
+the causal mask every rank has the same work (an early chunk attends to little, its partner to much).
+The training loop shards a batch with :func:`shard_batch` (its positions are those of the full
+sequence) and the model's attention calls :func:`attention` instead of
+``F.scaled_dot_product_attention``; outside a sharded model with ``cp > 1`` that is the plain call::
+
+    x, y, pos = sp.context_parallel.shard_batch(plan, rank, x, y)   # [B/dp, T/cp] each, pos: [T/cp]
+    loss = model(x, y, positions=pos)                                # mean over this rank's tokens
+
+Gradients are averaged over ``cp`` like over ``dp`` (the plan reduces them over every axis that does not
+shard them), which is the mean over all tokens since every cp rank holds as many.
+
+[Note: why all-gather, not ring. Keys and values of the whole sequence are all-gathered before the local
+queries attend (and their gradients reduce-scattered back in backward): one collective per attention
+call, exact, on any backend and with any attention kernel that takes a boolean mask. Ring attention
+(send/recv of K/V blocks overlapped with blockwise compute, torch's ``context_parallel`` on SDPA) holds
+only two blocks at a time and hides the transfer behind compute; it needs online-softmax merging per
+block and is what long sequences on GPUs want. The all-gather holds ``T`` keys and values per layer
+during the call: fine up to sequences whose K/V fit, which is where this starts.]
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import RuntimeShardingError, ShardingError
+from . import collectives as C
+
+CONTEXT_AXIS = "cp"
+
+
+@dataclass(frozen=True)
+class ContextGroup:
+    """The ``cp`` group of this rank: its size and this rank's index (``group.rank``)."""
+
+    group: C.Group
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+
+_ACTIVE: Optional[ContextGroup] = None  # set by shard() for a plan whose mesh has cp > 1
+
+# [Note: the group is the process's, not a module's: shard() of a plan with cp > 1 makes every later
+# attention() call in the process context-parallel (a checkpointed unit's recompute in backward included,
+# which module hooks would miss). A model that must attend over whole local sequences in the same
+# process (a reference, an evaluation copy) runs inside ``disabled()``.]
+
+
+def active() -> Optional[ContextGroup]:
+    """The context-parallel group :func:`attention` gathers over (``None``: not context-parallel)."""
+    return _ACTIVE
+
+
+@contextlib.contextmanager
+def disabled():
+    """Plain attention inside (a model that is not context-parallel, in a process where one is).
+
+    >>> with sp.context_parallel.disabled(): ref_loss = reference(x, y)
+    """
+    global _ACTIVE
+    prev, _ACTIVE = _ACTIVE, None
+    try:
+        yield
+    finally:
+        _ACTIVE = prev
+
+
+def install(plan, groups) -> None:
+    """Make :func:`attention` gather over the plan's ``cp`` axis (``shard()`` calls this)."""
+    global _ACTIVE
+    if CONTEXT_AXIS in plan.mesh.axis_names and plan.mesh.axis_size(CONTEXT_AXIS) > 1:
+        _ACTIVE = ContextGroup(groups.axis(CONTEXT_AXIS))
+
+
+def positions(seq: int, cp: int, index: int, device=None) -> torch.Tensor:
+    """The positions (in the full sequence of ``seq``) that rank ``index`` of ``cp`` holds: chunks ``index``
+    and ``2*cp-1-index`` of ``2*cp``.
+
+    >>> positions(8, 2, 0).tolist()
+    [0, 1, 6, 7]
+    """
+    if seq % (2 * cp):
+        raise ShardingError(f"sequence length {seq} is not divisible by 2*cp = {2 * cp}: context parallelism cuts each "
+                            f"sequence into 2*cp equal chunks (two per rank, for balanced causal work); use a length "
+                            f"that is a multiple of {2 * cp}, e.g. {seq + (-seq) % (2 * cp)}, or pad the batch")
+    c = seq // (2 * cp)
+    first = torch.arange(index * c, (index + 1) * c, device=device)
+    return torch.cat([first, first + (2 * cp - 1 - 2 * index) * c])
+
+
+def shard_batch(plan, rank: int, *tensors: torch.Tensor, seq_dim: int = 1):
+    """This rank's part of a global batch: the batch split by ``plan.data_index(rank)`` (cp ranks share it),
+    each sequence by :func:`positions`; returns the local tensors and then the positions ([T/cp]).
+
+    >>> x, y, pos = shard_batch(plan, rank, x, y)
+    """
+    x0 = tensors[0]
+    per = x0.shape[0] // plan.data_size
+    if x0.shape[0] % plan.data_size:
+        raise ShardingError(f"batch of {x0.shape[0]} does not split into the plan's {plan.data_size} data slices")
+    i = plan.data_index(rank)
+    cp = plan.mesh.axis_size(CONTEXT_AXIS) if CONTEXT_AXIS in plan.mesh.axis_names else 1
+    idx = plan.mesh.axis_index(rank, (CONTEXT_AXIS,)) if cp > 1 else 0
+    pos = positions(x0.shape[seq_dim], cp, idx, device=x0.device)
+    out = [t[i * per:(i + 1) * per].index_select(seq_dim, pos) for t in tensors]
+    return (*out, pos)
+
+
+def loss_mean(loss: torch.Tensor) -> torch.Tensor:
+    """The mean over the cp group of each rank's loss (a mean over its tokens): the loss of the whole
+    sequences, for logging (training needs nothing: gradients are averaged over cp)."""
+    g = _ACTIVE
+    if g is None:
+        return loss
+    t = loss.detach().clone()
+    C.all_reduce(t, g.group, async_op=False)
+    return t
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather along dim 0 over the cp group; backward: the summed gradients, this rank's block."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.new_empty((x.shape[0] * group.size,) + tuple(x.shape[1:]))
+        C.all_gather_rows(out, x.contiguous(), group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty((grad.shape[0] // ctx.group.size,) + tuple(grad.shape[1:]))
+        C.reduce_scatter_rows_sum(out, grad.contiguous(), ctx.group)
+        return out, None
+
+
+def _gather_seq(t: torch.Tensor, group: C.Group) -> torch.Tensor:
+    """[b, h, t, d] on each rank -> [b, h, cp*t, d], ranks' sequence blocks in group order."""
+    rows = _GatherRows.apply(t.permute(2, 0, 1, 3).contiguous(), group)
+    return rows.permute(1, 2, 0, 3)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None, dropout_p: float = 0.0,
+              is_causal: bool = False, scale: Optional[float] = None, **kwargs) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` over the whole sequence while this rank holds its chunks of it
+    (``[b, heads, T/cp, head_dim]``, in :func:`positions` order): keys and values are all-gathered over cp
+    and the causal mask follows the full-sequence positions. Not context-parallel: the plain call.
+
+    >>> y = attention(q, k, v, is_causal=True)
+    """
+    g = _ACTIVE
+    if g is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                              scale=scale, **kwargs)
+    if attn_mask is not None:
+        raise RuntimeShardingError("context-parallel attention got an attn_mask: a mask over the full sequence cannot "
+                                   "be honoured on sequence chunks here; use is_causal=True (or no mask), or train "
+                                   "without the cp axis")
+    t = q.shape[-2]
+    seq = t * g.size
+    qpos = positions(seq, g.size, g.group.rank, device=q.device)
+    keys, values = _gather_seq(k, g.group), _gather_seq(v, g.group)
+    mask = None
+    if is_causal:
+        kpos = torch.cat([positions(seq, g.size, j, device=q.device) for j in range(g.size)])
+        mask = kpos[None, :] <= qpos[:, None]
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale, **kwargs)

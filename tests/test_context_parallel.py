@@ -1,0 +1,90 @@
+"""Context parallelism: sequences split over ``cp`` in load-balanced chunks, keys and values all-gathered for
+attention; per-step losses equal one process's at 4 ranks, and bad inputs get errors naming the fix."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+import shardplan as sp
+from distributed import run
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import gpt  # noqa: E402
+import gpt_rules  # noqa: E402
+
+
+def test_positions_are_balanced_chunks_of_the_full_sequence():
+    CP = sp.context_parallel
+    assert CP.positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert CP.positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    every = torch.cat([CP.positions(16, 4, i) for i in range(4)])
+    assert sorted(every.tolist()) == list(range(16))
+    with pytest.raises(sp.ShardingError, match=r"not divisible by 2\*cp = 8.*e\.g\. 16"):
+        CP.positions(12, 4, 0)
+
+
+def test_cp_ranks_share_the_batch_and_parameters_shard_over_dp_and_cp():
+    mesh = sp.Mesh(dp=2, cp=2)
+    plan = sp.plan(gpt.build("tiny"), gpt_rules.rules_over(mesh), mesh, units=gpt_rules.UNITS)
+    assert plan.data_axes == ("dp",) and plan.data_size == 2
+    assert plan.data_index(0) == plan.data_index(1) == 0 and plan.data_index(2) == 1
+    assert all(b.axes == ("dp", "cp") for b in plan.buffers if b.sharded)   # ZeRO over dp x cp
+    x = torch.arange(4 * 8).view(4, 8)
+    xs, pos = sp.context_parallel.shard_batch(plan, 3, x)                   # dp index 1, cp index 1
+    assert pos.tolist() == [2, 3, 4, 5] and xs.tolist() == x[2:4, 2:6].tolist()
+
+
+def _train(rank, world, meshes):
+    out = []
+    for text in meshes:
+        mesh = sp.Mesh.parse(text)
+        model, ref = gpt.build("tiny").init_weights(0), gpt.build("tiny").init_weights(0)
+        plan = sp.plan(model, gpt_rules.rules_over(mesh), mesh, units=gpt_rules.UNITS, min_unit_bytes=0)
+        sp.shard(model, plan)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+        g = torch.Generator().manual_seed(1)
+        losses, ref_losses = [], []
+        for _ in range(3):
+            x = torch.randint(0, 256, (4, 32), generator=g)
+            y = torch.roll(x, -1, 1)
+            xs, ys, pos = sp.context_parallel.shard_batch(plan, rank, x, y)
+            loss = model(xs, ys, positions=pos)
+            loss.backward()
+            sp.clip_grad_norm_(model, 1.0)
+            opt.step()
+            opt.zero_grad()
+            t = loss.detach().clone()
+            torch.distributed.all_reduce(t)
+            losses.append(t.item() / world)
+            with sp.context_parallel.disabled():
+                r = ref(x, y)
+            r.backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            ref_losses.append(r.item())
+        with pytest.raises(sp.RuntimeShardingError, match="attn_mask"):
+            q = torch.zeros(1, 1, 8, 4)
+            sp.context_parallel.attention(q, q, q, attn_mask=torch.ones(8, 16, dtype=torch.bool))
+        out.append((text, losses, ref_losses))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_cp_at_4_ranks_equals_one_process():
+    for results in run(_train, 4, ["dp=2,cp=2", "cp=4"]):
+        for text, losses, ref_losses in results:
+            assert losses == pytest.approx(ref_losses, abs=1e-5), text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_train_gpt_example_with_cp_equals_one_process(tmp_path):
+    from example_runs import losses
+    one = losses(tmp_path, 1, "examples/train_gpt.py", "--steps", "5")
+    assert losses(tmp_path, 4, "examples/train_gpt.py", "--steps", "5", "--mesh", "dp=2,cp=2") == pytest.approx(one, abs=1e-5)

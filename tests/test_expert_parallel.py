@@ -1,0 +1,144 @@
+"""Expert parallelism: stacked experts split over an ``ep`` axis, tokens moved by all-to-all; per-step losses
+equal one process's at 2 and 4 ranks, routing that sends every token to one rank still trains, the plan's
+errors name their fix, and a Hugging Face Mixtral plans with experts over ep."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+import shardplan as sp
+from distributed import run
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import moe  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# -- the plan -------------------------------------------------------------------------------------------
+
+def test_experts_split_over_ep_and_reduced_over_the_other_data_axes():
+    mesh = sp.Mesh(dp=2, ep=2)
+    plan = sp.plan(moe.build("tiny"), moe.rules_for(mesh), mesh, units=moe.UNITS, min_unit_bytes=0)
+    w1 = plan.param("layers.0.moe.experts.w1")
+    assert w1.global_shape == (4, 64, 64) and w1.shape == (2, 64, 64) and w1.tp_axis == "ep"
+    assert plan.expert_module("layers.0.moe.experts").local_experts == 2
+    assert plan.data_axes == ("dp", "ep") and plan.data_size == 4        # ep splits the batch too
+    expert_buf = plan.buffers[w1.buffer]
+    dense_buf = plan.buffers[plan.param("layers.0.moe.router.gate.weight").buffer]
+    assert expert_buf.axes == ("dp",) and "ep" not in expert_buf.replica_axes
+    assert dense_buf.axes == ("dp", "ep")
+    # rank 3 (dp=1, ep=1) holds experts 2..3 (ep rank 1's block), of which expert 3 (sharded over dp)
+    chunked = sp.plan(moe.build("tiny"), moe.rules_for(mesh), mesh, units=moe.UNITS, layout="chunked")
+    assert chunked.local_slices("layers.0.moe.experts.w1", 3)[0] == slice(3, 4)
+    assert sp.Plan.from_json(plan.to_json()) == plan
+    assert plan.comm_bytes()["expert_parallel"] is None                   # not traced: not estimated
+    x = torch.randint(0, 256, (4, 16))
+    traced = sp.plan(moe.build("tiny"), moe.rules_for(mesh), mesh, units=moe.UNITS, trace=(x, x))
+    # 2 layers x 4 all-to-alls x 64 tokens x top-2 x 64 wide x fp32, half of it leaves the rank
+    assert traced.comm_bytes()["expert_parallel"] == 2 * 4 * 64 * 2 * 64 * 4 // 2
+    assert "expert all-to-all 128.00 KiB" in str(traced) and "2 of 4 experts per rank" in str(traced)
+
+
+def test_errors_name_the_fix():
+    m = moe.build("tiny")
+    with pytest.raises(sp.SpecError, match=r"4 experts.*do not divide.*size 3.*\[1, 2, 4\]"):
+        sp.plan(m, [(r".*experts\.w\d", sp.P("ep")), (r".*", sp.P())], sp.Mesh(ep=3))
+    with pytest.raises(sp.SpecError, match=r"dimension 1.*dimension 0 holds.*4 experts.*Write P\('ep'\)"):
+        sp.plan(m, [(r".*experts\.w\d", sp.P(None, "ep")), (r".*", sp.P())], sp.Mesh(ep=2))
+    with pytest.raises(sp.SpecError, match=r"must come first.*P\(\('ep', 'dp'\)"):
+        sp.plan(m, [(r".*experts\.w\d", sp.P(("dp", "ep"))), (r".*", sp.P())], sp.Mesh(dp=2, ep=2))
+    with pytest.raises(sp.SpecError, match=r"split alike"):
+        sp.plan(m, [(r".*experts\.w1", sp.P("ep")), (r".*", sp.P())], sp.Mesh(ep=2))
+    # a dense parameter may be ZeRO-sharded over ep: for it ep is a data axis
+    plan = sp.plan(m, [(r".*", sp.P("ep"))], sp.Mesh(ep=2))
+    assert plan.param("layers.0.attention.wq.weight").compute is None
+
+
+def test_hf_mixtral_plans_with_experts_over_ep(capsys):
+    pytest.importorskip("transformers")
+    from shardplan.cli import main
+    rc = main(["plan", "hf:" + os.path.join(ROOT, "examples/hf/mixtral_8x7b.json"), "--mesh", "dp=8,ep=8", "--summary"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "expert axis ep: 32 expert modules, 1 of 8 experts per rank" in out
+
+
+# -- training ----------------------------------------------------------------------------------------------
+
+def _route_all_to_first_experts(model):
+    """Every token to experts 0 and 1 (both on ep rank 0); the router still takes gradients."""
+    def forward(self, x):
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        index = torch.tensor([0, 1]).expand(x.shape[0], 2)
+        w = probs[:, :2]
+        return probs, w / w.sum(-1, keepdim=True), index
+    for layer in model.layers:
+        layer.moe.router.forward = forward.__get__(layer.moe.router)
+
+
+def _train(rank, world, meshes, skew):
+    out = []
+    for text in meshes:
+        mesh = sp.Mesh.parse(text)
+        model, ref = moe.build("tiny").init_weights(0), moe.build("tiny").init_weights(0)
+        if skew:
+            _route_all_to_first_experts(model)
+            _route_all_to_first_experts(ref)
+        plan = sp.plan(model, moe.rules_for(mesh), mesh, units=moe.UNITS, min_unit_bytes=0)
+        sp.shard(model, plan)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+        g = torch.Generator().manual_seed(1)
+        losses, ref_losses = [], []
+        for _ in range(3):
+            x = torch.randint(0, 256, (8, 16), generator=g)
+            xs = x.chunk(plan.data_size)[plan.data_index(rank)]
+            loss = model(xs, xs)
+            loss.backward()
+            sp.clip_grad_norm_(model, 1.0)
+            opt.step()
+            opt.zero_grad()
+            t = loss.detach().clone()
+            torch.distributed.all_reduce(t)
+            losses.append(t.item() / world)
+            r = ref(x, x)
+            r.backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            ref_losses.append(r.item())
+        full = sp.full_state_dict(model)
+        diff = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()) if rank == 0 else 0.0
+        out.append((text, losses, ref_losses, diff))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_ep_at_4_ranks_equals_one_process():
+    for results in run(_train, 4, ["dp=2,ep=2", "ep=4"], False):
+        for text, losses, ref_losses, diff in results:
+            assert losses == pytest.approx(ref_losses, abs=1e-5), text
+            assert diff < 1e-5, text
+
+
+@pytest.mark.timeout(300)
+def test_ep_at_2_ranks_with_every_token_routed_to_one_rank():
+    for results in run(_train, 2, ["ep=2"], True):
+        for text, losses, ref_losses, diff in results:
+            assert losses == pytest.approx(ref_losses, abs=1e-5), text
+            assert diff < 1e-5, text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_train_moe_example_meshes_equal_one_process(tmp_path):
+    from example_runs import losses
+    one = losses(tmp_path, 1, "examples/train_moe.py", "--steps", "5")
+    assert len(one) == 5 and one[-1] < one[0]
+    assert losses(tmp_path, 4, "examples/train_moe.py", "--steps", "5", "--mesh", "dp=2,ep=2") == pytest.approx(one, abs=1e-5)
+    assert losses(tmp_path, 4, "examples/train_moe.py", "--steps", "5", "--mesh", "ep=4") == pytest.approx(one, abs=1e-5)
