@@ -65,6 +65,8 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
     else:
         box = [sp.shard_tree(dict(model.named_parameters()), plan)]
+        from train_step import meta_params
+        meta_params(model)  # the module's own parameters are not used by the functional face
         popt = sp.optim.adamw(lr=1e-4, mask=sp.optim.trainable(plan))
         box.append(popt.init(box[0]))
         vg = sp.value_and_grad(lambda p, a, b: sp.functional_call(model, plan, p, (a, b)), plan)

@@ -150,6 +150,19 @@ def batches(args, dev, index, size, n):
     return out
 
 
+def meta_params(model):
+    """Replace the module's parameters by meta tensors of their shapes (tied ones stay tied), as a JAX-style
+    script that builds the module on the meta device and its parameter tree with ``shard_tree(init_fn=)``
+    holds them: ``functional_call`` binds the tree's gathered parameters and never reads the module's."""
+    new = {}
+    for m in model.modules():
+        for k, p in list(m._parameters.items()):
+            if p is not None:
+                if id(p) not in new:
+                    new[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                m._parameters[k] = new[id(p)]
+
+
 class FunctionalSystem:
     """The functional face behind train_step's loop: calling it runs forward and backward
     (value_and_grad), ``step()`` applies the pure optimizer."""
@@ -167,11 +180,12 @@ class FunctionalSystem:
     def __init__(self, model, plan):
         self.model, self.plan = model, plan
         self.params = sp.shard_tree(dict(model.named_parameters()), plan)
+        meta_params(model)  # the functional face computes with the tree: the module's own copy is not used
         self.opt = sp.optim.adamw(lr=1e-4, mask=sp.optim.trainable(plan))
         self.state = self.opt.init(self.params)
         self.vg = sp.value_and_grad(lambda p, x, y: sp.functional_call(model, plan, p, (x, y)), plan)
         self.grads = None
-        self.parameters = model.parameters  # for the parameter count only
+        self.parameters = model.parameters  # for the parameter count only (meta tensors)
 
     def __call__(self, x, y):
         loss, self.grads = self.vg(self.params, x, y)

@@ -347,3 +347,29 @@ def test_runtimes_do_not_keep_their_model_alive():
     cache held the root module strongly once: every model trained through the functional face leaked)."""
     for face, collected in run(_collected_worker, 1)[0]:
         assert collected, f"{face}: the model outlived the caller's last reference"
+
+
+def _seams_worker(rank, world):
+    """In-place writes to a parameter inside a unit (nn.Embedding(max_norm=...)) and copies of the module
+    after a functional call."""
+    import copy
+    import io
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(11, 6, max_norm=1.0), torch.nn.Linear(6, 5))
+    ref = copy.deepcopy(model)
+    plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[], min_unit_bytes=0)
+    local = sp.shard_tree(dict(model.named_parameters()), plan)
+    idx = torch.tensor([[1, 2, 3, 2]])
+    loss, grads = sp.value_and_grad(lambda p, x: sp.functional_call(model, plan, p, (x,)).square().mean(), plan)(local, idx)
+    want = ref(idx).square().mean()
+    want.backward()
+    ok = abs(float(loss) - float(want)) < 1e-6 and torch.allclose(grads["1.weight"], ref[1].weight.grad, atol=1e-6)
+    twin = copy.deepcopy(model)  # a copy of the module after a functional call, and a pickle of it
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    return ok, type(twin).__name__, buf.tell() > 0
+
+
+def test_functional_call_in_place_parameter_writes_and_module_copies():
+    for ok, twin, saved in run(_seams_worker, 1):
+        assert ok and twin == "Sequential" and saved

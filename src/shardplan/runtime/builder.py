@@ -42,9 +42,21 @@ the root included when it owns one), and a weak-keyed cache's value that refers 
 for ever; a module <-> runtime cycle is collected with the module.]"""
 
 
+class _Runtimes(dict):
+    """The functional face's runtimes of one module. A copy or a pickle of the module carries none: a
+    runtime belongs to the module it was made for (its process groups, buffers and hooks), and
+    ``copy.deepcopy(model)`` / ``torch.save(model)`` must work after a functional call as before it."""
+
+    def __deepcopy__(self, memo):
+        return _Runtimes()
+
+    def __reduce__(self):
+        return (_Runtimes, ())
+
+
 def functional_runtimes(module: nn.Module) -> dict:
     """{plan fingerprint: runtime} of ``module`` for the functional face (made empty on first use)."""
-    return module.__dict__.setdefault(FUNCTIONAL_ATTR, {})
+    return module.__dict__.setdefault(FUNCTIONAL_ATTR, _Runtimes())
 
 
 def engine_of(module: nn.Module, plan: Optional[Plan] = None) -> "Executor":

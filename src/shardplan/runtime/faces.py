@@ -203,13 +203,10 @@ class TreeFace:
         return None  # the call restores the module's own parameters when it returns
 
     def full_tensors(self, u: UnitRuntime) -> list[torch.Tensor]:
-        """Tensors over the unit's gathered storage, with a version counter of their own (one fresh alias of
-        each buffer, the parameters strided views of it)."""
-        out = []
-        for b in u.buffers:
-            base = alias(b.full, 0, (b.full.numel(),))
-            out += [base.as_strided(m.fshape, m.fstride, m.piece.full_offset) for m in b.members]
-        return out
+        """Tensors over the unit's gathered storage, each with a version counter of its own: the re-gather in
+        backward must not look like an in-place change, and neither may a module's in-place write to one
+        parameter (``nn.Embedding(max_norm=...)``) to its neighbours' saved tensors."""
+        return [alias(b.full, m.piece.full_offset, m.fshape) for b in u.buffers for m in b.members]
 
     def unit_backward(self, u: UnitRuntime, grads) -> list[Optional[torch.Tensor]]:
         """The unit's full gradients arrived (complete: autograd summed every use): land them in the
