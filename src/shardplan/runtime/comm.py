@@ -8,6 +8,7 @@ a timeout is re-raised as a :class:`~shardplan.errors.CollectiveError` naming th
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 from typing import Callable, Optional
 
@@ -38,9 +39,12 @@ class CommEngine:
         works, keep = [], []
         cuda = self.streams.cuda
         outs = [(self.buffer[i], self.buffer[i].gather_output()) for i in op.buffers]
-        with self.streams.on("gather"):
-            for b, out in outs:
-                group = self.groups.gather(op.axes) if b.sharded else C.ONE  # the op names its group
+        groups = [self.groups.gather(op.axes) if b.sharded else C.ONE for b, _ in outs]  # the op names its group
+        # [Note: a gather that moves nothing] (a shard group of one: world 1, or replicated buffers) is a
+        # local cast or copy: it runs on the compute stream, without a side stream or an event to wait on
+        moves = any(g.pg is not None for g in groups)
+        with self.streams.on("gather") if moves else contextlib.nullcontext():
+            for (b, out), group in zip(outs, groups):
                 collective = group.pg is not None
                 send = face.gather_input(b, collective, None if collective else out)
                 if collective:
@@ -49,12 +53,13 @@ class CommEngine:
                 elif out.data_ptr() != send.data_ptr():
                     with torch.no_grad():
                         out.copy_(send)
+        event = self.streams.event("gather") if moves else None
         if u.gather is not None:  # the unit's buffers over another group: one pending gather for all
             g = u.gather
-            u.gather = PendingGather(g.op, g.works + works, self.streams.event("gather"), g.keep + keep,
+            u.gather = PendingGather(g.op, g.works + works, g.event if event is None else event, g.keep + keep,
                                      g.extra + (op,))
         else:
-            u.gather = PendingGather(op, works, self.streams.event("gather"), keep)
+            u.gather = PendingGather(op, works, event, keep)
 
     def finish_gather(self, u: UnitRuntime) -> None:
         """Wait for ``u``'s all-gather, make the compute stream wait for it, copy out interleaved pieces."""
@@ -86,6 +91,8 @@ class CommEngine:
                     continue
                 rec.results[i] = face.reduce_output(b)
                 todo.append((i, group))
+            if not todo:  # nothing moves (a shard group of one): no side stream, no event
+                return
             with self.streams.on("reduce"):
                 for i, group in todo:
                     rec.works[i].append(self.call(C.reduce_scatter, op, rec.results[i], rec.inputs[i], group,
