@@ -307,3 +307,33 @@ def test_collective_timeout_names_the_op():
     out = run(_hang_worker, 2, expect_errors=True, timeout=60)
     status, msg = out[0]
     assert status == "ok" and "all_gather params unit=<root> at pre_forward(<root>)" in msg and "rank 0" in msg, out
+
+
+def _held_grads_worker(rank, world):
+    out = []
+    for strategy in ("no_shard", "optim", "optim_grads", "optim_grads_params"):
+        model = Toy()
+        plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), strategy=strategy, units=[r"blocks\.\d+"],
+                       min_unit_bytes=0)
+        sp.shard(model, plan)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        held, values = [], []
+        for x, y in batches(3):
+            model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+            grads = [p.grad for p in model.parameters() if p.grad is not None and p.grad.numel()]
+            held.append(grads)                           # the caller keeps every step's gradient tensors
+            values.append([g.clone() for g in grads])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        worst = max((h - v).abs().max().item() for hs, vs in zip(held, values) for h, v in zip(hs, vs))
+        out.append((strategy, worst))
+    return out
+
+
+def test_gradients_a_caller_keeps_are_not_overwritten_by_later_steps():
+    """A gradient tensor the caller holds after zero_grad(set_to_none=True) keeps its values through later
+    backwards, as in plain PyTorch (under no_shard and optim the local gradients are views of the flat
+    gradient: a later window once reused its storage and changed them silently)."""
+    for rank_out in run(_held_grads_worker, 2):
+        for strategy, worst in rank_out:
+            assert worst == 0.0, (strategy, worst)
