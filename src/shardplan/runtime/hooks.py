@@ -185,6 +185,16 @@ def module_hooks(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn
 
 def _hook_params(exe: Executor, u: UnitRuntime) -> None:
     me, unit_ref = weakref.ref(exe), u.name
+    clock = time.perf_counter
+
+    def arrived(index: int):
+        def hook(_p):  # one call per parameter and backward: timed inline, no wrapper
+            t = clock()
+            e = me()
+            e.on_grad(unit_ref, index)
+            e.backward_seconds += clock() - t
+        return hook
+
     for b in u.buffers:
         for fp, lp, idx, info in ((m.full, m.local, m.index, m.info) for m in b.members):
             if not fp.requires_grad:
@@ -192,7 +202,7 @@ def _hook_params(exe: Executor, u: UnitRuntime) -> None:
             u.expected += 1
             # weak references: a hook lives in C++, where the garbage collector cannot see the cycle
             # parameter -> hook -> executor -> parameter, so strong ones would leak the model
-            fp.register_post_accumulate_grad_hook(_timed_backward(me, lambda _p, _i=idx: me().on_grad(unit_ref, _i)))
+            fp.register_post_accumulate_grad_hook(arrived(idx))
             lp.register_post_accumulate_grad_hook(lambda _p, _name=info.name: _shard_used(_name))
 
 
