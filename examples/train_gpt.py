@@ -14,7 +14,8 @@ plan, then every --log-every steps: loss, grad norm, learning rate, step time, t
 per device), MFU against the device's bf16 peak (n/a on CPU), peak memory (the device's, or the plan's
 per-rank bytes on CPU) and the ETA to --steps; on a terminal a progress bar too (tqdm or rich).
 A batch depends on (seed, step) only, so a run resumed from a checkpoint (--resume auto) reproduces the
-losses of an uninterrupted run exactly.
+losses of an uninterrupted run exactly. --async-checkpoint saves with sp.checkpoint.async_save: training
+goes on while each checkpoint is written, and the run waits for the last one before it ends.
 """
 
 from __future__ import annotations
@@ -132,6 +133,8 @@ def parse_args(argv=None):
     ap = common_args(__doc__)
     ap.add_argument("--order", default="static", choices=("static", "dynamic"))
     ap.add_argument("--prefetch", type=int, default=1)
+    ap.add_argument("--async-checkpoint", action="store_true",
+                    help="save checkpoints with sp.checkpoint.async_save: training goes on while they are written")
     ap.add_argument("--quiet-plan", action="store_true")
     ap.add_argument("--log-every", type=int, default=1, metavar="N", help="log every N steps (rank 0)")
     ap.add_argument("--metrics", default=None, metavar="FILE", help="write one JSON object per logged step (JSON lines)")
@@ -232,12 +235,18 @@ def main(argv=None) -> list[float]:
             losses.append(mean)
             times.append(timing["step_time_s"])
         if checkpoint_due(args, step + 1, end):
-            sp.checkpoint.save(sp.checkpoint.step_dir(args.checkpoint_dir, step + 1), model, opt, step=step + 1)
+            where = sp.checkpoint.step_dir(args.checkpoint_dir, step + 1)
+            if args.async_checkpoint:  # waits for the previous one, copies the state, writes in the background
+                sp.checkpoint.async_save(where, model, opt, step=step + 1)
+            else:
+                sp.checkpoint.save(where, model, opt, step=step + 1)
             removed = sp.checkpoint.prune(args.checkpoint_dir, keep=args.keep)
-            log.print(f"saved checkpoint {sp.checkpoint.step_dir(args.checkpoint_dir, step + 1)}"
-                      + (f" (removed {len(removed)} older)" if removed else ""))
+            log.print(("saving checkpoint {} in the background" if args.async_checkpoint else "saved checkpoint {}")
+                      .format(where) + (f" (removed {len(removed)} older)" if removed else ""))
             meter.reset_clock()  # the save is not a training step
     log.close()
+    if args.async_checkpoint and sp.checkpoint.wait():  # the last one written and published (or its error)
+        sp.checkpoint.prune(args.checkpoint_dir, keep=args.keep)
     if args.save:
         sp.checkpoint.save(args.save, model, opt, step=end)
         if rank == 0:

@@ -3,6 +3,7 @@
 >>> sd = shardplan.state_dict(model, opt)            # {"model": {fqn: ...}, "optimizer": {...}}
 >>> torch.distributed.checkpoint.save(sd, checkpoint_id=path)
 >>> shardplan.checkpoint.save(path, model, opt, step=100)   # atomic: written aside, then published
+>>> fut = shardplan.checkpoint.async_save(path, model, opt, step=100)  # the same, written in the background
 >>> step = shardplan.checkpoint.load(path, model, opt)      # any world size, strategy, rules or units
 
 One job per module:
@@ -11,6 +12,8 @@ One job per module:
   ``sharded_value``, which the functional face's trees use too);
 * :mod:`.dcp_io` -- checkpoint directories: DCP save/load, atomic publish, the metadata check
   (``save``, ``load``, ``save_tree``, ``load_tree``);
+* :mod:`.async_io` -- ``async_save``: host copies, DCP's background write, publish once every rank wrote
+  (``async_save``, ``wait``, ``CheckpointFuture``);
 * :mod:`.full` -- full (unsharded) export and import (``full_state_dict``, ``load_full_state_dict``);
 * :mod:`.steps` -- a run's checkpoints: one directory per step, the newest complete one, the last K kept
   (``step_dir``, ``latest``, ``prune``);
@@ -20,10 +23,11 @@ One job per module:
 :mod:`shardplan.runtime.state_dict`.
 """
 
+from .async_io import CheckpointFuture, async_save, wait
 from .dcp_io import checkpoint_info, load, load_tree, save, save_tree
 from .full import full_state_dict, load_full_state_dict
 from .steps import latest, prune, step_dir
 from .values import load_state_dict, sharded_value, state_dict
 
-__all__ = ["save", "load", "save_tree", "load_tree", "state_dict", "load_state_dict", "sharded_value",
+__all__ = ["save", "async_save", "wait", "CheckpointFuture", "load", "save_tree", "load_tree", "state_dict", "load_state_dict", "sharded_value",
            "full_state_dict", "load_full_state_dict", "checkpoint_info", "step_dir", "latest", "prune"]

@@ -53,19 +53,32 @@ def publish_atomic(sd: dict, path: str, world, rank: int, marker: Optional[dict]
     """DCP writes into ``path`` + a unique suffix, rank 0 writes the completion marker (``MARKER``: the
     step, the mesh, the strategy) into it and renames it into place, so a run killed mid-save leaves the
     previous checkpoint at ``path`` loadable, and a directory with the marker is a finished checkpoint."""
+    _settle(raise_unobserved=True)
     tmp = C.broadcast_str(f"{path.rstrip('/')}.tmp-{uuid.uuid4().hex[:8]}", world)
     _dcp_save(sd, tmp)
     C.barrier(world)
     if rank == 0:
-        _write_marker(tmp, {**(marker or {}), "world_size": world.size, "time": time.time()})
-        old = None
-        if os.path.exists(path):
-            old = f"{path.rstrip('/')}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(path, old)
-        os.rename(tmp, path)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
+        publish_directory(tmp, path, {**(marker or {}), "world_size": world.size, "time": time.time()})
     C.barrier(world)
+
+
+def publish_directory(tmp: str, path: str, info: dict) -> None:
+    """Rank 0, once every rank's files are in ``tmp``: the completion marker into it, then ``tmp`` renamed to
+    ``path`` (an older ``path`` is moved aside first and removed after)."""
+    _write_marker(tmp, info)
+    old = None
+    if os.path.exists(path):
+        old = f"{path.rstrip('/')}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(path, old)
+    os.rename(tmp, path)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _settle(*, raise_unobserved: bool) -> None:
+    """Wait for this process's asynchronous save in flight (see :mod:`.async_io`)."""
+    from .async_io import settle
+    settle(raise_unobserved=raise_unobserved)
 
 
 def _write_marker(directory: str, info: dict) -> None:
@@ -109,6 +122,7 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     Names and shapes are checked against the checkpoint first: a mismatch raises before anything is
     loaded, listing every difference (``strict=False`` loads what fits and warns about the rest).
     """
+    _settle(raise_unobserved=False)  # an asynchronous save in flight still reads the tensors
     meta = _metadata(path)
     if optimizer is not None:
         init_optimizer_state(optimizer)
@@ -185,6 +199,7 @@ def load_tree(path: str, plan, template, *, timeout_s: float = 300.0):
     import optree
     import torch.distributed as dist
     from ...rules import leaves_with_paths
+    _settle(raise_unobserved=False)
     meta = _metadata(path)
     rank = dist.get_rank()
     sd, (paths, spec) = tree_state_dict(plan, template, rank, timeout_s)
@@ -195,7 +210,9 @@ def load_tree(path: str, plan, template, *, timeout_s: float = 300.0):
     _dcp_load(full, path)
     leaves = []
     for p, t in zip(paths, leaves_with_paths(template)[1]):
-        v = local_of(sd[p])  # the template's tensor, now loaded (None: this rank holds no piece of it)
+        v = local_of(sd[p])  # the template's memory, now loaded (None: this rank holds no piece of it)
+        if v is not None and isinstance(t, torch.Tensor) and v is not t and v.data_ptr() == t.data_ptr():
+            v = t.detach()  # values.own_storage gave DCP an alias of it: hand back the tensor itself
         leaves.append(t if v is None else v)
     tree = dict(zip(paths, leaves)) if spec is None else optree.tree_unflatten(spec, leaves)
     return tree, int(full["extra"]["step"])

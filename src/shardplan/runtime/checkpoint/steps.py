@@ -47,7 +47,8 @@ def latest(root: str) -> Optional[str]:
 
 def prune(root: str, keep: int) -> list[str]:
     """Keep the newest ``keep`` complete checkpoints under ``root``; remove older ones and what killed saves
-    left (``.tmp-`` / ``.old-`` directories). Only global rank 0 removes anything (call it on every rank or
+    left (``.tmp-`` / ``.old-`` directories; not the one an asynchronous save of this process is writing
+    into). Only global rank 0 removes anything (call it on every rank or
     on rank 0, after a save returned); returns what it removed.
     """
     if keep < 1:
@@ -55,9 +56,12 @@ def prune(root: str, keep: int) -> list[str]:
         raise CheckpointError(f"keep={keep}: keep at least the newest checkpoint (keep >= 1)")
     if C.world().rank != 0 or not os.path.isdir(root):
         return []
+    from .async_io import inflight_paths
     done = complete(root)
     gone = [p for _, p in done[:-keep]]
-    gone += [p for p in glob.glob(os.path.join(glob.escape(root), "step_*")) if re.search(r"\.(tmp|old)-[0-9a-f]+$", p)]
+    writing = {os.path.abspath(p) for p in inflight_paths()}  # an asynchronous save of this process writes there
+    gone += [p for p in glob.glob(os.path.join(glob.escape(root), "step_*"))
+             if re.search(r"\.(tmp|old)-[0-9a-f]+$", p) and os.path.abspath(p) not in writing]
     for p in gone:
         shutil.rmtree(p, ignore_errors=True)
     return gone
