@@ -78,7 +78,6 @@ class Member:
     local: Optional[nn.Parameter] = None  # this rank's shard, a view of the flat shard
     full: Optional[nn.Parameter] = None   # the full parameter, over the gathered storage
     view: Optional[torch.Tensor] = None   # its part of the unsharded gradient
-    handle: Optional[torch.Tensor] = None  # ``view`` as ``full.grad`` holds it (a DTensor over it under TP)
 
     def __post_init__(self):
         # [Note: read on every step: plain attributes, not properties over the frozen values]
@@ -209,8 +208,6 @@ class BufferState:
 
     def collect_grads(self, window: int) -> None:
         """Land the gradients autograd formed on the full parameters (the module face) and drop them there."""
-        if self.bp.keeps_grads:  # accumulated in place (start_grads)
-            return
         arrived = []
         for i, m in enumerate(self.members):
             g = m.full.grad
@@ -222,22 +219,9 @@ class BufferState:
         if arrived:
             self.land_grads(window, arrived)
 
-    def start_grads(self, window: int) -> None:
-        """The unit's gradients start forming (its ``prepare grads`` op). [Note: a buffer that keeps its
-        flat gradient between steps (ZeRO-0/1: ``keeps_grads``) has it anyway: there autograd adds into
-        views of it (``.grad`` points at them), and nothing forms beside it.]"""
-        if not self.requires_grad:
-            return
-        if not self.bp.keeps_grads:
-            self.forming = True
-            return
-        self.prepare_grads(window)
-        for m in self.members:
-            fp = m.full
-            if fp.requires_grad and fp.grad is not m.handle:
-                if fp.grad is not None:  # formed before this op, outside the flat gradient: fold it in
-                    m.view.add_(_local_part(fp.grad, fp) if m.wrap is not None else fp.grad)
-                fp.grad = m.handle
+    def start_grads(self) -> None:
+        """The unit's gradients start forming (its ``prepare grads`` op)."""
+        self.forming = self.requires_grad
 
     def forming_bytes(self) -> int:
         """Bytes of the gradients autograd forms before they land: the plan counts them as the flat gradient
@@ -263,10 +247,7 @@ class BufferState:
             self.flat = torch.empty(self.bp.grad_numel, dtype=self.cdtype, device=self.device)
             self.lent = False
             for m in self.members:
-                if m.handle is not None and m.full.grad is m.handle:
-                    m.full.grad = None  # a view of the old flat gradient (keeps_grads): not a gradient formed now
                 m.view = self.flat[m.whole].view(m.info.shape)
-                m.handle = m.wrap(m.view) if m.wrap is not None else m.view  # what ``.grad`` is under keeps_grads
             self.gap_views = [self.flat[g] for g in self._gaps()] if self.gappy else []
         else:
             alloc_storage(self.flat)
@@ -361,9 +342,7 @@ class BufferState:
         if self.lent:  # the local gradients hold its storage now: drop ours, the next window makes a new one
             self.flat = None
             for m in self.members:
-                if m.handle is not None and m.full.grad is m.handle:
-                    m.full.grad = None
-                m.view = m.handle = None
+                m.view = None
         else:
             free_storage(self.flat)
 

@@ -164,6 +164,24 @@ def broadcast_str(s: str, group: Group) -> str:
     return obj[0]
 
 
+def broadcast_object(obj, pg):
+    """Rank 0's ``obj`` (a picklable value) on every rank of process group ``pg`` (``None``: ``obj``)."""
+    if pg is None:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
+    return box[0]
+
+
+def all_gather_objects(obj, pg) -> list:
+    """Every rank's ``obj`` of process group ``pg``, in rank order (``None``: ``[obj]``)."""
+    if pg is None:
+        return [obj]
+    out = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(out, obj, group=pg)
+    return out
+
+
 def world() -> Group:
     """The default process group (every rank), or a group of one where there is none."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

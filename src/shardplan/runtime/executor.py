@@ -335,7 +335,7 @@ class Executor:
         them to the unit's backward (the tree face); they land in the flat gradient when the unit completes
         (see [Note: gradients land, they are not accumulated in place] in buffers.py)."""
         for i in op.buffers:
-            self.buffer[i].start_grads(self.grads.window)
+            self.buffer[i].start_grads()
 
     def _free_grads(self, op: Op) -> None:
         for i in op.buffers:

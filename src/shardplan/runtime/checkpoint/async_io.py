@@ -40,6 +40,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 from ...errors import CheckpointError
+from .. import collectives as C
 from ..builder import engine_of
 from .values import quiet_sharded_tensor, state_dict
 
@@ -328,10 +329,7 @@ def async_save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opti
         sd = state_dict(model, optimizer)
     sd["extra"] = {"step": torch.tensor(step)}
     tmp = f"{path.rstrip('/')}.tmp-{uuid.uuid4().hex[:8]}"
-    if pg is not None:
-        box = [tmp]
-        dist.broadcast_object_list(box, src=0, group=pg)
-        tmp = box[0]
+    tmp = C.broadcast_object(tmp, pg)
     copies = _COPIES.get(model)
     if copies is None:
         copies = _COPIES[model] = _HostCopies()
@@ -368,10 +366,7 @@ def _publish_when_written(fut: CheckpointFuture, written, tmp: str, path: str, p
             written.result()
         except BaseException as exc:  # noqa: BLE001 - reported through the future, on every rank
             failure = f"rank {rank}: {type(exc).__name__}: {exc}"
-        failures = [failure]
-        if pg is not None:  # every rank learns whether every rank's write succeeded
-            failures = [None] * dist.get_world_size(pg)
-            dist.all_gather_object(failures, failure, group=pg)
+        failures = C.all_gather_objects(failure, pg)  # every rank learns whether every rank's write succeeded
         failures = [f for f in failures if f]
         status = ""
         if rank == 0:
@@ -382,10 +377,7 @@ def _publish_when_written(fut: CheckpointFuture, written, tmp: str, path: str, p
                     publish_directory(tmp, path, {**marker, "time": time.time()})
             except Exception as exc:  # noqa: BLE001
                 status = f"rank 0 could not publish {tmp} as {path}: {type(exc).__name__}: {exc}"
-        if pg is not None:
-            box = [status]
-            dist.broadcast_object_list(box, src=0, group=pg)
-            status = box[0]
+        status = C.broadcast_object(status, pg)
         if failures:
             raise CheckpointError(f"async save to {path} (step {fut.step}) failed; nothing was published, the "
                                   f"previous checkpoint is intact: " + "; ".join(failures[:4]))
@@ -396,3 +388,12 @@ def _publish_when_written(fut: CheckpointFuture, written, tmp: str, path: str, p
         if not isinstance(exc, CheckpointError):
             exc = CheckpointError(f"async save to {path} (step {fut.step}) failed: {type(exc).__name__}: {exc}")
         fut.set_exception(exc)
+
+
+def _register() -> None:
+    from . import dcp_io
+    if settle not in dcp_io.SETTLERS:  # sync saves and loads wait for an asynchronous save in flight
+        dcp_io.SETTLERS.append(settle)
+
+
+_register()

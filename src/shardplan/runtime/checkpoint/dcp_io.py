@@ -75,10 +75,15 @@ def publish_directory(tmp: str, path: str, info: dict) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+SETTLERS: list = []
+"""Callables that wait for this process's asynchronous saves in flight (:mod:`.async_io` registers its own
+when imported: it imports this module, not the other way round)."""
+
+
 def _settle(*, raise_unobserved: bool) -> None:
     """Wait for this process's asynchronous save in flight (see :mod:`.async_io`)."""
-    from .async_io import settle
-    settle(raise_unobserved=raise_unobserved)
+    for settle in SETTLERS:
+        settle(raise_unobserved=raise_unobserved)
 
 
 def _write_marker(directory: str, info: dict) -> None:
