@@ -60,11 +60,6 @@ def _local_part(g: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return g.to_local() if hasattr(g, "to_local") else g
 
 
-def same_storage(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
-    return a is not None and b is not None and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() \
-        and a.untyped_storage().size() > 0
-
-
 @dataclass(eq=False)
 class Member:
     """One parameter of a buffer on this rank: its plan value, its piece (:class:`shardplan.plan.Piece`:
@@ -326,11 +321,6 @@ class BufferState:
                 raise RuntimeShardingError(why) from None
             raise
         return created
-
-    def detach_grads(self) -> None:
-        """The full parameters hold no gradient (the next backward's start afresh)."""
-        for m in self.members:
-            m.full.grad = None
 
     def release_grads(self) -> None:
         """The unsharded gradient is reduced and delivered: release its storage (kept as one tensor with its
