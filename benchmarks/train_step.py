@@ -223,6 +223,28 @@ def run_steps(model, opt, ctx, data, dev, breakdown=False):
     return times, (mean / dist.get_world_size()).tolist(), parts
 
 
+def memory_phases(model, opt, ctx, batch, dev):
+    """One more (untimed) step, measuring GPU memory by phase: allocated at its start, and the peak of the
+    forward, the backward and the optimizer step (each from a reset), in bytes. Where a system's peak comes from."""
+    x, y = batch
+    out = {"start": torch.cuda.memory_allocated()}
+    torch.cuda.reset_peak_memory_stats()
+    with (ctx() if ctx else _null()):
+        loss = model(x, y)
+    sync(dev)
+    out["forward_peak"], out["after_forward"] = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss.backward()
+    sync(dev)
+    out["backward_peak"], out["after_backward"] = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sync(dev)
+    out["optimizer_peak"], out["end"] = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+    return out
+
+
 class _null:
     def __enter__(self):
         return self
@@ -246,6 +268,8 @@ def main():
                     help="shardplan: merge neighbouring blocks up to this size (default: the planner chooses; 0: never)")
     ap.add_argument("--tp", type=int, default=1, help="shardplan_tp: size of the tensor-parallel axis")
     ap.add_argument("--breakdown", action="store_true")
+    ap.add_argument("--mem-phases", action="store_true",
+                    help="GPU: one more untimed step per system measuring memory by phase (memory_phases in the JSON)")
     ap.add_argument("--offload", default="optimizer", metavar="optimizer|params|fraction=F|auto=GIB",
                     help="the shardplan_offload system's plan(offload=...): optimizer state on the host, parameters too, "
                          "or that fraction of the optimizer state, or the smallest fraction fitting GIB per device; "
@@ -315,6 +339,8 @@ def main():
                 res["host_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             if cuda:
                 res["peak"].append(torch.cuda.max_memory_allocated())
+                if args.mem_phases:  # after the peak is read: this step resets it per phase
+                    res.setdefault("memory_phases", []).append(memory_phases(model, opt, ctx, data[0], dev))
             elif s in ("shardplan", "shardplan_offload"):  # CPU: the runtime's own accounting, one step untimed
                 sp.reset_peak(model)  # (it costs a pass over every tensor per op while on)
                 run_steps(model, opt, ctx, data[:1], dev)
@@ -340,7 +366,7 @@ def main():
         for k in ("comm_bytes", "plan_peak", "planned_memory", "hook_us_per_unit", "forward_hook_us_per_unit",
                   "backward_hook_us_per_unit", "forward_hook_us_per_block", "units", "notes", "data_size",
                   "offload", "offload_fraction", "host_copy_bytes", "host_rss_bytes", "host_step_ms",
-                  "host_exposed_ms", "host_hidden_fraction", "host_steps_overlapped"):
+                  "host_exposed_ms", "host_hidden_fraction", "host_steps_overlapped", "memory_phases"):
             if k in res:
                 entry[k] = res[k]
         summary["systems"][s] = entry
