@@ -69,10 +69,12 @@ def make_system(name, args, dev, world):
         ctx = (lambda: torch.autocast(dev.type, dtype=dt)) if dt else None
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         return wrapped, opt, ctx, info
-    if name == "shardplan":
+    if name in ("shardplan", "shardplan_raf"):
         plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[r"layers\.\d+"], compute_dtype=dt,
                        reduce_dtype=torch.float32 if dt else None, prefetch=args.prefetch,
                        min_unit_bytes=args.min_unit_bytes)
+        if name == "shardplan_raf":  # every unit freed after its forward, the last too (FSDP2's default; by
+            plan = plan.with_reshard_after_forward(True)  # default the last stays gathered, as in torchtitan)
         sp.shard(model, plan)
         info["planned_memory"] = plan.memory().__dict__
         info["units"] = len(plan.units)
@@ -341,7 +343,7 @@ def main():
                 res["peak"].append(torch.cuda.max_memory_allocated())
                 if args.mem_phases:  # after the peak is read: this step resets it per phase
                     res.setdefault("memory_phases", []).append(memory_phases(model, opt, ctx, data[0], dev))
-            elif s in ("shardplan", "shardplan_offload"):  # CPU: the runtime's own accounting, one step untimed
+            elif s in ("shardplan", "shardplan_raf", "shardplan_offload"):  # CPU: the runtime's own accounting, one step untimed
                 sp.reset_peak(model)  # (it costs a pass over every tensor per op while on)
                 run_steps(model, opt, ctx, data[:1], dev)
                 res["peak"].append(sp.memory_stats(model)["peak"])
