@@ -31,7 +31,11 @@ def sizes(b: BufferPlan) -> dict[str, int]:
         shard=0 if b.alias else b.shard_numel * it,
         full=(b.numel if b.copy_out else b.gathered_numel) * ct,   # parameter-layout storage of the full params
         packed=b.gathered_numel * ct if b.copy_out else 0,         # all-gather output before the copy-out
-        send=b.shard_numel * ct if collective and (ct != it or b.alias) else 0,
+        send=b.shard_numel * ct if collective and (ct != it or b.alias) and not b.gather_dtype else 0,
+        # [Note: a quantized gather] sends codes and scales (qsend, one rank's wire segment) into the gathered
+        # wire, which the wait dequantizes into the full (or packed) buffer and releases
+        qsend=b.wire_shard_bytes if collective else 0,
+        wire=b.gather_bytes if b.gather_dtype else 0,
         flat=b.grad_numel * ct if b.requires_grad else 0,          # unsharded gradient
         rin=(b.gathered_numel * (rt if rt != ct else ct)) if (rt != ct or b.copy_out) else 0,
         rout=b.shard_numel * rt if collective else 0,
@@ -81,7 +85,7 @@ def memory(plan: "Plan", rank: int = 0, recompute: bool = False) -> dict:
         if states + extra > peak:
             peak, act_at_peak = states + extra, extra
         gathered_peak = max(gathered_peak, sum(v for (k, i), v in live.items()
-                                               if k == "packed" or (k == "full" and i in transient_full)))
+                                               if k in ("packed", "wire") or (k == "full" and i in transient_full)))
 
     schedule = plan.schedule
     for step in plan.program.canonical():
@@ -125,9 +129,13 @@ def _apply(op, plan, per, live, lent, collected, put) -> None:
                 put("full", b.index)
             put("packed", b.index)
             put("send", b.index)
+            put("qsend", b.index)
+            put("wire", b.index)
     elif op.kind == WAIT and op.what == PARAMS:
         for b in bufs:
             live.pop(("send", b.index), None)
+            live.pop(("qsend", b.index), None)
+            live.pop(("wire", b.index), None)
             live.pop(("packed", b.index), None)
             if b.offload == Offload.PARAMS:
                 live.pop(("shard", b.index), None)
@@ -172,6 +180,12 @@ def comm_bytes(plan: "Plan") -> dict:
         factor = 2 if op.kind == ALL_REDUCE else 1
         out[op.kind] += op.bytes * factor * (n - 1) // n
     out["total"] = sum(out.values())
+    quantized = [b for b in plan.buffers if b.gather_dtype and b.sharded]
+    if quantized:  # [Note: part of all_gather, not added to the total again]
+        scales = {b.index: b.scale_bytes * b.group_size for b in quantized}
+        out["gather_scales"] = sum(scales[i] * (plan.mesh.axis_size(op.axes) - 1) // plan.mesh.axis_size(op.axes)
+                                   for op in plan.ops() if op.kind == ALL_GATHER and op.what == PARAMS
+                                   for i in op.buffers if i in scales)
     if plan.compute_axes:
         acts = plan.tp_activations
         out["tensor_parallel"] = None if acts is None else tp.activation_bytes(plan.tp_modules, acts, plan.mesh)

@@ -128,7 +128,7 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
         copy = [op(COPY_H2D, u, PARAMS, event, at, hosted, lambda b: (), sum(b.shard_numel * b.itemsize for b in hosted),
                    pf, when)] if hosted else []
         return copy + [op(ALL_GATHER, u, PARAMS, event, at, sorted(p, key=lambda b: b.index), lambda b: b.axes
-                          if b.sharded else (), sum(b.gathered_numel * b.compute_itemsize for b in p if b.sharded), pf,
+                          if b.sharded else (), sum(b.gather_bytes for b in p if b.sharded), pf,
                           when) for p in parts]
 
     def copy_back(u) -> list[Op]:
