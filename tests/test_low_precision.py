@@ -190,8 +190,34 @@ def _train(rank, world, fmt, steps, compute=None, batch=4, seq=32):
                 mem=(sp.memory_stats(model)["peak"], plan.memory(rank).peak - plan.memory(rank).optimizer))
 
 
+def _toy(rank, world, fmt):
+    """Interleaved (copy-out), replicated, frozen and tied parameters; every trainable one quantized. Returns the
+    bytes sent vs planned, the memory, and the largest error of a gathered weight against its master value."""
+    from models import Toy, batches, toy_rules
+    from shardplan.runtime import collectives as C
+    ref = {n: p.detach().clone() for n, p in Toy().named_parameters()}
+    model = Toy()
+    plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=[r"blocks\.\d+"], min_unit_bytes=0,
+                   gather_dtype=[(r".*", fmt)])
+    assert any(b.gather_dtype and b.copy_out for b in plan.buffers)
+    sp.shard(model, plan)
+    seen = {}
+    model.blocks[1].fc2.register_forward_pre_hook(lambda m, a: seen.update(w=m.weight.detach().clone()) and None)
+    sent, orig = _counting(C)
+    try:
+        x, y = batches(1, batch=2)[0]
+        sp.reset_peak(model)
+        model(x, y).backward()
+    finally:
+        C.all_gather = orig
+    amax = max(t.abs().max().item() for t in ref.values())
+    err = (seen["w"] - ref["blocks.1.fc2.weight"]).abs().max().item()
+    return dict(sent=[sent[0]], planned=plan.comm_bytes()["all_gather"], err=err, amax=amax,
+                mem=(sp.memory_stats(model)["peak"], plan.memory(rank).peak - plan.memory(rank).optimizer))
+
+
 def _bytes_worker(rank, world):
-    out = {}
+    out = {("toy", fmt): _toy(rank, world, fmt) for fmt in lowp.FORMATS}
     for fmt in (None, "int8", "float8_e4m3fn"):
         for compute in (None, torch.bfloat16):
             r = _train(rank, world, fmt, 2, compute)
@@ -207,8 +233,11 @@ def test_runtime_sends_the_planned_bytes(world):
     the quantized ones send fewer; the runtime's accounted peak equals plan.memory()'s."""
     for rank_out in run(_bytes_worker, world):
         for key, r in rank_out.items():
-            assert r["sent"] == [r["planned"]] * 2, (key, r["sent"], r["planned"])
+            assert r["sent"] == [r["planned"]] * len(r["sent"]), (key, r["sent"], r["planned"])
             assert r["mem"][0] == r["mem"][1], (key, r["mem"])
+        for fmt in lowp.FORMATS:  # quantize -> gather -> dequantize -> copy-out, within the format's bound
+            r = rank_out[("toy", fmt)]
+            assert 0 < r["err"] <= r["amax"] * (1 / 254 if fmt == "int8" else 1 / 16) * 1.001, (fmt, r["err"], r["amax"])
         for compute in ("None", "torch.bfloat16"):
             full = rank_out[(None, compute)]["planned"]
             assert rank_out[("int8", compute)]["planned"] < full
