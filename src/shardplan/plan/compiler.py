@@ -152,6 +152,11 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
         raise PlanError(f"min_unit_bytes must be None (chosen for you) or a non-negative number of bytes; "
                         f"got {min_unit_bytes!r}")
     compute, reduce = dtype_name(compute_dtype), dtype_name(reduce_dtype)
+    for what, name in (("compute_dtype", compute), ("reduce_dtype", reduce)):
+        if name is not None and not is_floating(name):  # a cast to an integer type would zero the numbers
+            hint = (" (quantized gathers: gather_dtype='int8'; a quantized gradient reduction is not built)"
+                    if what == "reduce_dtype" else "")
+            raise PlanError(f"{what}={name!r} is not a floating dtype; use e.g. 'bfloat16' or 'float32'{hint}")
     compute_axes = tp.as_compute_axes(compute_axes, mesh)
     gather_option = lowp.as_option(gather_dtype)
     expert_axes = EP.as_expert_axes(expert_axes, mesh, compute_axes)
