@@ -92,6 +92,24 @@ def gather_of(option, params: Iterable[tuple[str, int, bool, bool]]) -> dict[str
     return out
 
 
+REDUCE_FORMATS = (INT8,)
+
+
+def reduce_format(name) -> str:
+    """``reduce_dtype=`` as a quantized reduction format ("" for a float dtype, handled as before)."""
+    return name if name in REDUCE_FORMATS else ""
+
+
+def refuse_reduce(level: int, offload, compute_axes, expert: bool) -> None:
+    """The quantized gradient reduction replaces a reduce-scatter over the data axes; the rest is refused."""
+    if level < 2:
+        raise PlanError("reduce_dtype='int8' (quantized gradient reduction) needs strategy='optim_grads' or "
+                        "'optim_grads_params': it replaces the reduce-scatter, which lower strategies do not run")
+    if offload or compute_axes or expert:
+        raise PlanError("reduce_dtype='int8' is not supported with CPU offload, tensor or expert parallelism yet; "
+                        "use reduce_dtype='float32' or 'bfloat16' there")
+
+
 def refuse(level: int, offload, compute_axes, expert: bool, used: Optional[str]) -> None:
     """Quantized gathers are ZeRO-3 on data axes only (see docs/low_precision.md); others are refused."""
     if not used:

@@ -37,8 +37,12 @@ def sizes(b: BufferPlan) -> dict[str, int]:
         qsend=b.wire_shard_bytes if collective else 0,
         wire=b.gather_bytes if b.gather_dtype else 0,
         flat=b.grad_numel * ct if b.requires_grad else 0,          # unsharded gradient
-        rin=(b.gathered_numel * (rt if rt != ct else ct)) if (rt != ct or b.copy_out) else 0,
-        rout=b.shard_numel * rt if collective else 0,
+        rin=(b.gathered_numel * (rt if rt != ct else ct)) if (rt != ct or b.copy_out) and not b.reduce_quant
+        else b.reduce_bytes if b.reduce_quant else 0,
+        # [Note: a quantized reduction] quantizes the gradient into rin (every segment's codes and scales), receives
+        # every rank's codes and scales for its own segment (recv) and sums them in fp32 into rout, even in a group of one
+        recv=b.reduce_bytes if b.reduce_quant and collective else 0,
+        rout=b.shard_numel * rt if collective or b.reduce_quant else 0,
         lgrad=b.reduced_numel * it if rt != it else 0,             # a fresh local gradient (else the result itself)
     )
 
@@ -46,7 +50,7 @@ def sizes(b: BufferPlan) -> dict[str, int]:
 def reduction_result(b: BufferPlan) -> str:
     """Which tensor holds a buffer's reduced gradient: the reduce-scatter output, the cast/packed copy, or
     the unsharded gradient itself."""
-    if b.sharded and b.group_size > 1:
+    if b.sharded and (b.group_size > 1 or b.reduce_quant):
         return "rout"
     s = sizes(b)
     return "rin" if s["rin"] else "flat"
@@ -106,7 +110,7 @@ def memory(plan: "Plan", rank: int = 0, recompute: bool = False) -> dict:
         for p in plan.params:
             if p.requires_grad and not plan.buffers[p.buffer].offload:  # offloaded: the state is on the host
                 optimizer += math.prod(plan.local_shape(p.name, rank)) * 4 * plan.optimizer_states
-    grads = sum(v for (k, _), v in live.items() if k in ("lgrad", "flat", "rin", "rout"))
+    grads = sum(v for (k, _), v in live.items() if k in ("lgrad", "flat", "rin", "recv", "rout"))
     host = sum(host_bytes(b, plan.optimizer_states) for b in plan.buffers)
     return dict(params=params, grads=grads, optimizer=optimizer, gathered_peak=gathered_peak, peak=peak + optimizer,
                 host=host, host_peak=host, activations=act_at_peak if acts is not None else None, recompute=recompute,
@@ -148,6 +152,7 @@ def _apply(op, plan, per, live, lent, collected, put) -> None:
             if b.index not in collected:
                 collected.add(b.index)
                 put("rin", b.index)
+                put("recv", b.index)
                 put("rout", b.index)
     elif op.kind == WAIT and op.what == GRADS:
         for b in bufs:
@@ -161,6 +166,7 @@ def _apply(op, plan, per, live, lent, collected, put) -> None:
             else:
                 live[("lgrad", i)] = live.pop((result, i))
             live.pop(("rin", i), None)
+            live.pop(("recv", i), None)
             live.pop(("rout", i), None)
     elif op.kind == FREE and op.what == GRADS:
         for b in bufs:

@@ -152,14 +152,19 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
         raise PlanError(f"min_unit_bytes must be None (chosen for you) or a non-negative number of bytes; "
                         f"got {min_unit_bytes!r}")
     compute, reduce = dtype_name(compute_dtype), dtype_name(reduce_dtype)
+    reduce_quant = lowp.reduce_format(reduce)
+    # [Note: quantized reduction] reduce_dtype='int8': the buffers reduce into fp32; the plan keeps the option's name
     for what, name in (("compute_dtype", compute), ("reduce_dtype", reduce)):
-        if name is not None and not is_floating(name):  # a cast to an integer type would zero the numbers
-            hint = (" (quantized gathers: gather_dtype='int8'; a quantized gradient reduction is not built)"
+        if name is not None and not is_floating(name) and not (what == "reduce_dtype" and reduce_quant):
+            # a cast to an integer type would zero the numbers
+            hint = (" or 'int8' (a quantized reduction); quantized gathers: gather_dtype='int8'"
                     if what == "reduce_dtype" else "")
             raise PlanError(f"{what}={name!r} is not a floating dtype; use e.g. 'bfloat16' or 'float32'{hint}")
     compute_axes = tp.as_compute_axes(compute_axes, mesh)
     gather_option = lowp.as_option(gather_dtype)
     expert_axes = EP.as_expert_axes(expert_axes, mesh, compute_axes)
+    if reduce_quant:
+        lowp.refuse_reduce(level, offload, compute_axes, bool(expert_axes))
     rules = as_rules(rules)
     infos, leaves, candidates, module = collect_leaves(model_or_tree)
     if not infos:
@@ -239,14 +244,18 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
                  for k, v in (geometry.layout_unit(experts, mesh, level, compute, layout).items() if experts else ())]
         for (dtype, rg, axes, _, fmt), (placement, mem), not_reduced in laid:
             cdt = compute if compute and is_floating(dtype) else dtype
-            rdt = reduce if reduce and is_floating(dtype) else cdt
+            rq = reduce_quant if reduce_quant and rg and is_floating(dtype) and placement.layout != L.REPLICATED else ""
+            rdt = "float32" if reduce_quant and is_floating(dtype) else reduce if reduce and is_floating(dtype) else cdt
             group = mesh.axis_size(axes) if axes else 1
             b = BufferPlan(index=len(buffers), unit=uname, dtype=dtype, compute_dtype=cdt, reduce_dtype=rdt,
                            layout=placement.layout, axes=axes,
                            replica_axes=tuple(a for a in mesh.axis_names if a not in axes and a not in not_reduced),
                            group_size=group, shard_numel=placement.shard_numel,
                            numel=sum(math.prod(i.shape) for i, _ in mem), params=tuple(i.name for i, _ in mem),
-                           requires_grad=rg, gather_dtype=fmt, **buffer_facts(placement.layout, level, group, dtype, cdt, rdt))
+                           requires_grad=rg, gather_dtype=fmt, reduce_quant=rq, **buffer_facts(placement.layout, level, group, dtype, cdt, rdt))
+            if rq and b.replica_axes and mesh.axis_size(b.replica_axes) > 1:
+                raise PlanError(f"reduce_dtype='int8' with replica axes {b.replica_axes} (HSDP) is not supported yet: "
+                                f"shard the parameters over every data axis, or use reduce_dtype='float32'")
             buffers.append(b)
             idxs.append(b.index)
             for (info, _), off in zip(mem, placement.offsets):

@@ -154,6 +154,7 @@ class BufferPlan:
     keeps_grads: bool = True
     offload: str = ""  # "" (all on the device), "optimizer" or "params": what of it lives in host memory
     gather_dtype: str = ""  # "" (gathered in the compute dtype), "int8" or "float8_e4m3fn" (see shardplan.lowp)
+    reduce_quant: str = ""  # "int8": gradients quantized per block, all-to-all, summed in fp32 (reduce_dtype float32)
 
     @property
     def sharded(self) -> bool:
@@ -176,6 +177,14 @@ class BufferPlan:
         if self.gather_dtype:
             return self.wire_shard_bytes * (self.group_size if self.sharded else 1)
         return self.gathered_numel * self.compute_itemsize
+
+    @property
+    def reduce_bytes(self) -> int:
+        """The payload of this buffer's reduce-scatter on one rank: the quantized segments (an all-to-all of
+        ``group_size`` wire segments), or the gathered buffer in the reduce dtype."""
+        if self.reduce_quant:
+            return lowp.wire_shard_bytes(self.shard_numel) * self.group_size
+        return self.gathered_numel * self.reduce_itemsize
 
     @property
     def gathered_numel(self) -> int:

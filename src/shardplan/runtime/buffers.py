@@ -327,6 +327,12 @@ class BufferState:
             for m in self.members:
                 for seg, box, n in m.copy_plan:
                     view[seg, m.info.offset:m.info.offset + n].copy_(m.view[box].reshape(-1))
+        if self.bp.reduce_quant:  # every segment quantized on its own: the all-to-all sends segment k to rank k
+            from .quantize import quantize_into
+            wire = torch.empty(self.bp.reduce_bytes, dtype=torch.uint8, device=self.device)
+            with torch.no_grad():
+                quantize_into(g[:self.G], self.bp.reduce_quant, wire, self.bp.group_size)
+            return wire
         if out is not None:
             out.copy_(g[:out.numel()])
             return out

@@ -14,33 +14,37 @@ from .. import lowp
 _CODE = {lowp.INT8: torch.int8, lowp.FLOAT8: getattr(torch, "float8_e4m3fn", None)}
 
 
-def _blocks(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (1-D, fp32) as (blocks, BLOCK), zero-padded at the end."""
-    n = x.numel()
-    nb = lowp.scale_count(n)
-    if nb * lowp.BLOCK != n:
-        x = torch.nn.functional.pad(x, (0, nb * lowp.BLOCK - n))
-    return x.view(nb, lowp.BLOCK)
+def _blocks(x: torch.Tensor, segments: int = 1) -> torch.Tensor:
+    """``x`` (``segments * S`` elements, fp32) as (segments, blocks, BLOCK), each segment zero-padded at its end."""
+    x = x.view(segments, -1)
+    S = x.shape[1]
+    nb = lowp.scale_count(S)
+    if nb * lowp.BLOCK != S:
+        x = torch.nn.functional.pad(x, (0, nb * lowp.BLOCK - S))
+    return x.reshape(segments, nb, lowp.BLOCK)
 
 
-def quantize_into(shard: torch.Tensor, fmt: str, out: torch.Tensor) -> None:
-    """Write ``shard``'s (1-D, any floating dtype) codes and block scales into ``out`` (uint8, its wire segment).
+def quantize_into(shard: torch.Tensor, fmt: str, out: torch.Tensor, segments: int = 1) -> None:
+    """Write ``shard``'s (1-D, any floating dtype; ``segments`` equal segments of it, each quantized on its own)
+    codes and block scales into ``out`` (uint8, ``segments`` wire segments).
 
     [Note: non-finite values] are not checked here: a NaN or inf makes its block's absmax (so its scale)
     non-finite, and the scales travel to every rank, which checks them after the gather
     (:func:`bad_blocks`): every rank raises together, naming the parameter, and none hangs."""
-    S = shard.numel()
+    S = shard.numel() // segments
     nb = lowp.scale_count(S)
-    x = _blocks(shard.detach().float())
-    scale = x.abs().amax(dim=1, keepdim=True) / lowp.QMAX[fmt]
+    x = _blocks(shard.detach().float(), segments)
+    scale = x.abs().amax(dim=2, keepdim=True) / lowp.QMAX[fmt]
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block: codes 0, scale 0
     y = x / safe
     if fmt == lowp.INT8:
         codes = y.round_().clamp_(-127, 127).to(torch.int8)
     else:
         codes = y.clamp_(-448.0, 448.0).to(_CODE[fmt])
-    out[:S].copy_(codes.view(-1)[:S].view(torch.uint8))
-    out[S:S + 4 * nb].copy_(scale.view(-1).view(torch.uint8))  # as bytes: S need not be a multiple of 4
+    wire = out.view(segments, S + 4 * nb)
+    wire[:, :S].copy_(codes.view(segments, -1)[:, :S].view(torch.uint8))
+    # as bytes: S need not be a multiple of 4
+    wire[:, S:].copy_(scale.view(segments, nb).contiguous().view(torch.uint8))
 
 
 def dequantize_into(wire: torch.Tensor, fmt: str, S: int, segments: int, out: torch.Tensor) -> None:
@@ -53,6 +57,15 @@ def dequantize_into(wire: torch.Tensor, fmt: str, S: int, segments: int, out: to
         codes = torch.nn.functional.pad(codes, (0, nb * lowp.BLOCK - S))
     values = codes.view(segments, nb, lowp.BLOCK) * scales.unsqueeze(-1)
     out[:segments * S].view(segments, S).copy_(values.view(segments, nb * lowp.BLOCK)[:, :S])
+
+
+def dequantize_mean(wire: torch.Tensor, fmt: str, S: int, segments: int, out: torch.Tensor) -> None:
+    """The mean of ``segments`` wire segments (every rank's quantized piece of one gradient segment), summed in
+    fp32 into ``out`` (S elements, fp32): a quantized reduce-scatter's second half."""
+    tmp = torch.empty(segments * S, dtype=torch.float32, device=out.device)
+    dequantize_into(wire, fmt, S, segments, tmp)
+    torch.sum(tmp.view(segments, S), dim=0, out=out)
+    out.div_(segments)
 
 
 def bad_blocks(wire: torch.Tensor, S: int, segments: int) -> list[tuple[int, int]]:
