@@ -4,7 +4,7 @@
     python benchmarks/train_step.py --config 8B --batch 1 --seq 8192 --dtype bf16 --act-ckpt \
         --systems shardplan_offload --offload optimizer                 # CPU offload (docs/offload.md)
     python benchmarks/train_step.py --config 1B --batch 8 --seq 1024 --dtype bf16 \
-        --systems shardplan,shardplan_int8,shardplan_fp8,fsdp2          # quantized gathers (docs/low_precision.md)
+        --systems shardplan,shardplan_int8,shardplan_fp8,shardplan_int8_qg,fsdp2   # docs/low_precision.md
     torchrun --nproc-per-node 2 benchmarks/train_step.py --config small --out cpu.json             # CPU, gloo
 
 Every system trains the same GPT (examples/gpt.py; units = transformer blocks) from the same
@@ -71,15 +71,18 @@ def make_system(name, args, dev, world):
         ctx = (lambda: torch.autocast(dev.type, dtype=dt)) if dt else None
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         return wrapped, opt, ctx, info
-    if name in ("shardplan", "shardplan_int8", "shardplan_fp8"):  # _int8/_fp8: quantized gathers (docs/low_precision.md)
-        gather = {"shardplan_int8": "int8", "shardplan_fp8": "float8_e4m3fn"}.get(name)
-        opts = dict(units=[r"layers\.\d+"], compute_dtype=dt, reduce_dtype=torch.float32 if dt else None,
+    if name in ("shardplan", "shardplan_int8", "shardplan_fp8", "shardplan_int8_qg"):
+        # _int8/_fp8: quantized gathers, _int8_qg: and the int8 gradient reduction (docs/low_precision.md)
+        gather = {"shardplan_int8": "int8", "shardplan_fp8": "float8_e4m3fn", "shardplan_int8_qg": "int8"}.get(name)
+        reduce = "int8" if name == "shardplan_int8_qg" else torch.float32 if dt else None
+        opts = dict(units=[r"layers\.\d+"], compute_dtype=dt, reduce_dtype=reduce,
                     prefetch=args.prefetch, min_unit_bytes=args.min_unit_bytes, gather_dtype=gather)
         plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), **opts)
         with torch.device("meta"):  # the gathers are local at world 1: the bytes they would send at 8 and 64 ranks
             meta = gpt.build(args.config)
-        info["planned_all_gather_bytes"] = {
-            w: sp.plan(meta, [(r".*", sp.P("dp"))], sp.Mesh(dp=w), **opts).comm_bytes()["all_gather"] for w in (8, 64)}
+        info["planned_bytes"] = {w: {k: v for k, v in sp.plan(meta, [(r".*", sp.P("dp"))], sp.Mesh(dp=w), **opts)
+                                     .comm_bytes().items() if k in ("all_gather", "reduce_scatter", "gather_scales")}
+                                 for w in (8, 64)}
         sp.shard(model, plan)
         info["planned_memory"] = plan.memory().__dict__
         info["units"] = len(plan.units)
@@ -322,7 +325,7 @@ def main():
                 res["host_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             if cuda:
                 res["peak"].append(torch.cuda.max_memory_allocated())
-            elif s in ("shardplan", "shardplan_offload", "shardplan_int8", "shardplan_fp8"):  # CPU: the runtime's own accounting, one step untimed
+            elif s in ("shardplan", "shardplan_offload", "shardplan_int8", "shardplan_fp8", "shardplan_int8_qg"):  # CPU: the runtime's own accounting, one step untimed
                 sp.reset_peak(model)  # (it costs a pass over every tensor per op while on)
                 run_steps(model, opt, ctx, data[:1], dev)
                 res["peak"].append(sp.memory_stats(model)["peak"])
@@ -347,14 +350,14 @@ def main():
         for k in ("comm_bytes", "plan_peak", "planned_memory", "hook_us_per_unit", "forward_hook_us_per_unit",
                   "backward_hook_us_per_unit", "forward_hook_us_per_block", "units", "notes", "data_size",
                   "offload", "offload_fraction", "host_copy_bytes", "host_rss_bytes", "host_step_ms",
-                  "host_exposed_ms", "host_hidden_fraction", "host_steps_overlapped", "planned_all_gather_bytes"):
+                  "host_exposed_ms", "host_hidden_fraction", "host_steps_overlapped", "planned_bytes"):
             if k in res:
                 entry[k] = res[k]
         summary["systems"][s] = entry
     ok = {s: e for s, e in summary["systems"].items() if "error" not in e}
     ref = next(iter(ok.values()))["first_losses"][0] if ok else None
     tol = 3e-2 if args.dtype else 1e-4
-    quantized = ("shardplan_int8", "shardplan_fp8")  # quantized gathers: within their documented tolerance
+    quantized = ("shardplan_int8", "shardplan_fp8", "shardplan_int8_qg")  # quantized gathers: within their documented tolerance
     summary["losses_agree"] = all(abs(e["first_losses"][0] - ref) <= (3e-2 if s in quantized else tol) * max(1.0, abs(ref))
                                   for s, e in ok.items())
     if "shardplan" in ok:  # the loss after the run's steps against unquantized gathers (docs/low_precision.md)

@@ -31,6 +31,8 @@ def header(plan: "Plan") -> str:
     dtypes = sorted({p.dtype for p in plan.params})
     compute = plan.compute_dtype or "their own dtype"
     reduce = plan.reduce_dtype or ("the compute dtype" if plan.compute_dtype else "their own dtype")
+    if any(b.reduce_quant for b in plan.buffers):
+        reduce = f"{reduce} (quantized per block, all-to-all, summed in fp32)"
     return (f"shardplan {plan.strategy} on {plan.mesh!r}: parameters stored in {'/'.join(dtypes)}, computed in "
             f"{compute}, gradients reduced in {reduce}; prefetch {plan.prefetch}, "
             f"reshard after forward {plan.reshard_after_forward}, order {plan.order}; fingerprint {plan.fingerprint()}")
