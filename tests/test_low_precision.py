@@ -260,23 +260,29 @@ def test_runtime_sends_the_planned_bytes(world):
             assert rank_out[("float8_e4m3fn", compute)]["planned"] < full
 
 
-def _nan_worker(rank, world):
+def _nan_worker(rank, world, deferred=False):
     model = gpt.tiny().init_weights(0)
     plan = sp.plan(model, RULES, sp.Mesh(dp=world), units=UNITS, min_unit_bytes=0, gather_dtype="int8")
     sp.shard(model, plan)
+    if deferred:  # the GPU's check (no host sync): found at the buffer's next gather
+        for b in model._shardplan.buffer.values():
+            b.defer_check = True
     x = torch.randint(0, 256, (2, 9))
     model(x[:, :-1], x[:, 1:]).backward()
     if rank == 1:
         with torch.no_grad():
             model.layers[1].feed_forward.w2.weight.view(-1)[3] = float("nan")
     model(x[:, :-1], x[:, 1:]).backward()
+    if deferred:  # layers.1 is the last unit (kept gathered for backward): its next gather is the next step's
+        model(x[:, :-1], x[:, 1:]).backward()
     return "no error"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_nan_in_a_shard_raises_on_every_rank_naming_the_parameter():
-    out = run(_nan_worker, 2, expect_errors=True)
+@pytest.mark.parametrize("deferred", [False, True])
+def test_nan_in_a_shard_raises_on_every_rank_naming_the_parameter(deferred):
+    out = run(_nan_worker, 2, deferred, expect_errors=True)
     for status, message in out:
         assert status == "error", message
         assert "RuntimeShardingError" in message and "layers.1.feed_forward.w2.weight" in message, message

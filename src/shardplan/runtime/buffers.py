@@ -115,6 +115,8 @@ class BufferState:
         self.qfmt = bp.gather_dtype
         self.wire: Optional[torch.Tensor] = None
         self.plan = plan if self.qfmt else None
+        self.defer_check = device.type != "cpu"  # see [Note: the non-finite check without a host sync]
+        self.pending_check = None
 
     def _group(self, plan: Plan) -> tuple[int, ...]:
         """The ranks of one shard group, in segment order (the copy-out reads their segments)."""
@@ -203,16 +205,38 @@ class BufferState:
         free_storage(self.packed)
 
     def _dequantize(self) -> None:
-        from .quantize import bad_blocks, dequantize_into
+        from .quantize import bad_blocks, dequantize_into, first_bad_block
         segments = self.bp.group_size if self.sharded else 1
-        bad = bad_blocks(self.wire, self.S, segments)
-        if bad:
-            self.wire = None
-            raise RuntimeShardingError(self._non_finite(*bad[0]))
+        # [Note: the non-finite check without a host sync] on the host (CPU tensors) the scales are checked at
+        # once. On a GPU, reading a flag back per gather would stall the host behind every gather: the first
+        # non-finite block's index is copied back without blocking and checked at this buffer's next gather
+        # (its weights are NaN meanwhile: the dequantized block is). Every rank checks the same gathered scales
+        # at the same op, so every rank raises together.
+        if self.defer_check:
+            self.check_pending()
+            self.pending_check = first_bad_block(self.wire, self.S, segments)
+        else:
+            bad = bad_blocks(self.wire, self.S, segments)
+            if bad:
+                self.wire = None
+                raise RuntimeShardingError(self._non_finite(*bad[0]))
         with torch.no_grad():
             dequantize_into(self.wire, self.qfmt, self.S, segments,
                             self.packed if self.packed is not None else self.full)
         self.wire = None
+
+    def check_pending(self) -> None:
+        """Raise for a non-finite block an earlier (deferred) check found."""
+        pending, self.pending_check = self.pending_check, None
+        if pending is None:
+            return
+        index, event = pending
+        if event is not None:
+            event.synchronize()
+        k = int(index.item())
+        if k >= 0:
+            nb = -(-self.S // 256)
+            raise RuntimeShardingError(self._non_finite(k // nb, (k % nb) * 256))
 
     def _non_finite(self, segment: int, start: int) -> str:
         """The error for a NaN/inf in ``segment``'s shard at ``start`` (a block of it): names the parameter."""

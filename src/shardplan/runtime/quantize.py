@@ -78,6 +78,24 @@ def bad_blocks(wire: torch.Tensor, S: int, segments: int) -> list[tuple[int, int
     return [(int(s), int(k) * lowp.BLOCK) for s, k in (~ok).nonzero().tolist()[:1]]
 
 
+def first_bad_block(wire: torch.Tensor, S: int, segments: int):
+    """``(index, event)``: the flat index (segment * blocks + block) of the first non-finite scale, or -1, in
+    host memory once ``event`` completes (``None``: already there). Issues no host synchronisation."""
+    nb = lowp.scale_count(S)
+    scales = wire.view(segments, S + 4 * nb)[:, S:].reshape(-1).clone().view(torch.float32)
+    bad = ~torch.isfinite(scales)
+    ar = torch.arange(bad.numel(), device=bad.device)
+    index = torch.where(bad, ar, torch.full_like(ar, bad.numel())).min()
+    index = torch.where(index == bad.numel(), torch.full_like(index, -1), index)
+    if wire.device.type != "cuda":
+        return index, None
+    host = torch.empty((), dtype=index.dtype, pin_memory=True)
+    host.copy_(index, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
 def round_trip(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """``x`` (1-D) quantized and dequantized to fp32, as one rank's gather would (tests, docs)."""
     S = x.numel()
