@@ -68,7 +68,7 @@ def test_refused_combinations_name_the_fix(kw, match):
         _plan(**kw)
 
 
-@pytest.mark.parametrize("kw", [dict(reduce_dtype="int8"), dict(compute_dtype=torch.int8), dict(reduce_dtype="uint8")])
+@pytest.mark.parametrize("kw", [dict(compute_dtype=torch.int8), dict(reduce_dtype="uint8"), dict(reduce_dtype=torch.int32)])
 def test_integer_compute_or_reduce_dtypes_are_refused(kw):
     """A cast of the parameters or gradients to an integer type would be a silent wrong number."""
     with pytest.raises(sp.PlanError, match="not a floating dtype"):
