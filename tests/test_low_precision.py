@@ -46,6 +46,13 @@ def test_per_rule_option_first_match_wins():
     assert fmt["layers.0.attention.wq.weight"] == "int8"
 
 
+def test_plan_warns_where_quantizing_cannot_pay():
+    alone = _plan(world=1)
+    assert any("shard group of one" in w for w in alone.warnings)
+    assert not any("shard group of one" in w for w in _plan(world=2).warnings)
+    assert not any("shard group of one" in w for w in _plan(world=1, gather=None).warnings)
+
+
 def test_plan_shows_quantized_gathers():
     plan = _plan(gather="float8_e4m3fn", compute_dtype="bf16")
     text = str(plan)

@@ -274,6 +274,11 @@ def plan_warnings(mesh: Mesh, params: Sequence[ParamPlan], buffers: Sequence[Buf
         if data and pad / data > 0.01 and pad > 4096:
             out.append(f"unit {u.name}: padding wastes {100 * pad / data:.2f}% ({pad:,} elements); "
                        f"fewer ranks per shard group or row sizes dividing the shard size reduce it")
+    local = [b for b in buffers if (b.gather_dtype or b.reduce_quant) and b.group_size == 1]
+    if local:
+        out.append(f"{len(local)} buffer(s) quantize their gathers or gradient reduction (gather_dtype/reduce_dtype) "
+                   f"over a shard group of one: nothing crosses the network, so quantizing only costs time and adds "
+                   f"error; it pays where the gathers are exposed on the network (docs/low_precision.md)")
     copy = [b for b in buffers if b.copy_out]
     if copy:
         out.append(f"{len(copy)} buffer(s) need a copy-out after each all-gather (spec shards a dim other than 0, "
