@@ -57,13 +57,20 @@ def test_plan_shows_quantized_gathers():
     plan = _plan(gather="float8_e4m3fn", compute_dtype="bf16")
     text = str(plan)
     assert "gathered as float8_e4m3fn" in text and "fp32 block scales" in text
-    sched = plan.render_schedule() if hasattr(plan, "render_schedule") else None
     from shardplan.plan.render import render_schedule
     sched = render_schedule(plan)
     assert "quantize float8_e4m3fn" in sched and "dequantize float8_e4m3fn -> compute dtype" in sched
-    again = sp.Plan.from_json(plan.to_json()) if hasattr(sp.Plan, "from_json") else None
-    if again is not None:
-        assert again.buffers == plan.buffers
+
+
+def test_quantized_plans_round_trip():
+    """JSON, declarative options and to_source() keep gather_dtype and reduce_dtype='int8'."""
+    plan = _plan(gather=[(r".*embed.*", None), (r".*", "int8")], compute_dtype="bf16", reduce_dtype="int8")
+    again = sp.Plan.from_json(plan.to_json())
+    assert again.buffers == plan.buffers and again.fingerprint() == plan.fingerprint()
+    rebuilt = sp.plan(gpt.tiny(), **plan.declarative())
+    assert rebuilt.equivalent(plan) and rebuilt.buffers == plan.buffers
+    assert "gather_dtype=" in plan.to_source()
+    assert _plan(gather=None).fingerprint() != _plan().fingerprint()
 
 
 @pytest.mark.parametrize("kw, match", [
