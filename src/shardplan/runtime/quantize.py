@@ -48,15 +48,24 @@ def quantize_into(shard: torch.Tensor, fmt: str, out: torch.Tensor, segments: in
 
 
 def dequantize_into(wire: torch.Tensor, fmt: str, S: int, segments: int, out: torch.Tensor) -> None:
-    """``segments`` wire segments (uint8) -> ``out[:segments * S]`` (the compute dtype), in segment order."""
+    """``segments`` wire segments (uint8) -> ``out[:segments * S]`` (the compute dtype), in segment order.
+
+    [Note: one pass for int8] codes times scales is written straight into ``out`` (the multiply computes in
+    fp32 and casts on the store); float8 codes are widened first (torch does not promote float8)."""
     nb = lowp.scale_count(S)
+    full = S // lowp.BLOCK  # whole blocks; a partial last block is done apart
     seg = wire.view(segments, S + 4 * nb)
-    codes = seg[:, :S].contiguous().view(_CODE[fmt]).float()
+    codes = seg[:, :S].view(_CODE[fmt])
+    if fmt != lowp.INT8:
+        codes = codes.float()
     scales = seg[:, S:].reshape(-1).clone().view(torch.float32).view(segments, nb)  # (segments, nb)
-    if nb * lowp.BLOCK != S:
-        codes = torch.nn.functional.pad(codes, (0, nb * lowp.BLOCK - S))
-    values = codes.view(segments, nb, lowp.BLOCK) * scales.unsqueeze(-1)
-    out[:segments * S].view(segments, S).copy_(values.view(segments, nb * lowp.BLOCK)[:, :S])
+    dst = out[:segments * S].view(segments, S)
+    if full:
+        F = full * lowp.BLOCK
+        torch.mul(codes[:, :F].unflatten(1, (full, lowp.BLOCK)), scales[:, :full, None],
+                  out=dst[:, :F].unflatten(1, (full, lowp.BLOCK)))
+    if full < nb:
+        torch.mul(codes[:, full * lowp.BLOCK:], scales[:, full:], out=dst[:, full * lowp.BLOCK:])
 
 
 def dequantize_mean(wire: torch.Tensor, fmt: str, S: int, segments: int, out: torch.Tensor) -> None:
