@@ -3,6 +3,8 @@
     python benchmarks/train_step.py --config 1B --batch 8 --seq 1024 --dtype bf16 --out out.json   # 1 GPU
     python benchmarks/train_step.py --config 8B --batch 1 --seq 8192 --dtype bf16 --act-ckpt \
         --systems shardplan_offload --offload optimizer                 # CPU offload (docs/offload.md)
+    python benchmarks/train_step.py --config 1B --batch 8 --seq 1024 --dtype bf16 \
+        --systems shardplan,shardplan_int8,shardplan_fp8,shardplan_int8_qg,fsdp2   # docs/low_precision.md
     torchrun --nproc-per-node 2 benchmarks/train_step.py --config small --out cpu.json             # CPU, gloo
 
 Every system trains the same GPT (examples/gpt.py; units = transformer blocks) from the same
@@ -69,12 +71,20 @@ def make_system(name, args, dev, world):
         ctx = (lambda: torch.autocast(dev.type, dtype=dt)) if dt else None
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         return wrapped, opt, ctx, info
-    if name in ("shardplan", "shardplan_raf"):
-        plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[r"layers\.\d+"], compute_dtype=dt,
-                       reduce_dtype=torch.float32 if dt else None, prefetch=args.prefetch,
-                       min_unit_bytes=args.min_unit_bytes)
+    if name in ("shardplan", "shardplan_raf", "shardplan_int8", "shardplan_fp8", "shardplan_int8_qg"):
+        # _int8/_fp8: quantized gathers, _int8_qg: and the int8 gradient reduction (docs/low_precision.md)
+        gather = {"shardplan_int8": "int8", "shardplan_fp8": "float8_e4m3fn", "shardplan_int8_qg": "int8"}.get(name)
+        reduce = "int8" if name == "shardplan_int8_qg" else torch.float32 if dt else None
+        opts = dict(units=[r"layers\.\d+"], compute_dtype=dt, reduce_dtype=reduce,
+                    prefetch=args.prefetch, min_unit_bytes=args.min_unit_bytes, gather_dtype=gather)
+        plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), **opts)
         if name == "shardplan_raf":  # every unit freed after its forward, the last too (FSDP2's default; by
             plan = plan.with_reshard_after_forward(True)  # default the last stays gathered, as in torchtitan)
+        with torch.device("meta"):  # the gathers are local at world 1: the bytes they would send at 8 and 64 ranks
+            meta = gpt.build(args.config)
+        info["planned_bytes"] = {w: {k: v for k, v in sp.plan(meta, [(r".*", sp.P("dp"))], sp.Mesh(dp=w), **opts)
+                                     .comm_bytes().items() if k in ("all_gather", "reduce_scatter", "gather_scales")}
+                                 for w in (8, 64)}
         sp.shard(model, plan)
         info["planned_memory"] = plan.memory().__dict__
         info["units"] = len(plan.units)
@@ -343,7 +353,8 @@ def main():
                 res["peak"].append(torch.cuda.max_memory_allocated())
                 if args.mem_phases:  # after the peak is read: this step resets it per phase
                     res.setdefault("memory_phases", []).append(memory_phases(model, opt, ctx, data[0], dev))
-            elif s in ("shardplan", "shardplan_raf", "shardplan_offload"):  # CPU: the runtime's own accounting, one step untimed
+            elif s in ("shardplan", "shardplan_raf", "shardplan_offload", "shardplan_int8", "shardplan_fp8",
+                       "shardplan_int8_qg"):  # CPU: the runtime's own accounting, one step untimed
                 sp.reset_peak(model)  # (it costs a pass over every tensor per op while on)
                 run_steps(model, opt, ctx, data[:1], dev)
                 res["peak"].append(sp.memory_stats(model)["peak"])
@@ -362,7 +373,7 @@ def main():
         entry = {"median_step_ms": 1000 * statistics.median(res["times"]),
                  # the least over rounds: a system that leaves memory behind must not inflate the next one
                  "peak_bytes": min(res["peak"]) if res["peak"] else None,
-                 "first_losses": res["losses"][:3], "steps_timed": len(res["times"])}
+                 "first_losses": res["losses"][:3], "last_loss": res["losses"][-1], "steps_timed": len(res["times"])}
         if args.breakdown:
             entry["forward_ms"] = 1000 * statistics.median(p[0] for p in res["parts"])
             entry["backward_ms"] = 1000 * statistics.median(p[1] for p in res["parts"])
@@ -370,14 +381,20 @@ def main():
         for k in ("comm_bytes", "plan_peak", "planned_memory", "hook_us_per_unit", "forward_hook_us_per_unit",
                   "backward_hook_us_per_unit", "forward_hook_us_per_block", "units", "notes", "data_size",
                   "offload", "offload_fraction", "host_copy_bytes", "host_rss_bytes", "host_step_ms",
-                  "host_exposed_ms", "host_hidden_fraction", "host_steps_overlapped", "memory_phases"):
+                  "host_exposed_ms", "host_hidden_fraction", "host_steps_overlapped", "memory_phases",
+                  "planned_bytes"):
             if k in res:
                 entry[k] = res[k]
         summary["systems"][s] = entry
     ok = {s: e for s, e in summary["systems"].items() if "error" not in e}
     ref = next(iter(ok.values()))["first_losses"][0] if ok else None
     tol = 3e-2 if args.dtype else 1e-4
-    summary["losses_agree"] = all(abs(e["first_losses"][0] - ref) <= tol * max(1.0, abs(ref)) for e in ok.values())
+    quantized = ("shardplan_int8", "shardplan_fp8", "shardplan_int8_qg")  # quantized gathers: within their documented tolerance
+    summary["losses_agree"] = all(abs(e["first_losses"][0] - ref) <= (3e-2 if s in quantized else tol) * max(1.0, abs(ref))
+                                  for s, e in ok.items())
+    if "shardplan" in ok:  # the loss after the run's steps against unquantized gathers (docs/low_precision.md)
+        summary["last_loss_vs_shardplan"] = {s: ok[s]["last_loss"] - ok["shardplan"]["last_loss"] for s in quantized
+                                             if s in ok}
     summary["ratios"] = {f"{a}/{b}": ok[a]["median_step_ms"] / ok[b]["median_step_ms"] for a in ok for b in ok if a != b}
     n_units = gpt.CONFIGS[args.config].layers + 1
     if "unsharded" in ok:

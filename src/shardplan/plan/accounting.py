@@ -31,10 +31,18 @@ def sizes(b: BufferPlan) -> dict[str, int]:
         shard=0 if b.alias else b.shard_numel * it,
         full=(b.numel if b.copy_out else b.gathered_numel) * ct,   # parameter-layout storage of the full params
         packed=b.gathered_numel * ct if b.copy_out else 0,         # all-gather output before the copy-out
-        send=b.shard_numel * ct if collective and (ct != it or b.alias) else 0,
+        send=b.shard_numel * ct if collective and (ct != it or b.alias) and not b.gather_dtype else 0,
+        # [Note: a quantized gather] sends codes and scales (qsend, one rank's wire segment) into the gathered
+        # wire, which the wait dequantizes into the full (or packed) buffer and releases
+        qsend=b.wire_shard_bytes if collective else 0,
+        wire=b.gather_bytes if b.gather_dtype else 0,
         flat=b.grad_numel * ct if b.requires_grad else 0,          # unsharded gradient
-        rin=(b.gathered_numel * (rt if rt != ct else ct)) if (rt != ct or b.copy_out) else 0,
-        rout=b.shard_numel * rt if collective else 0,
+        rin=(b.gathered_numel * (rt if rt != ct else ct)) if (rt != ct or b.copy_out) and not b.reduce_quant
+        else b.reduce_bytes if b.reduce_quant else 0,
+        # [Note: a quantized reduction] quantizes the gradient into rin (every segment's codes and scales), receives
+        # every rank's codes and scales for its own segment (recv) and sums them in fp32 into rout, even in a group of one
+        recv=b.reduce_bytes if b.reduce_quant and collective else 0,
+        rout=b.shard_numel * rt if collective or b.reduce_quant else 0,
         lgrad=b.reduced_numel * it if rt != it else 0,             # a fresh local gradient (else the result itself)
     )
 
@@ -42,7 +50,7 @@ def sizes(b: BufferPlan) -> dict[str, int]:
 def reduction_result(b: BufferPlan) -> str:
     """Which tensor holds a buffer's reduced gradient: the reduce-scatter output, the cast/packed copy, or
     the unsharded gradient itself."""
-    if b.sharded and b.group_size > 1:
+    if b.sharded and (b.group_size > 1 or b.reduce_quant):
         return "rout"
     s = sizes(b)
     return "rin" if s["rin"] else "flat"
@@ -81,7 +89,7 @@ def memory(plan: "Plan", rank: int = 0, recompute: bool = False) -> dict:
         if states + extra > peak:
             peak, act_at_peak = states + extra, extra
         gathered_peak = max(gathered_peak, sum(v for (k, i), v in live.items()
-                                               if k == "packed" or (k == "full" and i in transient_full)))
+                                               if k in ("packed", "wire") or (k == "full" and i in transient_full)))
 
     schedule = plan.schedule
     for step in plan.program.canonical():
@@ -102,7 +110,7 @@ def memory(plan: "Plan", rank: int = 0, recompute: bool = False) -> dict:
         for p in plan.params:
             if p.requires_grad and not plan.buffers[p.buffer].offload:  # offloaded: the state is on the host
                 optimizer += math.prod(plan.local_shape(p.name, rank)) * 4 * plan.optimizer_states
-    grads = sum(v for (k, _), v in live.items() if k in ("lgrad", "flat", "rin", "rout"))
+    grads = sum(v for (k, _), v in live.items() if k in ("lgrad", "flat", "rin", "recv", "rout"))
     host = sum(host_bytes(b, plan.optimizer_states) for b in plan.buffers)
     return dict(params=params, grads=grads, optimizer=optimizer, gathered_peak=gathered_peak, peak=peak + optimizer,
                 host=host, host_peak=host, activations=act_at_peak if acts is not None else None, recompute=recompute,
@@ -125,9 +133,13 @@ def _apply(op, plan, per, live, lent, collected, put) -> None:
                 put("full", b.index)
             put("packed", b.index)
             put("send", b.index)
+            put("qsend", b.index)
+            put("wire", b.index)
     elif op.kind == WAIT and op.what == PARAMS:
         for b in bufs:
             live.pop(("send", b.index), None)
+            live.pop(("qsend", b.index), None)
+            live.pop(("wire", b.index), None)
             live.pop(("packed", b.index), None)
             if b.offload == Offload.PARAMS:
                 live.pop(("shard", b.index), None)
@@ -140,6 +152,7 @@ def _apply(op, plan, per, live, lent, collected, put) -> None:
             if b.index not in collected:
                 collected.add(b.index)
                 put("rin", b.index)
+                put("recv", b.index)
                 put("rout", b.index)
     elif op.kind == WAIT and op.what == GRADS:
         for b in bufs:
@@ -153,6 +166,7 @@ def _apply(op, plan, per, live, lent, collected, put) -> None:
             else:
                 live[("lgrad", i)] = live.pop((result, i))
             live.pop(("rin", i), None)
+            live.pop(("recv", i), None)
             live.pop(("rout", i), None)
     elif op.kind == FREE and op.what == GRADS:
         for b in bufs:
@@ -172,6 +186,12 @@ def comm_bytes(plan: "Plan") -> dict:
         factor = 2 if op.kind == ALL_REDUCE else 1
         out[op.kind] += op.bytes * factor * (n - 1) // n
     out["total"] = sum(out.values())
+    quantized = [b for b in plan.buffers if b.gather_dtype and b.sharded]
+    if quantized:  # [Note: part of all_gather, not added to the total again]
+        scales = {b.index: b.scale_bytes * b.group_size for b in quantized}
+        out["gather_scales"] = sum(scales[i] * (plan.mesh.axis_size(op.axes) - 1) // plan.mesh.axis_size(op.axes)
+                                   for op in plan.ops() if op.kind == ALL_GATHER and op.what == PARAMS
+                                   for i in op.buffers if i in scales)
     if plan.compute_axes:
         acts = plan.tp_activations
         out["tensor_parallel"] = None if acts is None else tp.activation_bytes(plan.tp_modules, acts, plan.mesh)
@@ -254,6 +274,11 @@ def plan_warnings(mesh: Mesh, params: Sequence[ParamPlan], buffers: Sequence[Buf
         if data and pad / data > 0.01 and pad > 4096:
             out.append(f"unit {u.name}: padding wastes {100 * pad / data:.2f}% ({pad:,} elements); "
                        f"fewer ranks per shard group or row sizes dividing the shard size reduce it")
+    local = [b for b in buffers if (b.gather_dtype or b.reduce_quant) and b.group_size == 1]
+    if local:
+        out.append(f"{len(local)} buffer(s) quantize their gathers or gradient reduction (gather_dtype/reduce_dtype) "
+                   f"over a shard group of one: nothing crosses the network, so quantizing only costs time and adds "
+                   f"error; it pays where the gathers are exposed on the network (docs/low_precision.md)")
     copy = [b for b in buffers if b.copy_out]
     if copy:
         out.append(f"{len(copy)} buffer(s) need a copy-out after each all-gather (spec shards a dim other than 0, "

@@ -8,6 +8,7 @@ import warnings
 from typing import Optional, Sequence
 
 from .. import layout as L
+from .. import lowp
 from ..dtypes import dtype_name, is_floating, itemsize
 from ..errors import MeshError, PlanError, PlanWarning
 from ..mesh import Mesh
@@ -84,7 +85,7 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
          trace=None, optimizer_states: int = 2, world_size: Optional[int] = None,
          min_unit_bytes: Optional[int] = None, order=Order.STATIC, compute_axes=(), styles=None,
          layout=LayoutChoice.AUTO, offload=None, offload_fraction: float = 1.0,
-         device_memory: Optional[float] = None, expert_axes=None) -> Plan:
+         device_memory: Optional[float] = None, expert_axes=None, gather_dtype=None) -> Plan:
     """Compile rules, a mesh and options into a :class:`Plan`. Pure: no process group, no GPU.
 
     >>> plan = shardplan.plan(model, rules, Mesh(dp=8), units=[r"layers\\.\\d+"], compute_dtype=torch.bfloat16)
@@ -129,6 +130,12 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
     for every other parameter it is a data axis.
 
     >>> plan = shardplan.plan(moe, [(r".*experts\\.w\\d", P("ep", None, None)), (r".*", P("dp"))], Mesh(dp=2, ep=2))
+
+    ``gather_dtype="int8"`` or ``"float8_e4m3fn"`` (ZeRO-3) all-gathers a block-quantized copy of the shards of
+    floating trainable parameters of two or more dimensions (fp32 absmax scale per 256 elements of the flat
+    shard), dequantized to the compute dtype after the gather; the master shards never see quantized values.
+    Per rule: ``gather_dtype=[(r".*embed.*", None), (r".*", "int8")]`` (first match wins, unmatched: not
+    quantized). See :mod:`shardplan.lowp` and docs/low_precision.md.
     """
     if not isinstance(mesh, Mesh):
         raise MeshError(f"mesh must be a shardplan.Mesh, e.g. Mesh(dp=8); got {type(mesh).__name__}")
@@ -145,8 +152,19 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
         raise PlanError(f"min_unit_bytes must be None (chosen for you) or a non-negative number of bytes; "
                         f"got {min_unit_bytes!r}")
     compute, reduce = dtype_name(compute_dtype), dtype_name(reduce_dtype)
+    reduce_quant = lowp.reduce_format(reduce)
+    # [Note: quantized reduction] reduce_dtype='int8': the buffers reduce into fp32; the plan keeps the option's name
+    for what, name in (("compute_dtype", compute), ("reduce_dtype", reduce)):
+        if name is not None and not is_floating(name) and not (what == "reduce_dtype" and reduce_quant):
+            # a cast to an integer type would zero the numbers
+            hint = (" or 'int8' (a quantized reduction); quantized gathers: gather_dtype='int8'"
+                    if what == "reduce_dtype" else "")
+            raise PlanError(f"{what}={name!r} is not a floating dtype; use e.g. 'bfloat16' or 'float32'{hint}")
     compute_axes = tp.as_compute_axes(compute_axes, mesh)
+    gather_option = lowp.as_option(gather_dtype)
     expert_axes = EP.as_expert_axes(expert_axes, mesh, compute_axes)
+    if reduce_quant:
+        lowp.refuse_reduce(level, offload, compute_axes, bool(expert_axes))
     rules = as_rules(rules)
     infos, leaves, candidates, module = collect_leaves(model_or_tree)
     if not infos:
@@ -184,6 +202,9 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
                             f"tensor-parallel over {tp_of[name].axis!r}; one compute axis per parameter: keep "
                             f"{tp_of[name].axis!r} out of its spec")
         tp_of[name] = c
+    gather_of = lowp.gather_of(gather_option, [(i.name, len(i.shape), is_floating(dtype_name(i.dtype)), i.requires_grad)
+                                               for i in infos])
+    lowp.refuse(level, offload, compute_axes, bool(ep_of), next((f for f in gather_of.values() if f), ""))
     members: dict[str, list] = {u: [] for u in [ROOT] + unit_order}
     for info in infos:  # the layout sees what one tensor-parallel rank stores: its local shape, storage axes
         c = tp_of[info.name]
@@ -217,19 +238,24 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
         # (every ep rank's tokens already reached them through the all-to-all), dense ones' are]
         dense = [m for m in members[uname] if m[0].name not in ep_of]
         experts = [m for m in members[uname] if m[0].name in ep_of]
-        laid = [(k, v, compute_axes) for k, v in geometry.layout_unit(dense, mesh, level, compute, layout).items()]
+        laid = [(k, v, compute_axes) for k, v in geometry.layout_unit(dense, mesh, level, compute, layout,
+                                                                      gather_of).items()]
         laid += [(k, v, compute_axes + expert_axes)
                  for k, v in (geometry.layout_unit(experts, mesh, level, compute, layout).items() if experts else ())]
-        for (dtype, rg, axes, _), (placement, mem), not_reduced in laid:
+        for (dtype, rg, axes, _, fmt), (placement, mem), not_reduced in laid:
             cdt = compute if compute and is_floating(dtype) else dtype
-            rdt = reduce if reduce and is_floating(dtype) else cdt
+            rq = reduce_quant if reduce_quant and rg and is_floating(dtype) and placement.layout != L.REPLICATED else ""
+            rdt = "float32" if reduce_quant and is_floating(dtype) else reduce if reduce and is_floating(dtype) else cdt
             group = mesh.axis_size(axes) if axes else 1
             b = BufferPlan(index=len(buffers), unit=uname, dtype=dtype, compute_dtype=cdt, reduce_dtype=rdt,
                            layout=placement.layout, axes=axes,
                            replica_axes=tuple(a for a in mesh.axis_names if a not in axes and a not in not_reduced),
                            group_size=group, shard_numel=placement.shard_numel,
                            numel=sum(math.prod(i.shape) for i, _ in mem), params=tuple(i.name for i, _ in mem),
-                           requires_grad=rg, **buffer_facts(placement.layout, level, group, dtype, cdt, rdt))
+                           requires_grad=rg, gather_dtype=fmt, reduce_quant=rq, **buffer_facts(placement.layout, level, group, dtype, cdt, rdt))
+            if rq and b.replica_axes and mesh.axis_size(b.replica_axes) > 1:
+                raise PlanError(f"reduce_dtype='int8' with replica axes {b.replica_axes} (HSDP) is not supported yet: "
+                                f"shard the parameters over every data axis, or use reduce_dtype='float32'")
             buffers.append(b)
             idxs.append(b.index)
             for (info, _), off in zip(mem, placement.offsets):

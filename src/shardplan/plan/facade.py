@@ -428,7 +428,11 @@ class Plan:
                     optimizer_states=self.optimizer_states, min_unit_bytes=self.min_unit_bytes, order=self.order,
                     **({"layout": self.layout} if self.layout != LayoutChoice.AUTO else {}),
                     **({"offload": self.offload} if self.offload else {}),
-                    **({"offload_fraction": self.offload_fraction} if self.offload_fraction != 1 else {}))
+                    **({"offload_fraction": self.offload_fraction} if self.offload_fraction != 1 else {}),
+                    **({"gather_dtype": [(re.escape(n), self.buffers[self.param(n).buffer].gather_dtype)
+                                         for n in (p.name for p in self.params)
+                                         if self.buffers[self.param(n).buffer].gather_dtype]}
+                       if any(b.gather_dtype for b in self.buffers) else {}))
 
     def to_source(self) -> str:
         """A rules file that rebuilds this plan: ``rules``, ``UNITS`` (the exact modules of its units),

@@ -125,8 +125,10 @@ def _interleaved(members, mesh: Mesh, A: int) -> L.Placement:
 
 
 def layout_unit(members, mesh: Mesh, level: int, compute: Optional[str],
-                layout: LayoutChoice = LayoutChoice.AUTO) -> dict[tuple, tuple[L.Placement, list]]:
-    """Group a unit's (info, spec) pairs into buffers: {(dtype, requires_grad, axes, kind): (placement, members)}.
+                layout: LayoutChoice = LayoutChoice.AUTO, gather: Optional[dict] = None) -> dict[tuple, tuple[L.Placement, list]]:
+    """Group a unit's (info, spec) pairs into buffers: {(dtype, requires_grad, axes, kind, gather dtype): (placement,
+    members)}. ``gather`` maps parameter names to their quantized gather format (:mod:`shardplan.lowp`; a
+    replicated buffer is never gathered, so never quantized).
 
     A contiguous group whose padding would exceed 1% of its data *and* twice the interleaved padding
     joins the interleaved group of its key: zero copy-out is worth a little padding, not a lot.
@@ -134,11 +136,12 @@ def layout_unit(members, mesh: Mesh, level: int, compute: Optional[str],
     groups: dict[tuple, list] = {}
     for info, spec in members:
         kind, axes = placement_kind(spec, mesh, level, layout)
-        key = (dtype_name(info.dtype), info.requires_grad, axes, kind)
+        fmt = (gather or {}).get(info.name, "") if kind != L.REPLICATED else ""
+        key = (dtype_name(info.dtype), info.requires_grad, axes, kind, fmt)
         groups.setdefault(key, []).append((info, spec))
     out: dict[tuple, tuple[L.Placement, list]] = {}
     for key, mem in groups.items():
-        dtype, rg, axes, kind = key
+        dtype, rg, axes, kind, fmt = key
         cdt = compute if compute and is_floating(dtype) else dtype
         A = L.align_elems(itemsize(dtype), itemsize(cdt))
         W = mesh.axis_size(axes) if axes else 1
@@ -153,7 +156,7 @@ def layout_unit(members, mesh: Mesh, level: int, compute: Optional[str],
             if cont is not None and cont.shard_numel * W - total <= max(2 * (inter.shard_numel * W - total), total // 100):
                 out[key] = (cont, mem)
                 continue
-        ikey = (dtype, rg, axes, L.INTERLEAVED)
+        ikey = (dtype, rg, axes, L.INTERLEAVED, fmt)
         merged = out.pop(ikey, (None, []))[1] + mem
         out[ikey] = (_interleaved(merged, mesh, A), merged)
     return out

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from .. import layout as L
 from ..dtypes import itemsize
 from .accounting import coverage
-from .kinds import ALL_GATHER, ALL_REDUCE, COPY_D2H, COPY_H2D, FREE, OPTIM_STEP, PREPARE, REDUCE_SCATTER, WAIT
+from .kinds import ALL_GATHER, ALL_REDUCE, COPY_D2H, COPY_H2D, FREE, OPTIM_STEP, PARAMS, PREPARE, REDUCE_SCATTER, WAIT
 
 if TYPE_CHECKING:  # pragma: no cover
     from .facade import Plan
@@ -31,6 +31,8 @@ def header(plan: "Plan") -> str:
     dtypes = sorted({p.dtype for p in plan.params})
     compute = plan.compute_dtype or "their own dtype"
     reduce = plan.reduce_dtype or ("the compute dtype" if plan.compute_dtype else "their own dtype")
+    if any(b.reduce_quant for b in plan.buffers):
+        reduce = f"{reduce} (quantized per block, all-to-all, summed in fp32)"
     return (f"shardplan {plan.strategy} on {plan.mesh!r}: parameters stored in {'/'.join(dtypes)}, computed in "
             f"{compute}, gradients reduced in {reduce}; prefetch {plan.prefetch}, "
             f"reshard after forward {plan.reshard_after_forward}, order {plan.order}; fingerprint {plan.fingerprint()}")
@@ -78,7 +80,8 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
     shown = plan.units if max_rows or len(plan.units) <= 8 else plan.units[:4] + plan.units[-2:]
     for u in shown:
         bufs = [plan.buffers[i] for i in u.buffers]
-        desc = "; ".join(f"#{b.index} {b.layout} {b.dtype}->{b.compute_dtype} axes={','.join(b.axes) or '-'} "
+        desc = "; ".join(f"#{b.index} {b.layout} {b.dtype}->{b.compute_dtype}"
+                         f"{' (gathered as ' + b.gather_dtype + ')' if b.gather_dtype else ''} axes={','.join(b.axes) or '-'} "
                          f"S={b.shard_numel:,} pad={b.padding:,}" for b in bufs)
         out.append(f"  {u.name:<28} reshard_after_forward={u.reshard_after_forward!s:<5} {desc}")
     if len(shown) < len(plan.units):
@@ -109,6 +112,13 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
     out.append(f"sent per step per rank: all_gather {fmt_bytes(c['all_gather'])}, reduce_scatter "
                f"{fmt_bytes(c['reduce_scatter'])}, all_reduce {fmt_bytes(c['all_reduce'])}{tp_part}, "
                f"total {fmt_bytes(c['total'])}")
+    if "gather_scales" in c:
+        q = [b for b in plan.buffers if b.gather_dtype]
+        full = sum(b.gathered_numel * b.compute_itemsize for b in q)
+        wire = sum(b.gather_bytes for b in q)
+        out.append(f"quantized gathers ({', '.join(sorted({b.gather_dtype for b in q}))}): {len(q)} buffers, all_gather "
+                   f"includes {fmt_bytes(c['gather_scales'])} of fp32 block scales; their gathers carry "
+                   f"{100 * wire / max(full, 1):.1f}% of the compute-dtype bytes")
     if plan.expert_modules:
         m0 = plan.expert_modules[0]
         out.append(f"expert axis {m0.axis}: {len(plan.expert_modules)} expert modules, {m0.local_experts} of "
@@ -161,6 +171,11 @@ def render_tp(plan: "Plan") -> list[str]:
     return out
 
 
+def _quantized(plan: "Plan", op) -> str:
+    """The quantized gather formats of ``op``'s buffers ("int8", "int8+float8_e4m3fn", or "")."""
+    return "+".join(sorted({plan.buffers[i].gather_dtype for i in op.buffers if plan.buffers[i].gather_dtype}))
+
+
 def render_schedule(plan: "Plan") -> str:
     """The schedule, one op per line under the event that triggers it: where each collective is issued
     and where it is waited on."""
@@ -175,8 +190,14 @@ def render_schedule(plan: "Plan") -> str:
         elif op.is_collective:
             ax = ",".join(op.axes) or "local"
             body = f"{op.kind} {op.what} {op.unit or 'all'} over {ax}, {fmt_bytes(op.bytes)}"
+            q = _quantized(plan, op)
+            if q and op.kind == ALL_GATHER:
+                body = f"quantize {q} (fp32 block scales), " + body
         else:
             body = f"{op.kind} {op.what} {op.unit or 'all'}"
+            q = _quantized(plan, op)
+            if q and op.kind == WAIT and op.what == PARAMS:
+                body += f", dequantize {q} -> compute dtype"
         lines.append(f"  {i:>4}  {body}{flags}")
     return "\n".join(lines)
 

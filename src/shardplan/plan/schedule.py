@@ -128,7 +128,7 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
         copy = [op(COPY_H2D, u, PARAMS, event, at, hosted, lambda b: (), sum(b.shard_numel * b.itemsize for b in hosted),
                    pf, when)] if hosted else []
         return copy + [op(ALL_GATHER, u, PARAMS, event, at, sorted(p, key=lambda b: b.index), lambda b: b.axes
-                          if b.sharded else (), sum(b.gathered_numel * b.compute_itemsize for b in p if b.sharded), pf,
+                          if b.sharded else (), sum(b.gather_bytes for b in p if b.sharded), pf,
                           when) for p in parts]
 
     def copy_back(u) -> list[Op]:
@@ -157,7 +157,7 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
         out = []
         for rs in by_group([b for b in grads if b.sharded], lambda b: b.axes):
             out.append(op(REDUCE_SCATTER, u, GRADS, event, at, rs, None,
-                          sum(b.gathered_numel * b.reduce_itemsize for b in rs), when=SYNC))
+                          sum(b.reduce_bytes for b in rs), when=SYNC))
         for ar in by_group([b for b in grads if b.replica_axes and mesh.axis_size(b.replica_axes) > 1],
                            lambda b: b.replica_axes):
             out.append(op(ALL_REDUCE, u, GRADS, event, at, ar, lambda b: b.replica_axes,

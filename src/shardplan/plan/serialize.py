@@ -41,7 +41,9 @@ def to_dict(plan: "Plan") -> dict[str, Any]:
                          replica_axes=list(b.replica_axes), group_size=b.group_size, shard_numel=b.shard_numel,
                          numel=b.numel, params=list(b.params), requires_grad=b.requires_grad, alias=b.alias,
                          persistent=b.persistent, grad_alias=b.grad_alias, keeps_grads=b.keeps_grads,
-                         **({"offload": b.offload} if b.offload else {}))
+                         **({"offload": b.offload} if b.offload else {}),
+                         **({"gather_dtype": b.gather_dtype} if b.gather_dtype else {}),
+                         **({"reduce_quant": b.reduce_quant} if b.reduce_quant else {}))
                     for b in plan.buffers],
         "units": [dict(name=u.name, buffers=list(u.buffers), reshard_after_forward=u.reshard_after_forward,
                        modules=list(u.modules), parent=u.parent) for u in plan.units],

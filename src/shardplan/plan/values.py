@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .. import layout as L
+from .. import lowp
 from ..dtypes import itemsize
 from ..spec import P
 from ..units import ROOT
@@ -152,10 +153,38 @@ class BufferPlan:
     grad_alias: bool = False
     keeps_grads: bool = True
     offload: str = ""  # "" (all on the device), "optimizer" or "params": what of it lives in host memory
+    gather_dtype: str = ""  # "" (gathered in the compute dtype), "int8" or "float8_e4m3fn" (see shardplan.lowp)
+    reduce_quant: str = ""  # "int8": gradients quantized per block, all-to-all, summed in fp32 (reduce_dtype float32)
 
     @property
     def sharded(self) -> bool:
         return self.layout != L.REPLICATED
+
+    @property
+    def wire_shard_bytes(self) -> int:
+        """Bytes one rank sends in this buffer's quantized gather: codes and fp32 block scales (0: not quantized)."""
+        return lowp.wire_shard_bytes(self.shard_numel) if self.gather_dtype else 0
+
+    @property
+    def scale_bytes(self) -> int:
+        """Bytes of fp32 scales one rank sends in its quantized gather (0: not quantized)."""
+        return lowp.SCALE_BYTES * lowp.scale_count(self.shard_numel) if self.gather_dtype else 0
+
+    @property
+    def gather_bytes(self) -> int:
+        """The payload of this buffer's all-gather on one rank (gathered size): the quantized wire, or the full
+        buffer in the compute dtype."""
+        if self.gather_dtype:
+            return self.wire_shard_bytes * (self.group_size if self.sharded else 1)
+        return self.gathered_numel * self.compute_itemsize
+
+    @property
+    def reduce_bytes(self) -> int:
+        """The payload of this buffer's reduce-scatter on one rank: the quantized segments (an all-to-all of
+        ``group_size`` wire segments), or the gathered buffer in the reduce dtype."""
+        if self.reduce_quant:
+            return lowp.wire_shard_bytes(self.shard_numel) * self.group_size
+        return self.gathered_numel * self.reduce_itemsize
 
     @property
     def gathered_numel(self) -> int:

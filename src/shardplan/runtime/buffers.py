@@ -110,6 +110,13 @@ class BufferState:
         self.gappy = bp.grad_numel != sum(m.info.numel for m in self.members)  # padding between parameters
         if self.packed is not None:
             free_storage(self.packed)
+        # [Note: a quantized gather] (bp.gather_dtype) gathers codes and scales into ``wire`` (uint8), which
+        # ``finish_gather`` dequantizes into the full (or packed) buffer; ``plan`` names a parameter on error
+        self.qfmt = bp.gather_dtype
+        self.wire: Optional[torch.Tensor] = None
+        self.plan = plan if self.qfmt else None
+        self.defer_check = device.type != "cpu"  # see [Note: the non-finite check without a host sync]
+        self.pending_check = None
 
     def _group(self, plan: Plan) -> tuple[int, ...]:
         """The ranks of one shard group, in segment order (the copy-out reads their segments)."""
@@ -155,13 +162,23 @@ class BufferState:
             alloc_storage(self.full)
         if self.packed is not None:
             alloc_storage(self.packed)
-            return self.packed
-        return self.full
+        if self.qfmt:
+            self.wire = torch.empty(self.bp.gather_bytes, dtype=torch.uint8, device=self.device)
+            return self.wire
+        return self.packed if self.packed is not None else self.full
 
     def gather_input(self, collective: bool, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The shard as the all-gather sends it: cast to the compute dtype, or a copy when it is part of
         the output (in-place gathers are not portable across backends). A gather that moves nothing
-        (``collective`` False) writes the shard straight into ``out``, casting in the same copy."""
+        (``collective`` False) writes the shard straight into ``out``, casting in the same copy. A quantized
+        gather sends the master shard's codes and scales (quantized in fp32)."""
+        if self.qfmt:
+            from .quantize import quantize_into
+            send = out if not collective and out is not None else \
+                torch.empty(self.bp.wire_shard_bytes, dtype=torch.uint8, device=self.device)
+            with torch.no_grad():
+                quantize_into(self.shard, self.qfmt, send)
+            return send
         if not collective and out is not None:
             if out.data_ptr() != self.shard.data_ptr() or out.dtype != self.shard.dtype:
                 with torch.no_grad():
@@ -172,7 +189,10 @@ class BufferState:
         return self.shard.clone() if collective and self.bp.alias else self.shard
 
     def finish_gather(self) -> None:
-        """After the all-gather completed: copy interleaved pieces out into parameter layout."""
+        """After the all-gather completed: dequantize a quantized gather, copy interleaved pieces out into
+        parameter layout."""
+        if self.wire is not None:
+            self._dequantize()
         if self.packed is None:
             return
         packed = self.packed.view(self.bp.group_size, self.S) if self.sharded else self.packed.view(1, -1)
@@ -183,6 +203,50 @@ class BufferState:
                 for seg, box, n in m.copy_plan:
                     target[box].copy_(packed[seg, p.offset:p.offset + n].view([s.stop - s.start for s in box]))
         free_storage(self.packed)
+
+    def _dequantize(self) -> None:
+        from .quantize import bad_blocks, dequantize_into, first_bad_block
+        segments = self.bp.group_size if self.sharded else 1
+        # [Note: the non-finite check without a host sync] on the host (CPU tensors) the scales are checked at
+        # once. On a GPU, reading a flag back per gather would stall the host behind every gather: the first
+        # non-finite block's index is copied back without blocking and checked at this buffer's next gather
+        # (its weights are NaN meanwhile: the dequantized block is). Every rank checks the same gathered scales
+        # at the same op, so every rank raises together.
+        if self.defer_check:
+            self.check_pending()
+            self.pending_check = first_bad_block(self.wire, self.S, segments)
+        else:
+            bad = bad_blocks(self.wire, self.S, segments)
+            if bad:
+                self.wire = None
+                raise RuntimeShardingError(self._non_finite(*bad[0]))
+        with torch.no_grad():
+            dequantize_into(self.wire, self.qfmt, self.S, segments,
+                            self.packed if self.packed is not None else self.full)
+        self.wire = None
+
+    def check_pending(self) -> None:
+        """Raise for a non-finite block an earlier (deferred) check found."""
+        pending, self.pending_check = self.pending_check, None
+        if pending is None:
+            return
+        index, event = pending
+        if event is not None:
+            event.synchronize()
+        k = int(index.item())
+        if k >= 0:
+            nb = -(-self.S // 256)
+            raise RuntimeShardingError(self._non_finite(k // nb, (k % nb) * 256))
+
+    def _non_finite(self, segment: int, start: int) -> str:
+        """The error for a NaN/inf in ``segment``'s shard at ``start`` (a block of it): names the parameter."""
+        group = self._group(self.plan)
+        rank = group[segment] if segment < len(group) else segment
+        names = [pc.param for pc in self.plan.buffer_pieces(self.bp.index, rank)
+                 if pc.numel and pc.shard_offset < start + 256 and start < pc.shard_offset + pc.numel]
+        return (f"shardplan: parameter {', '.join(names) or '(padding)'} holds NaN or inf on rank {rank} (buffer "
+                f"#{self.bp.index}, unit {self.bp.unit}), found when quantizing it for its {self.qfmt} gather; "
+                f"lower the learning rate or clip gradients (sp.clip_grad_norm_), and check the loss for NaN")
 
     def release_full(self) -> None:
         if not self.bp.persistent:
@@ -287,6 +351,12 @@ class BufferState:
             for m in self.members:
                 for seg, box, n in m.copy_plan:
                     view[seg, m.info.offset:m.info.offset + n].copy_(m.view[box].reshape(-1))
+        if self.bp.reduce_quant:  # every segment quantized on its own: the all-to-all sends segment k to rank k
+            from .quantize import quantize_into
+            wire = torch.empty(self.bp.reduce_bytes, dtype=torch.uint8, device=self.device)
+            with torch.no_grad():
+                quantize_into(g[:self.G], self.bp.reduce_quant, wire, self.bp.group_size)
+            return wire
         if out is not None:
             out.copy_(g[:out.numel()])
             return out
@@ -341,4 +411,4 @@ class BufferState:
 
     def tensors(self) -> list[Optional[torch.Tensor]]:
         """Every tensor this buffer holds now (for the runtime's memory accounting)."""
-        return [self.shard, self.full, self.packed, self.flat] + [m.local.grad for m in self.members]
+        return [self.shard, self.full, self.packed, self.flat, self.wire] + [m.local.grad for m in self.members]

@@ -108,6 +108,16 @@ def all_reduce(t: torch.Tensor, group: Group, async_op: bool = True, op=None):
     return dist.all_reduce(t, op=op if op is not None else dist.ReduceOp.AVG, group=group.pg, async_op=async_op) or DONE
 
 
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = True):
+    """Equal parts of ``inp`` to the ranks of ``group`` (the i-th to the i-th), theirs into ``out``: a quantized
+    reduce-scatter's exchange (the sum is local, see runtime/quantize.py)."""
+    if group.pg is None:
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        return DONE
+    return dist.all_to_all_single(out, inp, group=group.pg, async_op=async_op) or DONE
+
+
 def all_gather_list(mine: torch.Tensor, group: Group) -> list[torch.Tensor]:
     """Every rank's ``mine`` (same shape and dtype on every rank), indexed by the rank's place in the group."""
     if group.pg is None:

@@ -86,6 +86,12 @@ class CommEngine:
             todo = []
             for i in op.buffers:
                 b, group = self.buffer[i], self.groups.reduce(op.axes)  # the op names its group
+                if b.bp.reduce_quant:  # [Note: a quantized reduction] all-to-all of codes and scales, fp32 sum after
+                    rec.results[i] = torch.empty(b.S, dtype=torch.float32, device=b.device)
+                    rec.unpack[i] = torch.empty_like(rec.inputs[i]) if group.pg is not None else rec.inputs[i]
+                    if group.pg is not None:
+                        todo.append((i, group))
+                    continue
                 if group.pg is None:  # a group of one: the (cast) gradient is the result
                     rec.results[i] = rec.inputs[i]
                     continue
@@ -95,6 +101,10 @@ class CommEngine:
                 return
             with self.streams.on("reduce"):
                 for i, group in todo:
+                    if i in rec.unpack:
+                        rec.works[i].append(self.call(C.all_to_all, op, rec.unpack[i], rec.inputs[i], group,
+                                                      async_op=not cuda))
+                        continue
                     rec.works[i].append(self.call(C.reduce_scatter, op, rec.results[i], rec.inputs[i], group,
                                                   async_op=not cuda))
         else:
@@ -115,6 +125,13 @@ class CommEngine:
             for w in ws:
                 self.wait(w, op)
         self.streams.wait(rec.event)
+        if rec.unpack:
+            from .quantize import dequantize_mean
+            with torch.no_grad():
+                for i, got in rec.unpack.items():
+                    b = self.buffer[i]  # got: every rank's codes and scales of this rank's segment
+                    dequantize_mean(got, b.bp.reduce_quant, b.S, b.bp.group_size, rec.results[i])
+            rec.unpack.clear()
 
     def local_result(self, b: BufferState) -> Optional[torch.Tensor]:
         """Where a reduction that moves nothing (a shard group of one, replicated) should leave its result,

@@ -18,6 +18,7 @@ from typing import Optional, Protocol, runtime_checkable
 import torch
 import torch.nn as nn
 
+from ..errors import RuntimeShardingError
 from .buffers import BufferState, alias
 from .unit import UnitRuntime
 
@@ -115,6 +116,11 @@ class TreeFace:
     stale_after_sync = False  # new shards arrive as a new tree: load() sees them
 
     def __init__(self, plan, exe_ref, wrappers: Optional[dict] = None):
+        quantized = [b.unit for b in plan.buffers if b.gather_dtype]
+        if quantized:
+            raise RuntimeShardingError(f"shardplan: the plan quantizes the gathers of unit {quantized[0]!r} "
+                                       f"(gather_dtype), which the functional face does not support yet; plan with "
+                                       f"gather_dtype=None for functional_call, or train the module with sp.shard")
         self.plan = plan
         self.wrappers = wrappers or {}  # tensor parallelism: name -> full tensor to the DTensor its module uses
         self.exe = exe_ref  # a weak reference: the executor owns the face

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -52,6 +52,7 @@ class PendingReduce:
     inputs: dict         # buffer index -> tensor the reduction read
     results: dict        # buffer index -> tensor holding the reduced gradient
     event: Any = None
+    unpack: dict = field(default_factory=dict)  # quantized reductions: buffer index -> what the all-to-all received
 
 
 @dataclass
@@ -95,5 +96,5 @@ class UnitRuntime:
         if self.gather is not None:
             out += self.gather.keep
         if self.reduce is not None:
-            out += list(self.reduce.inputs.values()) + list(self.reduce.results.values())
+            out += list(self.reduce.inputs.values()) + list(self.reduce.results.values()) + list(self.reduce.unpack.values())
         return out
