@@ -202,7 +202,8 @@ def _trained(rank, world, strategy, offload, fraction=1.0, *, clip=False, accum=
 
 
 def _state(model):
-    return {n: p.detach().clone() for n, p in model._shardplan.local_params().items()}
+    eng = model._shardplan  # (offload="params": the shards live in host memory; local_value reads them there)
+    return {n: eng.local_value(n, p).clone() for n, p in eng.local_params().items()}
 
 
 def _train_worker(rank, world, cases):

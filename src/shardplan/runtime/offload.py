@@ -49,7 +49,7 @@ import torch
 
 from ..errors import RuntimeShardingError
 from ..plan.kinds import COPY_D2H, OPTIM_STEP, Offload
-from .buffers import BufferState
+from .buffers import BufferState, alias, alloc_storage, free_storage
 
 HYPER = ("lr", "betas", "eps", "weight_decay")  # what the host step reads from the optimizer's param group
 
@@ -90,6 +90,13 @@ class HostBuffer:
     dirty: bool = False               # the master changed since it was last copied to the device
     inflight: Optional[InFlightStep] = None  # its host step, running in the worker
     early: bool = False               # stepped during this backward; opt.step() has not claimed it yet
+    staged: bool = False              # offload="params": the device shard holds the master (copy_h2d to gather)
+    device_view: Any = None           # offload="params": the device shard's storage, its own version counter
+
+    @property
+    def params(self) -> bool:
+        """offload="params": the parameter shard itself lives on the host ([Note: hosted parameter shards])."""
+        return self.mode == Offload.PARAMS
 
     @property
     def trainable(self) -> list:
@@ -110,19 +117,21 @@ class OffloadState:
         self.stats = dict(host_step_s=0.0, exposed_s=0.0, steps=0, overlapped=0)
         self.hosts: dict[int, HostBuffer] = {}
         self.submitted: list[HostBuffer] = []  # early steps in the order the worker runs them
+        self.values: dict[str, torch.Tensor] = {}  # offload="params": parameter name -> view of its host master
         for u in exe.unit_list:
             for b in u.buffers:
                 if not b.bp.offload:
                     continue
-                if b.bp.offload == Offload.PARAMS:
-                    raise RuntimeShardingError(
-                        "shardplan: offload='params' is planned (memory, copies, schedule) but this version runs "
-                        "offload='optimizer' only; plan with offload='optimizer' (or strategy-level 3 without offload)")
                 zeros = lambda: _pin(torch.zeros(b.shard.numel(), dtype=b.dtype), exe.device)
                 hb = HostBuffer(b, b.bp.offload, master=_pin(b.shard.detach().to("cpu", copy=True), exe.device),
                                 grad=zeros(), exp_avg=zeros(), exp_avg_sq=zeros())
                 hb.steps = {m.index: torch.tensor(0.0) for m in hb.trainable}
                 self.hosts[b.bp.index] = hb
+                if hb.params:  # [Note: hosted parameter shards]: the master is the shard; the device copy goes
+                    hb.device_view = alias(b.shard, 0, (b.shard.numel(),))  # (its own version counter)
+                    free_storage(b.shard)
+                    for m in b.members:
+                        self.values[m.name] = hb.master[m.shard].view(m.piece.shape)
 
     # -- the schedule's ops (executor handlers) ------------------------------------------------------
     def run(self, op) -> None:
@@ -155,14 +164,58 @@ class OffloadState:
                 hb.d2h = self._event(self.d2h_stream)
 
     def copy_params(self, hosts: list[HostBuffer]) -> None:
-        """The stepped master shards on the device before anything reads them (idempotent)."""
+        """The stepped master shards on the device before anything reads them (idempotent). A hosted
+        parameter shard ([Note: hosted parameter shards]) is copied in for the all-gather that follows."""
         for hb in hosts:
             if hb.inflight is not None:
                 self._land(hb, block=True)
+            if hb.params:
+                self._stage(hb)
+                continue
             if hb.dirty:
                 self._issue_h2d(hb)
             if self.cuda and hb.h2d is not None:
                 torch.cuda.current_stream().wait_event(hb.h2d)
+
+    def _stage(self, hb: HostBuffer) -> None:
+        """offload="params": allocate the device shard and copy the master into it on the host-to-device
+        stream; the gather stream (not the compute stream) waits for the copy, so a prefetched copy overlaps
+        the compute before it."""
+        if hb.staged:
+            return
+        alloc_storage(hb.b.shard)  # on the compute stream, like every buffer ([Note: streams], streams.py)
+        if self.cuda:
+            self.h2d_stream.wait_stream(torch.cuda.current_stream())
+        with (torch.cuda.stream(self.h2d_stream) if self.cuda else contextlib.nullcontext()):
+            with torch.no_grad():
+                hb.device_view.copy_(hb.master, non_blocking=self.cuda)
+            hb.h2d = self._event(self.h2d_stream)
+        self.exe.comm.streams.side_waits("gather", hb.h2d)
+        hb.staged = True
+
+    def gathered(self, indices) -> None:
+        """The all-gather of these buffers completed (the compute stream waited for it): the device copies
+        of hosted parameter shards are freed until the next gather's ``copy_h2d``."""
+        for i in indices:
+            hb = self.hosts.get(i)
+            if hb is not None and hb.params and hb.staged:
+                free_storage(hb.b.shard)
+                hb.staged = False
+
+    def hosted_shard(self, index: int) -> Optional[torch.Tensor]:
+        """The host master of buffer ``index`` when its parameter shard is hosted, else ``None``."""
+        hb = self.hosts.get(index)
+        if hb is None or not hb.params:
+            return None
+        self.wait_all()
+        return hb.master
+
+    def hosted_value(self, name: str) -> Optional[torch.Tensor]:
+        """A view of parameter ``name``'s host master when its shard is hosted, else ``None``."""
+        v = self.values.get(name)
+        if v is not None:
+            self.wait_all()
+        return v
 
     # -- the overlapped host step ([Note: the overlapped step]) --------------------------------------------
     def start_steps(self, hosts: list[HostBuffer]) -> None:
@@ -308,7 +361,11 @@ class OffloadState:
 
     def _issue_h2d(self, hb: HostBuffer, after=None) -> None:
         """The master to the device shard, non-blocking on the host-to-device stream. ``after``: an event
-        the copy waits for (the device's last read of the shard); else everything issued so far."""
+        the copy waits for (the device's last read of the shard); else everything issued so far. A hosted
+        parameter shard has no device copy between gathers: the next gather's ``copy_h2d`` copies it."""
+        if hb.params:
+            hb.dirty = False
+            return
         if self.cuda:
             if after is not None:
                 self.h2d_stream.wait_event(after)
@@ -333,7 +390,8 @@ class OffloadState:
         for hb in self.hosts.values():
             if hb.h2d is not None:
                 hb.h2d.synchronize()
-            hb.master.copy_(hb.b.shard.detach())
+            if not hb.params:  # a hosted parameter shard was written in its master (Executor.local_value)
+                hb.master.copy_(hb.b.shard.detach())
             hb.dirty, hb.h2d, hb.early = False, None, False
         self.submitted = []
 
