@@ -224,6 +224,10 @@ TRAIN_CASES = [(s, "optimizer", 1.0, {}) for s in range(4)] + [
     (3, "optimizer", 1.0, dict(accum=True)), (3, "optimizer", 1.0, dict(fused=False)),
     (3, "optimizer", 1.0, dict(compute_dtype=torch.bfloat16)), (2, "optimizer", 1.0, dict(sched=True)),
     (3, "optimizer", 1.0, dict(sched=True, accum=True)), (0, "optimizer", 1.0, dict(overlap=False)),
+    # offload="params" (ZeRO-3): the parameter shards live on the host, copied in before each all-gather
+    (3, "params", 1.0, {}), (3, "params", 0.5, {}), (3, "params", 1.0, dict(clip=True, accum=True)),
+    (3, "params", 1.0, dict(clip=True, overlap=False)), (3, "params", 1.0, dict(compute_dtype=torch.bfloat16)),
+    (3, "params", 0.5, dict(sched=True, accum=True)),
 ]
 
 
@@ -279,10 +283,14 @@ def _ckpt_worker(rank, world, root, jobs):
 def test_checkpoints_load_across_offload_settings_and_world_sizes(tmp_path):
     root = str(tmp_path)
     two = run(_ckpt_worker, 2, root, [("reference", 3, None), ("save:offloaded", 3, "optimizer"), ("save:on_device", 2, None),
-                                      ("resume:offloaded", 2, None), ("resume:on_device", 3, "optimizer")], timeout=280)[0]
+                                      ("save:hosted", 3, "params"), ("resume:offloaded", 2, None),
+                                      ("resume:on_device", 3, "optimizer"), ("resume:hosted", 3, None),
+                                      ("resume:on_device", 3, "params")], timeout=280)[0]
     ref = two[0]
     four = run(_ckpt_worker, 4, root, [("resume:offloaded", 3, "optimizer"), ("resume:on_device", 1, "optimizer"),
-                                       ("resume:offloaded", 0, None)], timeout=280)[0]
+                                       ("resume:offloaded", 0, None), ("resume:hosted", 2, None),
+                                       ("resume:offloaded", 3, "params"), ("resume:hosted", 3, "params")],
+               timeout=280)[0]
     for got in two[1:] + four:
         assert set(got) == set(ref)
         for n in ref:
@@ -293,10 +301,10 @@ def test_checkpoints_load_across_offload_settings_and_world_sizes(tmp_path):
 
 def _memory_worker(rank, world, cases):
     out = []
-    for strategy, fraction, dtype in cases:
+    for strategy, fraction, dtype, mode in cases:
         model = Toy()
         plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), strategy=strategy, units=UNITS, min_unit_bytes=0,
-                       offload="optimizer", offload_fraction=fraction, compute_dtype=dtype)
+                       offload=mode, offload_fraction=fraction, compute_dtype=dtype)
         sp.shard(model, plan)
         opt = sp.offload_optimizer(model)
         for step in range(2):
@@ -315,7 +323,8 @@ def _memory_worker(rank, world, cases):
 def test_runtime_host_and_device_bytes_match_plan():
     """As tests/test_runtime.py::test_runtime_memory_matches_plan, with the host side: the host tensors the
     runtime holds equal plan.memory().host, and the device peak still equals the plan's walk."""
-    cases = [(s, f, d) for s in range(4) for f in (1.0, 0.5) for d in (None, torch.bfloat16)]
+    cases = [(s, f, d, "optimizer") for s in range(4) for f in (1.0, 0.5) for d in (None, torch.bfloat16)]
+    cases += [(3, f, d, "params") for f in (1.0, 0.5) for d in (None, torch.bfloat16)]
     for rank_out in run(_memory_worker, 2, cases, timeout=280):
         for case, (measured, planned) in zip(cases, rank_out):
             assert measured == planned, (case, measured, planned)
