@@ -291,6 +291,7 @@ def main():
                 if s == "shardplan_offload":  # the host AdamW: its time per step and how much backward hid
                     hs, n = opt.host_stats(), len(steps)
                     info.update(host_step_ms=1000 * hs["host_step_s"] / n, host_exposed_ms=1000 * hs["exposed_s"] / n,
+                                host_kernel_ms=1000 * hs["kernel_s"] / n, host_threads=hs["threads"],
                                 host_hidden_fraction=hs["hidden_s"] / hs["host_step_s"] if hs["host_step_s"] else None,
                                 host_steps_overlapped=f"{hs['overlapped']}/{hs['steps']}")
                 if s == "shardplan":  # the runtime's CPU time per unit and step: forward hooks, backward hooks

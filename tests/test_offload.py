@@ -78,6 +78,25 @@ def test_auto_fraction_is_the_smallest_that_fits(strategy, mode):
         _plan(strategy, None, "auto", device_memory=10**9)
 
 
+def test_balanced_fraction_fits_the_host_step_in_the_window():
+    from shardplan.plan.offload import offloaded_share, prefix_fractions
+    full = _plan()
+    fractions = prefix_fractions(full.buffers, full.units)
+    host = 0.3  # seconds per step with everything offloaded: linear in the fraction
+    for window in (0.0, 0.05, 0.1, 0.15, 0.29, 0.3, 1.0):
+        f = full.balanced_offload_fraction(host, window)
+        assert f in fractions
+        hidden = [g for g in fractions if g * host <= window * (1 + 1e-9)]
+        assert f == (hidden[-1] if hidden else fractions[0]), (window, f)  # the largest that the window hides
+        half = _plan(fraction=0.5)  # measured at a fraction: the same rate per byte offloaded
+        assert half.balanced_offload_fraction(host * offloaded_share(half.buffers), window) == f
+    assert full.balanced_offload_fraction(host, 0.0, at_least=fractions[2]) == fractions[2]  # memory first
+    with pytest.raises(sp.PlanError, match="offloads nothing"):
+        _plan(offload=None).balanced_offload_fraction(host, 0.1)
+    with pytest.raises(sp.PlanError, match="measured host step"):
+        full.balanced_offload_fraction(0.0, 0.1)
+
+
 def test_params_offload_frees_the_device_shards():
     base, off = _plan(offload=None), _plan(offload="params")
     assert {b.offload for b in off.buffers} == {"params"}

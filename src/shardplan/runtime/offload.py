@@ -52,6 +52,9 @@ from ..plan.kinds import COPY_D2H, OPTIM_STEP, Offload
 from .buffers import BufferState, alias, alloc_storage, free_storage
 
 HYPER = ("lr", "betas", "eps", "weight_decay")  # what the host step reads from the optimizer's param group
+# opt.host_stats(): seconds of host steps (kernel_s of them in the AdamW kernels, the rest waiting for the
+# gradient's copy), seconds opt.step() waited for them, buffer steps, of which during backward
+STATS = dict(host_step_s=0.0, kernel_s=0.0, exposed_s=0.0, steps=0, overlapped=0)
 
 
 def _pin(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -114,7 +117,7 @@ class OffloadState:
         self.h2d_stream = torch.cuda.Stream(exe.device) if self.cuda else None
         self.optimizer_ref = None         # weak reference to the OffloadAdamW stepping this model (it registers)
         self.worker: Optional[ThreadPoolExecutor] = None
-        self.stats = dict(host_step_s=0.0, exposed_s=0.0, steps=0, overlapped=0)
+        self.stats = dict(STATS)
         self.hosts: dict[int, HostBuffer] = {}
         self.submitted: list[HostBuffer] = []  # early steps in the order the worker runs them
         self.values: dict[str, torch.Tensor] = {}  # offload="params": parameter name -> view of its host master
@@ -252,10 +255,11 @@ class OffloadState:
     def _land(self, hb: HostBuffer, block: bool) -> None:
         rec = hb.inflight
         t0 = time.perf_counter()
-        seconds = rec.future.result()  # re-raises what the worker raised
+        seconds, kernel = rec.future.result()  # re-raises what the worker raised
         if block:
             self.stats["exposed_s"] += time.perf_counter() - t0
         self.stats["host_step_s"] += seconds
+        self.stats["kernel_s"] += kernel
         self.stats["steps"] += 1
         self.stats["overlapped"] += 1
         hb.inflight = None
@@ -350,10 +354,11 @@ class OffloadState:
                     for c in hb.scales:
                         hb.grad[m.shard].mul_(c.to(hb.grad.dtype))
             hb.scales.clear()
-        _host_compute(hb, [m for m, _ in active], group, fused, hb.d2h, hb.h2d)
+        _, kernel = _host_compute(hb, [m for m, _ in active], group, fused, hb.d2h, hb.h2d)
         hb.d2h = None
         seconds = time.perf_counter() - t0
         self.stats["host_step_s"] += seconds
+        self.stats["kernel_s"] += kernel
         self.stats["exposed_s"] += seconds
         self.stats["steps"] += 1
         hb.dirty = True
@@ -425,21 +430,24 @@ class OffloadState:
         return ev
 
 
-def _host_compute(hb: HostBuffer, members: list, group: dict, fused: Optional[bool], d2h, h2d) -> float:
+def _host_compute(hb: HostBuffer, members: list, group: dict, fused: Optional[bool], d2h, h2d) -> tuple:
     """The AdamW kernels over ``hb``'s host tensors (the worker runs this; no device work, no Python state
-    shared with the main thread but ``hb``'s host tensors). Returns the seconds it took."""
+    shared with the main thread but ``hb``'s host tensors). Returns ``(seconds in all, seconds in the
+    kernels)``: the rest waited for the gradient's copy to the host (or the master's last copy back)."""
     t0 = time.perf_counter()
     if d2h is not None:  # the gradient copy has landed in hb.grad
         d2h.synchronize()
     if h2d is not None:  # the last copy of the master to the device has read it
         h2d.synchronize()
+    t1 = time.perf_counter()
     with torch.no_grad():
         for group_members in _by_step(hb, members):
             views, steps, followers = _spans(hb, group_members)
             adamw(*views, steps, group, fused)
             for m in followers:  # pieces stepped within the flat span, or empty ones: the same count
                 hb.steps[m.index].copy_(steps[0])
-    return time.perf_counter() - t0
+    t2 = time.perf_counter()
+    return t2 - t0, t2 - t1
 
 
 def _by_step(hb: HostBuffer, members: list) -> list[list]:
