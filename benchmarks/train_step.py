@@ -60,6 +60,47 @@ def build_model(args, dev):
     return model
 
 
+def planning_twin(args, world):
+    """``(model, trace kwargs)`` to plan with: a meta twin of the benchmark's model (a plan is data: it
+    shards the real one), traced on one rank's batch with ``--trace-plan`` (``plan.memory()`` then counts
+    activations; ``--act-ckpt``: as recomputed)."""
+    with torch.device("meta"):
+        twin = gpt.build(args.config, max_seq=max(args.seq, gpt.CONFIGS[args.config].max_seq))
+    if not args.trace_plan:
+        return twin, {}
+    from shardplan.activations import token_inputs
+    tokens = torch.zeros(args.batch // world, args.seq, dtype=torch.long, device="meta")
+    return twin, dict(trace=token_inputs(twin, tokens))
+
+
+def calibrate(args, dev, world, plan, steps=4):
+    """The host AdamW's kernel seconds per step under ``plan`` and the backward's seconds (the window the
+    host step overlaps), measured on a fresh model over ``steps`` steps (the first one not counted)."""
+    model = build_model(args, dev)
+    sp.shard(model, plan)
+    opt = sp.offload_optimizer(model, lr=1e-4)
+    ctx = (lambda: torch.autocast(dev.type, dtype=torch.bfloat16)) if args.dtype == "bf16" else None
+    back = []
+    for k, (x, y) in enumerate(batches(args, dev, dist.get_rank(), world, steps)):
+        if k == 1:
+            opt.host_stats(reset=True)
+        with (ctx() if ctx else _null()):
+            loss = model(x, y)
+        sync(dev)
+        t0 = time.perf_counter()
+        loss.backward()
+        sync(dev)
+        back.append(time.perf_counter() - t0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    kernel = opt.host_stats()["kernel_s"] / (steps - 1)
+    del model, opt
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return kernel, statistics.median(back[1:])
+
+
 def make_system(name, args, dev, world):
     model = build_model(args, dev)
     dt = torch.bfloat16 if args.dtype == "bf16" else None
@@ -84,14 +125,35 @@ def make_system(name, args, dev, world):
     if name == "shardplan_offload":  # CPU offload (--offload): the shardplan system with host optimizer state
         mode, _, frac = args.offload.partition("=")
         budget = None
+        if mode in ("auto", "balance") and frac:  # =GIB: the device budget the fraction must fit
+            budget = int(float(frac) * 2**30)
         if mode == "auto":  # auto=GIB: the smallest fraction whose plan fits GIB per device
-            mode, frac, budget = "optimizer", "auto", int(float(frac) * 2**30)
-        else:
+            mode, frac = "optimizer", "auto"
+        elif mode != "balance":
             mode, frac = ("optimizer", float(frac)) if mode == "fraction" else (mode, 1.0)
-        plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[r"layers\.\d+"], compute_dtype=dt,
-                       reduce_dtype=torch.float32 if dt else None, prefetch=args.prefetch,
-                       min_unit_bytes=args.min_unit_bytes, offload=mode, offload_fraction=frac, device_memory=budget)
+
+        def offload_plan(m, f, b=None):
+            twin, trace = planning_twin(args, world)
+            return sp.plan(twin, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[r"layers\.\d+"], compute_dtype=dt,
+                           reduce_dtype=torch.float32 if dt else None, prefetch=args.prefetch,
+                           min_unit_bytes=args.min_unit_bytes, offload=m, offload_fraction=f, device_memory=b, **trace)
+
+        if mode == "balance":  # balance[=GIB]: measure the host step at full offload, then the balanced fraction
+            del model
+            at_least = offload_plan("optimizer", "auto", budget).offload_fraction if budget else 0.0
+            full = offload_plan("optimizer", 1.0)
+            host_s, window_s = calibrate(args, dev, world, full)
+            f = full.balanced_offload_fraction(host_s, window_s, at_least)
+            info["calibration"] = dict(host_kernel_ms=1e3 * host_s, backward_ms=1e3 * window_s, fits_at_least=at_least,
+                                       balanced_fraction=f)
+            mode, frac, budget = "optimizer", f, None
+            model = build_model(args, dev)
+        plan = offload_plan(mode, frac, budget)
         info["offload_fraction"] = plan.offload_fraction
+        if plan.activations is not None:  # --trace-plan: the planned peak with the traced activations
+            info["plan_peak_traced"] = plan.memory(recompute=args.act_ckpt).peak
+        if args.threads:  # the host step's CPU threads (torch's intra-op pool, shared with the main thread)
+            torch.set_num_threads(args.threads)
         sp.shard(model, plan)
         info.update(planned_memory=plan.memory().__dict__, comm_bytes=plan.comm_bytes()["total"],
                     plan_peak=plan.memory().peak, units=len(plan.units), offload=args.offload,
@@ -246,11 +308,16 @@ def main():
                     help="shardplan: merge neighbouring blocks up to this size (default: the planner chooses; 0: never)")
     ap.add_argument("--tp", type=int, default=1, help="shardplan_tp: size of the tensor-parallel axis")
     ap.add_argument("--breakdown", action="store_true")
-    ap.add_argument("--offload", default="optimizer", metavar="optimizer|params|fraction=F|auto=GIB",
+    ap.add_argument("--offload", default="optimizer", metavar="optimizer|params|fraction=F|auto=GIB|balance[=GIB]",
                     help="the shardplan_offload system's plan(offload=...): optimizer state on the host, parameters too, "
-                         "or that fraction of the optimizer state, or the smallest fraction fitting GIB per device; "
+                         "or that fraction of the optimizer state, or the smallest fraction fitting GIB per device, or "
+                         "the fraction whose host step (measured at full offload) fits the backward "
+                         "(plan.balanced_offload_fraction; not below the one fitting GIB); "
                          "reports host step time (host_step_ms) and how much of it backward hid")
     ap.add_argument("--act-ckpt", action="store_true", help="activation checkpointing of every block (all systems)")
+    ap.add_argument("--trace-plan", action="store_true",
+                    help="shardplan_offload: plan on a meta twin traced on one batch (plan_peak_traced: with activations)")
+    ap.add_argument("--threads", type=int, default=0, help="shardplan_offload: torch.set_num_threads for its run")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -279,6 +346,8 @@ def main():
                 torch.cuda.reset_peak_memory_stats()
             try:
                 model, opt, ctx, info = make_system(s, args, dev, world)
+                if cuda and s == "shardplan_offload":  # its peak: training only (set-up builds the model unsharded)
+                    torch.cuda.reset_peak_memory_stats()
                 if s == "shardplan":
                     eng = sp.runtime.engine_of(model)
                     eng.hook_seconds = eng.backward_seconds = 0.0
@@ -341,7 +410,8 @@ def main():
         for k in ("comm_bytes", "plan_peak", "planned_memory", "hook_us_per_unit", "forward_hook_us_per_unit",
                   "backward_hook_us_per_unit", "forward_hook_us_per_block", "units", "notes", "data_size",
                   "offload", "offload_fraction", "host_copy_bytes", "host_rss_bytes", "host_step_ms",
-                  "host_exposed_ms", "host_hidden_fraction", "host_steps_overlapped"):
+                  "host_exposed_ms", "host_hidden_fraction", "host_steps_overlapped", "host_kernel_ms", "host_threads",
+                  "calibration", "plan_peak_traced"):
             if k in res:
                 entry[k] = res[k]
         summary["systems"][s] = entry
@@ -373,8 +443,15 @@ def main():
                 hidden = e["host_hidden_fraction"]
                 print(f"  {'':<18} host step {e['host_step_ms']:.1f} ms/step, exposed {e['host_exposed_ms']:.1f} ms "
                       f"({'-' if hidden is None else f'{100 * hidden:.0f}%'} hidden; buffer steps overlapped "
-                      f"{e['host_steps_overlapped']}), offload_fraction {e.get('offload_fraction')}, host RSS "
-                      f"{e.get('host_rss_bytes', 0) / 2**30:.2f} GiB")
+                      f"{e['host_steps_overlapped']}), AdamW kernels {e.get('host_kernel_ms', 0):.1f} ms on "
+                      f"{e.get('host_threads')} threads, offload_fraction {e.get('offload_fraction')}, host RSS "
+                      f"{e.get('host_rss_bytes', 0) / 2**30:.2f} GiB (plan: host "
+                      f"{e['planned_memory']['host'] / 2**30:.2f} GiB)")
+                if "plan_peak_traced" in e and e["peak_bytes"]:
+                    print(f"  {'':<18} device peak {e['peak_bytes'] / 2**30:.2f} GiB vs plan (traced) "
+                          f"{e['plan_peak_traced'] / 2**30:.2f} GiB ({e['peak_bytes'] / e['plan_peak_traced']:.3f}x)")
+                if "calibration" in e:
+                    print(f"  {'':<18} balance: {e['calibration']}")
         for k, v in summary["ratios"].items():
             print(f"  {k}: {v:.3f}")
         print("losses agree:", summary["losses_agree"])
