@@ -57,8 +57,17 @@ HYPER = ("lr", "betas", "eps", "weight_decay")  # what the host step reads from 
 STATS = dict(host_step_s=0.0, kernel_s=0.0, exposed_s=0.0, steps=0, overlapped=0)
 
 
-def _pin(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t.pin_memory() if device.type == "cuda" else t
+def _slabs(buffers: list, device: torch.device) -> dict:
+    """One zeroed host tensor per dtype holding the four host tensors of every offloaded buffer (pinned on CUDA).
+
+    [Note: one slab] torch's pinned allocator rounds every block up to a power of two: per host tensor that
+    wastes up to half of it (an 8B model's 2 GB embedding shards take 4 GiB each, four times over). One
+    allocation per dtype rounds once; its views are pinned like it. Host bytes held are the plan's exactly.
+    """
+    need: dict = {}
+    for b in buffers:
+        need[b.dtype] = need.get(b.dtype, 0) + 4 * b.shard.numel()
+    return {dt: torch.zeros(n, dtype=dt, pin_memory=device.type == "cuda") for dt, n in need.items()}
 
 
 def _hyper(group: dict) -> dict:
@@ -121,20 +130,21 @@ class OffloadState:
         self.hosts: dict[int, HostBuffer] = {}
         self.submitted: list[HostBuffer] = []  # early steps in the order the worker runs them
         self.values: dict[str, torch.Tensor] = {}  # offload="params": parameter name -> view of its host master
-        for u in exe.unit_list:
-            for b in u.buffers:
-                if not b.bp.offload:
-                    continue
-                zeros = lambda: _pin(torch.zeros(b.shard.numel(), dtype=b.dtype), exe.device)
-                hb = HostBuffer(b, b.bp.offload, master=_pin(b.shard.detach().to("cpu", copy=True), exe.device),
-                                grad=zeros(), exp_avg=zeros(), exp_avg_sq=zeros())
-                hb.steps = {m.index: torch.tensor(0.0) for m in hb.trainable}
-                self.hosts[b.bp.index] = hb
-                if hb.params:  # [Note: hosted parameter shards]: the master is the shard; the device copy goes
-                    hb.device_view = alias(b.shard, 0, (b.shard.numel(),))  # (its own version counter)
-                    free_storage(b.shard)
-                    for m in b.members:
-                        self.values[m.name] = hb.master[m.shard].view(m.piece.shape)
+        offloaded = [b for u in exe.unit_list for b in u.buffers if b.bp.offload]
+        slabs, at = _slabs(offloaded, exe.device), {}
+        for b in offloaded:
+            n, k = b.shard.numel(), at.get(b.dtype, 0)
+            master, grad, exp_avg, exp_avg_sq = slabs[b.dtype][k:k + 4 * n].view(4, n).unbind(0)
+            at[b.dtype] = k + 4 * n
+            master.copy_(b.shard.detach())
+            hb = HostBuffer(b, b.bp.offload, master=master, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+            hb.steps = {m.index: torch.tensor(0.0) for m in hb.trainable}
+            self.hosts[b.bp.index] = hb
+            if hb.params:  # [Note: hosted parameter shards]: the master is the shard; the device copy goes
+                hb.device_view = alias(b.shard, 0, (b.shard.numel(),))  # (its own version counter)
+                free_storage(b.shard)
+                for m in b.members:
+                    self.values[m.name] = hb.master[m.shard].view(m.piece.shape)
 
     # -- the schedule's ops (executor handlers) ------------------------------------------------------
     def run(self, op) -> None:
