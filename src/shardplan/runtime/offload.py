@@ -1,8 +1,8 @@
 """CPU offload at run time: host copies of the offloaded buffers, the schedule's host ops, the host step.
 
 For every buffer the plan offloads (``BufferPlan.offload``) this rank keeps four flat host tensors the size
-of its shard, in the parameters' dtype (pinned on CUDA): the master shard, the gradient shard, and AdamW's
-two moments. :mod:`shardplan.plan.accounting` counts exactly these (``plan.memory().host``).
+of its shard, in the parameters' dtype (pinned on CUDA; views of one slab per dtype, [Note: one slab]): the
+master shard, the gradient shard, and AdamW's two moments. :mod:`shardplan.plan.accounting` counts exactly these (``plan.memory().host``).
 
 * ``copy_d2h grads`` (after the unit's reduction wait, ``sync`` backwards only): the local gradient shards
   go to the host gradient on a side copy stream, overlapping the rest of backward.
@@ -23,6 +23,17 @@ The new shard goes back to the device as soon as the executor next sees the work
 host op, at ``opt.step()`` or at the next ``copy_h2d``), on a host-to-device stream that waits only for
 the device's last read of the shard (``ready``, recorded at ``optim_step``). ``opt.step()`` waits for the
 steps in flight, steps the buffers that could not overlap, and the device-resident buffers.
+
+[Note: hosted parameter shards] Under ``offload="params"`` (ZeRO-3) a buffer's master *is* its shard: the
+device shard's storage is freed at start-up (the local parameters keep their shapes, with no storage, as the
+gathered parameters do between gathers). The ``copy_h2d`` before each of the unit's all-gathers (at the
+schedule's prefetch depth) allocates it on the compute stream and copies the master in on the host-to-device
+stream through a view with its own version counter (a copy in is not a change of the shard); the gather
+stream, not the compute stream, waits for that copy, so a prefetched copy overlaps the compute before it.
+The gather's wait frees it again (:meth:`OffloadState.gathered`), so the device holds it exactly where
+``plan.memory()`` counts it. The host step writes the master (the copy back of optimizer offload is
+nothing here: the next gather reads the master). Checkpoints read and write the master
+(``Executor.local_value`` / ``shard_of``); ``model.state_dict()`` refuses such parameters naming them.
 
 [Note: keeping copies' tensors alive] A non-blocking copy reads its source after the call returns. The
 device gradients a ``copy_d2h`` reads are marked with ``record_stream`` (the caching allocator does not
