@@ -403,3 +403,23 @@ def test_the_overlapped_step_refuses_what_it_cannot_honour():
         assert "max_grad_norm=" in clip and "overlap=False" in clip, clip
         assert "opt.step() was not called" in again and "overlap=False" in again, again
         assert "hyper-parameters changed between backward and opt.step()" in lr and "scheduler.step()" in lr, lr
+
+
+def _hosted_state_dict_worker(rank, world):
+    model = Toy()
+    plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=UNITS, min_unit_bytes=0, offload="params",
+                   layout="chunked")  # (DTensor-shaped shards: model.state_dict() would give them)
+    sp.shard(model, plan)
+    hosted = [p for p in model.parameters() if p.untyped_storage().size() == 0]
+    try:
+        model.state_dict()
+        return len(hosted), "ran"
+    except sp.CheckpointError as exc:
+        return len(hosted), str(exc)
+
+
+@pytest.mark.timeout(120)
+def test_params_offload_keeps_no_device_shard_and_state_dict_names_the_fix():
+    for n_hosted, msg in run(_hosted_state_dict_worker, 2, timeout=100):
+        assert n_hosted > 0  # the local shards have no device storage between gathers
+        assert "offload='params'" in msg and "shardplan.checkpoint.save" in msg, msg
