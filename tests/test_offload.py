@@ -423,3 +423,11 @@ def test_params_offload_keeps_no_device_shard_and_state_dict_names_the_fix():
     for n_hosted, msg in run(_hosted_state_dict_worker, 2, timeout=100):
         assert n_hosted > 0  # the local shards have no device storage between gathers
         assert "offload='params'" in msg and "shardplan.checkpoint.save" in msg, msg
+
+
+@pytest.mark.timeout(120)
+def test_params_offload_on_one_rank():
+    """A shard group of one: the gather is a local copy on the compute stream, after the shard's copy in."""
+    cases = [(3, "params", 1.0, {}), (3, "params", 0.5, dict(accum=True, clip=True))]
+    for diff, _ in run(_train_worker, 1, cases, timeout=100)[0]:
+        assert diff <= 1e-6

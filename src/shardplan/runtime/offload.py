@@ -214,7 +214,10 @@ class OffloadState:
             with torch.no_grad():
                 hb.device_view.copy_(hb.master, non_blocking=self.cuda)
             hb.h2d = self._event(self.h2d_stream)
-        self.exe.comm.streams.side_waits("gather", hb.h2d)
+        if self.exe.comm.groups.gather(hb.b.bp.axes).pg is not None:
+            self.exe.comm.streams.side_waits("gather", hb.h2d)
+        elif self.cuda:  # a gather that moves nothing (a shard group of one) copies on the compute stream
+            torch.cuda.current_stream().wait_event(hb.h2d)
         hb.staged = True
 
     def gathered(self, indices) -> None:
