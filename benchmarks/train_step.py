@@ -318,6 +318,9 @@ def main():
     ap.add_argument("--trace-plan", action="store_true",
                     help="shardplan_offload: plan on a meta twin traced on one batch (plan_peak_traced: with activations)")
     ap.add_argument("--threads", type=int, default=0, help="shardplan_offload: torch.set_num_threads for its run")
+    ap.add_argument("--forecast", default="", metavar="NETWORK:DP",
+                    help="also forecast the same job without offload on DP GPUs of NETWORK (e.g. h200-8x-ib400:8): "
+                         "the same batch per GPU, its step time and tokens/s per GPU reported beside the measured ones")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -395,6 +398,17 @@ def main():
     summary = {"config": args.config, "params": n_params, "world": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
                "torch": torch.__version__, "dtype": args.dtype or "fp32", "batch": args.batch, "seq": args.seq,
                "prefetch": args.prefetch, "tp": args.tp, "min_unit_bytes": args.min_unit_bytes, "systems": {}}
+    if args.forecast:  # the same job without offload on more GPUs (shardplan.forecast: plan on the meta device)
+        network, _, n = args.forecast.rpartition(":")
+        with torch.device("meta"):
+            twin = gpt.build(args.config, max_seq=max(args.seq, gpt.CONFIGS[args.config].max_seq))
+        dt = torch.bfloat16 if args.dtype == "bf16" else None
+        fplan = sp.plan(twin, [(r".*", sp.P("dp"))], sp.Mesh(dp=int(n)), units=[r"layers\.\d+"], compute_dtype=dt,
+                        reduce_dtype=torch.float32 if dt else None, prefetch=args.prefetch,
+                        min_unit_bytes=args.min_unit_bytes)
+        f = fplan.forecast(network, batch=(args.batch // world, args.seq))  # the same batch per GPU
+        summary["forecast"] = dict(network=network, gpus=int(n), step_ms=1e3 * f.step_s, tokens_per_s=f.tokens_per_s,
+                                   tokens_per_s_per_gpu=f.tokens_per_s / int(n), plan_peak=fplan.memory().peak)
     for s, res in results.items():
         if res["error"]:
             summary["systems"][s] = {"error": res["error"]}
@@ -452,6 +466,12 @@ def main():
                           f"{e['plan_peak_traced'] / 2**30:.2f} GiB ({e['peak_bytes'] / e['plan_peak_traced']:.3f}x)")
                 if "calibration" in e:
                     print(f"  {'':<18} balance: {e['calibration']}")
+        if "forecast" in summary:
+            fc = summary["forecast"]
+            mine = {s: args.batch * args.seq / (e["median_step_ms"] / 1e3) / world for s, e in ok.items()}
+            print(f"  forecast without offload on {fc['gpus']} GPUs ({fc['network']}, {args.batch // world}x{args.seq} per GPU): "
+                  f"{fc['step_ms']:.1f} ms/step, {fc['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU (measured here: "
+                  + ", ".join(f"{s} {v:,.0f}" for s, v in mine.items()) + ")")
         for k, v in summary["ratios"].items():
             print(f"  {k}: {v:.3f}")
         print("losses agree:", summary["losses_agree"])
