@@ -1,8 +1,10 @@
 """Train-step benchmark: shardplan vs FSDP2 (fully_shard) vs unsharded vs Megatron-FSDP, one launch.
 
     python benchmarks/train_step.py --config 1B --batch 8 --seq 1024 --dtype bf16 --out out.json   # 1 GPU
-    python benchmarks/train_step.py --config 8B --batch 1 --seq 8192 --dtype bf16 --act-ckpt \
-        --systems shardplan_offload --offload optimizer                 # CPU offload (docs/offload.md)
+    python benchmarks/train_step.py --config 8B --batch 1 --seq 8192 --dtype bf16 --act-ckpt --trace-plan \
+        --systems shardplan_offload --offload optimizer --forecast h200-8x-ib400:8   # CPU offload (docs/offload.md)
+    python benchmarks/train_step.py --config 1B --batch 8 --seq 1024 --dtype bf16 \
+        --systems shardplan,shardplan_offload --offload balance       # the fraction whose host step backward hides
     torchrun --nproc-per-node 2 benchmarks/train_step.py --config small --out cpu.json             # CPU, gloo
 
 Every system trains the same GPT (examples/gpt.py; units = transformer blocks) from the same
