@@ -62,12 +62,16 @@ def build_model(args, dev):
     return model
 
 
-def planning_twin(args, world):
-    """``(model, trace kwargs)`` to plan with: a meta twin of the benchmark's model (a plan is data: it
-    shards the real one), traced on one rank's batch with ``--trace-plan`` (``plan.memory()`` then counts
+def planning_twin(args, world, names=()):
+    """``(model, trace kwargs)`` to plan with: a meta twin of the benchmark's ``model`` (a plan is data: it
+    shards the real one; ``names``: the real model's parameters, those it holds untied stay untied), traced on one rank's batch with ``--trace-plan`` (``plan.memory()`` then counts
     activations; ``--act-ckpt``: as recomputed)."""
     with torch.device("meta"):
         twin = gpt.build(args.config, max_seq=max(args.seq, gpt.CONFIGS[args.config].max_seq))
+    for name in set(names) - {n for n, _ in twin.named_parameters()}:  # build_model's to_empty unties tied weights
+        path, _, attr = name.rpartition(".")
+        owner = twin.get_submodule(path)
+        setattr(owner, attr, torch.nn.Parameter(torch.empty_like(getattr(owner, attr))))
     if not args.trace_plan:
         return twin, {}
     from shardplan.activations import token_inputs
@@ -134,8 +138,10 @@ def make_system(name, args, dev, world):
         elif mode != "balance":
             mode, frac = ("optimizer", float(frac)) if mode == "fraction" else (mode, 1.0)
 
+        names = [n for n, _ in model.named_parameters()]
+
         def offload_plan(m, f, b=None):
-            twin, trace = planning_twin(args, world)
+            twin, trace = planning_twin(args, world, names)
             return sp.plan(twin, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[r"layers\.\d+"], compute_dtype=dt,
                            reduce_dtype=torch.float32 if dt else None, prefetch=args.prefetch,
                            min_unit_bytes=args.min_unit_bytes, offload=m, offload_fraction=f, device_memory=b, **trace)
@@ -402,8 +408,7 @@ def main():
                "prefetch": args.prefetch, "tp": args.tp, "min_unit_bytes": args.min_unit_bytes, "systems": {}}
     if args.forecast:  # the same job without offload on more GPUs (shardplan.forecast: plan on the meta device)
         network, _, n = args.forecast.rpartition(":")
-        with torch.device("meta"):
-            twin = gpt.build(args.config, max_seq=max(args.seq, gpt.CONFIGS[args.config].max_seq))
+        twin = planning_twin(args, world)[0]
         dt = torch.bfloat16 if args.dtype == "bf16" else None
         fplan = sp.plan(twin, [(r".*", sp.P("dp"))], sp.Mesh(dp=int(n)), units=[r"layers\.\d+"], compute_dtype=dt,
                         reduce_dtype=torch.float32 if dt else None, prefetch=args.prefetch,
