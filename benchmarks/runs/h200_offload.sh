@@ -22,8 +22,9 @@ if [ "$WHAT" = fits ]; then
   run --config 3B --batch 4 --seq 1024 $A --systems shardplan,shardplan_offload --offload balance \
     --out $OUT/train_step_h200_3B_w1_offload_balance.json
 else
-  # one GPU of a host with >= 256 GiB (the 8B's host state is 120 GiB, pinned in one slab rounded to 128 GiB)
+  # one GPU of a host with >= 256 GiB (the 8B's host state is 120 GiB, pinned in one slab rounded to 128 GiB);
+  # planned device peak (traced, recomputed): 124.5 GiB without offload (states alone 120 GiB), 64.4 GiB with it
   CUDA_VISIBLE_DEVICES=0 run --config 8B --batch 1 --seq 8192 --dtype bf16 --steps 3 --warmup 1 --rounds 1 --breakdown \
-    --act-ckpt --trace-plan --systems shardplan_offload --offload optimizer --forecast h200-8x-ib400:8 \
+    --act-ckpt --trace-plan --systems shardplan,shardplan_offload --offload optimizer --forecast h200-8x-ib400:8 \
     --out $OUT/train_step_h200_8B_w1_offload_optimizer.json
 fi
