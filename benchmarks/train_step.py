@@ -385,6 +385,7 @@ def main():
                         gpt.CONFIGS[args.config].layers + 1)
             except Exception as exc:  # noqa: BLE001 - recorded, the other systems still run
                 results[s]["error"] = f"{type(exc).__name__}: {exc}"[:500]
+                model = opt = None  # (an out-of-memory system must not keep its tensors from the next one)
                 continue
             res = results[s]
             res["times"] += times[args.warmup:]
