@@ -102,7 +102,8 @@ def main() -> None:
         r.update(ns_per_elem=r["s"] / a.numel * 1e9, gb_s=28 * a.numel / r["s"] / 1e9,
                  vs_fused=r["s"] / base[r["threads"]] if r["threads"] in base else None)
         vs = f"{r['vs_fused']:.2f}" if r["vs_fused"] else "-"
-        print(f"{r['threads']:>7} {r['variant']:>16} {r['s'] * 1e3:9.2f} {r['ns_per_elem']:8.3f} {r['gb_s']:7.1f} {vs:>8}")
+        print(f"{r['threads']:>7} {r['variant']:>16} {r['s'] * 1e3:9.2f} {r['ns_per_elem']:8.3f} {r['gb_s']:7.1f} "
+              f"{vs:>8}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(torch=torch.__version__, cpus=os.cpu_count(), numel=a.numel, rows=rows), f, indent=1)

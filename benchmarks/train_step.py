@@ -64,8 +64,9 @@ def build_model(args, dev):
 
 def planning_twin(args, world, names=()):
     """``(model, trace kwargs)`` to plan with: a meta twin of the benchmark's ``model`` (a plan is data: it
-    shards the real one; ``names``: the real model's parameters, those it holds untied stay untied), traced on one rank's batch with ``--trace-plan`` (``plan.memory()`` then counts
-    activations; ``--act-ckpt``: as recomputed)."""
+    shards the real one; ``names``: the real model's parameters, those it holds untied stay untied), traced
+    on one rank's batch with ``--trace-plan`` (``plan.memory()`` then counts activations; ``--act-ckpt``: as
+    recomputed)."""
     with torch.device("meta"):
         twin = gpt.build(args.config, max_seq=max(args.seq, gpt.CONFIGS[args.config].max_seq))
     for name in set(names) - {n for n, _ in twin.named_parameters()}:  # build_model's to_empty unties tied weights
@@ -324,7 +325,8 @@ def main():
                          "reports host step time (host_step_ms) and how much of it backward hid")
     ap.add_argument("--act-ckpt", action="store_true", help="activation checkpointing of every block (all systems)")
     ap.add_argument("--trace-plan", action="store_true",
-                    help="shardplan_offload: plan on a meta twin traced on one batch (plan_peak_traced: with activations)")
+                    help="shardplan_offload: plan on a meta twin traced on one batch "
+                         "(plan_peak_traced: with activations)")
     ap.add_argument("--threads", type=int, default=0, help="shardplan_offload: torch.set_num_threads for its run")
     ap.add_argument("--forecast", default="", metavar="NETWORK:DP",
                     help="also forecast the same job without offload on DP GPUs of NETWORK (e.g. h200-8x-ib400:8): "
@@ -477,7 +479,8 @@ def main():
         if "forecast" in summary:
             fc = summary["forecast"]
             mine = {s: args.batch * args.seq / (e["median_step_ms"] / 1e3) / world for s, e in ok.items()}
-            print(f"  forecast without offload on {fc['gpus']} GPUs ({fc['network']}, {args.batch // world}x{args.seq} per GPU): "
+            print(f"  forecast without offload on {fc['gpus']} GPUs ({fc['network']}, "
+                  f"{args.batch // world}x{args.seq} per GPU): "
                   f"{fc['step_ms']:.1f} ms/step, {fc['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU (measured here: "
                   + ", ".join(f"{s} {v:,.0f}" for s, v in mine.items()) + ")")
         for k, v in summary["ratios"].items():

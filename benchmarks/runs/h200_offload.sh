@@ -1,6 +1,6 @@
 #!/bin/bash
 # Issue 23 (CPU offload) on one H200, every figure the issue asks for, one launch per case.
-#   bash benchmarks/runs/h200_offload.sh OUTDIR fits      # 1B and 3B: full offload, the balanced and the fitting fraction
+#   bash benchmarks/runs/h200_offload.sh OUTDIR fits   # 1B and 3B: full offload, balanced and fitting fraction
 #   bash benchmarks/runs/h200_offload.sh OUTDIR 8b        # Llama-3 8B shape on one GPU (needs ~140 GiB of host memory)
 # The host AdamW alone first (its per-element cost by thread count), then the training runs.
 set -u

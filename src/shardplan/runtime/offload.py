@@ -2,7 +2,8 @@
 
 For every buffer the plan offloads (``BufferPlan.offload``) this rank keeps four flat host tensors the size
 of its shard, in the parameters' dtype (pinned on CUDA; views of one slab per dtype, [Note: one slab]): the
-master shard, the gradient shard, and AdamW's two moments. :mod:`shardplan.plan.accounting` counts exactly these (``plan.memory().host``).
+master shard, the gradient shard, and AdamW's two moments. :mod:`shardplan.plan.accounting` counts exactly
+these (``plan.memory().host``).
 
 * ``copy_d2h grads`` (after the unit's reduction wait, ``sync`` backwards only): the local gradient shards
   go to the host gradient on a side copy stream, overlapping the rest of backward.
