@@ -193,12 +193,12 @@ def test_offloaded_and_device_bytes_are_conserved_and_monotone(strategy, f1, f2,
 # -- runtime: training with offload equals training without it -----------------------------------------
 
 def _trained(rank, world, strategy, offload, fraction=1.0, *, clip=False, accum=False, fused=True, steps=3,
-             compute_dtype=None, overlap=True, sched=False):
+             compute_dtype=None, overlap=True, sched=False, **plan_kw):
     """``clip``: by the global norm, through ``max_grad_norm=`` (offload with overlap) or
     ``sp.clip_grad_norm_`` (otherwise); ``sched``: a learning-rate scheduler stepped after ``opt.step()``."""
     model = Toy()
     plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), strategy=strategy, units=UNITS, min_unit_bytes=0,
-                   offload=offload, offload_fraction=fraction, compute_dtype=compute_dtype)
+                   offload=offload, offload_fraction=fraction, compute_dtype=compute_dtype, **plan_kw)
     sp.shard(model, plan)
     hyper = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
     own_clip = clip and offload and overlap
@@ -246,7 +246,8 @@ TRAIN_CASES = [(s, "optimizer", 1.0, {}) for s in range(4)] + [
     # offload="params" (ZeRO-3): the parameter shards live on the host, copied in before each all-gather
     (3, "params", 1.0, {}), (3, "params", 0.5, {}), (3, "params", 1.0, dict(clip=True, accum=True)),
     (3, "params", 1.0, dict(clip=True, overlap=False)), (3, "params", 1.0, dict(compute_dtype=torch.bfloat16)),
-    (3, "params", 0.5, dict(sched=True, accum=True)),
+    (3, "params", 0.5, dict(sched=True, accum=True)), (3, "params", 1.0, dict(reshard_after_forward=False)),
+    (3, "params", 1.0, dict(prefetch=2)),
 ]
 
 
