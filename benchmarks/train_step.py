@@ -1,8 +1,10 @@
 """Train-step benchmark: shardplan vs FSDP2 (fully_shard) vs unsharded vs Megatron-FSDP, one launch.
 
     python benchmarks/train_step.py --config 1B --batch 8 --seq 1024 --dtype bf16 --out out.json   # 1 GPU
-    python benchmarks/train_step.py --config 8B --batch 1 --seq 8192 --dtype bf16 --act-ckpt \
-        --systems shardplan_offload --offload optimizer                 # CPU offload (docs/offload.md)
+    python benchmarks/train_step.py --config 8B --batch 1 --seq 8192 --dtype bf16 --act-ckpt --trace-plan \
+        --systems shardplan_offload --offload optimizer --forecast h200-8x-ib400:8   # CPU offload (docs/offload.md)
+    python benchmarks/train_step.py --config 1B --batch 8 --seq 1024 --dtype bf16 \
+        --systems shardplan,shardplan_offload --offload balance       # the fraction whose host step backward hides
     python benchmarks/train_step.py --config 1B --batch 8 --seq 1024 --dtype bf16 \
         --systems shardplan,shardplan_int8,shardplan_fp8,shardplan_int8_qg,fsdp2   # docs/low_precision.md
     torchrun --nproc-per-node 2 benchmarks/train_step.py --config small --out cpu.json             # CPU, gloo
@@ -62,6 +64,52 @@ def build_model(args, dev):
     return model
 
 
+def planning_twin(args, world, names=()):
+    """``(model, trace kwargs)`` to plan with: a meta twin of the benchmark's ``model`` (a plan is data: it
+    shards the real one; ``names``: the real model's parameters, those it holds untied stay untied), traced
+    on one rank's batch with ``--trace-plan`` (``plan.memory()`` then counts activations; ``--act-ckpt``: as
+    recomputed)."""
+    with torch.device("meta"):
+        twin = gpt.build(args.config, max_seq=max(args.seq, gpt.CONFIGS[args.config].max_seq))
+    for name in set(names) - {n for n, _ in twin.named_parameters()}:  # build_model's to_empty unties tied weights
+        path, _, attr = name.rpartition(".")
+        owner = twin.get_submodule(path)
+        setattr(owner, attr, torch.nn.Parameter(torch.empty_like(getattr(owner, attr))))
+    if not args.trace_plan:
+        return twin, {}
+    from shardplan.activations import token_inputs
+    tokens = torch.zeros(args.batch // world, args.seq, dtype=torch.long, device="meta")
+    return twin, dict(trace=token_inputs(twin, tokens))
+
+
+def calibrate(args, dev, world, plan, steps=4):
+    """The host AdamW's kernel seconds per step under ``plan`` and the backward's seconds (the window the
+    host step overlaps), measured on a fresh model over ``steps`` steps (the first one not counted)."""
+    model = build_model(args, dev)
+    sp.shard(model, plan)
+    opt = sp.offload_optimizer(model, lr=1e-4)
+    ctx = (lambda: torch.autocast(dev.type, dtype=torch.bfloat16)) if args.dtype == "bf16" else None
+    back = []
+    for k, (x, y) in enumerate(batches(args, dev, dist.get_rank(), world, steps)):
+        if k == 1:
+            opt.host_stats(reset=True)
+        with (ctx() if ctx else _null()):
+            loss = model(x, y)
+        sync(dev)
+        t0 = time.perf_counter()
+        loss.backward()
+        sync(dev)
+        back.append(time.perf_counter() - t0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    kernel = opt.host_stats()["kernel_s"] / (steps - 1)
+    del model, opt
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return kernel, statistics.median(back[1:])
+
+
 def make_system(name, args, dev, world):
     model = build_model(args, dev)
     dt = torch.bfloat16 if args.dtype == "bf16" else None
@@ -96,14 +144,37 @@ def make_system(name, args, dev, world):
     if name == "shardplan_offload":  # CPU offload (--offload): the shardplan system with host optimizer state
         mode, _, frac = args.offload.partition("=")
         budget = None
+        if mode in ("auto", "balance") and frac:  # =GIB: the device budget the fraction must fit
+            budget = int(float(frac) * 2**30)
         if mode == "auto":  # auto=GIB: the smallest fraction whose plan fits GIB per device
-            mode, frac, budget = "optimizer", "auto", int(float(frac) * 2**30)
-        else:
+            mode, frac = "optimizer", "auto"
+        elif mode != "balance":
             mode, frac = ("optimizer", float(frac)) if mode == "fraction" else (mode, 1.0)
-        plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[r"layers\.\d+"], compute_dtype=dt,
-                       reduce_dtype=torch.float32 if dt else None, prefetch=args.prefetch,
-                       min_unit_bytes=args.min_unit_bytes, offload=mode, offload_fraction=frac, device_memory=budget)
+
+        names = [n for n, _ in model.named_parameters()]
+
+        def offload_plan(m, f, b=None):
+            twin, trace = planning_twin(args, world, names)
+            return sp.plan(twin, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[r"layers\.\d+"], compute_dtype=dt,
+                           reduce_dtype=torch.float32 if dt else None, prefetch=args.prefetch,
+                           min_unit_bytes=args.min_unit_bytes, offload=m, offload_fraction=f, device_memory=b, **trace)
+
+        if mode == "balance":  # balance[=GIB]: measure the host step at full offload, then the balanced fraction
+            del model
+            at_least = offload_plan("optimizer", "auto", budget).offload_fraction if budget else 0.0
+            full = offload_plan("optimizer", 1.0)
+            host_s, window_s = calibrate(args, dev, world, full)
+            f = full.balanced_offload_fraction(host_s, window_s, at_least)
+            info["calibration"] = dict(host_kernel_ms=1e3 * host_s, backward_ms=1e3 * window_s, fits_at_least=at_least,
+                                       balanced_fraction=f)
+            mode, frac, budget = "optimizer", f, None
+            model = build_model(args, dev)
+        plan = offload_plan(mode, frac, budget)
         info["offload_fraction"] = plan.offload_fraction
+        if plan.activations is not None:  # --trace-plan: the planned peak with the traced activations
+            info["plan_peak_traced"] = plan.memory(recompute=args.act_ckpt).peak
+        if args.threads:  # the host step's CPU threads (torch's intra-op pool, shared with the main thread)
+            torch.set_num_threads(args.threads)
         sp.shard(model, plan)
         info.update(planned_memory=plan.memory().__dict__, comm_bytes=plan.comm_bytes()["total"],
                     plan_peak=plan.memory().peak, units=len(plan.units), offload=args.offload,
@@ -282,11 +353,20 @@ def main():
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--mem-phases", action="store_true",
                     help="GPU: one more untimed step per system measuring memory by phase (memory_phases in the JSON)")
-    ap.add_argument("--offload", default="optimizer", metavar="optimizer|params|fraction=F|auto=GIB",
+    ap.add_argument("--offload", default="optimizer", metavar="optimizer|params|fraction=F|auto=GIB|balance[=GIB]",
                     help="the shardplan_offload system's plan(offload=...): optimizer state on the host, parameters too, "
-                         "or that fraction of the optimizer state, or the smallest fraction fitting GIB per device; "
+                         "or that fraction of the optimizer state, or the smallest fraction fitting GIB per device, or "
+                         "the fraction whose host step (measured at full offload) fits the backward "
+                         "(plan.balanced_offload_fraction; not below the one fitting GIB); "
                          "reports host step time (host_step_ms) and how much of it backward hid")
     ap.add_argument("--act-ckpt", action="store_true", help="activation checkpointing of every block (all systems)")
+    ap.add_argument("--trace-plan", action="store_true",
+                    help="shardplan_offload: plan on a meta twin traced on one batch "
+                         "(plan_peak_traced: with activations)")
+    ap.add_argument("--threads", type=int, default=0, help="shardplan_offload: torch.set_num_threads for its run")
+    ap.add_argument("--forecast", default="", metavar="NETWORK:DP",
+                    help="also forecast the same job without offload on DP GPUs of NETWORK (e.g. h200-8x-ib400:8): "
+                         "the same batch per GPU, its step time and tokens/s per GPU reported beside the measured ones")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -315,6 +395,8 @@ def main():
                 torch.cuda.reset_peak_memory_stats()
             try:
                 model, opt, ctx, info = make_system(s, args, dev, world)
+                if cuda and s == "shardplan_offload":  # its peak: training only (set-up builds the model unsharded)
+                    torch.cuda.reset_peak_memory_stats()
                 if s == "shardplan":
                     eng = sp.runtime.engine_of(model)
                     eng.hook_seconds = eng.backward_seconds = 0.0
@@ -327,6 +409,7 @@ def main():
                 if s == "shardplan_offload":  # the host AdamW: its time per step and how much backward hid
                     hs, n = opt.host_stats(), len(steps)
                     info.update(host_step_ms=1000 * hs["host_step_s"] / n, host_exposed_ms=1000 * hs["exposed_s"] / n,
+                                host_kernel_ms=1000 * hs["kernel_s"] / n, host_threads=hs["threads"],
                                 host_hidden_fraction=hs["hidden_s"] / hs["host_step_s"] if hs["host_step_s"] else None,
                                 host_steps_overlapped=f"{hs['overlapped']}/{hs['steps']}")
                 if s == "shardplan":  # the runtime's CPU time per unit and step: forward hooks, backward hooks
@@ -340,6 +423,7 @@ def main():
                         gpt.CONFIGS[args.config].layers + 1)
             except Exception as exc:  # noqa: BLE001 - recorded, the other systems still run
                 results[s]["error"] = f"{type(exc).__name__}: {exc}"[:500]
+                model = opt = None  # (an out-of-memory system must not keep its tensors from the next one)
                 continue
             res = results[s]
             res["times"] += times[args.warmup:]
@@ -366,6 +450,16 @@ def main():
     summary = {"config": args.config, "params": n_params, "world": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
                "torch": torch.__version__, "dtype": args.dtype or "fp32", "batch": args.batch, "seq": args.seq,
                "prefetch": args.prefetch, "tp": args.tp, "min_unit_bytes": args.min_unit_bytes, "systems": {}}
+    if args.forecast:  # the same job without offload on more GPUs (shardplan.forecast: plan on the meta device)
+        network, _, n = args.forecast.rpartition(":")
+        twin = planning_twin(args, world)[0]
+        dt = torch.bfloat16 if args.dtype == "bf16" else None
+        fplan = sp.plan(twin, [(r".*", sp.P("dp"))], sp.Mesh(dp=int(n)), units=[r"layers\.\d+"], compute_dtype=dt,
+                        reduce_dtype=torch.float32 if dt else None, prefetch=args.prefetch,
+                        min_unit_bytes=args.min_unit_bytes)
+        f = fplan.forecast(network, batch=(args.batch // world, args.seq))  # the same batch per GPU
+        summary["forecast"] = dict(network=network, gpus=int(n), step_ms=1e3 * f.step_s, tokens_per_s=f.tokens_per_s,
+                                   tokens_per_s_per_gpu=f.tokens_per_s / int(n), plan_peak=fplan.memory().peak)
     for s, res in results.items():
         if res["error"]:
             summary["systems"][s] = {"error": res["error"]}
@@ -381,8 +475,8 @@ def main():
         for k in ("comm_bytes", "plan_peak", "planned_memory", "hook_us_per_unit", "forward_hook_us_per_unit",
                   "backward_hook_us_per_unit", "forward_hook_us_per_block", "units", "notes", "data_size",
                   "offload", "offload_fraction", "host_copy_bytes", "host_rss_bytes", "host_step_ms",
-                  "host_exposed_ms", "host_hidden_fraction", "host_steps_overlapped", "memory_phases",
-                  "planned_bytes"):
+                  "host_exposed_ms", "host_hidden_fraction", "host_steps_overlapped", "host_kernel_ms", "host_threads",
+                  "calibration", "plan_peak_traced", "memory_phases", "planned_bytes"):
             if k in res:
                 entry[k] = res[k]
         summary["systems"][s] = entry
@@ -419,8 +513,22 @@ def main():
                 hidden = e["host_hidden_fraction"]
                 print(f"  {'':<18} host step {e['host_step_ms']:.1f} ms/step, exposed {e['host_exposed_ms']:.1f} ms "
                       f"({'-' if hidden is None else f'{100 * hidden:.0f}%'} hidden; buffer steps overlapped "
-                      f"{e['host_steps_overlapped']}), offload_fraction {e.get('offload_fraction')}, host RSS "
-                      f"{e.get('host_rss_bytes', 0) / 2**30:.2f} GiB")
+                      f"{e['host_steps_overlapped']}), AdamW kernels {e.get('host_kernel_ms', 0):.1f} ms on "
+                      f"{e.get('host_threads')} threads, offload_fraction {e.get('offload_fraction')}, host RSS "
+                      f"{e.get('host_rss_bytes', 0) / 2**30:.2f} GiB (plan: host "
+                      f"{e['planned_memory']['host'] / 2**30:.2f} GiB)")
+                if "plan_peak_traced" in e and e["peak_bytes"]:
+                    print(f"  {'':<18} device peak {e['peak_bytes'] / 2**30:.2f} GiB vs plan (traced) "
+                          f"{e['plan_peak_traced'] / 2**30:.2f} GiB ({e['peak_bytes'] / e['plan_peak_traced']:.3f}x)")
+                if "calibration" in e:
+                    print(f"  {'':<18} balance: {e['calibration']}")
+        if "forecast" in summary:
+            fc = summary["forecast"]
+            mine = {s: args.batch * args.seq / (e["median_step_ms"] / 1e3) / world for s, e in ok.items()}
+            print(f"  forecast without offload on {fc['gpus']} GPUs ({fc['network']}, "
+                  f"{args.batch // world}x{args.seq} per GPU): "
+                  f"{fc['step_ms']:.1f} ms/step, {fc['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU (measured here: "
+                  + ", ".join(f"{s} {v:,.0f}" for s, v in mine.items()) + ")")
         for k, v in summary["ratios"].items():
             print(f"  {k}: {v:.3f}")
         print("losses agree:", summary["losses_agree"])

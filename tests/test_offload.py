@@ -78,6 +78,25 @@ def test_auto_fraction_is_the_smallest_that_fits(strategy, mode):
         _plan(strategy, None, "auto", device_memory=10**9)
 
 
+def test_balanced_fraction_fits_the_host_step_in_the_window():
+    from shardplan.plan.offload import offloaded_share, prefix_fractions
+    full = _plan()
+    fractions = prefix_fractions(full.buffers, full.units)
+    host = 0.3  # seconds per step with everything offloaded: linear in the fraction
+    for window in (0.0, 0.05, 0.1, 0.15, 0.29, 0.3, 1.0):
+        f = full.balanced_offload_fraction(host, window)
+        assert f in fractions
+        hidden = [g for g in fractions if g * host <= window * (1 + 1e-9)]
+        assert f == (hidden[-1] if hidden else fractions[0]), (window, f)  # the largest that the window hides
+        half = _plan(fraction=0.5)  # measured at a fraction: the same rate per byte offloaded
+        assert half.balanced_offload_fraction(host * offloaded_share(half.buffers), window) == f
+    assert full.balanced_offload_fraction(host, 0.0, at_least=fractions[2]) == fractions[2]  # memory first
+    with pytest.raises(sp.PlanError, match="offloads nothing"):
+        _plan(offload=None).balanced_offload_fraction(host, 0.1)
+    with pytest.raises(sp.PlanError, match="measured host step"):
+        full.balanced_offload_fraction(0.0, 0.1)
+
+
 def test_params_offload_frees_the_device_shards():
     base, off = _plan(offload=None), _plan(offload="params")
     assert {b.offload for b in off.buffers} == {"params"}
@@ -174,12 +193,12 @@ def test_offloaded_and_device_bytes_are_conserved_and_monotone(strategy, f1, f2,
 # -- runtime: training with offload equals training without it -----------------------------------------
 
 def _trained(rank, world, strategy, offload, fraction=1.0, *, clip=False, accum=False, fused=True, steps=3,
-             compute_dtype=None, overlap=True, sched=False):
+             compute_dtype=None, overlap=True, sched=False, **plan_kw):
     """``clip``: by the global norm, through ``max_grad_norm=`` (offload with overlap) or
     ``sp.clip_grad_norm_`` (otherwise); ``sched``: a learning-rate scheduler stepped after ``opt.step()``."""
     model = Toy()
     plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), strategy=strategy, units=UNITS, min_unit_bytes=0,
-                   offload=offload, offload_fraction=fraction, compute_dtype=compute_dtype)
+                   offload=offload, offload_fraction=fraction, compute_dtype=compute_dtype, **plan_kw)
     sp.shard(model, plan)
     hyper = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
     own_clip = clip and offload and overlap
@@ -202,7 +221,8 @@ def _trained(rank, world, strategy, offload, fraction=1.0, *, clip=False, accum=
 
 
 def _state(model):
-    return {n: p.detach().clone() for n, p in model._shardplan.local_params().items()}
+    eng = model._shardplan  # (offload="params": the shards live in host memory; local_value reads them there)
+    return {n: eng.local_value(n, p).clone() for n, p in eng.local_params().items()}
 
 
 def _train_worker(rank, world, cases):
@@ -223,6 +243,11 @@ TRAIN_CASES = [(s, "optimizer", 1.0, {}) for s in range(4)] + [
     (3, "optimizer", 1.0, dict(accum=True)), (3, "optimizer", 1.0, dict(fused=False)),
     (3, "optimizer", 1.0, dict(compute_dtype=torch.bfloat16)), (2, "optimizer", 1.0, dict(sched=True)),
     (3, "optimizer", 1.0, dict(sched=True, accum=True)), (0, "optimizer", 1.0, dict(overlap=False)),
+    # offload="params" (ZeRO-3): the parameter shards live on the host, copied in before each all-gather
+    (3, "params", 1.0, {}), (3, "params", 0.5, {}), (3, "params", 1.0, dict(clip=True, accum=True)),
+    (3, "params", 1.0, dict(clip=True, overlap=False)), (3, "params", 1.0, dict(compute_dtype=torch.bfloat16)),
+    (3, "params", 0.5, dict(sched=True, accum=True)), (3, "params", 1.0, dict(reshard_after_forward=False)),
+    (3, "params", 1.0, dict(prefetch=2)),
 ]
 
 
@@ -278,10 +303,14 @@ def _ckpt_worker(rank, world, root, jobs):
 def test_checkpoints_load_across_offload_settings_and_world_sizes(tmp_path):
     root = str(tmp_path)
     two = run(_ckpt_worker, 2, root, [("reference", 3, None), ("save:offloaded", 3, "optimizer"), ("save:on_device", 2, None),
-                                      ("resume:offloaded", 2, None), ("resume:on_device", 3, "optimizer")], timeout=280)[0]
+                                      ("save:hosted", 3, "params"), ("resume:offloaded", 2, None),
+                                      ("resume:on_device", 3, "optimizer"), ("resume:hosted", 3, None),
+                                      ("resume:on_device", 3, "params")], timeout=280)[0]
     ref = two[0]
     four = run(_ckpt_worker, 4, root, [("resume:offloaded", 3, "optimizer"), ("resume:on_device", 1, "optimizer"),
-                                       ("resume:offloaded", 0, None)], timeout=280)[0]
+                                       ("resume:offloaded", 0, None), ("resume:hosted", 2, None),
+                                       ("resume:offloaded", 3, "params"), ("resume:hosted", 3, "params")],
+               timeout=280)[0]
     for got in two[1:] + four:
         assert set(got) == set(ref)
         for n in ref:
@@ -292,10 +321,10 @@ def test_checkpoints_load_across_offload_settings_and_world_sizes(tmp_path):
 
 def _memory_worker(rank, world, cases):
     out = []
-    for strategy, fraction, dtype in cases:
+    for strategy, fraction, dtype, mode in cases:
         model = Toy()
         plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), strategy=strategy, units=UNITS, min_unit_bytes=0,
-                       offload="optimizer", offload_fraction=fraction, compute_dtype=dtype)
+                       offload=mode, offload_fraction=fraction, compute_dtype=dtype)
         sp.shard(model, plan)
         opt = sp.offload_optimizer(model)
         for step in range(2):
@@ -314,7 +343,8 @@ def _memory_worker(rank, world, cases):
 def test_runtime_host_and_device_bytes_match_plan():
     """As tests/test_runtime.py::test_runtime_memory_matches_plan, with the host side: the host tensors the
     runtime holds equal plan.memory().host, and the device peak still equals the plan's walk."""
-    cases = [(s, f, d) for s in range(4) for f in (1.0, 0.5) for d in (None, torch.bfloat16)]
+    cases = [(s, f, d, "optimizer") for s in range(4) for f in (1.0, 0.5) for d in (None, torch.bfloat16)]
+    cases += [(3, f, d, "params") for f in (1.0, 0.5) for d in (None, torch.bfloat16)]
     for rank_out in run(_memory_worker, 2, cases, timeout=280):
         for case, (measured, planned) in zip(cases, rank_out):
             assert measured == planned, (case, measured, planned)
@@ -374,3 +404,31 @@ def test_the_overlapped_step_refuses_what_it_cannot_honour():
         assert "max_grad_norm=" in clip and "overlap=False" in clip, clip
         assert "opt.step() was not called" in again and "overlap=False" in again, again
         assert "hyper-parameters changed between backward and opt.step()" in lr and "scheduler.step()" in lr, lr
+
+
+def _hosted_state_dict_worker(rank, world):
+    model = Toy()
+    plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=UNITS, min_unit_bytes=0, offload="params",
+                   layout="chunked")  # (DTensor-shaped shards: model.state_dict() would give them)
+    sp.shard(model, plan)
+    hosted = [p for p in model.parameters() if p.untyped_storage().size() == 0]
+    try:
+        model.state_dict()
+        return len(hosted), "ran"
+    except sp.CheckpointError as exc:
+        return len(hosted), str(exc)
+
+
+@pytest.mark.timeout(120)
+def test_params_offload_keeps_no_device_shard_and_state_dict_names_the_fix():
+    for n_hosted, msg in run(_hosted_state_dict_worker, 2, timeout=100):
+        assert n_hosted > 0  # the local shards have no device storage between gathers
+        assert "offload='params'" in msg and "shardplan.checkpoint.save" in msg, msg
+
+
+@pytest.mark.timeout(120)
+def test_params_offload_on_one_rank():
+    """A shard group of one: the gather is a local copy on the compute stream, after the shard's copy in."""
+    cases = [(3, "params", 1.0, {}), (3, "params", 0.5, dict(accum=True, clip=True))]
+    for diff, _ in run(_train_worker, 1, cases, timeout=100)[0]:
+        assert diff <= 1e-6

@@ -341,6 +341,20 @@ class Plan:
         """
         return Memory(**accounting.memory(self, rank, recompute))
 
+    def balanced_offload_fraction(self, host_s: float, window_s: float, at_least: float = 0.0) -> float:
+        """The ``offload_fraction`` whose host step just fits ``window_s`` (the backward it overlaps), given
+        this offloading plan's measured host step ``host_s`` per training step (``opt.host_stats()["kernel_s"]``
+        per step); not below ``at_least`` (the smallest fraction that fits the device, from
+        ``offload_fraction="auto"``). Re-plan with the number returned (docs/offload.md).
+
+        >>> f = plan.balanced_offload_fraction(host_s=0.28, window_s=0.09)   # ~0.32 of the state on the host
+        """
+        from .offload import balanced_fraction
+        if not self.offload:
+            raise PlanError("balanced_offload_fraction: this plan offloads nothing; call it on the plan the host step "
+                            "was measured with (plan(..., offload='optimizer'))")
+        return balanced_fraction(self.buffers, self.units, host_s, window_s, at_least)
+
     def comm_bytes(self, rank: int = 0) -> dict[str, Optional[int]]:
         """Bytes each rank sends per training step, by op kind (ring algorithms: (n-1)/n of the payload).
         With compute axes, ``tensor_parallel`` adds the activations the styles move: estimated when the plan

@@ -19,6 +19,14 @@ more buffer (:func:`prefix_fractions`); the device peak does not grow as more is
 search over them finds it with a few memory walks. The plan records the number chosen, so its JSON and
 ``to_source()`` rebuild the same plan without the budget.
 
+[Note: the balanced fraction] Offloading more saves device memory but the host step grows with the bytes
+it steps, and only what overlaps backward is free. :func:`balanced_fraction` takes a measured host step
+(seconds per training step at a known fraction; it is linear in the bytes stepped, ~28 bytes of host memory
+traffic per fp32 element for AdamW) and the window it can hide in (the backward), and returns the largest
+candidate fraction whose host step fits the window, so that the host and the device finish together; never
+less than the smallest fraction that fits the device (memory first: the excess is then exposed), never less
+than one buffer. ``Plan.balanced_offload_fraction`` applies it to a plan.
+
 >>> choose_offloaded(buffers, units, level=3, offload="optimizer", fraction=0.5)   # {buffer index: "optimizer"}
 """
 
@@ -135,6 +143,33 @@ def smallest_fitting(fractions: Sequence[float], peak: Callable[[float], tuple[i
         else:
             lo = mid + 1
     return fractions[hi]
+
+
+def offloaded_share(buffers: Sequence[BufferPlan]) -> float:
+    """The share of the trainable shard bytes that a plan's buffers offload (what its host step steps)."""
+    total = sum(shard_bytes(b) for b in buffers if b.requires_grad)
+    return sum(shard_bytes(b) for b in buffers if b.requires_grad and b.offload) / total if total else 0.0
+
+
+def balanced_fraction(buffers: Sequence[BufferPlan], units: Sequence[UnitPlan], host_s: float, window_s: float,
+                      at_least: float = 0.0) -> float:
+    """The fraction whose host step just fits the window it can hide in ([Note: the balanced fraction]).
+
+    ``buffers``: those of the plan the host step was measured with; ``host_s``: the seconds it took per
+    training step (``opt.host_stats()["kernel_s"]`` per step); ``window_s``: the seconds it can overlap (the
+    backward); ``at_least``: the smallest fraction that fits the device (``offload_fraction="auto"``'s choice).
+    """
+    offloaded = offloaded_share(buffers)
+    if not (offloaded > 0 and host_s > 0 and window_s >= 0):
+        raise PlanError(f"balanced offload fraction: needs a measured host step (host_s={host_s!r} > 0 with "
+                        f"offloaded={offloaded!r} > 0 of the state on the host) and window_s={window_s!r} >= 0")
+    rate = host_s / offloaded  # seconds per unit of fraction: the host step is linear in the bytes it steps
+    fractions = prefix_fractions(buffers, units)
+    hidden = [f for f in fractions if f * rate <= window_s * (1 + 1e-9)]
+    best = hidden[-1] if hidden else fractions[0]
+    if best < at_least:  # memory needs more on the host than the window hides: fit first
+        best = next(f for f in fractions if f >= at_least * (1 - 1e-12))
+    return best
 
 
 def host_bytes(b: BufferPlan, optimizer_states: int) -> int:

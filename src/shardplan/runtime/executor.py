@@ -296,12 +296,18 @@ class Executor:
     def _wait_params(self, op: Op) -> None:
         u = self.units[op.unit]
         if u.gather is not None:
-            self.comm.finish_gather(u)
+            self._finish_gather(u)
         elif u.params is Params.SHARDED and u.name in self.transient:
             raise RuntimeShardingError(f"shardplan: {op.trigger} waits for unit {u.name!r}'s parameters but nothing "
                                        f"gathered them; the schedule is inconsistent")
         u.params = Params.UNSHARDED
         self.face.bind(u)
+
+    def _finish_gather(self, u: UnitRuntime) -> None:
+        g = u.gather
+        self.comm.finish_gather(u)
+        if self.offload is not None:  # [offload hook] offload="params": the device copies of the shards go
+            self.offload.gathered([i for o in (g.op,) + g.extra for i in o.buffers])
 
     def _free_params(self, op: Op) -> None:
         self._reshard(self.units[op.unit], [self.buffer[i] for i in op.buffers])
@@ -390,7 +396,7 @@ class Executor:
     def _reshard(self, u: UnitRuntime, buffers=None) -> None:
         """The modules hold ``u``'s local shards again and its gathered storage is released."""
         if u.gather is not None:
-            self.comm.finish_gather(u)
+            self._finish_gather(u)
         self.face.unbind(u)
         for b in (u.buffers if buffers is None else buffers):
             b.release_full()
@@ -419,8 +425,23 @@ class Executor:
         return self.face.local_params()
 
     def shard_of(self, buffer_index: int) -> torch.Tensor:
-        """This rank's flat shard of a buffer (``plan.buffers[buffer_index]``)."""
+        """This rank's flat shard of a buffer (``plan.buffers[buffer_index]``): under ``offload="params"``
+        its host master (the device holds it only around the buffer's all-gathers)."""
+        if self.offload is not None:  # [offload hook]
+            hosted = self.offload.hosted_shard(buffer_index)
+            if hosted is not None:
+                return hosted
         return self.buffer[buffer_index].shard
+
+    def local_value(self, name: str, lp: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of parameter ``name`` (its local parameter ``lp``) as a tensor holding its value
+        now (what checkpoints read and write): ``lp`` detached, or under ``offload="params"`` a view of its host master
+        (written through: call :meth:`mark_shards_changed` after writing)."""
+        if self.offload is not None:  # [offload hook]
+            hosted = self.offload.hosted_value(name)
+            if hosted is not None:
+                return hosted
+        return lp.detach()
 
     def mark_shards_changed(self) -> None:
         """The local shards were written outside an optimizer step (a checkpoint load): gather again."""

@@ -1,8 +1,9 @@
 """CPU offload at run time: host copies of the offloaded buffers, the schedule's host ops, the host step.
 
 For every buffer the plan offloads (``BufferPlan.offload``) this rank keeps four flat host tensors the size
-of its shard, in the parameters' dtype (pinned on CUDA): the master shard, the gradient shard, and AdamW's
-two moments. :mod:`shardplan.plan.accounting` counts exactly these (``plan.memory().host``).
+of its shard, in the parameters' dtype (pinned on CUDA; views of one slab per dtype, [Note: one slab]): the
+master shard, the gradient shard, and AdamW's two moments. :mod:`shardplan.plan.accounting` counts exactly
+these (``plan.memory().host``).
 
 * ``copy_d2h grads`` (after the unit's reduction wait, ``sync`` backwards only): the local gradient shards
   go to the host gradient on a side copy stream, overlapping the rest of backward.
@@ -23,6 +24,17 @@ The new shard goes back to the device as soon as the executor next sees the work
 host op, at ``opt.step()`` or at the next ``copy_h2d``), on a host-to-device stream that waits only for
 the device's last read of the shard (``ready``, recorded at ``optim_step``). ``opt.step()`` waits for the
 steps in flight, steps the buffers that could not overlap, and the device-resident buffers.
+
+[Note: hosted parameter shards] Under ``offload="params"`` (ZeRO-3) a buffer's master *is* its shard: the
+device shard's storage is freed at start-up (the local parameters keep their shapes, with no storage, as the
+gathered parameters do between gathers). The ``copy_h2d`` before each of the unit's all-gathers (at the
+schedule's prefetch depth) allocates it on the compute stream and copies the master in on the host-to-device
+stream through a view with its own version counter (a copy in is not a change of the shard); the gather
+stream, not the compute stream, waits for that copy, so a prefetched copy overlaps the compute before it.
+The gather's wait frees it again (:meth:`OffloadState.gathered`), so the device holds it exactly where
+``plan.memory()`` counts it. The host step writes the master (the copy back of optimizer offload is
+nothing here: the next gather reads the master). Checkpoints read and write the master
+(``Executor.local_value`` / ``shard_of``); ``model.state_dict()`` refuses such parameters naming them.
 
 [Note: keeping copies' tensors alive] A non-blocking copy reads its source after the call returns. The
 device gradients a ``copy_d2h`` reads are marked with ``record_stream`` (the caching allocator does not
@@ -49,13 +61,25 @@ import torch
 
 from ..errors import RuntimeShardingError
 from ..plan.kinds import COPY_D2H, OPTIM_STEP, Offload
-from .buffers import BufferState
+from .buffers import BufferState, alias, alloc_storage, free_storage
 
 HYPER = ("lr", "betas", "eps", "weight_decay")  # what the host step reads from the optimizer's param group
+# opt.host_stats(): seconds of host steps (kernel_s of them in the AdamW kernels, the rest waiting for the
+# gradient's copy), seconds opt.step() waited for them, buffer steps, of which during backward
+STATS = dict(host_step_s=0.0, kernel_s=0.0, exposed_s=0.0, steps=0, overlapped=0)
 
 
-def _pin(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t.pin_memory() if device.type == "cuda" else t
+def _slabs(buffers: list, device: torch.device) -> dict:
+    """One zeroed host tensor per dtype holding the four host tensors of every offloaded buffer (pinned on CUDA).
+
+    [Note: one slab] torch's pinned allocator rounds every block up to a power of two: per host tensor that
+    wastes up to half of it (an 8B model's 2 GB embedding shards take 4 GiB each, four times over). One
+    allocation per dtype rounds once; its views are pinned like it. Host bytes held are the plan's exactly.
+    """
+    need: dict = {}
+    for b in buffers:
+        need[b.dtype] = need.get(b.dtype, 0) + 4 * b.shard.numel()
+    return {dt: torch.zeros(n, dtype=dt, pin_memory=device.type == "cuda") for dt, n in need.items()}
 
 
 def _hyper(group: dict) -> dict:
@@ -90,6 +114,13 @@ class HostBuffer:
     dirty: bool = False               # the master changed since it was last copied to the device
     inflight: Optional[InFlightStep] = None  # its host step, running in the worker
     early: bool = False               # stepped during this backward; opt.step() has not claimed it yet
+    staged: bool = False              # offload="params": the device shard holds the master (copy_h2d to gather)
+    device_view: Any = None           # offload="params": the device shard's storage, its own version counter
+
+    @property
+    def params(self) -> bool:
+        """offload="params": the parameter shard itself lives on the host ([Note: hosted parameter shards])."""
+        return self.mode == Offload.PARAMS
 
     @property
     def trainable(self) -> list:
@@ -107,22 +138,25 @@ class OffloadState:
         self.h2d_stream = torch.cuda.Stream(exe.device) if self.cuda else None
         self.optimizer_ref = None         # weak reference to the OffloadAdamW stepping this model (it registers)
         self.worker: Optional[ThreadPoolExecutor] = None
-        self.stats = dict(host_step_s=0.0, exposed_s=0.0, steps=0, overlapped=0)
+        self.stats = dict(STATS)
         self.hosts: dict[int, HostBuffer] = {}
         self.submitted: list[HostBuffer] = []  # early steps in the order the worker runs them
-        for u in exe.unit_list:
-            for b in u.buffers:
-                if not b.bp.offload:
-                    continue
-                if b.bp.offload == Offload.PARAMS:
-                    raise RuntimeShardingError(
-                        "shardplan: offload='params' is planned (memory, copies, schedule) but this version runs "
-                        "offload='optimizer' only; plan with offload='optimizer' (or strategy-level 3 without offload)")
-                zeros = lambda: _pin(torch.zeros(b.shard.numel(), dtype=b.dtype), exe.device)
-                hb = HostBuffer(b, b.bp.offload, master=_pin(b.shard.detach().to("cpu", copy=True), exe.device),
-                                grad=zeros(), exp_avg=zeros(), exp_avg_sq=zeros())
-                hb.steps = {m.index: torch.tensor(0.0) for m in hb.trainable}
-                self.hosts[b.bp.index] = hb
+        self.values: dict[str, torch.Tensor] = {}  # offload="params": parameter name -> view of its host master
+        offloaded = [b for u in exe.unit_list for b in u.buffers if b.bp.offload]
+        slabs, at = _slabs(offloaded, exe.device), {}
+        for b in offloaded:
+            n, k = b.shard.numel(), at.get(b.dtype, 0)
+            master, grad, exp_avg, exp_avg_sq = slabs[b.dtype][k:k + 4 * n].view(4, n).unbind(0)
+            at[b.dtype] = k + 4 * n
+            master.copy_(b.shard.detach())
+            hb = HostBuffer(b, b.bp.offload, master=master, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+            hb.steps = {m.index: torch.tensor(0.0) for m in hb.trainable}
+            self.hosts[b.bp.index] = hb
+            if hb.params:  # [Note: hosted parameter shards]: the master is the shard; the device copy goes
+                hb.device_view = alias(b.shard, 0, (b.shard.numel(),))  # (its own version counter)
+                free_storage(b.shard)
+                for m in b.members:
+                    self.values[m.name] = hb.master[m.shard].view(m.piece.shape)
 
     # -- the schedule's ops (executor handlers) ------------------------------------------------------
     def run(self, op) -> None:
@@ -155,14 +189,61 @@ class OffloadState:
                 hb.d2h = self._event(self.d2h_stream)
 
     def copy_params(self, hosts: list[HostBuffer]) -> None:
-        """The stepped master shards on the device before anything reads them (idempotent)."""
+        """The stepped master shards on the device before anything reads them (idempotent). A hosted
+        parameter shard ([Note: hosted parameter shards]) is copied in for the all-gather that follows."""
         for hb in hosts:
             if hb.inflight is not None:
                 self._land(hb, block=True)
+            if hb.params:
+                self._stage(hb)
+                continue
             if hb.dirty:
                 self._issue_h2d(hb)
             if self.cuda and hb.h2d is not None:
                 torch.cuda.current_stream().wait_event(hb.h2d)
+
+    def _stage(self, hb: HostBuffer) -> None:
+        """offload="params": allocate the device shard and copy the master into it on the host-to-device
+        stream; the gather stream (not the compute stream) waits for the copy, so a prefetched copy overlaps
+        the compute before it."""
+        if hb.staged:
+            return
+        alloc_storage(hb.b.shard)  # on the compute stream, like every buffer ([Note: streams], streams.py)
+        if self.cuda:
+            self.h2d_stream.wait_stream(torch.cuda.current_stream())
+        with (torch.cuda.stream(self.h2d_stream) if self.cuda else contextlib.nullcontext()):
+            with torch.no_grad():
+                hb.device_view.copy_(hb.master, non_blocking=self.cuda)
+            hb.h2d = self._event(self.h2d_stream)
+        if self.exe.comm.groups.gather(hb.b.bp.axes).pg is not None:
+            self.exe.comm.streams.side_waits("gather", hb.h2d)
+        elif self.cuda:  # a gather that moves nothing (a shard group of one) copies on the compute stream
+            torch.cuda.current_stream().wait_event(hb.h2d)
+        hb.staged = True
+
+    def gathered(self, indices) -> None:
+        """The all-gather of these buffers completed (the compute stream waited for it): the device copies
+        of hosted parameter shards are freed until the next gather's ``copy_h2d``."""
+        for i in indices:
+            hb = self.hosts.get(i)
+            if hb is not None and hb.params and hb.staged:
+                free_storage(hb.b.shard)
+                hb.staged = False
+
+    def hosted_shard(self, index: int) -> Optional[torch.Tensor]:
+        """The host master of buffer ``index`` when its parameter shard is hosted, else ``None``."""
+        hb = self.hosts.get(index)
+        if hb is None or not hb.params:
+            return None
+        self.wait_all()
+        return hb.master
+
+    def hosted_value(self, name: str) -> Optional[torch.Tensor]:
+        """A view of parameter ``name``'s host master when its shard is hosted, else ``None``."""
+        v = self.values.get(name)
+        if v is not None:
+            self.wait_all()
+        return v
 
     # -- the overlapped host step ([Note: the overlapped step]) --------------------------------------------
     def start_steps(self, hosts: list[HostBuffer]) -> None:
@@ -199,10 +280,11 @@ class OffloadState:
     def _land(self, hb: HostBuffer, block: bool) -> None:
         rec = hb.inflight
         t0 = time.perf_counter()
-        seconds = rec.future.result()  # re-raises what the worker raised
+        seconds, kernel = rec.future.result()  # re-raises what the worker raised
         if block:
             self.stats["exposed_s"] += time.perf_counter() - t0
         self.stats["host_step_s"] += seconds
+        self.stats["kernel_s"] += kernel
         self.stats["steps"] += 1
         self.stats["overlapped"] += 1
         hb.inflight = None
@@ -297,10 +379,11 @@ class OffloadState:
                     for c in hb.scales:
                         hb.grad[m.shard].mul_(c.to(hb.grad.dtype))
             hb.scales.clear()
-        _host_compute(hb, [m for m, _ in active], group, fused, hb.d2h, hb.h2d)
+        _, kernel = _host_compute(hb, [m for m, _ in active], group, fused, hb.d2h, hb.h2d)
         hb.d2h = None
         seconds = time.perf_counter() - t0
         self.stats["host_step_s"] += seconds
+        self.stats["kernel_s"] += kernel
         self.stats["exposed_s"] += seconds
         self.stats["steps"] += 1
         hb.dirty = True
@@ -308,7 +391,11 @@ class OffloadState:
 
     def _issue_h2d(self, hb: HostBuffer, after=None) -> None:
         """The master to the device shard, non-blocking on the host-to-device stream. ``after``: an event
-        the copy waits for (the device's last read of the shard); else everything issued so far."""
+        the copy waits for (the device's last read of the shard); else everything issued so far. A hosted
+        parameter shard has no device copy between gathers: the next gather's ``copy_h2d`` copies it."""
+        if hb.params:
+            hb.dirty = False
+            return
         if self.cuda:
             if after is not None:
                 self.h2d_stream.wait_event(after)
@@ -333,7 +420,8 @@ class OffloadState:
         for hb in self.hosts.values():
             if hb.h2d is not None:
                 hb.h2d.synchronize()
-            hb.master.copy_(hb.b.shard.detach())
+            if not hb.params:  # a hosted parameter shard was written in its master (Executor.local_value)
+                hb.master.copy_(hb.b.shard.detach())
             hb.dirty, hb.h2d, hb.early = False, None, False
         self.submitted = []
 
@@ -367,21 +455,24 @@ class OffloadState:
         return ev
 
 
-def _host_compute(hb: HostBuffer, members: list, group: dict, fused: Optional[bool], d2h, h2d) -> float:
+def _host_compute(hb: HostBuffer, members: list, group: dict, fused: Optional[bool], d2h, h2d) -> tuple:
     """The AdamW kernels over ``hb``'s host tensors (the worker runs this; no device work, no Python state
-    shared with the main thread but ``hb``'s host tensors). Returns the seconds it took."""
+    shared with the main thread but ``hb``'s host tensors). Returns ``(seconds in all, seconds in the
+    kernels)``: the rest waited for the gradient's copy to the host (or the master's last copy back)."""
     t0 = time.perf_counter()
     if d2h is not None:  # the gradient copy has landed in hb.grad
         d2h.synchronize()
     if h2d is not None:  # the last copy of the master to the device has read it
         h2d.synchronize()
+    t1 = time.perf_counter()
     with torch.no_grad():
         for group_members in _by_step(hb, members):
             views, steps, followers = _spans(hb, group_members)
             adamw(*views, steps, group, fused)
             for m in followers:  # pieces stepped within the flat span, or empty ones: the same count
                 hb.steps[m.index].copy_(steps[0])
-    return time.perf_counter() - t0
+    t2 = time.perf_counter()
+    return t2 - t0, t2 - t1
 
 
 def _by_step(hb: HostBuffer, members: list) -> list[list]:

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from ..errors import RuntimeShardingError
 from .builder import engine_of
-from .offload import _by_step, adamw  # noqa: F401  (the kernel both sides share)
+from .offload import STATS, _by_step, adamw  # noqa: F401  (the kernel both sides share)
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -93,14 +93,16 @@ class OffloadAdamW(torch.optim.Optimizer):
         return loss
 
     def host_stats(self, reset: bool = False) -> dict:
-        """Seconds the host steps took (``host_step_s``) and how many of them ``step()`` waited for
+        """Seconds the host steps took (``host_step_s``; ``kernel_s`` of them in the AdamW kernels, the rest
+        waiting for the gradient's copy to the host) and how many of them ``step()`` waited for
         (``exposed_s``; the rest overlapped backward: ``hidden_s``), summed since the start (or the last
-        reset); ``steps``: buffer steps, ``overlapped``: those that ran during backward."""
-        st = dict(self._host.stats) if self._host is not None else dict(host_step_s=0.0, exposed_s=0.0, steps=0,
-                                                                          overlapped=0)
+        reset); ``steps``: buffer steps, ``overlapped``: those that ran during backward; ``threads``: the
+        CPU threads torch's kernels use."""
+        st = dict(self._host.stats) if self._host is not None else dict(STATS)
+        st["threads"] = torch.get_num_threads()
         st["hidden_s"] = max(st["host_step_s"] - st["exposed_s"], 0.0)
         if reset and self._host is not None:
-            self._host.stats.update(host_step_s=0.0, exposed_s=0.0, steps=0, overlapped=0)
+            self._host.stats.update(STATS)
         return st
 
 

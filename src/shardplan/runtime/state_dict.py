@@ -155,12 +155,22 @@ class StateDictHooks:
         return CheckpointError(f"model.state_dict(): parameter {name!r} cannot be given as a DTensor: {why}. "
                                f"To checkpoint this model, {_WAYS_OUT}")
 
+    def _hosted(self, name: str) -> None:
+        """offload="params" keeps the shard of ``name`` in host memory (the local parameter has no storage
+        between gathers): refuse, naming the checkpoint functions that read and write the host copy."""
+        off = getattr(self.exe, "offload", None)
+        if off is not None and name in off.values:
+            raise CheckpointError(f"model.state_dict() / load_state_dict(): parameter {name!r} lives in host memory "
+                                  f"(offload='params'); use shardplan.checkpoint.save / load (or "
+                                  f"shardplan.full_state_dict / load_full_state_dict), which read and write it there")
+
     # -- state_dict --------------------------------------------------------------------------------------
     def value(self, name: str, lp: torch.Tensor) -> torch.Tensor:
         """This rank's shard ``lp`` of ``name`` as a DTensor view (zero copy)."""
         from torch.distributed.tensor import DTensor
         if self.mesh is None:
             raise self._refuse(name if self.layout[name][0] is None else self.bad)
+        self._hosted(name)
         p = self.plan.param(name)
         local = lp.detach()
         shape = self.local_shape[p.name]
@@ -233,6 +243,8 @@ class StateDictHooks:
                 # torch copies into whatever the module holds, so hand the modules their shards back first,
                 # as the next forward would (local work only)]
                 self.exe._abandon()
+            for attr in hit:
+                self._hosted(own[attr])
             for attr in hit:
                 name = own[attr]
                 sd[prefix + attr] = self.local_value(name, prefix + attr, sd[prefix + attr], locals_[name])

@@ -37,6 +37,11 @@ class Streams:
         ev.record(getattr(self, which))
         return ev
 
+    def side_waits(self, which: str, event) -> None:
+        """The ``gather`` or ``reduce`` side stream waits for ``event`` (work on another stream: a host copy)."""
+        if self.cuda and event is not None:
+            getattr(self, which).wait_event(event)
+
     def wait(self, event) -> None:
         if event is not None:
             torch.cuda.current_stream().wait_event(event)

@@ -64,7 +64,7 @@ def _full_of_buffer(eng, bp, locals_, cpu: bool) -> dict[str, torch.Tensor]:
     plan = eng.plan
     if not bp.sharded:
         return {name: _copy(locals_[name], cpu) for name in bp.params} if eng.rank == 0 else {}
-    shard = eng.shard_of(bp.index)
+    shard = eng.shard_of(bp.index).to(eng.device)  # (offload="params": the host master, copied in)
     gathered = torch.empty(bp.gathered_numel, dtype=shard.dtype, device=shard.device)
     C.all_gather(gathered, shard.contiguous(), eng.groups.gather(bp.axes), async_op=False)
     out = {}
@@ -88,7 +88,7 @@ def _full_by_boxes(eng, locals_, cpu: bool) -> dict[str, torch.Tensor]:
     each box is written by one of its replicas and summed over the world."""
     plan, out = eng.plan, {}
     for pp in plan.params:
-        lp = locals_[pp.name].detach()
+        lp = eng.local_value(pp.name, locals_[pp.name]).to(eng.device)
         full = torch.zeros(pp.global_shape, dtype=lp.dtype, device=lp.device)
         box = plan.local_slices(pp.name, eng.rank)
         others = [a for a in plan.mesh.axis_names if a not in plan.owner_axes(pp.name)]
@@ -132,8 +132,8 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], *, str
     locals_ = eng.local_params()
     with torch.no_grad():
         for pp in plan.params:
-            lp = locals_[pp.name]
-            t = torch.empty(pp.global_shape, dtype=lp.dtype, device=lp.device)
+            lp = eng.local_value(pp.name, locals_[pp.name])  # (offload="params": a view of the host master)
+            t = torch.empty(pp.global_shape, dtype=lp.dtype, device=eng.device)
             if eng.rank == 0:
                 v = full.get(pp.name)
                 if v is None:

@@ -155,7 +155,7 @@ def state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     def value(n, t):
         return sharded_value(eng.plan, eng.groups, eng.rank, n, t)
 
-    sd: dict[str, Any] = {"model": {n: value(n, lp.detach()) for n, lp in locals_.items()}}
+    sd: dict[str, Any] = {"model": {n: value(n, eng.local_value(n, lp)) for n, lp in locals_.items()}}
     if optimizer is not None:
         if init_optimizer:
             init_optimizer_state(optimizer)
@@ -196,6 +196,7 @@ def load_state_dict(model: nn.Module, state: dict, optimizer: Optional[torch.opt
     with torch.no_grad():
         for n, lp in locals_.items():
             if n in msd:
+                lp = eng.local_value(n, lp)  # (offload="params": a view of the host master)
                 v = local_of(msd[n])
                 if v is not None and v.data_ptr() != lp.data_ptr():
                     lp.copy_(v)
