@@ -5,6 +5,8 @@ shardplan's functions. Each works as FSDP2 would or fails at once with a shardpl
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import io
 import sys
 import warnings
@@ -216,3 +218,28 @@ def test_runtime_seams(tmp_path, world):
             assert "compute_dtype=" in out[key] or "init_fn" in out[key], out[key]
         assert out["child_half"].startswith("RuntimeShardingError") and "blocks.1." in out["child_half"], out
         assert "compute_dtype=" in out["child_half"], out
+
+
+def _tying_worker(rank, world):
+    import gpt
+    out = {}
+    cfg = gpt.CONFIGS["tiny"]
+    torch.manual_seed(0)
+    tied, untied = gpt.GPT(cfg), gpt.GPT(dataclasses.replace(cfg, tie_embeddings=False))
+    assert tied.output.weight is tied.tok_embeddings.weight and untied.output.weight is not untied.tok_embeddings.weight
+    for key, planned, sharded in (("tied_plan_untied_module", tied, untied), ("untied_plan_tied_module", untied, tied)):
+        plan = sp.plan(planned, [(r".*", sp.P("dp"))], sp.Mesh(dp=world))
+        out[key] = _error(lambda: sp.shard(copy.deepcopy(sharded), plan))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_plan_whose_tying_differs_from_the_module_is_refused():
+    """A plan ties output.weight to tok_embeddings.weight; the module holds two tensors (or the other way round).
+    Sharding with it would tie (or untie) the weights silently and train another model: refused on every rank."""
+    for out in run(_tying_worker, 2, timeout=100):
+        a, b = out["tied_plan_untied_module"], out["untied_plan_tied_module"]
+        assert a is not None and a.startswith("RuntimeShardingError"), a
+        assert "output.weight, tok_embeddings.weight: tied in the plan" in a and "separate tensors" in a, a
+        assert b is not None and b.startswith("RuntimeShardingError"), b
+        assert "one tensor in the module (tied weights)" in b and "separate parameters" in b, b

@@ -32,6 +32,7 @@ def check_module(module: nn.Module, plan: Plan) -> tuple[Slots, list[str]]:
     slots: dict[str, list] = {}
     problems = []
     by_id: dict[int, str] = {}
+    tied: dict[int, tuple] = {}  # id(tensor) -> (its plan value, every module name it is registered at)
     mods = dict(module.named_modules())
     for name, p in module.named_parameters(remove_duplicate=False):
         canonical = by_id.setdefault(id(p), name)
@@ -46,6 +47,23 @@ def check_module(module: nn.Module, plan: Plan) -> tuple[Slots, list[str]]:
         if str(p.dtype).replace("torch.", "") != pp.dtype:
             problems.append(f"  {name}: module has dtype {p.dtype}, plan has {pp.dtype}")
         slots.setdefault(pp.name, []).append((mods[owner], attr))
+        tied.setdefault(id(p), (pp, []))[1].append(name)
+    # [Note: tying is part of the plan: a plan built on a model whose output.weight *is* tok_embeddings.weight
+    # binds one sharded tensor at both places. Sharding an untied twin of that model with it would tie its
+    # weights silently and train another model (a different loss from the first step), so the module's
+    # groups of names sharing one tensor must be the plan's groups (a name and its aliases), both ways]
+    reported = set()
+    for pp, names in tied.values():
+        want = {pp.name, *pp.aliases}
+        if set(names) != want and pp.name not in reported:
+            reported.add(pp.name)
+            held = [sorted(ns) for q, ns in tied.values() if q.name == pp.name]
+            problems.append(f"  {', '.join(sorted(want))}: tied in the plan (one tensor), but the module holds "
+                            f"{' and '.join('{' + ', '.join(h) + '}' for h in held)} as separate tensors"
+                            if len(held) > 1 else
+                            f"  {', '.join(sorted(names))}: one tensor in the module (tied weights), but the plan "
+                            + (f"ties only {', '.join(sorted(want))}" if len(want) > 1 else
+                               "holds them as separate parameters"))
     problems += [f"  {p.name}: in the plan, not in the module" for p in plan.params if p.name not in slots]
     return slots, problems
 
