@@ -227,6 +227,18 @@ def test_tree_errors_name_the_path():
         opt.update({"w": torch.zeros(2, 3)}, opt.init(local), local)
 
 
+def test_a_tree_with_two_leaves_for_one_tied_parameter_is_refused():
+    # the plan ties emb.weight and head.weight; a tree holding both would have one of them dropped silently
+    tied = torch.nn.ModuleDict({"emb": torch.nn.Embedding(8, 4), "head": torch.nn.Linear(4, 8, bias=False)})
+    tied.head.weight = tied.emb.weight
+    plan = sp.plan(tied, [(r".*", sp.P("dp"))], sp.Mesh(dp=2))
+    assert len(plan.params) == 1
+    sp.shard_tree(dict(tied.named_parameters()), plan, rank=0)  # one leaf per tied group: fine
+    two = {"emb.weight": torch.zeros(8, 4), "head.weight": torch.ones(8, 4)}
+    with pytest.raises(sp.ShardingError, match="'emb.weight' and 'head.weight' are one tied parameter"):
+        sp.shard_tree(two, plan, rank=0)
+
+
 def _bad_tree_worker(rank, world):
     import time
     model = Toy()

@@ -32,12 +32,18 @@ def check_tree(plan: Plan, paths, leaves, *, rank: Optional[int] = None, what: s
     """Raise :class:`ShardingError` naming the first path whose name, shape or dtype does not fit the plan
     (``rank`` given: local shapes; else full shapes)."""
     names = set(paths)
+    seen: dict[str, str] = {}  # plan name -> the path that gave it
     for path, leaf in zip(paths, leaves):
         if path not in plan:
             close = [p.name for p in plan.params if path.split(".")[-1] in p.name][:3]
             raise ShardingError(f"{what} leaf {path!r} is not a parameter of the plan (close names: {close}); the tree "
                                 f"must have the structure the plan was built from")
         p = plan.param(path)
+        if p.name in seen:  # [Note: two leaves, one tied parameter: one of them would be dropped silently]
+            raise ShardingError(f"{what} leaves {seen[p.name]!r} and {path!r} are one tied parameter in the plan "
+                                f"({p.name!r}, also {', '.join(p.aliases)}), but the {what} holds them separately; "
+                                f"pass one leaf for it, or build the plan from an untied model")
+        seen[p.name] = path
         want = plan.local_shape(p.name, rank) if rank is not None else p.global_shape
         if tuple(getattr(leaf, "shape", ())) != tuple(want):
             raise ShardingError(f"{what} leaf {path!r} has shape {tuple(leaf.shape)}, the plan says "
