@@ -1,7 +1,8 @@
 #!/bin/bash
 # Issue 23 (CPU offload) on one H200, every figure the issue asks for, one launch per case.
 #   bash benchmarks/runs/h200_offload.sh OUTDIR fits   # 1B and 3B: full offload, balanced and fitting fraction
-#   bash benchmarks/runs/h200_offload.sh OUTDIR 8b        # Llama-3 8B shape on one GPU (needs ~140 GiB of host memory)
+#   bash benchmarks/runs/h200_offload.sh OUTDIR 8b        # Llama-3 8B shape on one GPU, 60% offloaded (72 GiB of host)
+#   bash benchmarks/runs/h200_offload.sh OUTDIR 8b-full   # the same fully offloaded (a host with >= 160 GiB)
 # The host AdamW alone first (its per-element cost by thread count), then the training runs.
 set -u
 OUT=${1:-.}
@@ -21,8 +22,16 @@ if [ "$WHAT" = fits ]; then
     --out $OUT/train_step_h200_3B_w1_offload_optimizer.json
   run --config 3B --batch 4 --seq 1024 $A --systems shardplan,shardplan_offload --offload balance \
     --out $OUT/train_step_h200_3B_w1_offload_balance.json
+elif [ "$WHAT" = 8b ]; then
+  # Llama-3 8B shape, batch 1 x 8192, no activation checkpointing: planned (traced) device peak 158.6 GiB without
+  # offload (does not fit a 139 GiB H200); offload_fraction 0.6: 122.8 GiB on the device, 71.5 GiB of host
+  # state (pinned in power-of-two slabs: 72 GiB), which a 128 GiB host holds. Full offload (120 GiB of host
+  # state) needs a host with more memory: `8b-full`.
+  run --config 8B --batch 1 --seq 8192 --dtype bf16 --steps 3 --warmup 1 --rounds 1 --breakdown \
+    --trace-plan --systems shardplan_offload --offload fraction=0.6 --forecast h200-8x-ib400:8 \
+    --out $OUT/train_step_h200_8B_w1_offload_f06.json
 else
-  # one GPU of a host with >= 256 GiB (the 8B's host state is 120 GiB, pinned in one slab rounded to 128 GiB);
+  # 8b-full: one GPU of a host with >= 160 GiB (the 8B's host state is 120 GiB, pinned in slabs of 64+32+16+8 GiB);
   # planned device peak (traced, recomputed): 124.5 GiB without offload (states alone 120 GiB), 64.4 GiB with it
   CUDA_VISIBLE_DEVICES=0 run --config 8B --batch 1 --seq 8192 --dtype bf16 --steps 3 --warmup 1 --rounds 1 --breakdown \
     --act-ckpt --trace-plan --systems shardplan,shardplan_offload --offload optimizer --forecast h200-8x-ib400:8 \

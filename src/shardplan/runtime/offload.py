@@ -1,7 +1,7 @@
 """CPU offload at run time: host copies of the offloaded buffers, the schedule's host ops, the host step.
 
 For every buffer the plan offloads (``BufferPlan.offload``) this rank keeps four flat host tensors the size
-of its shard, in the parameters' dtype (pinned on CUDA; views of one slab per dtype, [Note: one slab]): the
+of its shard, in the parameters' dtype (pinned on CUDA; views of a few power-of-two slabs, [Note: slabs]): the
 master shard, the gradient shard, and AdamW's two moments. :mod:`shardplan.plan.accounting` counts exactly
 these (``plan.memory().host``).
 
@@ -70,16 +70,48 @@ STATS = dict(host_step_s=0.0, kernel_s=0.0, exposed_s=0.0, steps=0, overlapped=0
 
 
 def _slabs(buffers: list, device: torch.device) -> dict:
-    """One zeroed host tensor per dtype holding the four host tensors of every offloaded buffer (pinned on CUDA).
+    """``{buffer index: a zeroed host tensor of 4 x its shard}`` (pinned on CUDA), cut from a few large slabs.
 
-    [Note: one slab] torch's pinned allocator rounds every block up to a power of two: per host tensor that
-    wastes up to half of it (an 8B model's 2 GB embedding shards take 4 GiB each, four times over). One
-    allocation per dtype rounds once; its views are pinned like it. Host bytes held are the plan's exactly.
+    [Note: slabs] torch's pinned allocator rounds every block up to a power of two: per host tensor that
+    wastes up to half of it (an 8B model's 2 GB embedding shards take 4 GiB each, four times over), and one
+    slab for everything wastes as much at once (71.5 GiB of state would pin 128 GiB). So the slabs are
+    powers of two themselves: buffers, largest first, go into the first slab with room, and a new slab is
+    the largest power of two the unplaced bytes fill (at least the buffer's own size rounded up), so what
+    is pinned exceeds the plan's host bytes by less than the largest buffer. On a CPU-only run (no
+    pinning) one exact slab per dtype.
     """
-    need: dict = {}
+    pin = device.type == "cuda"
+    by_dtype: dict = {}
     for b in buffers:
-        need[b.dtype] = need.get(b.dtype, 0) + 4 * b.shard.numel()
-    return {dt: torch.zeros(n, dtype=dt, pin_memory=device.type == "cuda") for dt, n in need.items()}
+        by_dtype.setdefault(b.dtype, []).append(b)
+    out = {}
+    for dt, bs in by_dtype.items():
+        item = torch.empty(0, dtype=dt).element_size()
+        need = {b.bp.index: 4 * b.shard.numel() * item for b in bs}
+        if not pin:
+            slab = torch.zeros(sum(need.values()) // item, dtype=dt)
+            at = 0
+            for b in bs:
+                out[b.bp.index] = slab[at:at + need[b.bp.index] // item]
+                at += need[b.bp.index] // item
+            continue
+        left = sum(need.values())
+        slabs: list = []  # [size in bytes, bytes used, [(buffer index, offset)]]
+        for b in sorted(bs, key=lambda b: -need[b.bp.index]):
+            n = need[b.bp.index]
+            room = next((sl for sl in slabs if sl[0] - sl[1] >= n), None)
+            if room is None:
+                size = max(1 << (left.bit_length() - 1), 1 << max(0, (n - 1).bit_length()))
+                room = [size, 0, []]
+                slabs.append(room)
+            room[2].append((b.bp.index, room[1]))
+            room[1] += n
+            left -= n
+        for size, _, placed in slabs:
+            slab = torch.zeros(size // item, dtype=dt, pin_memory=True)
+            for index, offset in placed:
+                out[index] = slab[offset // item:(offset + need[index]) // item]
+    return out
 
 
 def _hyper(group: dict) -> dict:
@@ -143,11 +175,10 @@ class OffloadState:
         self.submitted: list[HostBuffer] = []  # early steps in the order the worker runs them
         self.values: dict[str, torch.Tensor] = {}  # offload="params": parameter name -> view of its host master
         offloaded = [b for u in exe.unit_list for b in u.buffers if b.bp.offload]
-        slabs, at = _slabs(offloaded, exe.device), {}
+        slabs = _slabs(offloaded, exe.device)
         for b in offloaded:
-            n, k = b.shard.numel(), at.get(b.dtype, 0)
-            master, grad, exp_avg, exp_avg_sq = slabs[b.dtype][k:k + 4 * n].view(4, n).unbind(0)
-            at[b.dtype] = k + 4 * n
+            n = b.shard.numel()
+            master, grad, exp_avg, exp_avg_sq = slabs[b.bp.index].view(4, n).unbind(0)
             master.copy_(b.shard.detach())
             hb = HostBuffer(b, b.bp.offload, master=master, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
             hb.steps = {m.index: torch.tensor(0.0) for m in hb.trainable}
