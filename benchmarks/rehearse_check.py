@@ -46,7 +46,7 @@ def one_case(config: str, dp: int, checkpoint: bool, batch: tuple[int, int], ste
         return {**out, "refused": str(exc), "planned_peak": plan.memory(0, recompute=checkpoint).peak}
     d = r.to_dict()
     keep = ("device", "step_s", "median_step_s", "measured_peak", "measured_peaks", "planned_peak",
-            "planned_states_peak", "planned_activations", "peak_ratio", "states_peak_measured", "states_peak_planned",
+            "planned_states_peak", "planned_activations", "peak_ratio", "library_workspace", "peak_ratio_with_workspace", "states_peak_measured", "states_peak_planned",
             "host_s_per_unit", "optimizer_s", "notes")
     return {**out, **{k: d[k] for k in keep}, "units": d["units"][:3] + d["units"][-1:]}
 
@@ -134,6 +134,8 @@ def main():
             status = r.get("refused") or r.get("error") or (
                 f"measured {gib(r['measured_peak'])}  planned {gib(r['planned_peak'])}  "
                 + (f"ratio {r['peak_ratio']:.3f}  " if r.get("peak_ratio") else "")
+                + (f"(with {r['library_workspace'] / 2 ** 20:.0f} MiB library workspace {r['peak_ratio_with_workspace']:.3f})  "
+                   if r.get("peak_ratio_with_workspace") else "")
                 + f"step {r['median_step_s'] * 1e3:8.1f} ms  (runtime states {gib(r['states_peak_measured'])} vs "
                   f"planned {gib(r['states_peak_planned'])})")
             print(f"{config:>5} dp={dp:<3} checkpoint={ck!s:<5} {status}", flush=True)
@@ -149,6 +151,11 @@ def main():
         worst = max(abs(c["peak_ratio"] - 1) for c in ok)
         results["worst_peak_error"] = worst
         print(f"worst |measured/planned - 1| = {100 * worst:.1f}% over {len(ok)} case(s) (goal: 5%)")
+        under = [c for c in ok if c["peak_ratio"] > 1]
+        if under:
+            print(f"{len(under)} case(s) measured above the plan: "
+                  + ", ".join(f"{c['config']} dp={c['dp']} checkpoint={c['checkpoint']} by "
+                              f"{(c['measured_peak'] - c['planned_peak']) / 2 ** 20:.0f} MiB" for c in under))
     out = args.out or os.path.join(HERE, "results", f"rehearse_check_{'tiny' if args.tiny else 'gpu'}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:

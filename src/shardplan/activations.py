@@ -3,8 +3,8 @@
 The planner calls :func:`profile` when a plan is traced with example inputs (``trace=``): one forward and
 backward of a meta copy of the model, in the plan's compute dtype, once as it is and once with every
 unit checkpointed (``torch.utils.checkpoint``, non-reentrant). A dispatch mode sees every tensor the step
-allocates and follows each storage until it dies; parameters and their gradients are left out (the plan
-counts them, in its own layout). At each event the runtime reports (``pre_forward(u)``,
+allocates and follows each storage until it dies; parameters are left out (the plan counts them, in its
+own layout), their gradients are counted as they form, until their unit completes (``Activations.grads``). At each event the runtime reports (``pre_forward(u)``,
 ``post_backward(u)``, ...) the profile records the activation bytes alive and the most alive since the
 previous event; :func:`shardplan.plan.accounting.memory` adds them to the model states at the same events.
 
@@ -232,11 +232,23 @@ def _run(model, trace, entries: dict[str, list[str]], checkpointed: bool) -> tup
             return out
         return hook
 
+    # [Note: gradients as they form] a parameter's gradient is counted from the op that forms it until
+    # its unit completes, as autograd holds it on ``.grad`` until the runtime lands it in the unit's flat
+    # gradient (``BufferState.collect_grads``); the plan's walk then leaves a unit's unsharded gradient
+    # out of the peak until its reduction (``Activations.grads``). Counting the whole flat gradient from
+    # ``prepare`` instead counted the root's (embeddings and head: 2 GiB at Llama-3 8B shapes) through
+    # the head's backward, before any of it exists, and the head's weight gradient twice.
+    members: dict = {u: [q for q in params if owner.get(id(q)) == u] for u in entries}
+
+    def release(u) -> None:
+        for q in members[u] if u is not None else [q for q in params if id(q) not in owner]:
+            q.grad = None
+
     def on_grad(u):
         def hook(p):
-            p.grad = None  # the runtime moves gradients into its own buffers (counted by the plan)
             waiting[u] -= 1
             if waiting[u] == 0:
+                release(u)
                 mark(f"post_backward({u})")
         return hook
 
@@ -248,7 +260,8 @@ def _run(model, trace, entries: dict[str, list[str]], checkpointed: bool) -> tup
     for q in params:
         if q.requires_grad:
             u = owner.get(id(q))
-            handles.append(q.register_post_accumulate_grad_hook(on_grad(u) if u else (lambda p: setattr(p, "grad", None))))
+            if u:
+                handles.append(q.register_post_accumulate_grad_hook(on_grad(u)))
     undo = checkpoint_units(model, entries) if checkpointed else []
     import torch.nn.functional as F
     _SDPA[:] = [F.scaled_dot_product_attention]
@@ -266,6 +279,9 @@ def _run(model, trace, entries: dict[str, list[str]], checkpointed: bool) -> tup
             mark("begin_backward")
             loss.backward()
             del loss
+            release(None)  # the root's gradients: landed when the backward ends
+            for q in params:
+                q.grad = None
             mark("end_backward")
     finally:
         F.scaled_dot_product_attention = _SDPA[0]
@@ -296,4 +312,4 @@ def profile(model, trace, units: Sequence[tuple[str, Sequence[str]]], compute_dt
     with torch.random.fork_rng(devices=[]):
         plain = _run(meta, trace, entries, checkpointed=False)
         recompute = _run(meta, trace, entries, checkpointed=True)
-    return Activations(inputs=what, plain=plain, recompute=recompute)
+    return Activations(inputs=what, plain=plain, recompute=recompute, grads=True)
