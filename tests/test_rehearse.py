@@ -140,6 +140,41 @@ def test_profile_counts_gradients_as_they_form():
         assert a["end_backward"].live == b["end_backward"].live
 
 
+TP_RULES = [
+    (r"layers\.\d+\.attention\.w[qkv]\.weight", sp.P(("tp", "dp"))),
+    (r"layers\.\d+\.attention\.wo\.weight", sp.P("dp", "tp")),
+    (r"layers\.\d+\.feed_forward\.w[13]\.weight", sp.P(("tp", "dp"))),
+    (r"layers\.\d+\.feed_forward\.w2\.weight", sp.P("dp", "tp")),
+    (r"tok_embeddings\.weight", sp.P(("tp", "dp"))),     # vocabulary-parallel; the tied head gathers its logits
+    (r".*", sp.P("dp")),
+]
+
+
+def test_tensor_parallel_profile_has_local_shapes():
+    """A traced tensor-parallel plan counts one tp rank's activations: the blocks' inner activations are
+    tp-local (the whole profile is smaller than at tp=1, by less than half: the residual stream stays
+    whole), and the head's logits, all-gathered by its colwise_gather style, are whole (the fp32 loss
+    over them holds three vocabulary-wide tensors at the head's backward)."""
+    vocab, (b, t) = 4096, (2, 32)
+    x = torch.zeros(b, t, dtype=torch.long, device="meta")
+    with torch.device("meta"):
+        m = gpt.build("small", vocab=vocab)
+    one = sp.plan(m, [(r".*", sp.P("dp"))], sp.Mesh(dp=2), units=[r"layers\.\d+"], trace=(x, x), min_unit_bytes=0)
+    two = sp.plan(m, TP_RULES, sp.Mesh(dp=2, tp=2), compute_axes="tp", units=[r"layers\.\d+"], trace=(x, x),
+                  min_unit_bytes=0)
+    assert two.tp_module("output").style == "colwise_gather"
+    for ck in (False, True):
+        a1, a2 = one.memory(0, recompute=ck).activations, two.memory(0, recompute=ck).activations
+        assert a2 is not None and 0.5 * a1 < a2 < a1, (ck, a1, a2)
+    head = {p.event: p.peak for p in two.activations.plain}["pre_backward(layers.3)"]
+    assert head >= 3 * b * t * vocab * 4
+    block = [p.live - q.live for p, q in zip(two.activations.plain, two.activations.plain[1:])
+             if q.event == "post_forward(layers.0)"]  # what layers.0's forward keeps, at tp=2 and at tp=1
+    block1 = [p.live - q.live for p, q in zip(one.activations.plain, one.activations.plain[1:])
+              if q.event == "post_forward(layers.0)"]
+    assert block and block1 and -block[0] < -block1[0]
+
+
 def test_planned_peak_matches_h200_measurement():
     """The plan's peak against rank 0 of Llama-3 8B shapes at dp=8 measured on one H200
     (benchmarks/results/rehearse_check_h200.json, before the forming-gradient fix: 0.959 and 0.914)."""

@@ -267,7 +267,9 @@ def _run(model, trace, entries: dict[str, list[str]], checkpointed: bool) -> tup
     _SDPA[:] = [F.scaled_dot_product_attention]
     F.scaled_dot_product_attention = _fused_attention
     args, kwargs = trace_args(trace)
-    args, kwargs = tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, (args, kwargs))
+    # a leaf input that takes a gradient stays one (its copy to meta would send the gradient back to its device)
+    args, kwargs = tree_map(lambda x: x.detach().to("meta").requires_grad_(x.requires_grad)
+                            if isinstance(x, torch.Tensor) else x, (args, kwargs))
     try:
         with torch.enable_grad(), Mode():
             for x in _tensors((args, kwargs), []):
@@ -291,11 +293,36 @@ def _run(model, trace, entries: dict[str, list[str]], checkpointed: bool) -> tup
     return tuple(points)
 
 
+def _tensor_parallel(meta, local_shapes: dict, styles: Sequence[tuple[str, str, str, int]]) -> None:
+    """Make the meta copy compute as one tensor-parallel rank does: its parameters in their tp-local shapes
+    (``local_shapes``: name -> shape), and at each module the activation its style moves
+    (``styles``: ``(module path, kind, style, axis size)``): a ``colwise_gather`` output all-gathered to its
+    full last dimension, a ``rowwise_split`` linear's replicated input split to this rank's part; a
+    ``colwise`` output stays local and a ``rowwise`` output (all-reduced) has the full shape already.
+
+    [Note: the profile then holds local shapes where the runtime's DTensors do; the collectives' own
+    buffers (an all-reduce in place, an all-gather's output) are what these stand-ins allocate]"""
+    import torch
+    for name, shape in local_shapes.items():
+        p = meta.get_parameter(name)
+        if tuple(p.shape) != tuple(shape):
+            p.data = torch.empty(shape, dtype=p.dtype, device="meta")
+    for path, kind, style, n in styles:
+        mod = meta.get_submodule(path)
+        if style == "colwise_gather":
+            mod.register_forward_hook(lambda _m, _a, out, n=n: torch.cat([out] * n, dim=-1))
+        elif style == "rowwise_split" and kind == "linear":
+            mod.register_forward_pre_hook(
+                lambda _m, args, n=n: (args[0].narrow(-1, 0, args[0].shape[-1] // n),) + tuple(args[1:]))
+
+
 def profile(model, trace, units: Sequence[tuple[str, Sequence[str]]], compute_dtype: Optional[str] = None,
-            describe: str = "") -> Activations:
+            describe: str = "", local_shapes: Optional[dict] = None,
+            styles: Sequence[tuple[str, str, str, int]] = ()) -> Activations:
     """The activation profile of one training step on ``trace`` (see the module's docstring).
 
-    ``units``: ``[(unit name, module paths)]`` without the root, as the plan has them."""
+    ``units``: ``[(unit name, module paths)]`` without the root, as the plan has them. Under tensor
+    parallelism ``local_shapes`` and ``styles`` make it one tp rank's step (:func:`_tensor_parallel`)."""
     import torch
     from .dtypes import to_torch
     meta = copy.deepcopy(model).to("meta") if any(p.device.type != "meta" for p in model.parameters()) \
@@ -305,6 +332,8 @@ def profile(model, trace, units: Sequence[tuple[str, Sequence[str]]], compute_dt
         for p in meta.parameters():
             if p.is_floating_point():
                 p.data = p.data.to(dt)
+    if local_shapes or styles:
+        _tensor_parallel(meta, local_shapes or {}, styles)
     meta.train()
     entries = unit_entries(meta, units)
     ins = _tensors(trace_args(trace), [])
