@@ -260,7 +260,8 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
         # Under tensor parallelism the meta copy computes as one tp rank: tp-local parameter shapes, and the
         # activations each style moves (activations._tensor_parallel)
         from ..activations import profile as profile_activations
-        local = {p.name: p.shape for p in param_plans if p.compute is not None}
+        # (expert-parallel parameters keep their global shapes: the model routes over every expert)
+        local = {p.name: p.shape for p in param_plans if p.compute is not None and p.compute.axis in compute_axes}
         styles = [(m.path, m.kind, m.style, mesh.axis_size(m.axis)) for m in tp_modules] if tp_modules else []
         profile = profile_activations(module, trace, [(u.name, u.module_paths) for u in unit_plans if u.name != ROOT],
                                       compute, local_shapes=local, styles=styles)
