@@ -25,21 +25,27 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 FULL = [("8B", 8), ("70B", 64)]
 TINY = [("small", 8), ("small", 16)]
+# planned only (the rehearsal refuses tensor parallelism so far): the plan's peak with one tp rank's activations
+TP_FULL = [("70B", 16, 8)]
 
 
-def one_case(config: str, dp: int, checkpoint: bool, batch: tuple[int, int], steps: int, dtype: str) -> dict:
+def one_case(config: str, dp: int, checkpoint: bool, batch: tuple[int, int], steps: int, dtype: str, tp: int = 1) -> dict:
     import torch
     import gpt
+    import gpt_rules_tp
     import shardplan as sp
     from shardplan.activations import token_inputs
     t0 = time.perf_counter()
     with torch.device("meta"):
         model = gpt.build(config)
     tokens = torch.zeros(*batch, dtype=torch.long, device="meta")
-    plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=dp), units=[r"layers\.\d+"], compute_dtype=dtype,
-                   trace=token_inputs(model, tokens))
+    if tp > 1:
+        rules, mesh, kw = gpt_rules_tp.rules, sp.Mesh(dp=dp, tp=tp), {"compute_axes": gpt_rules_tp.compute_axes}
+    else:
+        rules, mesh, kw = [(r".*", sp.P("dp"))], sp.Mesh(dp=dp), {}
+    plan = sp.plan(model, rules, mesh, units=[r"layers\.\d+"], compute_dtype=dtype, trace=token_inputs(model, tokens), **kw)
     plan_s = time.perf_counter() - t0
-    out = {"config": config, "dp": dp, "rank": 0, "checkpoint": checkpoint, "batch": list(batch), "plan_s": plan_s}
+    out = {"config": config, "dp": dp, "tp": tp, "rank": 0, "checkpoint": checkpoint, "batch": list(batch), "plan_s": plan_s}
     try:
         r = sp.rehearse(lambda: gpt.build(config), plan, rank=0, batch=batch, steps=steps, checkpoint=checkpoint)
     except sp.RehearsalError as exc:
@@ -145,6 +151,12 @@ def main():
         results["fsdp2"].append(r)
         print(f"FSDP2 {config} dp={dp}: " + (r.get("error") or
               f"measured {gib(r['measured_peak'])}  step {r['median_step_s'] * 1e3:8.1f} ms"), flush=True)
+    for config, dp, tp in ([] if args.tiny else TP_FULL):
+        for ck in (False, True):
+            r = spawn("shardplan", dict(config=config, dp=dp, tp=tp, checkpoint=ck, batch=batch, steps=steps, dtype=dtype), 420)
+            results["cases"].append(r)
+            print(f"{config:>5} dp={dp} tp={tp} checkpoint={ck!s:<5} planned {gib(r.get('planned_peak'))}: "
+                  f"{r.get('refused') or r.get('error') or 'rehearsed'}", flush=True)
     results["wall_s"] = time.perf_counter() - t0
     ok = [c for c in results["cases"] if c.get("peak_ratio")]
     if ok:
