@@ -1,5 +1,5 @@
-"""Rehearsal vs plan on one GPU: rank 0 of Llama-3 8B shapes at dp=8 and of 70B shapes at dp=64, batch 1x4096 per
-rank, bf16 compute, with and without activation checkpointing. For each case: the measured peak
+"""Rehearsal vs plan on one GPU: rank 0 of Llama-3 8B shapes at dp=8, of 70B shapes at dp=64 and at dp=16 x tp=8
+(examples/gpt_rules_tp.py), batch 1x4096 per rank, bf16 compute, with and without activation checkpointing. For each case: the measured peak
 (``torch.cuda.max_memory_allocated``) against ``plan.memory(0, recompute=...).peak`` (goal: within 5%), and the
 step time. A comparison row runs torch FSDP2 under the same fake process group for the 8B case (``--no-fsdp2``
 skips it). Each case runs in a process of its own (fresh process group and memory statistics).
@@ -23,10 +23,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
-FULL = [("8B", 8), ("70B", 64)]
-TINY = [("small", 8), ("small", 16)]
-# planned only (the rehearsal refuses tensor parallelism so far): the plan's peak with one tp rank's activations
-TP_FULL = [("70B", 16, 8)]
+FULL = [("8B", 8, 1), ("70B", 64, 1), ("70B", 16, 8)]   # (config, dp, tp): tp > 1 with examples/gpt_rules_tp.py
+TINY = [("small", 8, 1), ("small", 16, 1)]
 
 
 def one_case(config: str, dp: int, checkpoint: bool, batch: tuple[int, int], steps: int, dtype: str, tp: int = 1) -> dict:
@@ -133,9 +131,10 @@ def main():
     results = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "batch": list(batch), "compute_dtype": dtype, "cases": [], "fsdp2": []}
     t0 = time.perf_counter()
-    for config, dp in cases:
+    for config, dp, tp in cases:
         for ck in (False, True):
-            r = spawn("shardplan", dict(config=config, dp=dp, checkpoint=ck, batch=batch, steps=steps, dtype=dtype), 420)
+            r = spawn("shardplan", dict(config=config, dp=dp, tp=tp, checkpoint=ck, batch=batch, steps=steps, dtype=dtype),
+                      420)
             results["cases"].append(r)
             status = r.get("refused") or r.get("error") or (
                 f"measured {gib(r['measured_peak'])}  planned {gib(r['planned_peak'])}  "
@@ -144,19 +143,13 @@ def main():
                    if r.get("peak_ratio_with_workspace") else "")
                 + f"step {r['median_step_s'] * 1e3:8.1f} ms  (runtime states {gib(r['states_peak_measured'])} vs "
                   f"planned {gib(r['states_peak_planned'])})")
-            print(f"{config:>5} dp={dp:<3} checkpoint={ck!s:<5} {status}", flush=True)
+            print(f"{config:>5} dp={dp:<3} tp={tp} checkpoint={ck!s:<5} {status}", flush=True)
     if not args.no_fsdp2 and not args.tiny:
-        config, dp = cases[0]
+        config, dp, _ = cases[0]
         r = spawn("fsdp2", dict(config=config, dp=dp, batch=batch, steps=steps), 300)
         results["fsdp2"].append(r)
         print(f"FSDP2 {config} dp={dp}: " + (r.get("error") or
               f"measured {gib(r['measured_peak'])}  step {r['median_step_s'] * 1e3:8.1f} ms"), flush=True)
-    for config, dp, tp in ([] if args.tiny else TP_FULL):
-        for ck in (False, True):
-            r = spawn("shardplan", dict(config=config, dp=dp, tp=tp, checkpoint=ck, batch=batch, steps=steps, dtype=dtype), 420)
-            results["cases"].append(r)
-            print(f"{config:>5} dp={dp} tp={tp} checkpoint={ck!s:<5} planned {gib(r.get('planned_peak'))}: "
-                  f"{r.get('refused') or r.get('error') or 'rehearsed'}", flush=True)
     results["wall_s"] = time.perf_counter() - t0
     ok = [c for c in results["cases"] if c.get("peak_ratio")]
     if ok:

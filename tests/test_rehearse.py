@@ -72,14 +72,21 @@ class HFStyle(nn.Module):
 
 def _rehearse_worker(_rank, _world, which, dp, rank, checkpoint):
     torch.set_num_threads(1)
-    model_fn = (lambda: gpt.build("small")) if which == "gpt" else HFStyle
-    plan = traced_plan(model_fn, sp.Mesh(dp=dp), units=[r"layers\.\d+"])
+    model_fn = (lambda: gpt.build("small")) if which.startswith("gpt") else HFStyle
+    if which == "gpt-tp":  # tensor parallelism: one rank of Mesh(dp=dp/2, tp=2)
+        with torch.device("meta"):
+            model = model_fn()
+        plan = sp.plan(model, TP_RULES, sp.Mesh(dp=dp // 2, tp=2), compute_axes="tp", units=[r"layers\.\d+"],
+                       trace=token_inputs(model, torch.zeros(2, 32, dtype=torch.long, device="meta")), min_unit_bytes=0)
+    else:
+        plan = traced_plan(model_fn, sp.Mesh(dp=dp), units=[r"layers\.\d+"])
     r = sp.rehearse(model_fn, plan, rank=rank, batch=(2, 32), steps=2, checkpoint=checkpoint)
     return r.to_dict(), str(r), [u.name for u in plan.units]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("which,dp,rank,checkpoint", [("gpt", 8, 3, False), ("gpt", 4, 1, True), ("hf", 4, 2, False)])
+@pytest.mark.parametrize("which,dp,rank,checkpoint", [("gpt", 8, 3, False), ("gpt", 4, 1, True), ("hf", 4, 2, False),
+                                                     ("gpt-tp", 4, 3, True)])
 def test_rehearse_one_rank(which, dp, rank, checkpoint):
     d, text, units = run(_rehearse_worker, 1, which, dp, rank, checkpoint, init=False, timeout=110)[0]
     assert (d["rank"], d["world"], d["checkpoint"], len(d["step_s"])) == (rank, dp, checkpoint, 2)
@@ -245,8 +252,7 @@ def test_errors_name_the_fix():
     with torch.device("meta"):
         model = gpt.build("small")
     tp = sp.plan(model, __import__("gpt_rules_tp").rules, sp.Mesh(dp=2, tp=2), compute_axes=("tp",))
-    with pytest.raises(RehearsalError, match="tensor parallelism .* does not run under rehearsal yet"):
-        check(tp, 0, None, cpu, False)
+    check(tp, 3, None, cpu, False)  # tensor parallelism rehearses too
     for e in (RehearsalError,):
         assert issubclass(e, sp.ShardingError)
 

@@ -38,7 +38,8 @@ def device_capacity(device: torch.device) -> tuple[int, str]:
 def check(plan: Plan, rank: int, world: Optional[int], device: torch.device, checkpoint: bool,
           capacity: Optional[int] = None) -> None:
     """Refuse, in one line naming the fix, what cannot be rehearsed here: a rank outside the mesh, a world
-    that is not the mesh's, tensor parallelism, a rank whose planned peak exceeds the device."""
+    that is not the mesh's, a rank whose planned peak exceeds the device. Tensor-parallel plans rehearse too:
+    their DTensor collectives run on the fake process group like the others."""
     n = plan.mesh.size
     if world is not None and world != n:
         raise RehearsalError(f"the plan's mesh {plan.mesh!r} has {n} ranks but world={world} was asked for; plan "
@@ -46,10 +47,6 @@ def check(plan: Plan, rank: int, world: Optional[int], device: torch.device, che
     if not isinstance(rank, int) or not 0 <= rank < n:
         raise RehearsalError(f"rank {rank!r} is outside the plan's {n} ranks (mesh {plan.mesh!r}); pick a rank in "
                              f"0..{n - 1}")
-    if plan.compute_axes:
-        raise RehearsalError(f"tensor parallelism (compute axes {', '.join(plan.compute_axes)}) does not run under "
-                             f"rehearsal yet; rehearse the same mesh without compute_axes (every axis sharding "
-                             f"storage only) to measure memory and compute of one rank")
     peak = plan.memory(rank, recompute=checkpoint).peak
     if capacity is None:
         capacity, where = device_capacity(device)
