@@ -7,9 +7,12 @@ world-1 step against its forecast.
    the batch a run would use; achieved TFLOP/s counted as the forecast counts them
    (shardplan.forecast.flops: 2 FLOPs per matrix weight per token, 4 T d per token for attention, backward
    twice the forward). This is where the H100/H200 compute presets' ``tflops`` comes from.
-2. A step: GPT 1B with shardplan at world 1 (bf16 compute, fp32 reduce, AdamW foreach, batch 8 x 1024),
-   forward / backward / optimizer timed with synchronisation, against ``plan.forecast`` with the
-   h200-sxm-bf16 preset: predicted compute vs measured.
+2. Steps: GPT 1B (examples/gpt.py) and Hugging Face LlamaForCausalLM with Llama-3.2-1B shapes (1.24B
+   parameters) with shardplan at world 1 (bf16 compute, fp32 reduce, AdamW foreach, batch 8 x 1024),
+   forward / backward / optimizer timed with synchronisation, each in a process of its own, against
+   ``plan.forecast`` with the h200-sxm-bf16 preset: predicted compute vs measured (goal: within 10%).
+
+    python benchmarks/forecast_gpu.py --tiny --out /tmp/f.json     # toy sizes on a CPU: checks the script
 """
 
 from __future__ import annotations
@@ -75,44 +78,96 @@ def block_rate(config: str, b: int, t: int, iters: int) -> dict:
             "forward_flops": fwd_flops, "tflops": 3 * fwd_flops / fb / 1e12, "forward_tflops": fwd_flops / f / 1e12}
 
 
-def step_1b(steps: int) -> dict:
+def _llama_3_2_1b(tiny: bool):
+    """Hugging Face LlamaForCausalLM with Llama-3.2-1B shapes (1.24B parameters, tied embeddings)."""
+    import transformers
+    if tiny:
+        return transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                        tie_word_embeddings=True)
+    return transformers.LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                                    rope_theta=500000.0, tie_word_embeddings=True)
+
+
+def step(model_name: str, steps: int, batch: tuple[int, int], tiny: bool = False) -> dict:
+    """A training step at world 1 with shardplan (bf16 compute, fp32 reduce, AdamW foreach), forward /
+    backward / optimizer timed with synchronisation, against ``plan.forecast`` with the h200-sxm-bf16 preset
+    (the h200-8x-ib400 network's device). ``model_name``: "gpt-1B" (examples/gpt.py) or "hf-llama-1.24B"."""
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda") if cuda else torch.device("cpu")
     tmp = tempfile.mkdtemp()
-    dist.init_process_group("nccl", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1),
+                            rank=0, world_size=1)
     torch.manual_seed(0)
-    with torch.device("meta"):
-        model = gpt.build("1B")
-    model.to_empty(device="cuda")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0, 0.02)
-    plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=1), units=[r"layers\.\d+"], compute_dtype=torch.bfloat16,
-                   reduce_dtype=torch.float32)
+    b, t = batch
+    if model_name == "gpt-1B":
+        with torch.device("meta"):
+            model = gpt.build("tiny" if tiny else "1B")
+        model.to_empty(device=dev)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0, 0.02)
+        vocab = model.config.vocab
+        rules, units = [(r".*", sp.P("dp"))], [r"layers\.\d+"]
+        x = torch.randint(0, vocab, (b, t + 1), device=dev)
+
+        def call():
+            return model(x[:, :-1], x[:, 1:])
+    elif model_name == "hf-llama-1.24B":
+        import transformers
+        cfg = _llama_3_2_1b(tiny)
+        with torch.device(dev):  # built where it runs: the rotary table is computed, not left on meta
+            model = transformers.LlamaForCausalLM(cfg)
+        vocab = cfg.vocab_size
+        rules, units = [(r".*norm\.weight", sp.P()), (r".*", sp.P("dp"))], [r"model\.layers\.\d+"]
+        x = torch.randint(0, vocab, (b, t), device=dev)
+
+        def call():
+            return model(input_ids=x, labels=x).loss
+    else:
+        raise ValueError(f"unknown model {model_name!r}")
+    plan = sp.plan(model, rules, sp.Mesh(dp=1), units=units, compute_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                   min_unit_bytes=0 if tiny else None)
     sp.shard(model, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    x = torch.randint(0, 32000, (8, 1025), device="cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     parts = []
     for _ in range(steps):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
-        loss = model(x[:, :-1], x[:, 1:])
-        torch.cuda.synchronize()
+        loss = call()
+        sync()
         t1 = time.perf_counter()
         loss.backward()
-        torch.cuda.synchronize()
+        sync()
         t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        sync()
         t3 = time.perf_counter()
         parts.append((t1 - t0, t2 - t1, t3 - t2))
-    steady = parts[2:]
+    steady = parts[2:] if len(parts) > 2 else parts
     med = [statistics.median(p[i] for p in steady) for i in range(3)]
-    f = plan.forecast("h200-8x-ib400", batch=(8, 1024))
+    f = plan.forecast("h200-8x-ib400", batch=batch)
     dist.destroy_process_group()
-    return {"measured": {"forward_s": med[0], "backward_s": med[1], "optimizer_s": med[2], "step_s": sum(med)},
+    n = sum(p.numel for p in plan.params)
+    return {"model": model_name, "parameters": n, "batch": list(batch),
+            "measured": {"forward_s": med[0], "backward_s": med[1], "optimizer_s": med[2], "step_s": sum(med)},
             "forecast": {"forward_s": f.forward_s, "backward_s": f.backward_s, "optimizer_s": f.optimizer_s,
                          "step_s": f.step_s, "compute": f.compute.to_dict()},
             "compute_ratio": f.compute_s / sum(med)}
+
+
+def spawn_step(model_name: str, steps: int, batch: tuple[int, int], tiny: bool) -> dict:
+    """``step`` in a process of its own (a fresh process group and allocator)."""
+    import subprocess
+    spec = json.dumps({"model_name": model_name, "steps": steps, "batch": list(batch), "tiny": tiny})
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", spec], capture_output=True, text=True,
+                       timeout=900)
+    if p.returncode != 0:
+        return {"model": model_name, "error": (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]}
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def main():
@@ -120,17 +175,36 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--tiny", action="store_true", help="toy sizes on a CPU: checks the script, measures nothing useful")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "blocks": []}
-    for config, b, t in BLOCKS:
-        r = block_rate(config, b, t, args.iters)
-        out["blocks"].append(r)
-        print(f"{config} block at {b}x{t}: {r['forward_backward_s'] * 1e3:.2f} ms fwd+bwd, {r['tflops']:.1f} TFLOP/s "
-              f"(forward alone {r['forward_tflops']:.1f}), backward/forward {r['backward_over_forward']:.2f}", flush=True)
-    out["step_1b"] = step_1b(args.steps)
-    s = out["step_1b"]
-    print(f"1B step at world 1: measured {s['measured']['step_s'] * 1e3:.1f} ms, forecast compute "
-          f"{s['forecast']['step_s'] * 1e3:.1f} ms, ratio {s['compute_ratio']:.3f}", flush=True)
+    if args.one:
+        spec = json.loads(args.one)
+        print(json.dumps(step(spec["model_name"], spec["steps"], tuple(spec["batch"]), spec["tiny"])))
+        return
+    cuda = torch.cuda.is_available()
+    out = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "blocks": []}
+    if cuda and not args.tiny:
+        for config, b, t in BLOCKS:
+            r = block_rate(config, b, t, args.iters)
+            out["blocks"].append(r)
+            print(f"{config} block at {b}x{t}: {r['forward_backward_s'] * 1e3:.2f} ms fwd+bwd, {r['tflops']:.1f} TFLOP/s "
+                  f"(forward alone {r['forward_tflops']:.1f}), backward/forward {r['backward_over_forward']:.2f}", flush=True)
+    batch = (2, 32) if args.tiny else (8, 1024)
+    steps = 3 if args.tiny else args.steps
+    out["steps"] = []
+    for name in ("gpt-1B", "hf-llama-1.24B"):
+        s = spawn_step(name, steps, batch, args.tiny)
+        out["steps"].append(s)
+        if "error" in s:
+            print(f"{name} step at world 1: {s['error']}", flush=True)
+            continue
+        m, f = s["measured"], s["forecast"]
+        print(f"{name} ({s['parameters'] / 1e9:.2f}B) step at world 1, batch {batch[0]}x{batch[1]}: measured "
+              f"{m['step_s'] * 1e3:.1f} ms (forward {m['forward_s'] * 1e3:.1f}, backward {m['backward_s'] * 1e3:.1f}, "
+              f"optimizer {m['optimizer_s'] * 1e3:.1f}); forecast {f['step_s'] * 1e3:.1f} ms (forward "
+              f"{f['forward_s'] * 1e3:.1f}, backward {f['backward_s'] * 1e3:.1f}, optimizer {f['optimizer_s'] * 1e3:.1f}); "
+              f"compute ratio {s['compute_ratio']:.3f} (goal: within 10%)", flush=True)
     text = json.dumps(out, indent=1)
     if args.out:
         with open(args.out, "w") as f:

@@ -332,3 +332,32 @@ def test_cli_entry_point_runs():
                          env=env)
     assert out.returncode == 0, out.stderr
     assert "Mesh(dp=2)" in out.stdout
+
+
+# -- memory traffic beside the blocks: the head's loss, the runtime's copies --------------------------------
+
+def test_head_loss_and_copy_traffic():
+    """World 1, fp32 parameters, bf16 compute, fp32 reduce: a block's gather is a cast copy (4 + 2 bytes
+    per element) in its forward and again in its backward, its gradients land (2 + 2) and are cast for
+    the reduction (2 + 4): 6N forward, 16N backward; the loss costs ``logit_bytes`` per logit on the
+    head's unit, 18 : 22 between forward and backward."""
+    from shardplan.forecast.traffic import logits_per_token, unit_traffic
+    with torch.device("meta"):
+        m = gpt.build("tiny", tie_embeddings=False)
+    plan = sp.plan(m, [(r".*", P("dp"))], Mesh(dp=1), units=[r"layers\.\d+"], compute_dtype=torch.bfloat16,
+                   reduce_dtype=torch.float32, min_unit_bytes=0)
+    n = sum(p.numel() for p in m.layers[0].parameters())
+    assert unit_traffic(plan, (2, 32), 0.0)["layers.0"] == (6 * n, 16 * n)
+    assert logits_per_token(plan) == m.config.vocab
+    loss = unit_traffic(plan, (2, 32), 40.0, copies=False)
+    assert loss[ROOT] == (64 * 256 * 18, 64 * 256 * 22) and loss["layers.0"] == (0, 0)
+    base = ComputeModel(tflops=100.0, memory_gbs=1000.0, optimizer_s=0.0)
+    plain = plan.forecast(network="h100-8x-ib400", compute=base, batch=(2, 32))
+    more = plan.forecast(network="h100-8x-ib400", batch=(2, 32),
+                         compute=ComputeModel(tflops=100.0, memory_gbs=1000.0, optimizer_s=0.0, logit_bytes=40.0,
+                                              copy_traffic=True))
+    total = sum(f + b for f, b in unit_traffic(plan, (2, 32), 40.0).values())
+    assert more.compute_s - plain.compute_s == pytest.approx(total / 1e12, rel=1e-9)
+    assert sp.forecast.compute_model("h200-sxm-bf16").copy_traffic and sp.forecast.compute_model("h200-sxm-bf16").logit_bytes == 40
+    with pytest.raises(ForecastError, match="copy_traffic"):
+        ComputeModel(copy_traffic="yes")

@@ -3,8 +3,8 @@
 The planner calls :func:`profile` when a plan is traced with example inputs (``trace=``): one forward and
 backward of a meta copy of the model, in the plan's compute dtype, once as it is and once with every
 unit checkpointed (``torch.utils.checkpoint``, non-reentrant). A dispatch mode sees every tensor the step
-allocates and follows each storage until it dies; parameters and their gradients are left out (the plan
-counts them, in its own layout). At each event the runtime reports (``pre_forward(u)``,
+allocates and follows each storage until it dies; parameters are left out (the plan counts them, in its
+own layout), their gradients are counted as they form, until their unit completes (``Activations.grads``). At each event the runtime reports (``pre_forward(u)``,
 ``post_backward(u)``, ...) the profile records the activation bytes alive and the most alive since the
 previous event; :func:`shardplan.plan.accounting.memory` adds them to the model states at the same events.
 
@@ -232,11 +232,23 @@ def _run(model, trace, entries: dict[str, list[str]], checkpointed: bool) -> tup
             return out
         return hook
 
+    # [Note: gradients as they form] a parameter's gradient is counted from the op that forms it until
+    # its unit completes, as autograd holds it on ``.grad`` until the runtime lands it in the unit's flat
+    # gradient (``BufferState.collect_grads``); the plan's walk then leaves a unit's unsharded gradient
+    # out of the peak until its reduction (``Activations.grads``). Counting the whole flat gradient from
+    # ``prepare`` instead counted the root's (embeddings and head: 2 GiB at Llama-3 8B shapes) through
+    # the head's backward, before any of it exists, and the head's weight gradient twice.
+    members: dict = {u: [q for q in params if owner.get(id(q)) == u] for u in entries}
+
+    def release(u) -> None:
+        for q in members[u] if u is not None else [q for q in params if id(q) not in owner]:
+            q.grad = None
+
     def on_grad(u):
         def hook(p):
-            p.grad = None  # the runtime moves gradients into its own buffers (counted by the plan)
             waiting[u] -= 1
             if waiting[u] == 0:
+                release(u)
                 mark(f"post_backward({u})")
         return hook
 
@@ -248,13 +260,16 @@ def _run(model, trace, entries: dict[str, list[str]], checkpointed: bool) -> tup
     for q in params:
         if q.requires_grad:
             u = owner.get(id(q))
-            handles.append(q.register_post_accumulate_grad_hook(on_grad(u) if u else (lambda p: setattr(p, "grad", None))))
+            if u:
+                handles.append(q.register_post_accumulate_grad_hook(on_grad(u)))
     undo = checkpoint_units(model, entries) if checkpointed else []
     import torch.nn.functional as F
     _SDPA[:] = [F.scaled_dot_product_attention]
     F.scaled_dot_product_attention = _fused_attention
     args, kwargs = trace_args(trace)
-    args, kwargs = tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, (args, kwargs))
+    # a leaf input that takes a gradient stays one (its copy to meta would send the gradient back to its device)
+    args, kwargs = tree_map(lambda x: x.detach().to("meta").requires_grad_(x.requires_grad)
+                            if isinstance(x, torch.Tensor) else x, (args, kwargs))
     try:
         with torch.enable_grad(), Mode():
             for x in _tensors((args, kwargs), []):
@@ -266,6 +281,9 @@ def _run(model, trace, entries: dict[str, list[str]], checkpointed: bool) -> tup
             mark("begin_backward")
             loss.backward()
             del loss
+            release(None)  # the root's gradients: landed when the backward ends
+            for q in params:
+                q.grad = None
             mark("end_backward")
     finally:
         F.scaled_dot_product_attention = _SDPA[0]
@@ -275,11 +293,36 @@ def _run(model, trace, entries: dict[str, list[str]], checkpointed: bool) -> tup
     return tuple(points)
 
 
+def _tensor_parallel(meta, local_shapes: dict, styles: Sequence[tuple[str, str, str, int]]) -> None:
+    """Make the meta copy compute as one tensor-parallel rank does: its parameters in their tp-local shapes
+    (``local_shapes``: name -> shape), and at each module the activation its style moves
+    (``styles``: ``(module path, kind, style, axis size)``): a ``colwise_gather`` output all-gathered to its
+    full last dimension, a ``rowwise_split`` linear's replicated input split to this rank's part; a
+    ``colwise`` output stays local and a ``rowwise`` output (all-reduced) has the full shape already.
+
+    [Note: the profile then holds local shapes where the runtime's DTensors do; the collectives' own
+    buffers (an all-reduce in place, an all-gather's output) are what these stand-ins allocate]"""
+    import torch
+    for name, shape in local_shapes.items():
+        p = meta.get_parameter(name)
+        if tuple(p.shape) != tuple(shape):
+            p.data = torch.empty(shape, dtype=p.dtype, device="meta")
+    for path, kind, style, n in styles:
+        mod = meta.get_submodule(path)
+        if style == "colwise_gather":
+            mod.register_forward_hook(lambda _m, _a, out, n=n: torch.cat([out] * n, dim=-1))
+        elif style == "rowwise_split" and kind == "linear":
+            mod.register_forward_pre_hook(
+                lambda _m, args, n=n: (args[0].narrow(-1, 0, args[0].shape[-1] // n),) + tuple(args[1:]))
+
+
 def profile(model, trace, units: Sequence[tuple[str, Sequence[str]]], compute_dtype: Optional[str] = None,
-            describe: str = "") -> Activations:
+            describe: str = "", local_shapes: Optional[dict] = None,
+            styles: Sequence[tuple[str, str, str, int]] = ()) -> Activations:
     """The activation profile of one training step on ``trace`` (see the module's docstring).
 
-    ``units``: ``[(unit name, module paths)]`` without the root, as the plan has them."""
+    ``units``: ``[(unit name, module paths)]`` without the root, as the plan has them. Under tensor
+    parallelism ``local_shapes`` and ``styles`` make it one tp rank's step (:func:`_tensor_parallel`)."""
     import torch
     from .dtypes import to_torch
     meta = copy.deepcopy(model).to("meta") if any(p.device.type != "meta" for p in model.parameters()) \
@@ -289,6 +332,8 @@ def profile(model, trace, units: Sequence[tuple[str, Sequence[str]]], compute_dt
         for p in meta.parameters():
             if p.is_floating_point():
                 p.data = p.data.to(dt)
+    if local_shapes or styles:
+        _tensor_parallel(meta, local_shapes or {}, styles)
     meta.train()
     entries = unit_entries(meta, units)
     ins = _tensors(trace_args(trace), [])
@@ -296,4 +341,4 @@ def profile(model, trace, units: Sequence[tuple[str, Sequence[str]]], compute_dt
     with torch.random.fork_rng(devices=[]):
         plain = _run(meta, trace, entries, checkpointed=False)
         recompute = _run(meta, trace, entries, checkpointed=True)
-    return Activations(inputs=what, plain=plain, recompute=recompute)
+    return Activations(inputs=what, plain=plain, recompute=recompute, grads=True)

@@ -23,6 +23,7 @@ from ..plan.kinds import ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, POST_FORWARD, P
 from ..units import ROOT
 from .compute import ComputeModel, compute_model
 from .flops import model_flops, unit_flops, unit_widths
+from .traffic import unit_traffic
 from .network import Network, Placement, Timing, check_fits, collective_time, network as resolve_network, placement
 from .result import CollectiveForecast, Forecast
 from .timeline import Comm, Issue, Item, Run, Wait, Work, simulate
@@ -62,6 +63,8 @@ def _unit_times(plan: "Plan", cm: ComputeModel, batch: tuple[int, int]) -> tuple
                                 f"forecast that batch, or measure at {batch[0]}x{batch[1]}")
     flops = unit_flops(plan, batch)
     widths = unit_widths(plan)
+    traffic = unit_traffic(plan, batch, cm.logit_bytes, cm.copy_traffic) \
+        if cm.memory_gbs and (cm.logit_bytes or cm.copy_traffic) else {}
     out = {}
     missing = []
     for u in plan.units:
@@ -72,7 +75,10 @@ def _unit_times(plan: "Plan", cm: ComputeModel, batch: tuple[int, int]) -> tuple
             if cm.elementwise_bytes and cm.memory_gbs:  # forward's share of the non-matmul memory traffic
                 fwd += (cm.elementwise_bytes * batch[0] * batch[1] * widths[u.name] / (cm.memory_gbs * 1e9)
                         / (1 + cm.backward_factor))
-            out[u.name] = (fwd, cm.backward_factor * fwd)
+            bwd = cm.backward_factor * fwd
+            if u.name in traffic:  # the head's loss, the runtime's copies (forecast/traffic.py)
+                fwd, bwd = fwd + traffic[u.name][0] / (cm.memory_gbs * 1e9), bwd + traffic[u.name][1] / (cm.memory_gbs * 1e9)
+            out[u.name] = (fwd, bwd)
         else:
             missing.append(u.name)
     if missing:

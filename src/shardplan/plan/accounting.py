@@ -81,13 +81,20 @@ def memory(plan: "Plan", rank: int = 0, recompute: bool = False) -> dict:
     acts = getattr(plan, "activations", None)
     points = {p.event: p for p in acts.points(recompute)} if acts is not None else {}
     act = act_at_peak = 0  # activation bytes alive now; those alive at the peak
+    # [Note: forming gradients] from its ``prepare`` to its reduction a unit's unsharded gradient is
+    # still forming on the parameters (autograd's ``.grad``); the model states count all of it from
+    # ``prepare`` on (as the runtime's own accounting does), but a profile that counts gradients as they
+    # form (``Activations.grads``) already holds the part formed so far: the peak leaves the rest out
+    forming: set[int] = set()
+    grads_in_profile = acts is not None and acts.grads
 
     def bump(extra: int) -> None:
         nonlocal peak, gathered_peak, states_peak, act_at_peak
         states = sum(live.values())
         states_peak = max(states_peak, states)
-        if states + extra > peak:
-            peak, act_at_peak = states + extra, extra
+        held = states - (sum(per[i]["flat"] for i in forming) if grads_in_profile else 0)
+        if held + extra > peak:
+            peak, act_at_peak = held + extra, extra
         gathered_peak = max(gathered_peak, sum(v for (k, i), v in live.items()
                                                if k in ("packed", "wire") or (k == "full" and i in transient_full)))
 
@@ -100,7 +107,7 @@ def memory(plan: "Plan", rank: int = 0, recompute: bool = False) -> dict:
         if point is not None:
             bump(point.peak)
         for op in (schedule[i] for i in step.ops if schedule[i].applies(recompute=recompute)):
-            _apply(op, plan, per, live, lent, collected, put)
+            _apply(op, plan, per, live, lent, collected, put, forming)
             bump(act)
         if point is not None:
             act = point.live
@@ -117,7 +124,7 @@ def memory(plan: "Plan", rank: int = 0, recompute: bool = False) -> dict:
                 states_peak=states_peak + optimizer)
 
 
-def _apply(op, plan, per, live, lent, collected, put) -> None:
+def _apply(op, plan, per, live, lent, collected, put, forming: set) -> None:
     bufs = [plan.buffers[i] for i in op.buffers]
     if op.kind == COPY_H2D:
         for b in bufs:
@@ -127,6 +134,7 @@ def _apply(op, plan, per, live, lent, collected, put) -> None:
         for b in bufs:
             if ("flat", b.index) not in live:
                 put("flat", b.index)
+                forming.add(b.index)
     elif op.kind == ALL_GATHER:
         for b in bufs:
             if not b.persistent:
@@ -149,6 +157,7 @@ def _apply(op, plan, per, live, lent, collected, put) -> None:
                 live.pop(("full", b.index), None)
     elif op.kind in (REDUCE_SCATTER, ALL_REDUCE) and op.what == GRADS:
         for b in bufs:
+            forming.discard(b.index)  # landed: the runtime copies the formed gradients into it
             if b.index not in collected:
                 collected.add(b.index)
                 put("rin", b.index)
@@ -158,6 +167,7 @@ def _apply(op, plan, per, live, lent, collected, put) -> None:
         for b in bufs:
             i = b.index
             collected.discard(i)
+            forming.discard(i)
             result = reduction_result(b)
             if per[i]["lgrad"]:
                 put("lgrad", i)
@@ -170,6 +180,7 @@ def _apply(op, plan, per, live, lent, collected, put) -> None:
             live.pop(("rout", i), None)
     elif op.kind == FREE and op.what == GRADS:
         for b in bufs:
+            forming.discard(b.index)
             if b.index not in lent:
                 live.pop(("flat", b.index), None)
 

@@ -279,17 +279,18 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
         if trace is not None:
             expert_calls = EP.trace_calls(module, expert_modules, trace, itemsize(compute) if compute else None)
     profile = None
-    if trace is not None and not compute_axes:
+    param_plans, units_ = tuple(params[i.name] for i in infos), tuple(unit_plans)
+    if trace is not None:
         # [Note: the activation profile] one more traced step, forward and backward on a meta copy, measures
         # what the step keeps alive at each event; the plan stores the numbers (plan.memory adds them).
-        # Under tensor parallelism each rank computes with local shapes the meta copy does not have: not yet
+        # Under tensor parallelism the meta copy computes as one tp rank: tp-local parameter shapes, and the
+        # activations each style moves (activations._tensor_parallel)
         from ..activations import profile as profile_activations
+        # (expert-parallel parameters keep their global shapes: the model routes over every expert)
+        local = {p.name: p.shape for p in param_plans if p.compute is not None and p.compute.axis in compute_axes}
+        styles = [(m.path, m.kind, m.style, mesh.axis_size(m.axis)) for m in tp_modules] if tp_modules else []
         profile = profile_activations(module, trace, [(u.name, u.module_paths) for u in unit_plans if u.name != ROOT],
-                                      compute)
-    elif trace is not None:
-        choices.append("activations not counted in memory: the activation profile does not yet measure "
-                       "tensor-parallel (local) shapes")
-    param_plans, units_ = tuple(params[i.name] for i in infos), tuple(unit_plans)
+                                      compute, local_shapes=local, styles=styles)
     planned = buffers
 
     def build(fraction) -> Plan:

@@ -69,14 +69,14 @@ def to_dict(plan: "Plan") -> dict[str, Any]:
 
 def _activations_dict(a: Activations) -> dict[str, Any]:
     return {"inputs": a.inputs, "plain": [[p.event, p.live, p.peak] for p in a.plain],
-            "recompute": [[p.event, p.live, p.peak] for p in a.recompute]}
+            "recompute": [[p.event, p.live, p.peak] for p in a.recompute], **({"grads": True} if a.grads else {})}
 
 
 def _activations(d: Optional[dict]) -> Optional[Activations]:
     if d is None:
         return None
     return Activations(inputs=d["inputs"], plain=tuple(ActivationPoint(*p) for p in d["plain"]),
-                       recompute=tuple(ActivationPoint(*p) for p in d["recompute"]))
+                       recompute=tuple(ActivationPoint(*p) for p in d["recompute"]), grads=bool(d.get("grads", False)))
 
 
 def to_json(plan: "Plan", indent: Optional[int] = None) -> str:

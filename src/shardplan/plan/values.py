@@ -288,6 +288,10 @@ class Activations:
     inputs: str
     plain: tuple[ActivationPoint, ...]
     recompute: tuple[ActivationPoint, ...]
+    # True: the points also count the parameters' gradients from the op that forms each until its unit
+    # completes, so the walk counts a unit's unsharded gradient from its reduction on, not from its
+    # ``prepare``. False: a profile saved before (gradients left out of it).
+    grads: bool = False
 
     def points(self, recompute: bool = False) -> tuple[ActivationPoint, ...]:
         return self.recompute if recompute else self.plain

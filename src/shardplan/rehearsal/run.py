@@ -38,7 +38,8 @@ def device_capacity(device: torch.device) -> tuple[int, str]:
 def check(plan: Plan, rank: int, world: Optional[int], device: torch.device, checkpoint: bool,
           capacity: Optional[int] = None) -> None:
     """Refuse, in one line naming the fix, what cannot be rehearsed here: a rank outside the mesh, a world
-    that is not the mesh's, tensor parallelism, a rank whose planned peak exceeds the device."""
+    that is not the mesh's, a rank whose planned peak exceeds the device. Tensor-parallel plans rehearse too:
+    their DTensor collectives run on the fake process group like the others."""
     n = plan.mesh.size
     if world is not None and world != n:
         raise RehearsalError(f"the plan's mesh {plan.mesh!r} has {n} ranks but world={world} was asked for; plan "
@@ -46,10 +47,6 @@ def check(plan: Plan, rank: int, world: Optional[int], device: torch.device, che
     if not isinstance(rank, int) or not 0 <= rank < n:
         raise RehearsalError(f"rank {rank!r} is outside the plan's {n} ranks (mesh {plan.mesh!r}); pick a rank in "
                              f"0..{n - 1}")
-    if plan.compute_axes:
-        raise RehearsalError(f"tensor parallelism (compute axes {', '.join(plan.compute_axes)}) does not run under "
-                             f"rehearsal yet; rehearse the same mesh without compute_axes (every axis sharding "
-                             f"storage only) to measure memory and compute of one rank")
     peak = plan.memory(rank, recompute=checkpoint).peak
     if capacity is None:
         capacity, where = device_capacity(device)
@@ -159,7 +156,7 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
         exe = engine_of(model)
         gen = torch.Generator(device="cpu").manual_seed(rank)
         vocab = _vocab(model)
-        step_s, peaks, per_unit, opt_s, host_s, states = [], [], [], [], [], None
+        step_s, peaks, per_unit, opt_s, host_s, states, workspace = [], [], [], [], [], None, None
         try:
             for i in range(steps):
                 tokens = torch.randint(0, vocab, (b, t), generator=gen).to(device)
@@ -189,6 +186,7 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
                 if device.type == "cuda":
                     peaks.append(int(torch.cuda.max_memory_allocated(device)))
             states = memory_stats(model)["peak"]
+            workspace = _library_workspace(device)
         finally:
             timer.remove()
             undo_checkpoint(undo)
@@ -209,7 +207,19 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
         activation_inputs=plan.activations.inputs if plan.activations is not None else "",
         states_peak_measured=states, states_peak_planned=mem.states_peak - mem.optimizer, units=times,
         host_s_per_unit=statistics.median(host_s[measured_from]) / max(len(unit_list), 1),
-        optimizer_s=statistics.median(opt_s[measured_from]), notes=tuple(notes))
+        optimizer_s=statistics.median(opt_s[measured_from]), notes=tuple(notes), library_workspace=workspace)
+
+
+def _library_workspace(device: torch.device) -> Optional[int]:
+    """Bytes the CUDA libraries' workspaces hold (cuBLAS: one per thread and stream, from the caching
+    allocator), measured by releasing them; ``None`` on a CPU or where torch cannot release them."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if device.type != "cuda" or clear is None:
+        return None
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    clear()
+    return max(0, before - torch.cuda.memory_allocated(device))
 
 
 def _as_call(inputs) -> tuple[tuple, dict]:
