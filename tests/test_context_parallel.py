@@ -38,6 +38,57 @@ def test_cp_ranks_share_the_batch_and_parameters_shard_over_dp_and_cp():
     assert pos.tolist() == [2, 3, 4, 5] and xs.tolist() == x[2:4, 2:6].tolist()
 
 
+def test_traced_plan_schedules_and_counts_the_kv_traffic():
+    mesh = sp.Mesh(dp=2, cp=2)
+    x = torch.randint(0, 256, (2, 16))                     # one rank's input: 16 of each sequence's 32 tokens
+    plan = sp.plan(gpt.build("tiny"), gpt_rules.rules_over(mesh), mesh, units=gpt_rules.UNITS, trace=(x, x),
+                   min_unit_bytes=0)
+    kv = [o for o in plan.ops() if o.in_module and o.axes == ("cp",)]
+    # per layer: K and V all-gathered in forward, their gradients reduce-scattered in backward, inside the
+    # unit of the layer; each op carries the gathered tensor: 2 x 4 heads x 32 tokens x 16 wide x fp32
+    assert [(o.kind, o.event, o.at, o.unit) for o in kv] == \
+        [("all_gather", "module_forward", "layers.0.attention", "layers.0")] * 2 + \
+        [("all_gather", "module_forward", "layers.1.attention", "layers.1")] * 2 + \
+        [("reduce_scatter", "module_backward", "layers.1.attention", "layers.1")] * 2 + \
+        [("reduce_scatter", "module_backward", "layers.0.attention", "layers.0")] * 2
+    assert {o.bytes for o in kv} == {2 * 4 * 32 * 16 * 4}
+    assert plan.comm_bytes()["context_parallel"] == 8 * 16384 // 2        # half of each leaves the rank
+    assert len([o for o in plan.ops(recompute=True) if o.axes == ("cp",)]) == 12   # recompute re-gathers
+    assert "context-parallel keys/values 64.00 KiB" in str(plan) and "2 attention calls traced" in str(plan)
+    f = plan.forecast("h100-8x-ib400", batch=(2, 16))
+    assert f.comm_bytes() == plan.comm_bytes()
+    assert sum(c.what == "kv" and c.alone_s > 0 for c in f.collectives) == 8
+    back = sp.Plan.from_json(plan.to_json())
+    assert back == plan and back.mesh.axis_names == ("dp", "cp")          # the axis order survives JSON
+    untraced = sp.plan(gpt.build("tiny"), gpt_rules.rules_over(mesh), mesh, units=gpt_rules.UNITS)
+    assert untraced.comm_bytes()["context_parallel"] is None and "keys/values not estimated" in str(untraced)
+    assert not any(o.in_module for o in untraced.schedule)
+
+
+class _MaskedAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        q = self.proj(x).view(x.shape[0], 1, x.shape[1], 8)
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+
+def test_attention_cp_cannot_run_is_refused_at_plan_time():
+    m = _MaskedAttention()
+    rules = [(r".*", sp.P(("dp", "cp")))]
+    with pytest.raises(sp.PlanError, match=r"attention in 'the root module' passes an attn_mask.*is_causal=True"):
+        sp.plan(m, rules, sp.Mesh(dp=1, cp=2), trace=torch.zeros(1, 4, 8))
+    sp.plan(m, rules, sp.Mesh(dp=2, cp=1), trace=torch.zeros(1, 4, 8))       # cp=1: nothing to honour
+    gpt_model = gpt.build("tiny")
+    mesh = sp.Mesh(cp=2)
+    x = torch.randint(0, 256, (1, 7))
+    with pytest.raises(sp.PlanError, match=r"7 tokens.*\(14\) is not divisible by 2\*cp = 4"):
+        sp.plan(gpt_model, gpt_rules.rules_over(mesh), mesh, units=gpt_rules.UNITS, trace=(x, x))
+
+
 def _train(rank, world, meshes):
     out = []
     for text in meshes:

@@ -44,6 +44,34 @@ def test_experts_split_over_ep_and_reduced_over_the_other_data_axes():
     assert "expert all-to-all 128.00 KiB" in str(traced) and "2 of 4 experts per rank" in str(traced)
 
 
+def test_all_to_alls_are_in_the_schedule_and_the_forecast():
+    mesh = sp.Mesh(dp=2, ep=2)
+    x = torch.randint(0, 256, (4, 16))
+    plan = sp.plan(moe.build("tiny"), moe.rules_for(mesh), mesh, units=moe.UNITS, trace=(x, x), min_unit_bytes=0)
+    a2a = [o for o in plan.ops() if o.kind == "all_to_all"]
+    # per layer: dispatch and combine in forward, their gradients back in backward (later layer first);
+    # each op: 64 tokens x top-2 x 64 wide x fp32 leave for their experts
+    assert [(o.event, o.at, o.unit, o.axes) for o in a2a] == \
+        [("module_forward", "layers.0.moe.experts", "layers.0", ("ep",))] * 2 + \
+        [("module_forward", "layers.1.moe.experts", "layers.1", ("ep",))] * 2 + \
+        [("module_backward", "layers.1.moe.experts", "layers.1", ("ep",))] * 2 + \
+        [("module_backward", "layers.0.moe.experts", "layers.0", ("ep",))] * 2
+    assert {o.bytes for o in a2a} == {64 * 2 * 64 * 4} and all(o.what == "activations" for o in a2a)
+    assert sum(o.bytes // 2 for o in a2a) == plan.comm_bytes()["expert_parallel"]
+    f = plan.forecast("h100-8x-ib400", batch=(4, 16))
+    assert f.comm_bytes() == plan.comm_bytes()
+    tokens = [c for c in f.collectives if c.what == "tokens"]
+    assert len(tokens) == 8 and all(c.kind == "all_to_all" and c.alone_s > 0 for c in tokens)
+    assert sp.Plan.from_json(plan.to_json()) == plan
+    # not traced: the ops are placed, their size unknown (and the forecast leaves them out, as the plan does)
+    untraced = sp.plan(moe.build("tiny"), moe.rules_for(mesh), mesh, units=moe.UNITS, min_unit_bytes=0)
+    assert [o.bytes for o in untraced.ops() if o.kind == "all_to_all"] == [0] * 8
+    assert untraced.forecast("h100-8x-ib400", batch=(4, 16)).comm_bytes() == untraced.comm_bytes()
+    # one rank of ep: nothing moves, no op
+    one = sp.plan(moe.build("tiny"), moe.rules_for(sp.Mesh(dp=2, ep=1)), sp.Mesh(dp=2, ep=1), units=moe.UNITS)
+    assert not any(o.kind == "all_to_all" for o in one.schedule)
+
+
 def test_errors_name_the_fix():
     m = moe.build("tiny")
     with pytest.raises(sp.SpecError, match=r"4 experts.*do not divide.*size 3.*\[1, 2, 4\]"):
