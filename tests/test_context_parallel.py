@@ -58,11 +58,26 @@ def test_traced_plan_schedules_and_counts_the_kv_traffic():
     f = plan.forecast("h100-8x-ib400", batch=(2, 16))
     assert f.comm_bytes() == plan.comm_bytes()
     assert sum(c.what == "kv" and c.alone_s > 0 for c in f.collectives) == 8
+    assert f.tokens_per_step == 2 * 16 * 2 * 2                           # batch x local tokens x dp x cp
     back = sp.Plan.from_json(plan.to_json())
     assert back == plan and back.mesh.axis_names == ("dp", "cp")          # the axis order survives JSON
     untraced = sp.plan(gpt.build("tiny"), gpt_rules.rules_over(mesh), mesh, units=gpt_rules.UNITS)
     assert untraced.comm_bytes()["context_parallel"] is None and "keys/values not estimated" in str(untraced)
     assert not any(o.in_module for o in untraced.schedule)
+
+
+def test_cli_plans_llama3_70b_with_cp_and_tp(capsys):
+    from shardplan.cli import main
+    root = os.path.join(os.path.dirname(__file__), "..")
+    rc = main(["plan", os.path.join(root, "examples/gpt.py") + ":llama3_70b", "--mesh", "dp=8,cp=4,tp=8", "--rules",
+               os.path.join(root, "examples/gpt_rules_tp.py") + ":cp_rules", "--dtype", "bf16", "--trace-tokens",
+               "1x2048", "--summary"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    # 80 layers x (K, V) x (all-gather, reduce-scatter) x [1, 64/8 heads, 4 x 2048 tokens, 128] bf16, 3/4 sent
+    assert f"context-parallel keys/values {80 * 4 * 8 * 8192 * 128 * 2 * 3 // 4 / 2**30:.2f} GiB" in out  # 3.75 GiB
+    assert "context axis cp=4" in out and "80 attention calls traced" in out and "axes=dp,cp" in out
+    assert "the batch is split 8 ways over dp" in out
 
 
 class _MaskedAttention(torch.nn.Module):

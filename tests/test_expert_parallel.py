@@ -94,6 +94,13 @@ def test_hf_mixtral_plans_with_experts_over_ep(capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "expert axis ep: 32 expert modules, 1 of 8 experts per rank" in out
+    assert "expert all-to-all not estimated" in out
+    # traced: 32 layers x 4 all-to-alls x 4096 tokens x top-2 x 4096 wide x bf16, 7/8 of it leaves the rank
+    rc = main(["plan", "hf:" + os.path.join(ROOT, "examples/hf/mixtral_8x7b.json"), "--mesh", "dp=8,ep=8", "--summary",
+               "--dtype", "bf16", "--trace-tokens", "1x4096"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert f"expert all-to-all {32 * 4 * 4096 * 2 * 4096 * 2 * 7 // 8 / 2**30:.2f} GiB" in out   # 7.00 GiB
 
 
 # -- training ----------------------------------------------------------------------------------------------

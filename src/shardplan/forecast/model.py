@@ -94,6 +94,12 @@ def _optimizer_s(plan: "Plan", cm: ComputeModel, rank: int) -> tuple[float, Opti
     return elements * cm.optimizer_bytes / (cm.memory_gbs * 1e9), None
 
 
+def _cp(plan) -> int:
+    """The context-parallel degree: with ``cp`` a rank's ``batch`` holds ``T/cp`` tokens of each sequence, and
+    the cp ranks of one data slice hold the rest of them (they share no token)."""
+    return plan.mesh.axis_size("cp") if "cp" in plan.mesh.axis_names else 1
+
+
 def forecast(plan: "Plan", network: Union[str, dict, Network], compute: Union[None, str, float, dict, ComputeModel] = None,
              *, batch: tuple[int, int], rank: int = 0, scalar_all_reduces: int = 0) -> Forecast:
     """Predicted step time of ``rank`` running ``plan`` on ``network``, per-rank ``batch = (B, T)``.
@@ -228,7 +234,7 @@ def forecast(plan: "Plan", network: Union[str, dict, Network], compute: Union[No
         network=net, compute=cm, batch=batch, rank=rank, mesh=plan.mesh, strategy=str(plan.strategy),
         prefetch=plan.prefetch, fingerprint=plan.fingerprint(), step_s=tl.step_s, forward_s=phase_s["forward"],
         backward_s=phase_s["backward"], optimizer_s=opt_s, exposed_s=tl.exposed_s,
-        tokens_per_step=batch[0] * batch[1] * plan.data_size, flops_per_step=model_flops(plan, batch),
+        tokens_per_step=batch[0] * batch[1] * plan.data_size * _cp(plan), flops_per_step=model_flops(plan, batch),
         collectives=collectives, spans=tl.compute, placements=tuple(ordered), bytes=tuple(sent.items()),
         notes=tuple(notes))
 

@@ -256,8 +256,8 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
         expert_modules = EP.place(module, expert_modules, unit_plans)
     context_calls = None
     if trace is not None and CPX.CONTEXT_AXIS in mesh.axis_names:
-        context_calls = CPX.place(module, CPX.trace_calls(module, trace, itemsize(compute) if compute else None, mesh),
-                                  unit_plans)
+        traced = CPX.trace_calls(module, trace, itemsize(compute) if compute else None, mesh)
+        context_calls = CPX.place(module, CPX.per_rank(traced, tp_modules, mesh), unit_plans)
         choices.append(CPX.calls_note(context_calls, mesh))
     profile = None
     if trace is not None and not compute_axes:

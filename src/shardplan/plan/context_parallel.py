@@ -99,6 +99,21 @@ def trace_calls(model, trace, itemsize: Optional[int], mesh: Mesh) -> tuple[Atte
     return tuple(seen)
 
 
+def per_rank(calls: Sequence[AttentionCall], tp_modules, mesh: Mesh) -> tuple[AttentionCall, ...]:
+    """``calls`` with the keys and values one rank holds under tensor parallelism: the traced model has
+    global shapes, and a module whose linear projections below it are column-parallel over compute axes
+    attends with ``1/tp`` of the heads on each rank (the planner's whole-head check keeps that exact)."""
+    out = []
+    for c in calls:
+        axes = {m.axis for m in tp_modules if m.style == "colwise" and m.kind == "linear"
+                and (c.path == "" or m.path.startswith(c.path + "."))}
+        d = 1
+        for a in axes:
+            d *= mesh.axis_size(a)
+        out.append(dataclasses.replace(c, k_numel=c.k_numel // d, v_numel=c.v_numel // d) if d > 1 else c)
+    return tuple(out)
+
+
 def place(module, calls: Sequence[AttentionCall], units) -> tuple[AttentionCall, ...]:
     """``calls`` with the unit whose forward makes each and the schedule steps its ops follow."""
     where = anchors(module, sorted({c.path for c in calls}), units)
