@@ -15,6 +15,17 @@ from distributed import run
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import gpt  # noqa: E402
 import gpt_rules  # noqa: E402
+import gpt_rules_tp  # noqa: E402
+
+
+def _plan_for(model, text):
+    """``dp=..,cp=..``: ZeRO over the data axes and cp; with ``tp``: gpt_rules_tp's rules over them."""
+    mesh = sp.Mesh.parse(text)
+    if "tp" not in mesh.axis_names:
+        return sp.plan(model, gpt_rules.rules_over(mesh), mesh, units=gpt_rules.UNITS, min_unit_bytes=0)
+    data = tuple(a for a in mesh.axis_names if a != "tp")
+    return sp.plan(model, gpt_rules_tp.tp_rules(data=data), mesh, units=gpt_rules_tp.UNITS, min_unit_bytes=0,
+                   compute_axes=gpt_rules_tp.compute_axes)
 
 
 def test_positions_are_balanced_chunks_of_the_full_sequence():
@@ -107,9 +118,8 @@ def test_attention_cp_cannot_run_is_refused_at_plan_time():
 def _train(rank, world, meshes):
     out = []
     for text in meshes:
-        mesh = sp.Mesh.parse(text)
         model, ref = gpt.build("tiny").init_weights(0), gpt.build("tiny").init_weights(0)
-        plan = sp.plan(model, gpt_rules.rules_over(mesh), mesh, units=gpt_rules.UNITS, min_unit_bytes=0)
+        plan = _plan_for(model, text)
         sp.shard(model, plan)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
@@ -144,6 +154,14 @@ def _train(rank, world, meshes):
 @pytest.mark.timeout(300)
 def test_cp_at_4_ranks_equals_one_process():
     for results in run(_train, 4, ["dp=2,cp=2", "cp=4"]):
+        for text, losses, ref_losses in results:
+            assert losses == pytest.approx(ref_losses, abs=1e-5), text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cp_with_tp_at_4_ranks_equals_one_process():
+    for results in run(_train, 4, ["cp=2,tp=2", "tp=2,cp=2"]):
         for text, losses, ref_losses in results:
             assert losses == pytest.approx(ref_losses, abs=1e-5), text
 
