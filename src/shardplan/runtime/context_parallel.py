@@ -76,10 +76,14 @@ def disabled():
 
 
 def install(plan, groups) -> None:
-    """Make :func:`attention` gather over the plan's ``cp`` axis (``shard()`` calls this)."""
+    """Make :func:`attention` gather over the plan's ``cp`` axis (``shard()`` calls this). A ``cp`` axis of
+    one rank runs the plain call, unless ``SHARDPLAN_SINGLETON_GROUPS=1`` made it a real group (then the
+    gathering path runs over one rank: what benchmarks/cp_ep_overhead.py measures)."""
     global _ACTIVE
-    if CONTEXT_AXIS in plan.mesh.axis_names and plan.mesh.axis_size(CONTEXT_AXIS) > 1:
-        _ACTIVE = ContextGroup(groups.axis(CONTEXT_AXIS))
+    if CONTEXT_AXIS in plan.mesh.axis_names:
+        g = groups.axis(CONTEXT_AXIS)
+        if g.size > 1 or g.pg is not None:
+            _ACTIVE = ContextGroup(g)
 
 
 def positions(seq: int, cp: int, index: int, device=None) -> torch.Tensor:

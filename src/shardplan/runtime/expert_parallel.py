@@ -111,7 +111,7 @@ def dispatch(module: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor) -> Ro
         return Routed(rows, [even + (e < extra) for e in range(num)], order, (n, k))
     counts = torch.bincount(flat, minlength=num)
     eg = group_of(module)
-    if eg is None or eg.group.size == 1:
+    if eg is None or eg.group.pg is None:  # experts all local (a real group of one: SHARDPLAN_SINGLETON_GROUPS=1)
         return Routed(rows, counts.tolist(), order, (n, k))
     size, local = eg.group.size, eg.local_experts
     recv = torch.empty_like(counts)
