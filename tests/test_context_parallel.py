@@ -108,6 +108,12 @@ def test_attention_cp_cannot_run_is_refused_at_plan_time():
     with pytest.raises(sp.PlanError, match=r"attention in 'the root module' passes an attn_mask.*is_causal=True"):
         sp.plan(m, rules, sp.Mesh(dp=1, cp=2), trace=torch.zeros(1, 4, 8))
     sp.plan(m, rules, sp.Mesh(dp=2, cp=1), trace=torch.zeros(1, 4, 8))       # cp=1: nothing to honour
+    # attention that does not come through sp.context_parallel.attention would see its own chunks only
+    direct = _MaskedAttention()
+    direct.forward = lambda x: torch.nn.functional.scaled_dot_product_attention(
+        *[direct.proj(x).view(x.shape[0], 1, x.shape[1], 8)] * 3, is_causal=True)
+    with pytest.raises(sp.PlanError, match=r"calls F.scaled_dot_product_attention itself.*sp.context_parallel.attention"):
+        sp.plan(direct, rules, sp.Mesh(dp=1, cp=2), trace=torch.zeros(1, 4, 8))
     gpt_model = gpt.build("tiny")
     mesh = sp.Mesh(cp=2)
     x = torch.randint(0, 256, (1, 7))

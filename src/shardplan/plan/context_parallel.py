@@ -47,10 +47,28 @@ def axis_size(mesh: Mesh) -> int:
     return mesh.axis_size(CONTEXT_AXIS) if CONTEXT_AXIS in mesh.axis_names else 1
 
 
+_ATTENTION = ("shardplan.runtime.context_parallel", "attention")
+
+
+def _through_attention() -> bool:
+    """Whether the attention call being traced comes from ``sp.context_parallel.attention``.
+    [Note: read off the Python stack by module and function name: the planner does not import the runtime,
+    and only that function gathers keys and values over cp; a model calling F.scaled_dot_product_attention
+    itself would silently attend over its local chunks]"""
+    import sys
+    f = sys._getframe(1)
+    while f is not None:
+        if (f.f_globals.get("__name__"), f.f_code.co_name) == _ATTENTION:
+            return True
+        f = f.f_back
+    return False
+
+
 def trace_calls(model, trace, itemsize: Optional[int], mesh: Mesh) -> tuple[AttentionCall, ...]:
     """Run the traced forward once and record every ``scaled_dot_product_attention`` call with the module
     that made it. Raises :class:`PlanError` (with ``cp > 1``) for a call context parallelism cannot run:
-    an explicit ``attn_mask``, or a local sequence of odd length (the full one must divide by ``2*cp``)."""
+    an explicit ``attn_mask``, a local sequence of odd length (the full one must divide by ``2*cp``), or a
+    call that does not come through ``sp.context_parallel.attention``."""
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
 
@@ -76,6 +94,10 @@ def trace_calls(model, trace, itemsize: Optional[int], mesh: Mesh) -> tuple[Atte
                                     f"sequence ({q.shape[-2] * cp}) is not divisible by 2*cp = {2 * cp}; trace with "
                                     f"an even local length (sp.context_parallel.shard_batch of a sequence divisible "
                                     f"by {2 * cp})")
+                if cp > 1 and not _through_attention():
+                    raise PlanError(f"{where} calls F.scaled_dot_product_attention itself: under context parallelism "
+                                    f"(cp={cp}) it would attend over this rank's chunks only; call "
+                                    f"sp.context_parallel.attention(q, k, v, is_causal=True) there instead")
                 seen.append(AttentionCall(stack[-1], k.numel(), v.numel(), itemsize or k.element_size()))
             return func(*args, **kwargs)
 
