@@ -117,7 +117,10 @@ def no_sync(module: nn.Module):
 @contextlib.contextmanager
 def record_ops(module: nn.Module, plan: Optional[Plan] = None):
     """Record the schedule ops the runtime runs: ``with record_ops(m) as ops: ...`` -> [Op, ...], the plan's
-    own op objects (compare with ``plan.ops(...)``). With ``plan``: the functional face's runtime."""
+    own op objects (compare with ``plan.ops(...)``). With ``plan``: the functional face's runtime.
+    [Note: the context- and expert-parallel ops (K/V gathers in ``attention()``, all-to-alls in
+    ``dispatch``/``combine``) run inside those calls and are not recorded yet: compare with the plan's ops
+    less those over ``cp`` and of kind ``all_to_all``.]"""
     eng = engine_of(module, plan)
     ops: list = []
     prev, eng.record = eng.record, ops
