@@ -177,3 +177,23 @@ def test_train_moe_example_meshes_equal_one_process(tmp_path):
     assert len(one) == 5 and one[-1] < one[0]
     assert losses(tmp_path, 4, "examples/train_moe.py", "--steps", "5", "--mesh", "dp=2,ep=2") == pytest.approx(one, abs=1e-5)
     assert losses(tmp_path, 4, "examples/train_moe.py", "--steps", "5", "--mesh", "ep=4") == pytest.approx(one, abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cp_ep_overhead_benchmark_runs_tiny(tmp_path):
+    """benchmarks/cp_ep_overhead.py at toy size: every system takes the path it names (the script checks)
+    and computes the same losses."""
+    import json
+    import subprocess
+    out = tmp_path / "cp_ep.json"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "cp_ep_overhead.py"), "--batch", "2", "--seq",
+                        "32", "--steps", "2", "--warmup", "1", "--rounds", "2", "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=280,
+                       env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), CUDA_VISIBLE_DEVICES="",
+                                OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert set(d["models"]) == {"gpt", "moe"} and all(m["losses_agree"] for m in d["models"].values())
+    assert set(d["models"]["gpt"]["ratios"]) == {"cp1/plain", "cp1_forced/plain_forced"}
+    assert set(d["models"]["moe"]["ratios"]) == {"ep1/plain", "ep1_forced/plain_forced"}
