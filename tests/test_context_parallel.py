@@ -70,6 +70,14 @@ def test_traced_plan_schedules_and_counts_the_kv_traffic():
     assert f.comm_bytes() == plan.comm_bytes()
     assert sum(c.what == "kv" and c.alone_s > 0 for c in f.collectives) == 8
     assert f.tokens_per_step == 2 * 16 * 2 * 2                           # batch x local tokens x dp x cp
+    import dataclasses
+    i = next(i for i, o in enumerate(plan.schedule) if o.axes == ("cp",))
+    for bad, says in ((dict(at="layers.0.feed_forward"), "no traced attention call"),
+                      (dict(kind="reduce_scatter"), "all-gathered at module_forward")):
+        edited = list(plan.schedule)
+        edited[i] = dataclasses.replace(edited[i], **bad)
+        with pytest.raises(sp.PlanError, match=says):                  # hand-edited schedules are checked
+            plan.with_schedule(edited)
     back = sp.Plan.from_json(plan.to_json())
     assert back == plan and back.mesh.axis_names == ("dp", "cp")          # the axis order survives JSON
     untraced = sp.plan(gpt.build("tiny"), gpt_rules.rules_over(mesh), mesh, units=gpt_rules.UNITS)

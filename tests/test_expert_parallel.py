@@ -67,6 +67,14 @@ def test_all_to_alls_are_in_the_schedule_and_the_forecast():
     untraced = sp.plan(moe.build("tiny"), moe.rules_for(mesh), mesh, units=moe.UNITS, min_unit_bytes=0)
     assert [o.bytes for o in untraced.ops() if o.kind == "all_to_all"] == [0] * 8
     assert untraced.forecast("h100-8x-ib400", batch=(4, 16)).comm_bytes() == untraced.comm_bytes()
+    # a hand-edited schedule is checked: an all-to-all of a module that has no experts, or over another axis
+    import dataclasses
+    i = next(i for i, o in enumerate(plan.schedule) if o.kind == "all_to_all")
+    for bad in (dict(at="layers.0.attention"), dict(axes=("dp",))):
+        edited = list(plan.schedule)
+        edited[i] = dataclasses.replace(edited[i], **bad)
+        with pytest.raises(sp.PlanError, match="all_to_all|all-to-alls"):
+            plan.with_schedule(edited)
     # one rank of ep: nothing moves, no op
     one = sp.plan(moe.build("tiny"), moe.rules_for(sp.Mesh(dp=2, ep=1)), sp.Mesh(dp=2, ep=1), units=moe.UNITS)
     assert not any(o.kind == "all_to_all" for o in one.schedule)
