@@ -66,7 +66,8 @@ def test_all_to_alls_are_in_the_schedule_and_the_forecast():
     # not traced: the ops are placed, their size unknown (and the forecast leaves them out, as the plan does)
     untraced = sp.plan(moe.build("tiny"), moe.rules_for(mesh), mesh, units=moe.UNITS, min_unit_bytes=0)
     assert [o.bytes for o in untraced.ops() if o.kind == "all_to_all"] == [0] * 8
-    assert untraced.forecast("h100-8x-ib400", batch=(4, 16)).comm_bytes() == untraced.comm_bytes()
+    g = untraced.forecast("h100-8x-ib400", batch=(4, 16))
+    assert g.comm_bytes() == untraced.comm_bytes() and any("all-to-alls not forecast" in n for n in g.notes)
     # a hand-edited schedule is checked: an all-to-all of a module that has no experts, or over another axis
     import dataclasses
     i = next(i for i, o in enumerate(plan.schedule) if o.kind == "all_to_all")

@@ -150,6 +150,10 @@ def forecast(plan: "Plan", network: Union[str, dict, Network], compute: Union[No
     # [Note: context- and expert-parallel collectives (K/V all-gathers and their gradients' reduce-scatters,
     # token all-to-alls) come from the schedule's in-module ops; like tensor-parallel ones they block the
     # compute that needs them, so each is issued after its unit's compute of the pass, on the compute stream]
+    if plan.expert_modules and plan.expert_calls is None:
+        notes.append("expert all-to-alls not forecast: plan with trace= example inputs (CLI: --trace-tokens)")
+    if "cp" in plan.mesh.axis_names and plan.mesh.axis_size("cp") > 1 and plan.context_calls is None:
+        notes.append("context-parallel K/V all-gathers not forecast: plan with trace= example inputs (CLI: --trace-tokens)")
     tp_paths = {m.path for m in plan.tp_modules}
     other_calls: dict[tuple[str, str], list] = {}
     if plan.context_calls is not None or plan.expert_calls is not None:
