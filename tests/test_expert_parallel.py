@@ -156,24 +156,28 @@ def _train(rank, world, meshes, skew):
             ref_opt.step()
             ref_opt.zero_grad()
             ref_losses.append(r.item())
+        with sp.record_ops(model) as ops:                      # the all-to-alls are recorded where the plan has them
+            model(xs, xs).backward()
+        recorded = (ops == list(plan.ops()), sum(o.kind == "all_to_all" for o in ops))
         full = sp.full_state_dict(model)
         diff = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()) if rank == 0 else 0.0
-        out.append((text, losses, ref_losses, diff))
+        out.append((text, losses, ref_losses, diff, recorded))
     return out
 
 
 @pytest.mark.timeout(300)
 def test_ep_at_4_ranks_equals_one_process():
     for results in run(_train, 4, ["dp=2,ep=2", "ep=4"], False):
-        for text, losses, ref_losses, diff in results:
+        for text, losses, ref_losses, diff, (same, n) in results:
             assert losses == pytest.approx(ref_losses, abs=1e-5), text
             assert diff < 1e-5, text
+            assert same and n == 2 * 4, text            # 2 layers x (dispatch, combine) x (forward, backward)
 
 
 @pytest.mark.timeout(300)
 def test_ep_at_2_ranks_with_every_token_routed_to_one_rank():
     for results in run(_train, 2, ["ep=2"], True):
-        for text, losses, ref_losses, diff in results:
+        for text, losses, ref_losses, diff, _ in results:
             assert losses == pytest.approx(ref_losses, abs=1e-5), text
             assert diff < 1e-5, text
 
