@@ -3,6 +3,7 @@ attention; per-step losses equal one process's at 4 ranks, and bad inputs get er
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
 
@@ -18,14 +19,14 @@ import gpt_rules  # noqa: E402
 import gpt_rules_tp  # noqa: E402
 
 
-def _plan_for(model, text):
+def _plan_for(model, text, trace=None):
     """``dp=..,cp=..``: ZeRO over the data axes and cp; with ``tp``: gpt_rules_tp's rules over them."""
     mesh = sp.Mesh.parse(text)
     if "tp" not in mesh.axis_names:
-        return sp.plan(model, gpt_rules.rules_over(mesh), mesh, units=gpt_rules.UNITS, min_unit_bytes=0)
+        return sp.plan(model, gpt_rules.rules_over(mesh), mesh, units=gpt_rules.UNITS, min_unit_bytes=0, trace=trace)
     data = tuple(a for a in mesh.axis_names if a != "tp")
     return sp.plan(model, gpt_rules_tp.tp_rules(data=data), mesh, units=gpt_rules_tp.UNITS, min_unit_bytes=0,
-                   compute_axes=gpt_rules_tp.compute_axes)
+                   compute_axes=gpt_rules_tp.compute_axes, trace=trace)
 
 
 def test_positions_are_balanced_chunks_of_the_full_sequence():
@@ -133,7 +134,9 @@ def _train(rank, world, meshes):
     out = []
     for text in meshes:
         model, ref = gpt.build("tiny").init_weights(0), gpt.build("tiny").init_weights(0)
-        plan = _plan_for(model, text)
+        shape = sp.Mesh.parse(text).shape
+        local = torch.zeros(4 // shape.get("dp", 1), 32 // shape.get("cp", 1), dtype=torch.long)
+        plan = _plan_for(model, text, trace=(local, local))    # traced: the K/V ops are in the schedule
         sp.shard(model, plan)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
@@ -158,26 +161,35 @@ def _train(rank, world, meshes):
             ref_opt.step()
             ref_opt.zero_grad()
             ref_losses.append(r.item())
+        with sp.record_ops(model) as ops:                       # attention() records the plan's K/V ops
+            model(xs, ys, positions=pos).backward()
+        opt.zero_grad()
+        recorded = (ops == list(plan.ops()), collections.Counter(ops) == collections.Counter(plan.ops()),
+                    sum(o.in_module and o.axes == ("cp",) for o in ops))
         with pytest.raises(sp.RuntimeShardingError, match="attn_mask"):
             q = torch.zeros(1, 1, 8, 4)
             sp.context_parallel.attention(q, q, q, attn_mask=torch.ones(8, 16, dtype=torch.bool))
-        out.append((text, losses, ref_losses))
+        out.append((text, losses, ref_losses, recorded))
     return out
 
 
 @pytest.mark.timeout(300)
 def test_cp_at_4_ranks_equals_one_process():
     for results in run(_train, 4, ["dp=2,cp=2", "cp=4"]):
-        for text, losses, ref_losses in results:
+        for text, losses, ref_losses, (same, _, n) in results:
             assert losses == pytest.approx(ref_losses, abs=1e-5), text
+            assert same and n == 2 * 4, text          # record_ops: exactly the plan's ops, 2 layers x (K, V) x 2
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_cp_with_tp_at_4_ranks_equals_one_process():
     for results in run(_train, 4, ["cp=2,tp=2", "tp=2,cp=2"]):
-        for text, losses, ref_losses in results:
+        for text, losses, ref_losses, (_, same_ops, n) in results:
             assert losses == pytest.approx(ref_losses, abs=1e-5), text
+            # the plan lists a unit's tensor-parallel ops before its K/V ops, attention issues them between: the
+            # same ops, in another order within the step
+            assert same_ops and n == 2 * 4, text
 
 
 @pytest.mark.slow
