@@ -38,6 +38,8 @@ CONFIGS = {
     "3B": GPTConfig(vocab=128256, dim=3072, layers=28, heads=24, kv_heads=8, ffn=8192, max_seq=8192),  # Llama-3.2-3B shape
     "8B": GPTConfig(vocab=128256, dim=4096, layers=32, heads=32, kv_heads=8, ffn=14336, max_seq=8192, tie_embeddings=False),
     "70B": GPTConfig(vocab=32000, dim=8192, layers=80, heads=64, kv_heads=8, ffn=28672, max_seq=4096, tie_embeddings=False),
+    "L3-70B": GPTConfig(vocab=128256, dim=8192, layers=80, heads=64, kv_heads=8, ffn=28672, max_seq=8192,
+                        tie_embeddings=False),  # Llama-3-70B shape
 }
 
 
@@ -159,6 +161,10 @@ def llama_8b() -> GPT:
 
 def llama_70b() -> GPT:
     return build("70B")
+
+
+def llama3_70b() -> GPT:
+    return build("L3-70B")
 
 
 def num_params(model: nn.Module) -> int:

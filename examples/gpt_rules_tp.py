@@ -16,10 +16,13 @@ compute_axes = ("tp",)
 
 
 def tp_rules(data="dp", tp="tp"):
-    """The rules for any name of the data axis (``None``: a mesh with the tp axis only)."""
-    col = P((tp, data)) if data else P(tp)           # column-parallel: output features over tp
-    row = P(data, tp)                                # row-parallel: input features over tp
-    rest = P(data) if data else P()
+    """The rules for any name of the data axis, or several together (``("dp", "cp")``: ZeRO over dp x cp
+    under context parallelism; ``None``: a mesh with the tp axis only)."""
+    axes = (data,) if isinstance(data, str) else tuple(data or ())
+    stored = axes[0] if len(axes) == 1 else axes if axes else None
+    col = P((tp, *axes)) if axes else P(tp)          # column-parallel: output features over tp
+    row = P(stored, tp)                              # row-parallel: input features over tp
+    rest = P(stored) if axes else P()
     return [
         (r"layers\.\d+\.attention\.w[qkv]\.weight", col),
         (r"layers\.\d+\.attention\.wo\.weight", row),
@@ -32,4 +35,5 @@ def tp_rules(data="dp", tp="tp"):
 
 
 rules = tp_rules()
+cp_rules = tp_rules(data=("dp", "cp"))  # --rules examples/gpt_rules_tp.py:cp_rules --mesh dp=2,cp=2,tp=2
 UNITS = [r"layers\.\d+"]

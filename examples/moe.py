@@ -39,6 +39,8 @@ class MoEConfig(GPTConfig):
 CONFIGS = {
     "tiny": MoEConfig(ffn=64),
     "small": MoEConfig(vocab=512, dim=128, layers=4, heads=4, kv_heads=2, ffn=128, max_seq=128, experts=8),
+    "350M": MoEConfig(vocab=32000, dim=1024, layers=8, heads=16, kv_heads=8, ffn=1408, max_seq=2048, experts=8,
+                      tie_embeddings=False),  # benchmarks/cp_ep_overhead.py on one GPU
 }
 
 

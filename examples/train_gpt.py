@@ -147,11 +147,15 @@ def parse_args(argv=None):
 
 
 def rules_of(name: str) -> dict:
-    """``--rules`` as plan() keywords: a list of examples/gpt_rules.py, or a rules file with its options."""
-    if name.endswith(".py"):
+    """``--rules`` as plan() keywords: a list of examples/gpt_rules.py, or a rules file (``FILE.py``: its
+    ``rules``; ``FILE.py:NAME``: its ``NAME``, e.g. ``examples/gpt_rules_tp.py:cp_rules``) with its options."""
+    path, _, var = name.partition(":") if ".py:" in name else (name, "", "")
+    if path.endswith(".py"):
         from shardplan.cli import _load_file
-        mod = _load_file(name, "_example_rules")
-        return dict(rules=mod.rules, units=getattr(mod, "UNITS", gpt_rules.UNITS),
+        mod = _load_file(path, "_example_rules")
+        if not isinstance(getattr(mod, var or "rules", None), list):
+            raise SystemExit(f"--rules {name!r}: {path} has no rules list named {var or 'rules'!r}")
+        return dict(rules=getattr(mod, var or "rules"), units=getattr(mod, "UNITS", gpt_rules.UNITS),
                     compute_axes=getattr(mod, "compute_axes", ()), styles=getattr(mod, "styles", None))
     rules = getattr(gpt_rules, name, None)
     if not isinstance(rules, list):

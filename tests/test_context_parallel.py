@@ -3,6 +3,7 @@ attention; per-step losses equal one process's at 4 ranks, and bad inputs get er
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
 
@@ -15,6 +16,17 @@ from distributed import run
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import gpt  # noqa: E402
 import gpt_rules  # noqa: E402
+import gpt_rules_tp  # noqa: E402
+
+
+def _plan_for(model, text, trace=None):
+    """``dp=..,cp=..``: ZeRO over the data axes and cp; with ``tp``: gpt_rules_tp's rules over them."""
+    mesh = sp.Mesh.parse(text)
+    if "tp" not in mesh.axis_names:
+        return sp.plan(model, gpt_rules.rules_over(mesh), mesh, units=gpt_rules.UNITS, min_unit_bytes=0, trace=trace)
+    data = tuple(a for a in mesh.axis_names if a != "tp")
+    return sp.plan(model, gpt_rules_tp.tp_rules(data=data), mesh, units=gpt_rules_tp.UNITS, min_unit_bytes=0,
+                   compute_axes=gpt_rules_tp.compute_axes, trace=trace)
 
 
 def test_positions_are_balanced_chunks_of_the_full_sequence():
@@ -38,12 +50,93 @@ def test_cp_ranks_share_the_batch_and_parameters_shard_over_dp_and_cp():
     assert pos.tolist() == [2, 3, 4, 5] and xs.tolist() == x[2:4, 2:6].tolist()
 
 
+def test_traced_plan_schedules_and_counts_the_kv_traffic():
+    mesh = sp.Mesh(dp=2, cp=2)
+    x = torch.randint(0, 256, (2, 16))                     # one rank's input: 16 of each sequence's 32 tokens
+    plan = sp.plan(gpt.build("tiny"), gpt_rules.rules_over(mesh), mesh, units=gpt_rules.UNITS, trace=(x, x),
+                   min_unit_bytes=0)
+    kv = [o for o in plan.ops() if o.in_module and o.axes == ("cp",)]
+    # per layer: K and V all-gathered in forward, their gradients reduce-scattered in backward, inside the
+    # unit of the layer; each op carries the gathered tensor: 2 x 4 heads x 32 tokens x 16 wide x fp32
+    assert [(o.kind, o.event, o.at, o.unit) for o in kv] == \
+        [("all_gather", "module_forward", "layers.0.attention", "layers.0")] * 2 + \
+        [("all_gather", "module_forward", "layers.1.attention", "layers.1")] * 2 + \
+        [("reduce_scatter", "module_backward", "layers.1.attention", "layers.1")] * 2 + \
+        [("reduce_scatter", "module_backward", "layers.0.attention", "layers.0")] * 2
+    assert {o.bytes for o in kv} == {2 * 4 * 32 * 16 * 4}
+    assert plan.comm_bytes()["context_parallel"] == 8 * 16384 // 2        # half of each leaves the rank
+    assert len([o for o in plan.ops(recompute=True) if o.axes == ("cp",)]) == 12   # recompute re-gathers
+    assert "context-parallel keys/values 64.00 KiB" in str(plan) and "2 attention calls traced" in str(plan)
+    f = plan.forecast("h100-8x-ib400", batch=(2, 16))
+    assert f.comm_bytes() == plan.comm_bytes()
+    assert sum(c.what == "kv" and c.alone_s > 0 for c in f.collectives) == 8
+    assert f.tokens_per_step == 2 * 16 * 2 * 2                           # batch x local tokens x dp x cp
+    import dataclasses
+    i = next(i for i, o in enumerate(plan.schedule) if o.axes == ("cp",))
+    for bad, says in ((dict(at="layers.0.feed_forward"), "no traced attention call"),
+                      (dict(kind="reduce_scatter"), "all-gathered at module_forward")):
+        edited = list(plan.schedule)
+        edited[i] = dataclasses.replace(edited[i], **bad)
+        with pytest.raises(sp.PlanError, match=says):                  # hand-edited schedules are checked
+            plan.with_schedule(edited)
+    back = sp.Plan.from_json(plan.to_json())
+    assert back == plan and back.mesh.axis_names == ("dp", "cp")          # the axis order survives JSON
+    untraced = sp.plan(gpt.build("tiny"), gpt_rules.rules_over(mesh), mesh, units=gpt_rules.UNITS)
+    assert untraced.comm_bytes()["context_parallel"] is None and "keys/values not estimated" in str(untraced)
+    assert not any(o.in_module for o in untraced.schedule)
+
+
+def test_cli_plans_llama3_70b_with_cp_and_tp(capsys):
+    from shardplan.cli import main
+    root = os.path.join(os.path.dirname(__file__), "..")
+    rc = main(["plan", os.path.join(root, "examples/gpt.py") + ":llama3_70b", "--mesh", "dp=8,cp=4,tp=8", "--rules",
+               os.path.join(root, "examples/gpt_rules_tp.py") + ":cp_rules", "--dtype", "bf16", "--trace-tokens",
+               "1x2048", "--summary"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    # 80 layers x (K, V) x (all-gather, reduce-scatter) x [1, 64/8 heads, 4 x 2048 tokens, 128] bf16, 3/4 sent
+    assert f"context-parallel keys/values {80 * 4 * 8 * 8192 * 128 * 2 * 3 // 4 / 2**30:.2f} GiB" in out  # 3.75 GiB
+    assert "context axis cp=4" in out and "80 attention calls traced" in out and "axes=dp,cp" in out
+    assert "the batch is split 8 ways over dp" in out
+
+
+class _MaskedAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        q = self.proj(x).view(x.shape[0], 1, x.shape[1], 8)
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+
+def test_attention_cp_cannot_run_is_refused_at_plan_time():
+    m = _MaskedAttention()
+    rules = [(r".*", sp.P(("dp", "cp")))]
+    with pytest.raises(sp.PlanError, match=r"attention in 'the root module' passes an attn_mask.*is_causal=True"):
+        sp.plan(m, rules, sp.Mesh(dp=1, cp=2), trace=torch.zeros(1, 4, 8))
+    sp.plan(m, rules, sp.Mesh(dp=2, cp=1), trace=torch.zeros(1, 4, 8))       # cp=1: nothing to honour
+    # attention that does not come through sp.context_parallel.attention would see its own chunks only
+    direct = _MaskedAttention()
+    direct.forward = lambda x: torch.nn.functional.scaled_dot_product_attention(
+        *[direct.proj(x).view(x.shape[0], 1, x.shape[1], 8)] * 3, is_causal=True)
+    with pytest.raises(sp.PlanError, match=r"calls F.scaled_dot_product_attention itself.*sp.context_parallel.attention"):
+        sp.plan(direct, rules, sp.Mesh(dp=1, cp=2), trace=torch.zeros(1, 4, 8))
+    gpt_model = gpt.build("tiny")
+    mesh = sp.Mesh(cp=2)
+    x = torch.randint(0, 256, (1, 7))
+    with pytest.raises(sp.PlanError, match=r"7 tokens.*\(14\) is not divisible by 2\*cp = 4"):
+        sp.plan(gpt_model, gpt_rules.rules_over(mesh), mesh, units=gpt_rules.UNITS, trace=(x, x))
+
+
 def _train(rank, world, meshes):
     out = []
     for text in meshes:
-        mesh = sp.Mesh.parse(text)
         model, ref = gpt.build("tiny").init_weights(0), gpt.build("tiny").init_weights(0)
-        plan = sp.plan(model, gpt_rules.rules_over(mesh), mesh, units=gpt_rules.UNITS, min_unit_bytes=0)
+        shape = sp.Mesh.parse(text).shape
+        local = torch.zeros(4 // shape.get("dp", 1), 32 // shape.get("cp", 1), dtype=torch.long)
+        plan = _plan_for(model, text, trace=(local, local))    # traced: the K/V ops are in the schedule
         sp.shard(model, plan)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
@@ -68,18 +161,35 @@ def _train(rank, world, meshes):
             ref_opt.step()
             ref_opt.zero_grad()
             ref_losses.append(r.item())
+        with sp.record_ops(model) as ops:                       # attention() records the plan's K/V ops
+            model(xs, ys, positions=pos).backward()
+        opt.zero_grad()
+        recorded = (ops == list(plan.ops()), collections.Counter(ops) == collections.Counter(plan.ops()),
+                    sum(o.in_module and o.axes == ("cp",) for o in ops))
         with pytest.raises(sp.RuntimeShardingError, match="attn_mask"):
             q = torch.zeros(1, 1, 8, 4)
             sp.context_parallel.attention(q, q, q, attn_mask=torch.ones(8, 16, dtype=torch.bool))
-        out.append((text, losses, ref_losses))
+        out.append((text, losses, ref_losses, recorded))
     return out
 
 
 @pytest.mark.timeout(300)
 def test_cp_at_4_ranks_equals_one_process():
     for results in run(_train, 4, ["dp=2,cp=2", "cp=4"]):
-        for text, losses, ref_losses in results:
+        for text, losses, ref_losses, (same, _, n) in results:
             assert losses == pytest.approx(ref_losses, abs=1e-5), text
+            assert same and n == 2 * 4, text          # record_ops: exactly the plan's ops, 2 layers x (K, V) x 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cp_with_tp_at_4_ranks_equals_one_process():
+    for results in run(_train, 4, ["cp=2,tp=2", "tp=2,cp=2"]):
+        for text, losses, ref_losses, (_, same_ops, n) in results:
+            assert losses == pytest.approx(ref_losses, abs=1e-5), text
+            # the plan lists a unit's tensor-parallel ops before its K/V ops, attention issues them between: the
+            # same ops, in another order within the step
+            assert same_ops and n == 2 * 4, text
 
 
 @pytest.mark.slow

@@ -44,6 +44,43 @@ def test_experts_split_over_ep_and_reduced_over_the_other_data_axes():
     assert "expert all-to-all 128.00 KiB" in str(traced) and "2 of 4 experts per rank" in str(traced)
 
 
+def test_all_to_alls_are_in_the_schedule_and_the_forecast():
+    mesh = sp.Mesh(dp=2, ep=2)
+    x = torch.randint(0, 256, (4, 16))
+    plan = sp.plan(moe.build("tiny"), moe.rules_for(mesh), mesh, units=moe.UNITS, trace=(x, x), min_unit_bytes=0)
+    a2a = [o for o in plan.ops() if o.kind == "all_to_all"]
+    # per layer: dispatch and combine in forward, their gradients back in backward (later layer first);
+    # each op: 64 tokens x top-2 x 64 wide x fp32 leave for their experts
+    assert [(o.event, o.at, o.unit, o.axes) for o in a2a] == \
+        [("module_forward", "layers.0.moe.experts", "layers.0", ("ep",))] * 2 + \
+        [("module_forward", "layers.1.moe.experts", "layers.1", ("ep",))] * 2 + \
+        [("module_backward", "layers.1.moe.experts", "layers.1", ("ep",))] * 2 + \
+        [("module_backward", "layers.0.moe.experts", "layers.0", ("ep",))] * 2
+    assert {o.bytes for o in a2a} == {64 * 2 * 64 * 4} and all(o.what == "activations" for o in a2a)
+    assert sum(o.bytes // 2 for o in a2a) == plan.comm_bytes()["expert_parallel"]
+    f = plan.forecast("h100-8x-ib400", batch=(4, 16))
+    assert f.comm_bytes() == plan.comm_bytes()
+    tokens = [c for c in f.collectives if c.what == "tokens"]
+    assert len(tokens) == 8 and all(c.kind == "all_to_all" and c.alone_s > 0 for c in tokens)
+    assert sp.Plan.from_json(plan.to_json()) == plan
+    # not traced: the ops are placed, their size unknown (and the forecast leaves them out, as the plan does)
+    untraced = sp.plan(moe.build("tiny"), moe.rules_for(mesh), mesh, units=moe.UNITS, min_unit_bytes=0)
+    assert [o.bytes for o in untraced.ops() if o.kind == "all_to_all"] == [0] * 8
+    g = untraced.forecast("h100-8x-ib400", batch=(4, 16))
+    assert g.comm_bytes() == untraced.comm_bytes() and any("all-to-alls not forecast" in n for n in g.notes)
+    # a hand-edited schedule is checked: an all-to-all of a module that has no experts, or over another axis
+    import dataclasses
+    i = next(i for i, o in enumerate(plan.schedule) if o.kind == "all_to_all")
+    for bad in (dict(at="layers.0.attention"), dict(axes=("dp",))):
+        edited = list(plan.schedule)
+        edited[i] = dataclasses.replace(edited[i], **bad)
+        with pytest.raises(sp.PlanError, match="all_to_all|all-to-alls"):
+            plan.with_schedule(edited)
+    # one rank of ep: nothing moves, no op
+    one = sp.plan(moe.build("tiny"), moe.rules_for(sp.Mesh(dp=2, ep=1)), sp.Mesh(dp=2, ep=1), units=moe.UNITS)
+    assert not any(o.kind == "all_to_all" for o in one.schedule)
+
+
 def test_errors_name_the_fix():
     m = moe.build("tiny")
     with pytest.raises(sp.SpecError, match=r"4 experts.*do not divide.*size 3.*\[1, 2, 4\]"):
@@ -66,6 +103,13 @@ def test_hf_mixtral_plans_with_experts_over_ep(capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "expert axis ep: 32 expert modules, 1 of 8 experts per rank" in out
+    assert "expert all-to-all not estimated" in out
+    # traced: 32 layers x 4 all-to-alls x 4096 tokens x top-2 x 4096 wide x bf16, 7/8 of it leaves the rank
+    rc = main(["plan", "hf:" + os.path.join(ROOT, "examples/hf/mixtral_8x7b.json"), "--mesh", "dp=8,ep=8", "--summary",
+               "--dtype", "bf16", "--trace-tokens", "1x4096"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert f"expert all-to-all {32 * 4 * 4096 * 2 * 4096 * 2 * 7 // 8 / 2**30:.2f} GiB" in out   # 7.00 GiB
 
 
 # -- training ----------------------------------------------------------------------------------------------
@@ -112,24 +156,28 @@ def _train(rank, world, meshes, skew):
             ref_opt.step()
             ref_opt.zero_grad()
             ref_losses.append(r.item())
+        with sp.record_ops(model) as ops:                      # the all-to-alls are recorded where the plan has them
+            model(xs, xs).backward()
+        recorded = (ops == list(plan.ops()), sum(o.kind == "all_to_all" for o in ops))
         full = sp.full_state_dict(model)
         diff = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()) if rank == 0 else 0.0
-        out.append((text, losses, ref_losses, diff))
+        out.append((text, losses, ref_losses, diff, recorded))
     return out
 
 
 @pytest.mark.timeout(300)
 def test_ep_at_4_ranks_equals_one_process():
     for results in run(_train, 4, ["dp=2,ep=2", "ep=4"], False):
-        for text, losses, ref_losses, diff in results:
+        for text, losses, ref_losses, diff, (same, n) in results:
             assert losses == pytest.approx(ref_losses, abs=1e-5), text
             assert diff < 1e-5, text
+            assert same and n == 2 * 4, text            # 2 layers x (dispatch, combine) x (forward, backward)
 
 
 @pytest.mark.timeout(300)
 def test_ep_at_2_ranks_with_every_token_routed_to_one_rank():
     for results in run(_train, 2, ["ep=2"], True):
-        for text, losses, ref_losses, diff in results:
+        for text, losses, ref_losses, diff, _ in results:
             assert losses == pytest.approx(ref_losses, abs=1e-5), text
             assert diff < 1e-5, text
 
@@ -142,3 +190,23 @@ def test_train_moe_example_meshes_equal_one_process(tmp_path):
     assert len(one) == 5 and one[-1] < one[0]
     assert losses(tmp_path, 4, "examples/train_moe.py", "--steps", "5", "--mesh", "dp=2,ep=2") == pytest.approx(one, abs=1e-5)
     assert losses(tmp_path, 4, "examples/train_moe.py", "--steps", "5", "--mesh", "ep=4") == pytest.approx(one, abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cp_ep_overhead_benchmark_runs_tiny(tmp_path):
+    """benchmarks/cp_ep_overhead.py at toy size: every system takes the path it names (the script checks)
+    and computes the same losses."""
+    import json
+    import subprocess
+    out = tmp_path / "cp_ep.json"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "cp_ep_overhead.py"), "--batch", "2", "--seq",
+                        "32", "--steps", "2", "--warmup", "1", "--rounds", "2", "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=280,
+                       env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), CUDA_VISIBLE_DEVICES="",
+                                OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert set(d["models"]) == {"gpt", "moe"} and all(m["losses_agree"] for m in d["models"].values())
+    assert set(d["models"]["gpt"]["ratios"]) == {"cp1/plain", "cp1_forced/plain_forced"}
+    assert set(d["models"]["moe"]["ratios"]) == {"ep1/plain", "ep1_forced/plain_forced"}

@@ -19,7 +19,7 @@ import copy
 from typing import Any, Optional, Sequence
 
 from .plan.values import ActivationPoint, Activations
-from .units import entry_points, has_forward, trace_args
+from .units import entry_points, has_forward, trace_args, traced_step
 
 ROOT = "<root>"
 
@@ -338,7 +338,7 @@ def profile(model, trace, units: Sequence[tuple[str, Sequence[str]]], compute_dt
     entries = unit_entries(meta, units)
     ins = _tensors(trace_args(trace), [])
     what = describe or ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in ins)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), traced_step():
         plain = _run(meta, trace, entries, checkpointed=False)
         recompute = _run(meta, trace, entries, checkpointed=True)
     return Activations(inputs=what, plain=plain, recompute=recompute, grads=True)

@@ -140,6 +140,29 @@ def trace_args(trace) -> tuple[tuple, dict]:
     return (args if isinstance(args, tuple) else (args,)), kwargs
 
 
+_TRACING = [0]  # how many planner's traced steps are running in this process
+
+
+def tracing() -> bool:
+    """Whether the planner is running a traced step now: the runtime's collectives inside module calls
+    (context-parallel attention) take their plain, local path then."""
+    return _TRACING[0] > 0
+
+
+class traced_step:
+    """``with traced_step(): model(...)``: :func:`tracing` is true inside.
+
+    [Note: a process that shard()ed a context-parallel plan and plans again with ``trace=`` (a second model,
+    the next mesh of a test) would otherwise gather keys and values over cp inside the trace]"""
+
+    def __enter__(self):
+        _TRACING[0] += 1
+
+    def __exit__(self, *exc):
+        _TRACING[0] -= 1
+        return False
+
+
 def run_traced(model, trace, hooks: dict, grad: bool = False) -> None:
     """Run the traced forward once, without autograd unless ``grad`` (then tensors say whether they
     require a gradient), with ``hooks`` ({module path: (kind, fn)}, kind ``"pre"`` or ``"post"``)
@@ -151,7 +174,7 @@ def run_traced(model, trace, hooks: dict, grad: bool = False) -> None:
     handles = [modules[path].register_forward_pre_hook(fn) if kind == "pre" else modules[path].register_forward_hook(fn)
                for path, (kind, fn) in hooks.items()]
     try:
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad), traced_step():
             model(*args, **kwargs)
     finally:
         for h in handles:

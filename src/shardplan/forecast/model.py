@@ -19,7 +19,7 @@ import math
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from ..errors import ForecastError
-from ..plan.kinds import ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, USED, WAIT
+from ..plan.kinds import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BEGIN_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, USED, WAIT
 from ..units import ROOT
 from .compute import ComputeModel, compute_model
 from .flops import model_flops, unit_flops, unit_widths
@@ -100,6 +100,12 @@ def _optimizer_s(plan: "Plan", cm: ComputeModel, rank: int) -> tuple[float, Opti
     return elements * cm.optimizer_bytes / (cm.memory_gbs * 1e9), None
 
 
+def _cp(plan) -> int:
+    """The context-parallel degree: with ``cp`` a rank's ``batch`` holds ``T/cp`` tokens of each sequence, and
+    the cp ranks of one data slice hold the rest of them (they share no token)."""
+    return plan.mesh.axis_size("cp") if "cp" in plan.mesh.axis_names else 1
+
+
 def forecast(plan: "Plan", network: Union[str, dict, Network], compute: Union[None, str, float, dict, ComputeModel] = None,
              *, batch: tuple[int, int], rank: int = 0, scalar_all_reduces: int = 0) -> Forecast:
     """Predicted step time of ``rank`` running ``plan`` on ``network``, per-rank ``batch = (B, T)``.
@@ -147,12 +153,32 @@ def forecast(plan: "Plan", network: Union[str, dict, Network], compute: Union[No
     if plan.compute_axes and plan.tp_activations is None:
         notes.append("tensor-parallel activations not forecast: plan with trace= example inputs (CLI: --trace-tokens)")
 
+    # [Note: context- and expert-parallel collectives (K/V all-gathers and their gradients' reduce-scatters,
+    # token all-to-alls) come from the schedule's in-module ops; like tensor-parallel ones they block the
+    # compute that needs them, so each is issued after its unit's compute of the pass, on the compute stream]
+    if plan.expert_modules and plan.expert_calls is None:
+        notes.append("expert all-to-alls not forecast: plan with trace= example inputs (CLI: --trace-tokens)")
+    if "cp" in plan.mesh.axis_names and plan.mesh.axis_size("cp") > 1 and plan.context_calls is None:
+        notes.append("context-parallel K/V all-gathers not forecast: plan with trace= example inputs (CLI: --trace-tokens)")
+    tp_paths = {m.path for m in plan.tp_modules}
+    other_calls: dict[tuple[str, str], list] = {}
+    if plan.context_calls is not None or plan.expert_calls is not None:
+        for op in plan.ops():
+            if op.in_module and op.at not in tp_paths and op.is_collective:
+                what = "tokens" if op.kind == ALL_TO_ALL else "kv"
+                if (what == "tokens" and plan.expert_calls is None) or (what == "kv" and plan.context_calls is None):
+                    continue
+                phase = "forward" if op.phase == "forward" else "backward"
+                other_calls.setdefault((op.unit, phase), []).append((op, what))
+
     def run(unit: str, phase: str) -> None:
         fwd, bwd = times[unit]
         items.append(Run(Work(f"{phase} {unit}", unit, phase, fwd if phase == "forward" else bwd)))
         for a in tp_calls:  # [Note: activation collectives sit inside the unit's compute; blocking, so after it]
             if a.unit == unit and a.phase == phase:
                 issue(a.kind, "activations", unit, (a.axis,), a.payload, "compute", -1)
+        for op, what in other_calls.get((unit, phase), ()):
+            issue(op.kind, what, unit, tuple(op.axes), op.bytes, "compute", -1)
 
     schedule = plan.schedule
     pending: dict[tuple[str, str], list[int]] = {}
@@ -199,6 +225,16 @@ def forecast(plan: "Plan", network: Union[str, dict, Network], compute: Union[No
                                                                                if c.what == "activations")
         if sent["tensor_parallel"] is not None:
             sent["total"] += sent["tensor_parallel"]
+    if plan.expert_modules:
+        sent["expert_parallel"] = None if plan.expert_calls is None else sum(c.sent for c in collectives
+                                                                             if c.what == "tokens")
+        if sent["expert_parallel"] is not None:
+            sent["total"] += sent["expert_parallel"]
+    if "cp" in plan.mesh.axis_names:
+        sent["context_parallel"] = None if plan.context_calls is None else sum(c.sent for c in collectives
+                                                                               if c.what == "kv")
+        if sent["context_parallel"] is not None:
+            sent["total"] += sent["context_parallel"]
     phase_s = {"forward": 0.0, "backward": 0.0}
     for s in tl.compute:
         if s.kind == "compute" and s.phase in phase_s:
@@ -208,7 +244,7 @@ def forecast(plan: "Plan", network: Union[str, dict, Network], compute: Union[No
         network=net, compute=cm, batch=batch, rank=rank, mesh=plan.mesh, strategy=str(plan.strategy),
         prefetch=plan.prefetch, fingerprint=plan.fingerprint(), step_s=tl.step_s, forward_s=phase_s["forward"],
         backward_s=phase_s["backward"], optimizer_s=opt_s, exposed_s=tl.exposed_s,
-        tokens_per_step=batch[0] * batch[1] * plan.data_size, flops_per_step=model_flops(plan, batch),
+        tokens_per_step=batch[0] * batch[1] * plan.data_size * _cp(plan), flops_per_step=model_flops(plan, batch),
         collectives=collectives, spans=tl.compute, placements=tuple(ordered), bytes=tuple(sent.items()),
         notes=tuple(notes))
 

@@ -123,7 +123,8 @@ class Forecast:
             if s.kind != "stall" or not s.waits_for:
                 continue
             last = max((by_id[i] for i in s.waits_for), key=lambda c: c.end_s)
-            key = f"{last.kind} (tensor parallel)" if last.what == "activations" else last.kind
+            tag = {"activations": "tensor parallel", "kv": "context parallel", "tokens": "expert parallel"}.get(last.what)
+            key = f"{last.kind} ({tag})" if tag else last.kind
             out[key] = out.get(key, 0.0) + (s.end_s - s.start_s)
         return out
 

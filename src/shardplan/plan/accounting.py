@@ -191,7 +191,7 @@ def comm_bytes(plan: "Plan") -> dict:
     for op in plan.ops():
         if op.kind in copies:
             copies[op.kind] += op.bytes
-        if not op.is_collective or op.in_module:  # tensor-parallel activations: counted below
+        if not op.is_collective or op.in_module:  # activations (tp, cp, ep): counted below
             continue
         n = plan.mesh.axis_size(op.axes) if op.axes else 1
         factor = 2 if op.kind == ALL_REDUCE else 1
@@ -214,6 +214,12 @@ def comm_bytes(plan: "Plan") -> dict:
         out["expert_parallel"] = None if calls is None else EP.all_to_all_bytes(plan.expert_modules, calls, plan.mesh)
         if calls is not None:
             out["total"] += out["expert_parallel"]
+    if "cp" in plan.mesh.axis_names:
+        from . import context_parallel as CPX
+        calls = plan.context_calls
+        out["context_parallel"] = None if calls is None else CPX.kv_bytes(calls, plan.mesh)
+        if calls is not None:
+            out["total"] += out["context_parallel"]
     if plan.offload:  # host<->device copies over PCIe, not the network: not in "total"
         out.update(copies)
     return out

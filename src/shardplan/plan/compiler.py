@@ -18,6 +18,7 @@ from ..units import assign_units, check_entries, collect_leaves, module_classes,
 from ..auto import choose_min_unit_bytes, find_units, merge_note, root_unit_warning
 from . import geometry
 from . import offload as OFF
+from . import context_parallel as CPX
 from . import expert_parallel as EP
 from . import tensor_parallel as tp
 from .accounting import plan_warnings
@@ -278,6 +279,12 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
         choices.append(EP.modules_note(expert_modules))
         if trace is not None:
             expert_calls = EP.trace_calls(module, expert_modules, trace, itemsize(compute) if compute else None)
+        expert_modules = EP.place(module, expert_modules, unit_plans)
+    context_calls = None
+    if trace is not None and CPX.CONTEXT_AXIS in mesh.axis_names:
+        traced = CPX.trace_calls(module, trace, itemsize(compute) if compute else None, mesh)
+        context_calls = CPX.place(module, CPX.per_rank(traced, tp_modules, mesh), unit_plans)
+        choices.append(CPX.calls_note(context_calls, mesh))
     profile = None
     param_plans, units_ = tuple(params[i.name] for i in infos), tuple(unit_plans)
     if trace is not None:
@@ -299,7 +306,8 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
             hosted = OFF.choose_offloaded(buffers, unit_plans, level=level, offload=offload, fraction=fraction)
             buffers = [dataclasses.replace(b, offload=hosted.get(b.index, "")) for b in buffers]
         schedule = tp.with_activation_ops(build_schedule(unit_plans, buffers, mesh, level, prefetch, order, len(infos)),
-                                          unit_plans, tp_modules, activations, mesh)
+                                          unit_plans, tp_modules, activations, mesh,
+                                          CPX.module_ops(context_calls, mesh) + EP.module_ops(expert_modules, expert_calls))
         buffers_ = tuple(buffers)
         return Plan(mesh=mesh, strategy=STRATEGIES[level], compute_dtype=compute, reduce_dtype=reduce, prefetch=prefetch,
                     reshard_after_forward=reshard_after_forward, optimizer_states=optimizer_states, params=param_plans,
@@ -309,7 +317,7 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
                     tp_modules=tp_modules, tp_activations=activations, layout=layout,
                     offload=offload, offload_fraction=fraction, activations=profile,
                     expert_axes=expert_axes if expert_modules else (), expert_modules=expert_modules,
-                    expert_calls=expert_calls)
+                    expert_calls=expert_calls, context_calls=context_calls)
 
     if offload_fraction == OFF.AUTO:  # [Note: the automatic fraction] in plan/offload.py
         ranks = range(mesh.size) if mesh.size <= 64 else sorted({r * (mesh.size - 1) // 63 for r in range(64)})

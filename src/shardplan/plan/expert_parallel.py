@@ -17,25 +17,32 @@ axes that are not ``ep`` only: the tokens of every ``ep`` rank already reached t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from ..errors import PlanError, SpecError
 from ..mesh import Mesh
 from ..spec import P
-from .values import Compute
+from .kinds import ACTIVATIONS, ALL_TO_ALL, MODULE_BACKWARD, MODULE_FORWARD
+from .tensor_parallel import Anchor, ModuleOps, anchors
+from .values import Compute, Op
 
 EXPERT_AXIS = "ep"
 
 
 @dataclass(frozen=True)
 class ExpertModule:
-    """A module whose stacked experts are split over ``axis`` (``size`` ranks, ``num_experts`` in all)."""
+    """A module whose stacked experts are split over ``axis`` (``size`` ranks, ``num_experts`` in all);
+    ``unit``, ``after``, ``back_after``: where its all-to-alls sit in the schedule (:func:`place`)."""
 
     path: str
     axis: str
     size: int
     num_experts: int
+    unit: str = ""
+    after: str = ""
+    back_after: str = ""
 
     @property
     def local_experts(self) -> int:
@@ -145,15 +152,45 @@ def trace_calls(model, modules: Sequence[ExpertModule], trace, itemsize: Optiona
     return tuple(seen)
 
 
+def place(module, modules: Sequence[ExpertModule], units) -> tuple[ExpertModule, ...]:
+    """``modules`` with the unit that calls each and the schedule steps its all-to-alls follow."""
+    where = anchors(module, [m.path for m in modules], units)
+    return tuple(dataclasses.replace(m, unit=a.unit, after=a.after, back_after=a.back_after)
+                 for m in modules for a in [where[m.path]])
+
+
+def module_ops(modules: Sequence[ExpertModule], calls: Optional[Sequence[ExpertCall]]) -> tuple[ModuleOps, ...]:
+    """The all-to-alls of each placed expert module over a group of more than one rank, per traced call
+    (untraced: one call of unknown size, 0 bytes): forward, ``dispatch`` then ``combine``; backward,
+    ``combine``'s then ``dispatch``'s. Each op's bytes: the ``tokens * k`` rows the rank sends out (its
+    own share included), under balanced routing. [Note: the exchange of per-expert counts that precedes
+    a dispatch (``num_experts`` integers) is left out: latency, no volume.]"""
+    out = []
+    for m in modules:
+        if m.size <= 1 or not m.after:
+            continue
+        sizes = [c.tokens_numel * c.top_k * c.itemsize for c in calls if c.path == m.path] if calls is not None \
+            else [0]
+
+        def op(event, b: int) -> Op:
+            return Op(kind=ALL_TO_ALL, unit=m.unit, what=ACTIVATIONS, event=event, at=m.path, axes=(m.axis,),
+                      bytes=b)
+        for b in sizes:
+            out.append(ModuleOps(Anchor(m.unit, m.after, m.back_after), forward=(op(MODULE_FORWARD, b),) * 2,
+                                 backward=(op(MODULE_BACKWARD, b),) * 2))
+    return tuple(out)
+
+
 def all_to_all_bytes(modules: Sequence[ExpertModule], calls: Sequence[ExpertCall], mesh: Mesh) -> int:
     """Bytes one rank sends per training step through the expert all-to-alls: each token goes to its top-k
     experts (dispatch) and back (combine), and backward sends the gradients of both the other way: four
-    all-to-alls of ``tokens * k`` rows, of which ``(n-1)/n`` leave the rank under balanced routing."""
+    all-to-alls of ``tokens * k`` rows, of which ``(n-1)/n`` leave the rank under balanced routing (each
+    rounded down on its own, as the forecast counts them)."""
     by_path = {m.path: m for m in modules}
     total = 0
     for c in calls:
         n = by_path[c.path].size
-        total += 4 * c.tokens_numel * c.top_k * c.itemsize * (n - 1) // n
+        total += 4 * (c.tokens_numel * c.top_k * c.itemsize * (n - 1) // n)
     return total
 
 

@@ -21,6 +21,7 @@ from ..mesh import Mesh
 from ..units import ROOT
 from . import accounting, geometry, render, serialize
 from . import schedule as S
+from . import context_parallel as CPX
 from . import expert_parallel as EP
 from . import tensor_parallel as tp
 from .kinds import LayoutChoice, Offload, Order, Strategy, choose, strategy_level
@@ -64,6 +65,7 @@ class Plan:
     expert_axes: tuple[str, ...] = ()           # mesh axes that split stacked experts (expert parallelism)
     expert_modules: tuple[EP.ExpertModule, ...] = ()        # modules whose experts they split
     expert_calls: Optional[tuple[EP.ExpertCall, ...]] = None  # traced token inputs of those (None: not traced)
+    context_calls: Optional[tuple[CPX.AttentionCall, ...]] = None  # traced attention calls (None: not traced or no cp)
 
     # -- lookups -----------------------------------------------------------------------------------
     @cached_property
@@ -266,7 +268,8 @@ class Plan:
     def _built_schedule(self) -> tuple[Op, ...]:
         return tp.with_activation_ops(
             S.build_schedule(self.units, self.buffers, self.mesh, self.level, self.prefetch, self.order,
-                             len(self.params)), self.units, self.tp_modules, self.tp_activations, self.mesh)
+                             len(self.params)), self.units, self.tp_modules, self.tp_activations, self.mesh,
+            CPX.module_ops(self.context_calls, self.mesh) + EP.module_ops(self.expert_modules, self.expert_calls))
 
     @property
     def schedule_edited(self) -> bool:

@@ -48,6 +48,7 @@ class OpKind(Name):
     COPY_D2H = "copy_d2h"  # grads: a reduced local gradient shard goes to host memory (CPU offload)
     COPY_H2D = "copy_h2d"  # params: a shard the host stepped (or holds) is on the device before its gather
     OPTIM_STEP = "optim_step"  # params: the host steps an offloaded buffer's master shard, overlapping backward
+    ALL_TO_ALL = "all_to_all"  # activations: an expert module's tokens to their experts' ranks and back
 
 
 class Offload(Name):
@@ -63,7 +64,9 @@ class Subject(Name):
     PARAMS = "params"
     GRADS = "grads"
     USED = "used"
-    ACTIVATIONS = "activations"  # a tensor-parallel module's input gradient or output (plan/tensor_parallel.py)
+    ACTIVATIONS = "activations"  # moved inside a module's call: a tensor-parallel module's input gradient or
+    #                              output (plan/tensor_parallel.py), context-parallel attention's keys and values
+    #                              (plan/context_parallel.py), an expert module's tokens (plan/expert_parallel.py)
 
 
 class Event(Name):
@@ -115,10 +118,10 @@ class LayoutChoice(Name):
     CHUNKED = "chunked"
 
 
-ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, WAIT, FREE, PREPARE, COPY_D2H, COPY_H2D, OPTIM_STEP = OpKind
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, WAIT, FREE, PREPARE, COPY_D2H, COPY_H2D, OPTIM_STEP, ALL_TO_ALL = OpKind
 COPIES = (COPY_D2H, COPY_H2D)
 HOST_OPS = (COPY_D2H, COPY_H2D, OPTIM_STEP)  # CPU offload's ops: local, no process group
-COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
+COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL)
 KINDS = tuple(OpKind)
 PARAMS, GRADS, USED, ACTIVATIONS = Subject
 (BEFORE_FORWARD, PRE_FORWARD, POST_FORWARD, PRE_BACKWARD, POST_BACKWARD, END_BACKWARD, BEGIN_BACKWARD, MODULE_FORWARD,

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 from .. import layout as L
 from ..dtypes import itemsize
 from .accounting import coverage
-from .kinds import ALL_GATHER, ALL_REDUCE, COPY_D2H, COPY_H2D, FREE, OPTIM_STEP, PARAMS, PREPARE, REDUCE_SCATTER, WAIT
+from .kinds import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COPY_D2H, COPY_H2D, FREE, OPTIM_STEP, PARAMS, PREPARE,
+                    REDUCE_SCATTER, WAIT)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .facade import Plan
@@ -109,6 +110,10 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
     if plan.expert_modules:
         tp_part += (f", expert all-to-all {fmt_bytes(c['expert_parallel'])}" if c["expert_parallel"] is not None
                     else ", expert all-to-all not estimated (plan with trace=example inputs)")
+    if "cp" in plan.mesh.axis_names:
+        tp_part += (f", context-parallel keys/values {fmt_bytes(c['context_parallel'])}"
+                    if c["context_parallel"] is not None
+                    else ", context-parallel keys/values not estimated (plan with trace=example inputs)")
     out.append(f"sent per step per rank: all_gather {fmt_bytes(c['all_gather'])}, reduce_scatter "
                f"{fmt_bytes(c['reduce_scatter'])}, all_reduce {fmt_bytes(c['all_reduce'])}{tp_part}, "
                f"total {fmt_bytes(c['total'])}")
@@ -124,6 +129,12 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
         out.append(f"expert axis {m0.axis}: {len(plan.expert_modules)} expert modules, {m0.local_experts} of "
                    f"{m0.num_experts} experts per rank, tokens dispatched and combined by all-to-all; the batch is "
                    f"split {plan.data_size} ways over {', '.join(plan.data_axes)}")
+    if "cp" in plan.mesh.axis_names:
+        cp = plan.mesh.axis_size("cp")
+        calls = plan.context_calls
+        seen = (f"{len(calls)} attention calls traced, each all-gathering its keys and values over cp (and "
+                f"reduce-scattering their gradients)" if calls is not None else "attention calls not traced")
+        out.append(f"context axis cp={cp}: each rank holds 2 of {2 * cp} chunks of every sequence; {seen}")
     if plan.compute_axes:
         out.append(f"compute axes {', '.join(plan.compute_axes)}: {len(plan.tp_modules)} modules tensor-parallel; the batch "
                    f"is split {plan.data_size} ways over {', '.join(plan.data_axes)}")
@@ -143,7 +154,8 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
 def render_tp(plan: "Plan") -> list[str]:
     """The tensor-parallel modules of the root and of the first unit that has any (others repeat it),
     with the collectives each issues (the schedule's ``activations`` ops)."""
-    ops = [o for o in plan.schedule if o.in_module]
+    tp_paths = {m.path for m in plan.tp_modules}
+    ops = [o for o in plan.schedule if o.in_module and o.at in tp_paths]  # (cp and ep ops: their own lines)
     if not plan.tp_modules:
         return []
     by_path: dict[str, list[str]] = {}
@@ -206,7 +218,7 @@ def chrome_trace(plan: "Plan", path: str, gbps: float) -> None:
     """One track per op kind; each collective's length is its payload at ``gbps`` GB/s, laid end to end
     per track in schedule order; waits and frees are instants."""
     tracks = {ALL_GATHER: 1, REDUCE_SCATTER: 2, ALL_REDUCE: 3, WAIT: 4, FREE: 5, PREPARE: 6, COPY_D2H: 7, COPY_H2D: 8,
-              OPTIM_STEP: 9}
+              OPTIM_STEP: 9, ALL_TO_ALL: 10}
     clock = {t: 0.0 for t in tracks.values()}
     start = 0.0
     events = []

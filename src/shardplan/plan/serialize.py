@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from ..errors import PlanError
 from ..mesh import Mesh
 from ..spec import P
+from . import context_parallel as CPX
 from . import expert_parallel as EP
 from . import tensor_parallel as tp
 from .kinds import LayoutChoice, Offload, Order, Strategy, choose
@@ -24,7 +25,7 @@ FORMAT_VERSION = 2
 def to_dict(plan: "Plan") -> dict[str, Any]:
     return {
         "format": FORMAT_VERSION,
-        "mesh": plan.mesh.to_dict(),
+        "mesh": _mesh_json(plan.mesh),
         "strategy": plan.strategy,
         "compute_dtype": plan.compute_dtype,
         "reduce_dtype": plan.reduce_dtype,
@@ -62,6 +63,8 @@ def to_dict(plan: "Plan") -> dict[str, Any]:
             "expert_modules": [dataclasses.asdict(m) for m in plan.expert_modules],
             "expert_calls": None if plan.expert_calls is None else [dataclasses.asdict(c) for c in plan.expert_calls]}
            if plan.expert_modules else {}),
+        **({"context_calls": [dataclasses.asdict(c) for c in plan.context_calls]}
+           if plan.context_calls is not None else {}),
         # [Note: written only for a plan traced with it, so older plans keep their JSON and fingerprints]
         **({"activations": _activations_dict(plan.activations)} if getattr(plan, "activations", None) is not None else {}),
     }
@@ -77,6 +80,14 @@ def _activations(d: Optional[dict]) -> Optional[Activations]:
         return None
     return Activations(inputs=d["inputs"], plain=tuple(ActivationPoint(*p) for p in d["plain"]),
                        recompute=tuple(ActivationPoint(*p) for p in d["recompute"]), grads=bool(d.get("grads", False)))
+
+
+def _mesh_json(mesh: Mesh):
+    """The mesh's axes in order. [Note: JSON is written with sorted keys, so a mesh whose axes are not in
+    alphabetical order (``Mesh(dp=2, cp=2)``) is written as ``[[name, size], ...]``: as a dict it would come
+    back as ``Mesh(cp=2, dp=2)``, another rank layout. Sorted meshes keep the dict (and their fingerprints).]"""
+    names = list(mesh.axis_names)
+    return mesh.to_dict() if names == sorted(names) else [[n, s] for n, s in mesh.axes]
 
 
 def to_json(plan: "Plan", indent: Optional[int] = None) -> str:
@@ -99,7 +110,7 @@ def plan_fields(text: str) -> dict[str, Any]:
                         f"plan the model again with this version")
     tup = tuple
     return dict(
-        mesh=Mesh(**d["mesh"]), strategy=choose(Strategy, d["strategy"], "strategy"), compute_dtype=d["compute_dtype"],
+        mesh=Mesh(**dict(d["mesh"])), strategy=choose(Strategy, d["strategy"], "strategy"), compute_dtype=d["compute_dtype"],
         reduce_dtype=d["reduce_dtype"], prefetch=d["prefetch"], reshard_after_forward=d["reshard_after_forward"],
         optimizer_states=d["optimizer_states"], order=choose(Order, d["order"], "order"),
         params=tuple(_param(p) for p in d["params"]),
@@ -117,6 +128,7 @@ def plan_fields(text: str) -> dict[str, Any]:
         expert_axes=tuple(d.get("expert_axes", ())),
         expert_modules=tuple(EP.ExpertModule(**m) for m in d.get("expert_modules", ())),
         expert_calls=None if d.get("expert_calls") is None else tuple(EP.ExpertCall(**c) for c in d["expert_calls"]),
+        context_calls=None if d.get("context_calls") is None else tuple(CPX.AttentionCall(**c) for c in d["context_calls"]),
     )
 
 

@@ -284,21 +284,25 @@ def reads_shared_input(m: TPModule) -> bool:
     return m.kind == LINEAR and m.style in ("colwise", "colwise_gather")
 
 
-def place(module, modules: Sequence[TPModule], units,
-          activations: Optional[Sequence["Activation"]] = None) -> tuple[TPModule, ...]:
-    """``modules`` with their unit, their forward and backward anchors, the sibling whose input each
-    shares and whether that input takes a gradient (from the traced ``activations``; else siblings of one
-    parent are assumed to share, and every input to take a gradient)."""
-    shares = None if activations is None else {a.path: a.shares_with for a in activations}
-    grads = {} if activations is None else {a.path: a.input_grad for a in activations}
-    if not modules:
-        return ()
+@dataclass(frozen=True)
+class Anchor:
+    """Where ops that run inside a module's call sit in the schedule: ``unit`` (the unit whose forward
+    calls the module), ``after`` (the forward step they run after) and ``back_after`` (the backward step
+    the module's backward runs after)."""
+
+    unit: str
+    after: str
+    back_after: str
+
+
+def anchors(module, paths: Sequence[str], units) -> dict[str, Anchor]:
+    """The :class:`Anchor` of each module path (paths that are no module of ``module`` are left out)."""
     order: dict[str, int] = {}
     end: dict[str, int] = {}
     for i, (path, _) in enumerate(module.named_modules()):
         order[path] = i
-    paths = sorted(order, key=order.get)
-    for path in paths:  # preorder: a module's subtree is the run of paths under it
+    ordered = sorted(order, key=order.get)
+    for path in ordered:  # preorder: a module's subtree is the run of paths under it
         end[path] = order[path]
         p = path
         while p:
@@ -334,14 +338,33 @@ def place(module, modules: Sequence[TPModule], units,
                     best, depth = u.name, len(p)
         return best
 
-    first_reader: dict[tuple[str, str], str] = {}
-    out = []
-    for m in modules:
-        pos = order.get(m.path, 0)
+    out = {}
+    for path in paths:
+        if path not in order:
+            continue
+        pos = order[path]
         before = [(key(e, a), i) for i, (e, a) in enumerate(fwd) if key(e, a) < pos]
         after = [(key(e, a), i) for i, (e, a) in enumerate(fwd) if key(e, a) > pos]
         e0, a0 = fwd[max(before)[1]]
         e1, a1 = fwd[min(after)[1]]
+        out[path] = Anchor(unit_of(path), trigger(e0, a0), mirror(e1, a1))
+    return out
+
+
+def place(module, modules: Sequence[TPModule], units,
+          activations: Optional[Sequence["Activation"]] = None) -> tuple[TPModule, ...]:
+    """``modules`` with their unit, their forward and backward anchors, the sibling whose input each
+    shares and whether that input takes a gradient (from the traced ``activations``; else siblings of one
+    parent are assumed to share, and every input to take a gradient)."""
+    shares = None if activations is None else {a.path: a.shares_with for a in activations}
+    grads = {} if activations is None else {a.path: a.input_grad for a in activations}
+    if not modules:
+        return ()
+    where = anchors(module, [m.path for m in modules], units)
+    first_reader: dict[tuple[str, str], str] = {}
+    out = []
+    for m in modules:
+        a = where.get(m.path) or anchors(module, [""], units)[""]
         if shares is not None:
             sw = shares.get(m.path, "")
         elif reads_shared_input(m):
@@ -349,7 +372,7 @@ def place(module, modules: Sequence[TPModule], units,
             sw = "" if sw == m.path else sw
         else:
             sw = ""
-        out.append(dataclasses.replace(m, unit=unit_of(m.path), after=trigger(e0, a0), back_after=mirror(e1, a1),
+        out.append(dataclasses.replace(m, unit=a.unit, after=a.after, back_after=a.back_after,
                                        shares_with=sw, input_grad=grads.get(m.path, True)))
     return tuple(out)
 
@@ -368,15 +391,31 @@ def activation_ops(m: TPModule, activations: Optional[Sequence["Activation"]]) -
     return fop, bop
 
 
+@dataclass(frozen=True)
+class ModuleOps:
+    """Ops other kinds of parallelism run inside one module call (context-parallel attention, expert
+    all-to-alls), at ``anchor``: ``forward`` in the order the call issues them, ``backward`` in the order
+    its backward does."""
+
+    anchor: Anchor
+    forward: tuple[Op, ...] = ()
+    backward: tuple[Op, ...] = ()
+
+
 def with_activation_ops(schedule: Sequence[Op], units, modules: Sequence[TPModule], activations=None,
-                        mesh: Optional[Mesh] = None) -> tuple[Op, ...]:
+                        mesh: Optional[Mesh] = None, extra: Sequence[ModuleOps] = ()) -> tuple[Op, ...]:
     """``schedule`` (the units' ops) with every tensor-parallel collective inserted where it runs: forward
     ops after their ``after`` step, and in backward, after a unit's ``pre_backward`` step, the forward
     ops of its modules again (``when="recompute"``: activation checkpointing recomputes them), then the
     input-gradient ops after their ``back_after`` step. Modules over a compute axis of one rank move
-    nothing."""
+    nothing. ``extra``: the ops of other in-module collectives (context and expert parallelism), placed
+    the same way after the tensor-parallel ones of the same step.
+
+    [Note: within one step the ops are grouped by kind of parallelism (tensor-parallel first in forward,
+    last in backward), not interleaved in call order: the schedule says which step runs them and the
+    runtime issues them inside the calls; nothing waits on their relative order.]"""
     placed = [m for m in modules if m.after and (mesh is None or mesh.axis_size(m.axis) > 1)]
-    if not placed:
+    if not placed and not extra:
         return tuple(schedule)
     fwd: dict[str, list[Op]] = {}
     bwd: dict[str, list[Op]] = {}
@@ -391,6 +430,15 @@ def with_activation_ops(schedule: Sequence[Op], units, modules: Sequence[TPModul
             bwd.setdefault(m.back_after, []).append(bop)
     for ops in bwd.values():
         ops.reverse()  # backward meets the modules in reverse order
+    extra_bwd: dict[str, list[Op]] = {}
+    for x in extra:
+        fwd.setdefault(x.anchor.after, []).extend(x.forward)
+        if x.anchor.unit != ROOT:
+            again.setdefault(f"{PRE_BACKWARD}({x.anchor.unit})", []).extend(
+                dataclasses.replace(o, when=RECOMPUTE) for o in x.forward)
+        extra_bwd.setdefault(x.anchor.back_after, []).insert(0, x.backward)
+    for step, groups in extra_bwd.items():  # later calls' backward first, each call's own ops in order
+        bwd[step] = [o for g in groups for o in g] + bwd.get(step, [])
     base = [o for o in schedule if not o.in_module]
     out: list[Op] = []
     prog = program(units, base)

@@ -80,6 +80,23 @@ def _check_op(plan: "Plan", units, i: int, op: Op) -> None:
         if op.kind == ALL_REDUCE and tuple(op.axes) != plan.mesh.axis_names:
             raise _fail(i, op, f"the used-parameter exchange runs over every mesh axis {plan.mesh.axis_names}")
         return
+    if op.what == ACTIVATIONS and op.kind == K.ALL_TO_ALL:
+        m = next((m for m in plan.expert_modules if m.path == op.at), None)
+        if m is None:
+            raise _fail(i, op, f"is an all_to_all of {op.at!r}, which is no expert module of the plan")
+        if op.event not in (MODULE_FORWARD, MODULE_BACKWARD) or tuple(op.axes) != (m.axis,) or op.unit != m.unit:
+            raise _fail(i, op, f"an expert module's all-to-alls run at module_forward/module_backward over "
+                               f"({m.axis!r},) in unit {m.unit!r}")
+        return
+    if op.what == ACTIVATIONS and tuple(op.axes) == ("cp",) and op.kind in (ALL_GATHER, REDUCE_SCATTER):
+        calls = {(c.path, c.unit) for c in plan.context_calls or ()}
+        if (op.at, op.unit) not in calls:
+            raise _fail(i, op, f"moves keys/values of attention in {op.at!r} (unit {op.unit!r}), which is no traced "
+                               f"attention call of the plan")
+        if (op.kind, op.event) not in ((ALL_GATHER, MODULE_FORWARD), (REDUCE_SCATTER, MODULE_BACKWARD)):
+            raise _fail(i, op, "context-parallel keys and values are all-gathered at module_forward and their "
+                               "gradients reduce-scattered at module_backward")
+        return
     if op.what == ACTIVATIONS:
         tpm = {m.path: m for m in plan.tp_modules}
         m = tpm.get(op.at)

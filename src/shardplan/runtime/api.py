@@ -87,8 +87,8 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     meshes = rt.meshes
     exe.handles = install(module, exe, rt.modules_of) + TP.install_styles(module, plan, meshes, exe)
     exe.handles += SD.install(module, exe, meshes)  # model.state_dict() in DTensors, as FSDP2 gives it
-    EP.install(module, plan, rt.groups)  # expert modules find their ep group (dispatch / combine)
-    CP.install(plan, rt.groups)  # context-parallel attention finds the cp group
+    EP.install(module, plan, rt.groups, exe)  # expert modules find their ep group (dispatch / combine)
+    exe.handles += CP.install(plan, rt.groups, module, exe)  # context-parallel attention finds the cp group
     module.__dict__[_ATTR] = exe
     guard_apply(module)  # .to(bf16)/.half()/.cuda() from now on raise instead of detaching the shards
     if sync_buffers and rt.world > 1:
@@ -117,7 +117,9 @@ def no_sync(module: nn.Module):
 @contextlib.contextmanager
 def record_ops(module: nn.Module, plan: Optional[Plan] = None):
     """Record the schedule ops the runtime runs: ``with record_ops(m) as ops: ...`` -> [Op, ...], the plan's
-    own op objects (compare with ``plan.ops(...)``). With ``plan``: the functional face's runtime."""
+    own op objects (compare with ``plan.ops(...)``). With ``plan``: the functional face's runtime.
+    [Note: context- and expert-parallel ops are recorded by ``attention()`` and ``dispatch``/``combine``,
+    one call per module and step: a module that calls them twice records its first call's ops twice.]"""
     eng = engine_of(module, plan)
     ops: list = []
     prev, eng.record = eng.record, ops

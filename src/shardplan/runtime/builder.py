@@ -13,6 +13,8 @@ local tree) and which face the executor serves (runtime/faces.py).
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
@@ -76,7 +78,9 @@ def engine_of(module: nn.Module, plan: Optional[Plan] = None) -> "Executor":
 def groups_for(plan: Plan, timeout_s: float = 300.0) -> C.Groups:
     """The plan's process groups, made once per plan and default process group (every rank asks in the
     same order, so every rank creates the same groups in the same order)."""
-    key = plan.fingerprint()
+    # [Note: SHARDPLAN_SINGLETON_GROUPS is part of the key: groups of one are made real or not by it, and a
+    # process that shards the same plan both ways (benchmarks comparing the paths) must get both]
+    key = (plan.fingerprint(), os.environ.get("SHARDPLAN_SINGLETON_GROUPS") == "1")
     world_pg = dist.distributed_c10d._get_default_group()
     held = _GROUPS.get(key)
     if held is None or held[0] is not world_pg:  # a new init_process_group: the old groups are gone

@@ -25,13 +25,16 @@ during the call: fine up to sequences whose K/V fit, which is where this starts.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Optional
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import RuntimeShardingError, ShardingError
+from ..plan.kinds import MODULE_BACKWARD, RECOMPUTE
+from ..units import tracing
 from . import collectives as C
 
 CONTEXT_AXIS = "cp"
@@ -39,13 +42,28 @@ CONTEXT_AXIS = "cp"
 
 @dataclass(frozen=True)
 class ContextGroup:
-    """The ``cp`` group of this rank: its size and this rank's index (``group.rank``)."""
+    """The ``cp`` group of this rank: its size and this rank's index (``group.rank``); ``ops``: a traced
+    plan's K/V ops per (calling module, ``"forward"``/``"recompute"``/``"backward"``), which :meth:`record`
+    appends to the executor's recording (``record_ops``); ``calling``: the stack of those modules now
+    running (their forward hooks keep it)."""
 
     group: C.Group
+    ops: Mapping[tuple[str, str], tuple] = field(default_factory=dict)
+    engine: Optional[Callable[[], object]] = None   # a weak reference to the executor
+    calling: list = field(default_factory=list)
 
     @property
     def size(self) -> int:
         return self.group.size
+
+    def record(self, path: Optional[str], backward: bool = False) -> None:
+        exe = self.engine() if self.engine is not None else None
+        rec = None if exe is None or path is None else exe.record
+        if rec is None:
+            return
+        # [Note: a forward inside a backward pass is activation checkpointing's recompute]
+        phase = "backward" if backward else "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
+        rec.extend(self.ops.get((path, phase), ()))
 
 
 _ACTIVE: Optional[ContextGroup] = None  # set by shard() for a plan whose mesh has cp > 1
@@ -75,11 +93,41 @@ def disabled():
         _ACTIVE = prev
 
 
-def install(plan, groups) -> None:
-    """Make :func:`attention` gather over the plan's ``cp`` axis (``shard()`` calls this)."""
+def install(plan, groups, module=None, exe=None) -> list:
+    """Make :func:`attention` gather over the plan's ``cp`` axis (``shard()`` calls this). A ``cp`` axis of
+    one rank runs the plain call, unless ``SHARDPLAN_SINGLETON_GROUPS=1`` made it a real group (then the
+    gathering path runs over one rank: what benchmarks/cp_ep_overhead.py measures). With a traced plan's
+    attention calls, forward hooks on their modules (returned) say which call records which ops."""
     global _ACTIVE
-    if CONTEXT_AXIS in plan.mesh.axis_names and plan.mesh.axis_size(CONTEXT_AXIS) > 1:
-        _ACTIVE = ContextGroup(groups.axis(CONTEXT_AXIS))
+    if CONTEXT_AXIS not in plan.mesh.axis_names:
+        return []
+    g = groups.axis(CONTEXT_AXIS)
+    if g.size == 1 and g.pg is None:
+        return []
+    ops: dict = {}
+    for o in plan.schedule:
+        if o.in_module and tuple(o.axes) == (CONTEXT_AXIS,):
+            phase = "backward" if o.event == MODULE_BACKWARD else "recompute" if o.when == RECOMPUTE else "forward"
+            got = ops.setdefault((o.at, phase), [])
+            if len(got) < 2:  # one call's K and V (a module calling attention twice records its first call's)
+                got.append(o)
+    _ACTIVE = active = ContextGroup(g, {k: tuple(v) for k, v in ops.items()},
+                                    weakref.ref(exe) if exe is not None else None)
+    if module is None or not ops:
+        return []
+    def enter(path: str):
+        def hook(_m, _args) -> None:
+            active.calling.append(path)
+        return hook
+
+    def leave(_m, _args, _out) -> None:  # (a hook that returns something replaces the output)
+        active.calling.pop()
+
+    handles = []
+    for path in sorted({p for p, _ in ops}):
+        mod = module.get_submodule(path)
+        handles += [mod.register_forward_pre_hook(enter(path)), mod.register_forward_hook(leave)]
+    return handles
 
 
 def positions(seq: int, cp: int, index: int, device=None) -> torch.Tensor:
@@ -131,8 +179,8 @@ class _GatherRows(torch.autograd.Function):
     """All-gather along dim 0 over the cp group; backward: the summed gradients, this rank's block."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, on_backward=None):
+        ctx.group, ctx.on_backward = group, on_backward
         out = x.new_empty((x.shape[0] * group.size,) + tuple(x.shape[1:]))
         C.all_gather_rows(out, x.contiguous(), group)
         return out
@@ -141,12 +189,14 @@ class _GatherRows(torch.autograd.Function):
     def backward(ctx, grad):
         out = grad.new_empty((grad.shape[0] // ctx.group.size,) + tuple(grad.shape[1:]))
         C.reduce_scatter_rows_sum(out, grad.contiguous(), ctx.group)
-        return out, None
+        if ctx.on_backward is not None:
+            ctx.on_backward()
+        return out, None, None
 
 
-def _gather_seq(t: torch.Tensor, group: C.Group) -> torch.Tensor:
+def _gather_seq(t: torch.Tensor, group: C.Group, on_backward=None) -> torch.Tensor:
     """[b, h, t, d] on each rank -> [b, h, cp*t, d], ranks' sequence blocks in group order."""
-    rows = _GatherRows.apply(t.permute(2, 0, 1, 3).contiguous(), group)
+    rows = _GatherRows.apply(t.permute(2, 0, 1, 3).contiguous(), group, on_backward)
     return rows.permute(1, 2, 0, 3)
 
 
@@ -159,7 +209,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None,
     >>> y = attention(q, k, v, is_causal=True)
     """
     g = _ACTIVE
-    if g is None:
+    if g is None or tracing():  # (the planner's traced step: one rank's shapes, no collective)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                               scale=scale, **kwargs)
     if attn_mask is not None:
@@ -169,7 +219,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None,
     t = q.shape[-2]
     seq = t * g.size
     qpos = positions(seq, g.size, g.group.rank, device=q.device)
-    keys, values = _gather_seq(k, g.group), _gather_seq(v, g.group)
+    path = g.calling[-1] if g.calling else None
+    # [Note: the plan's two backward ops of a call are recorded together, by the first gradient to arrive]
+    pending = [True]
+
+    def backward_done():
+        if pending:
+            pending.clear()
+            g.record(path, backward=True)
+    keys, values = _gather_seq(k, g.group, backward_done), _gather_seq(v, g.group, backward_done)
+    g.record(path)
     mask = None
     if is_causal:
         kpos = torch.cat([positions(seq, g.size, j, device=q.device) for j in range(g.size)])

@@ -25,13 +25,15 @@ factors are powers of two for the usual sizes: exact).]
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.nn as nn
 
 from ..errors import RuntimeShardingError
+from ..plan.kinds import ALL_TO_ALL, MODULE_BACKWARD, MODULE_FORWARD, RECOMPUTE
 from . import collectives as C
 
 ATTR = "_shardplan_experts"
@@ -40,14 +42,29 @@ ATTR = "_shardplan_experts"
 @dataclass(frozen=True)
 class ExpertGroup:
     """Where a module's experts live: the ``ep`` group (its size and this rank's index) and how many
-    experts the whole module has."""
+    experts the whole module has; ``ops``: the plan's all-to-all ops of the module by (``"dispatch"`` or
+    ``"combine"``, ``"forward"``/``"recompute"``/``"backward"``), which :meth:`record` appends to the
+    executor's recording (``record_ops``) as they run."""
 
     group: C.Group
     num_experts: int
+    ops: Mapping[tuple[str, str], object] = field(default_factory=dict)
+    engine: Optional[Callable[[], object]] = None   # a weak reference to the executor
 
     @property
     def local_experts(self) -> int:
         return self.num_experts // self.group.size
+
+    def record(self, which: str, backward: bool = False) -> None:
+        exe = self.engine() if self.engine is not None else None
+        rec = None if exe is None else exe.record
+        if rec is None:
+            return
+        # [Note: a forward inside a backward pass is activation checkpointing's recompute]
+        phase = "backward" if backward else "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
+        op = self.ops.get((which, phase))
+        if op is not None:
+            rec.append(op)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -55,8 +72,8 @@ class _AllToAll(torch.autograd.Function):
     scaled by ``grad_scale``."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, grad_scale):
-        ctx.splits, ctx.group, ctx.scale = (out_splits, in_splits), group, grad_scale
+    def forward(ctx, x, out_splits, in_splits, group, grad_scale, on_backward=None):
+        ctx.splits, ctx.group, ctx.scale, ctx.on_backward = (out_splits, in_splits), group, grad_scale, on_backward
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
         C.all_to_all_single(out, x.contiguous(), group, out_splits, in_splits)
         return out
@@ -66,9 +83,11 @@ class _AllToAll(torch.autograd.Function):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
         C.all_to_all_single(back, grad.contiguous(), ctx.group, in_splits, out_splits)
+        if ctx.on_backward is not None:
+            ctx.on_backward()
         if ctx.scale != 1:
             back = back * ctx.scale
-        return back, None, None, None, None
+        return back, None, None, None, None, None
 
 
 @dataclass
@@ -111,7 +130,7 @@ def dispatch(module: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor) -> Ro
         return Routed(rows, [even + (e < extra) for e in range(num)], order, (n, k))
     counts = torch.bincount(flat, minlength=num)
     eg = group_of(module)
-    if eg is None or eg.group.size == 1:
+    if eg is None or eg.group.pg is None:  # experts all local (a real group of one: SHARDPLAN_SINGLETON_GROUPS=1)
         return Routed(rows, counts.tolist(), order, (n, k))
     size, local = eg.group.size, eg.local_experts
     recv = torch.empty_like(counts)
@@ -119,7 +138,8 @@ def dispatch(module: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor) -> Ro
     recv = recv.view(size, local)
     sent = counts.view(size, local).sum(1).tolist()
     received = recv.sum(1).tolist()
-    got = _AllToAll.apply(rows, received, sent, eg.group, float(size))
+    got = _AllToAll.apply(rows, received, sent, eg.group, float(size), lambda: eg.record("dispatch", backward=True))
+    eg.record("dispatch")
     # the rows arrive by source rank, then by local expert; the experts want them by local expert
     expert_of_row = torch.repeat_interleave(torch.arange(local, device=recv.device).repeat(size), recv.reshape(-1))
     regroup = torch.argsort(expert_of_row, stable=True)
@@ -132,16 +152,29 @@ def combine(routed: Routed, y: torch.Tensor) -> torch.Tensor:
     if routed._group is not None:
         back = torch.empty_like(routed._regroup)
         back[routed._regroup] = torch.arange(routed._regroup.numel(), device=back.device)
-        y = _AllToAll.apply(y[back], routed._sent, routed._received, routed._group.group,
-                            1.0 / routed._group.group.size)
+        eg = routed._group
+        y = _AllToAll.apply(y[back], routed._sent, routed._received, eg.group, 1.0 / eg.group.size,
+                            lambda: eg.record("combine", backward=True))
+        eg.record("combine")
     inverse = torch.empty_like(routed._order)
     inverse[routed._order] = torch.arange(routed._order.numel(), device=inverse.device)
     n, k = routed._shape
     return y[inverse].view(n, k, *y.shape[1:])
 
 
-def install(module: nn.Module, plan, groups) -> None:
-    """Give each expert module the plan splits its ``ep`` group (``group_of`` reads it)."""
+def install(module: nn.Module, plan, groups, exe=None) -> None:
+    """Give each expert module the plan splits its ``ep`` group (``group_of`` reads it), with its ops in the
+    plan for ``record_ops`` (one call per step: a module called several times records its first call's)."""
+    engine = weakref.ref(exe) if exe is not None else None
     for m in plan.expert_modules:
+        mine = [o for o in plan.schedule if o.kind == ALL_TO_ALL and o.at == m.path]
+        fwd = [o for o in mine if o.event == MODULE_FORWARD and o.when != RECOMPUTE][:2]
+        again = [o for o in mine if o.when == RECOMPUTE][:2]
+        back = [o for o in mine if o.event == MODULE_BACKWARD][:2]
+        ops = {}
+        for which, i in (("dispatch", 0), ("combine", 1)):
+            for phase, found in (("forward", fwd), ("recompute", again), ("backward", back[::-1])):
+                if len(found) == 2:
+                    ops[(which, phase)] = found[i]
         mod = module.get_submodule(m.path)
-        mod.__dict__[ATTR] = ExpertGroup(groups.axis(m.axis), m.num_experts)
+        mod.__dict__[ATTR] = ExpertGroup(groups.axis(m.axis), m.num_experts, ops, engine)

@@ -1,0 +1,176 @@
+"""Context parallelism in the plan: the attention calls of a traced step and the key/value traffic a
+``cp`` axis adds to them. Pure functions over the traced shapes; the runtime gathers the keys and values
+(:mod:`shardplan.runtime.context_parallel`).
+
+A plan traced with example inputs (``trace=``, as one rank's training step calls the model: with ``cp``
+each sequence holds ``T/cp`` tokens, what ``shard_batch`` returns) records every
+``F.scaled_dot_product_attention`` call (``sp.context_parallel.attention`` makes one) and the module that
+makes it. With ``cp > 1`` each call all-gathers its keys and values over ``cp`` in forward and
+reduce-scatters their gradients in backward: four ops per call in the schedule, each of the gathered
+tensor's bytes, of which a rank sends ``(cp-1)/cp`` (ring).
+
+>>> plan = sp.plan(model, rules, Mesh(dp=2, cp=2), trace=tokens[:, :T // 2])
+>>> plan.comm_bytes()["context_parallel"]          # K/V all-gathers and their gradients' reduce-scatters
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from ..errors import PlanError
+from ..mesh import Mesh
+from .kinds import ACTIVATIONS, ALL_GATHER, MODULE_BACKWARD, MODULE_FORWARD, REDUCE_SCATTER
+from .tensor_parallel import Anchor, ModuleOps, anchors
+from .values import Op
+
+CONTEXT_AXIS = "cp"
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One traced attention call: the innermost module that made it (``path``), the elements of its local
+    keys and values, bytes per element; where its ops sit in the schedule (``unit``, ``after``,
+    ``back_after``: :func:`place`)."""
+
+    path: str
+    k_numel: int
+    v_numel: int
+    itemsize: int
+    unit: str = ""
+    after: str = ""
+    back_after: str = ""
+
+
+def axis_size(mesh: Mesh) -> int:
+    return mesh.axis_size(CONTEXT_AXIS) if CONTEXT_AXIS in mesh.axis_names else 1
+
+
+_ATTENTION = ("shardplan.runtime.context_parallel", "attention")
+
+
+def _through_attention() -> bool:
+    """Whether the attention call being traced comes from ``sp.context_parallel.attention``.
+    [Note: read off the Python stack by module and function name: the planner does not import the runtime,
+    and only that function gathers keys and values over cp; a model calling F.scaled_dot_product_attention
+    itself would silently attend over its local chunks]"""
+    import sys
+    f = sys._getframe(1)
+    while f is not None:
+        if (f.f_globals.get("__name__"), f.f_code.co_name) == _ATTENTION:
+            return True
+        f = f.f_back
+    return False
+
+
+def trace_calls(model, trace, itemsize: Optional[int], mesh: Mesh) -> tuple[AttentionCall, ...]:
+    """Run the traced forward once and record every ``scaled_dot_product_attention`` call with the module
+    that made it. Raises :class:`PlanError` (with ``cp > 1``) for a call context parallelism cannot run:
+    an explicit ``attn_mask``, a local sequence of odd length (the full one must divide by ``2*cp``), or a
+    call that does not come through ``sp.context_parallel.attention``."""
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    from ..units import run_traced
+
+    cp = axis_size(mesh)
+    stack: list[str] = [""]
+    seen: list[AttentionCall] = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.scaled_dot_product_attention:
+                named = dict(zip(("query", "key", "value", "attn_mask"), args), **kwargs)
+                q, k, v = named["query"], named["key"], named["value"]
+                where = f"attention in {stack[-1] or 'the root module'!r}"
+                if cp > 1 and named.get("attn_mask") is not None:
+                    raise PlanError(f"{where} passes an attn_mask: context parallelism (cp={cp}) cannot honour an "
+                                    f"arbitrary mask over sequence chunks; use is_causal=True (or no mask), or plan "
+                                    f"without the cp axis")
+                if cp > 1 and q.shape[-2] % 2:
+                    raise PlanError(f"{where}: the traced local sequence has {q.shape[-2]} tokens, so the full "
+                                    f"sequence ({q.shape[-2] * cp}) is not divisible by 2*cp = {2 * cp}; trace with "
+                                    f"an even local length (sp.context_parallel.shard_batch of a sequence divisible "
+                                    f"by {2 * cp})")
+                if cp > 1 and not _through_attention():
+                    raise PlanError(f"{where} calls F.scaled_dot_product_attention itself: under context parallelism "
+                                    f"(cp={cp}) it would attend over this rank's chunks only; call "
+                                    f"sp.context_parallel.attention(q, k, v, is_causal=True) there instead")
+                seen.append(AttentionCall(stack[-1], k.numel(), v.numel(), itemsize or k.element_size()))
+            return func(*args, **kwargs)
+
+    def enter(path: str):
+        def hook(_m, _inputs) -> None:
+            stack.append(path)
+        return hook
+
+    def leave(_m, _inputs, _output) -> None:  # (a hook that returns something replaces the output)
+        stack.pop()
+
+    handles = []
+    for path, mod in model.named_modules():
+        handles += [mod.register_forward_pre_hook(enter(path)), mod.register_forward_hook(leave)]
+    try:
+        with Spy():
+            run_traced(model, trace, {}, grad=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return tuple(seen)
+
+
+def per_rank(calls: Sequence[AttentionCall], tp_modules, mesh: Mesh) -> tuple[AttentionCall, ...]:
+    """``calls`` with the keys and values one rank holds under tensor parallelism: the traced model has
+    global shapes, and a module whose linear projections below it are column-parallel over compute axes
+    attends with ``1/tp`` of the heads on each rank (the planner's whole-head check keeps that exact)."""
+    out = []
+    for c in calls:
+        axes = {m.axis for m in tp_modules if m.style == "colwise" and m.kind == "linear"
+                and (c.path == "" or m.path.startswith(c.path + "."))}
+        d = 1
+        for a in axes:
+            d *= mesh.axis_size(a)
+        out.append(dataclasses.replace(c, k_numel=c.k_numel // d, v_numel=c.v_numel // d) if d > 1 else c)
+    return tuple(out)
+
+
+def place(module, calls: Sequence[AttentionCall], units) -> tuple[AttentionCall, ...]:
+    """``calls`` with the unit whose forward makes each and the schedule steps its ops follow."""
+    where = anchors(module, sorted({c.path for c in calls}), units)
+    return tuple(dataclasses.replace(c, unit=a.unit, after=a.after, back_after=a.back_after)
+                 for c in calls for a in [where[c.path]])
+
+
+def module_ops(calls: Optional[Sequence[AttentionCall]], mesh: Mesh) -> tuple[ModuleOps, ...]:
+    """Per placed call over ``cp > 1``: forward all-gathers of its keys and values, backward reduce-scatters
+    of their gradients; each op's bytes are the gathered tensor's (``cp`` times the local one)."""
+    cp = axis_size(mesh)
+    if cp <= 1 or not calls:
+        return ()
+    out = []
+    for c in calls:
+        def op(kind, event, numel: int) -> Op:
+            return Op(kind=kind, unit=c.unit, what=ACTIVATIONS, event=event, at=c.path, axes=(CONTEXT_AXIS,),
+                      bytes=numel * cp * c.itemsize)
+        out.append(ModuleOps(Anchor(c.unit, c.after, c.back_after),
+                             forward=(op(ALL_GATHER, MODULE_FORWARD, c.k_numel), op(ALL_GATHER, MODULE_FORWARD, c.v_numel)),
+                             backward=(op(REDUCE_SCATTER, MODULE_BACKWARD, c.k_numel),
+                                       op(REDUCE_SCATTER, MODULE_BACKWARD, c.v_numel))))
+    return tuple(out)
+
+
+def kv_bytes(calls: Sequence[AttentionCall], mesh: Mesh) -> int:
+    """Bytes one rank sends per training step for the keys and values of every attention call: the
+    all-gathers and the reduce-scatters of their gradients, ``(cp-1)/cp`` of each gathered tensor (each op
+    rounded down on its own, as the forecast counts them)."""
+    cp = axis_size(mesh)
+    if cp <= 1:
+        return 0
+    return sum(2 * (n * cp * c.itemsize * (cp - 1) // cp) for c in calls for n in (c.k_numel, c.v_numel))
+
+
+def calls_note(calls: Sequence[AttentionCall], mesh: Mesh) -> str:
+    return (f"context parallelism: {len(calls)} attention calls per step, keys and values all-gathered over "
+            f"{CONTEXT_AXIS!r} (cp={axis_size(mesh)}) and their gradients reduce-scattered")
