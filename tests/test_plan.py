@@ -183,14 +183,20 @@ def test_units_order_schedule_and_trace():
                          ("all_gather", "layers.0", "pre_forward(<root>)", True),
                          ("wait", "layers.0", "pre_forward(layers.0)", False),
                          ("all_gather", "layers.1", "pre_forward(layers.0)", True)]
-    # the last unit stays gathered into backward (freed only in a no_grad forward)
-    assert ("free", "layers.2", "post_forward(layers.2)", False) not in kinds
-    assert plan.unit("layers.2").reshard_after_forward is False
+    # every unit is freed after its forward, the last one too (FSDP2's default); torchtitan's choice keeps it
+    assert ("free", "layers.2", "post_forward(layers.2)", False) in kinds
+    assert plan.unit("layers.2").reshard_after_forward is True
+    kept = plan.with_reshard_after_forward({"layers.2": False})
+    assert ("free", "layers.2", "post_forward(layers.2)", False) not in [
+        (o.kind, o.unit, o.trigger, o.prefetch) for o in kept.schedule]
+    assert kept.memory().peak >= plan.memory().peak and kept.comm_bytes()["total"] < plan.comm_bytes()["total"]
     # the backward begins by preparing the root's gradient, then each unit's at its pre_backward
     assert kinds[[o.phase for o in plan.schedule].index("backward")][:3] == ("prepare", "<root>", "begin_backward")
     assert [k[1] for k in kinds if k[0] == "prepare"] == ["<root>", "layers.2", "layers.1", "layers.0"]
     bw = [k for k in kinds if plan.schedule[kinds.index(k)].phase == "backward" and k[0] not in ("free", "prepare")]
-    assert bw[0][:3] == ("wait", "layers.2", "pre_backward(layers.2)") and bw[1][:2] == ("all_gather", "layers.1") and bw[1][3]
+    # the last unit's re-gather is issued as backward begins (it overlaps the root's backward), then waited for
+    assert bw[0] == ("all_gather", "layers.2", "begin_backward", True)
+    assert bw[1][:3] == ("wait", "layers.2", "pre_backward(layers.2)") and bw[2][:2] == ("all_gather", "layers.1") and bw[2][3]
     assert [k[1] for k in kinds if k[0] == "reduce_scatter"] == ["layers.2", "layers.1", "layers.0", "<root>"]
     # a unit's reduction waits for its gradients (post_backward), the previous one completes first
     assert [o.trigger for o in plan.schedule if o.kind == "reduce_scatter"][:2] == ["post_backward(layers.2)",

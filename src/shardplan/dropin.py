@@ -144,7 +144,6 @@ def _compile_root(root: nn.Module) -> None:
                       min_unit_bytes=0, layout="chunked")  # FSDP2's torch.chunk shards: DTensor state dicts
         flags = {u.name: root.get_submodule(u.name).__dict__[_MARK]["reshard_after_forward"]
                  for u in p.units[1:] if u.name in dict(marked)}
-        flags = {u: f for u, f in flags.items() if u != p.units[-1].name or not f}  # the last unit stays gathered
         if any(f is False for f in flags.values()):
             p = p.with_reshard_after_forward(flags)
         shard(root, p)

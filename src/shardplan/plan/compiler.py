@@ -232,7 +232,6 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
     params: dict[str, ParamPlan] = {}
     buffers: list[BufferPlan] = []
     unit_plans: list[UnitPlan] = []
-    last = unit_order[-1] if unit_order else None
     for uname in [ROOT] + unit_order:
         idxs = []
         # [Note: expert weights get buffers of their own: their gradients are not reduced over the expert axis
@@ -265,7 +264,11 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
                 params[info.name] = ParamPlan(name=info.name, shape=info.shape, dtype=dtype, spec=spec,
                                               rule=rule_of[info.name], unit=uname, buffer=b.index, offset=off,
                                               requires_grad=info.requires_grad, aliases=info.aliases, compute=c)
-        raf = reshard_after_forward and uname not in (ROOT, last)
+        # [Note: every unit but the root is freed after its forward, the last one too (FSDP2's default): its
+        # re-gather is prefetched while the root's backward runs, and keeping it gathered would add its full
+        # size to the peak, which usually falls in that very backward (the head's loss gradients). torchtitan
+        # keeps the last block gathered instead: ``plan.with_reshard_after_forward({last: False})``]
+        raf = reshard_after_forward and uname != ROOT
         unit_plans.append(UnitPlan(name=uname, buffers=tuple(idxs), reshard_after_forward=raf,
                                    modules=covers.get(uname, ()), parent=parent.get(uname, ROOT)))
     activations = None
