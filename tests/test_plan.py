@@ -194,8 +194,8 @@ def test_units_order_schedule_and_trace():
     assert kinds[[o.phase for o in plan.schedule].index("backward")][:3] == ("prepare", "<root>", "begin_backward")
     assert [k[1] for k in kinds if k[0] == "prepare"] == ["<root>", "layers.2", "layers.1", "layers.0"]
     bw = [k for k in kinds if plan.schedule[kinds.index(k)].phase == "backward" and k[0] not in ("free", "prepare")]
-    # the last unit's re-gather is issued as backward begins (it overlaps the root's backward), then waited for
-    assert bw[0] == ("all_gather", "layers.2", "begin_backward", True)
+    # the last unit is gathered again at its pre_backward (after the root's backward, where the peak usually is)
+    assert bw[0] == ("all_gather", "layers.2", "pre_backward(layers.2)", False)
     assert bw[1][:3] == ("wait", "layers.2", "pre_backward(layers.2)") and bw[2][:2] == ("all_gather", "layers.1") and bw[2][3]
     assert [k[1] for k in kinds if k[0] == "reduce_scatter"] == ["layers.2", "layers.1", "layers.0", "<root>"]
     # a unit's reduction waits for its gradients (post_backward), the previous one completes first

@@ -227,14 +227,6 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
     prev: Optional[str] = None
     late: list[Op] = []
     ops += prepare(ROOT, BEGIN_BACKWARD, "")  # the root's gradients may arrive at any point of backward
-    if level == 3 and order != Order.DYNAMIC:
-        # [Note: the first units of backward freed after their forward (the last one, by default) are
-        # gathered as backward begins, so their all-gathers overlap the root's backward (the head and its
-        # loss), as FSDP2's root prefetches; their pre_backward then only waits]
-        for v in bwd_order[:prefetch]:
-            if v not in gathered:
-                ops += gather(v, BEGIN_BACKWARD, "", pf=True)
-                gathered.add(v)
     for event, u in interleave(bwd_order, grad_order):
         if event == PRE_BACKWARD:
             if level == 3:
