@@ -194,20 +194,31 @@ def test_planned_peak_matches_h200_measurement_70b():
 
 
 def _against_h200(config):
+    import gpt_rules_tp
     with open(os.path.join(ROOT, "benchmarks", "results", "rehearse_check_h200.json")) as f:
         cases = [c for c in json.load(f)["cases"] if c["config"] == config and c.get("measured_peak")]
     assert cases
     with torch.device("meta"):
         model = gpt.build(config)
-    tokens = torch.zeros(*cases[0]["batch"], dtype=torch.long, device="meta")
-    plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=cases[0]["dp"]), units=[r"layers\.\d+"],
-                   compute_dtype="bfloat16", trace=token_inputs(model, tokens))
+    plans = {}
     for c in cases:
-        m = plan.memory(0, recompute=c["checkpoint"])
-        assert m.states_peak - m.optimizer == c["states_peak_measured"]
+        key = (c["dp"], c.get("tp", 1))
+        if key not in plans:  # as benchmarks/rehearse_check.py plans each case
+            tokens = torch.zeros(*c["batch"], dtype=torch.long, device="meta")
+            if key[1] > 1:
+                rules, mesh, kw = gpt_rules_tp.rules, sp.Mesh(dp=key[0], tp=key[1]), {"compute_axes": gpt_rules_tp.compute_axes}
+            else:
+                rules, mesh, kw = [(r".*", sp.P("dp"))], sp.Mesh(dp=key[0]), {}
+            plan = sp.plan(model, rules, mesh, units=[r"layers\.\d+"], compute_dtype="bfloat16",
+                           trace=token_inputs(model, tokens), **kw)
+            # [Note: these runs were planned when the last unit stayed gathered into backward by default;
+            # today every unit is freed after its forward, so the same plans are asked for explicitly]
+            plans[key] = plan.with_reshard_after_forward({plan.units[-1].name: False})
+        m = plans[key].memory(0, recompute=c["checkpoint"])
+        assert m.states_peak - m.optimizer == c["states_peak_measured"], key
         # within 1%; what the plan leaves out is the CUDA libraries' workspaces (about 64 MiB here)
-        assert abs(c["measured_peak"] / m.peak - 1) < 0.01, (c["checkpoint"], c["measured_peak"], m.peak)
-        assert 0 <= c["measured_peak"] - m.peak < 80 * 2 ** 20
+        assert abs(c["measured_peak"] / m.peak - 1) < 0.01, (key, c["checkpoint"], c["measured_peak"], m.peak)
+        assert 0 <= c["measured_peak"] - m.peak < 80 * 2 ** 20, (key, c["checkpoint"])
 
 
 def test_activation_profile_scales_with_tokens_and_dtype():

@@ -292,6 +292,28 @@ def rehearsing() -> bool:
 def end_rehearsal() -> None:
     if rehearsing():
         dist.destroy_process_group()
+        forget_dtensor_caches()
+
+
+def forget_dtensor_caches() -> None:
+    """Empty DTensor's process-wide caches of sharding propagation and redistribution plans.
+
+    [Note: they are keyed by specs whose meshes compare equal by shape and names, and a hit returns specs
+    over the *cached* mesh, with its process groups. After a rehearsal (a fake process group, destroyed at
+    its end) a real run of the same mesh shape in this process, or in a process forked from it, would get
+    the rehearsal's meshes back and fail ("Could not resolve the process group registered under the name
+    12"). Only torch's private caches are touched; where torch has none of them this does nothing]"""
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import _redistribute
+    except Exception:  # noqa: BLE001 - torch without DTensor
+        return
+    prop = DTensor._op_dispatcher.sharding_propagator
+    for fn in (getattr(prop, "propagate_op_sharding", None), getattr(prop, "_propagate_tensor_meta_cached", None),
+               getattr(_redistribute, "_gen_transform_infos", None)):
+        clear = getattr(fn, "cache_clear", None)
+        if clear is not None:
+            clear()
 
 
 # -- start-up exchange ---------------------------------------------------------------------------------
