@@ -169,6 +169,12 @@ def _train(rank, world, meshes):
         with pytest.raises(sp.RuntimeShardingError, match="attn_mask"):
             q = torch.zeros(1, 1, 8, 4)
             sp.context_parallel.attention(q, q, q, attn_mask=torch.ones(8, 16, dtype=torch.bool))
+        # a model's own F.scaled_dot_product_attention would attend over local chunks only: refused, not wrong
+        q = torch.zeros(1, 1, 8, 4)
+        with pytest.raises(sp.RuntimeShardingError, match="called directly while context parallelism is on"):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        with sp.context_parallel.disabled():
+            assert torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).shape == q.shape
         out.append((text, losses, ref_losses, recorded))
     return out
 

@@ -78,10 +78,13 @@ def trace_calls(model, trace, itemsize: Optional[int], mesh: Mesh) -> tuple[Atte
     stack: list[str] = [""]
     seen: list[AttentionCall] = []
 
+    # the function itself, also while the runtime's guard stands in for it (a plan with cp > 1 sharded here)
+    sdpa = getattr(F.scaled_dot_product_attention, "plain", F.scaled_dot_product_attention)
+
     class Spy(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if func is F.scaled_dot_product_attention:
+            if func is sdpa:
                 named = dict(zip(("query", "key", "value", "attn_mask"), args), **kwargs)
                 q, k, v = named["query"], named["key"], named["value"]
                 where = f"attention in {stack[-1] or 'the root module'!r}"

@@ -93,6 +93,38 @@ def disabled():
         _ACTIVE = prev
 
 
+# the call attention() makes (F's attribute is replaced by the guard below while cp > 1 is on)
+_PLAIN_SDPA = getattr(F.scaled_dot_product_attention, "plain", F.scaled_dot_product_attention)
+
+
+def _guarded_sdpa(*args, **kwargs):
+    """``F.scaled_dot_product_attention`` while a plan with cp > 1 is sharded in this process.
+
+    [Note: a model that calls it itself (Hugging Face's attention, a user's block) would attend over this
+    rank's sequence chunks only: a wrong loss, silently. While context parallelism is on, such a call is
+    refused, naming the fix; ``attention()`` calls the plain function, a traced step (the planner's) and
+    ``disabled()`` blocks pass through. Code that bound the function itself before (``from
+    torch.nn.functional import scaled_dot_product_attention``) is not seen: a traced plan refuses it]"""
+    g = _ACTIVE
+    if g is not None and not tracing():
+        raise RuntimeShardingError(
+            f"F.scaled_dot_product_attention was called directly while context parallelism is on (cp={g.size}): "
+            f"it would attend over this rank's 1/{g.size} of the sequence only. Call "
+            f"shardplan.context_parallel.attention(q, k, v, is_causal=True) in the model instead, or run a model "
+            f"that is not context-parallel inside shardplan.context_parallel.disabled()")
+    return _PLAIN_SDPA(*args, **kwargs)
+
+
+_guarded_sdpa.plain = _PLAIN_SDPA
+
+
+def _sdpa():
+    """What ``F.scaled_dot_product_attention`` is now, past the guard (the activation profile puts the fused
+    kernels' stand-in there while it traces)."""
+    f = F.scaled_dot_product_attention
+    return getattr(f, "plain", f)
+
+
 def install(plan, groups, module=None, exe=None) -> list:
     """Make :func:`attention` gather over the plan's ``cp`` axis (``shard()`` calls this). A ``cp`` axis of
     one rank runs the plain call, unless ``SHARDPLAN_SINGLETON_GROUPS=1`` made it a real group (then the
@@ -113,6 +145,7 @@ def install(plan, groups, module=None, exe=None) -> list:
                 got.append(o)
     _ACTIVE = active = ContextGroup(g, {k: tuple(v) for k, v in ops.items()},
                                     weakref.ref(exe) if exe is not None else None)
+    F.scaled_dot_product_attention = _guarded_sdpa  # process-wide, as _ACTIVE is (see the Note above)
     if module is None or not ops:
         return []
     def enter(path: str):
@@ -210,8 +243,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None,
     """
     g = _ACTIVE
     if g is None or tracing():  # (the planner's traced step: one rank's shapes, no collective)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                              scale=scale, **kwargs)
+        return _sdpa()(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                       **kwargs)
     if attn_mask is not None:
         raise RuntimeShardingError("context-parallel attention got an attn_mask: a mask over the full sequence cannot "
                                    "be honoured on sequence chunks here; use is_causal=True (or no mask), or train "
@@ -233,4 +266,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None,
     if is_causal:
         kpos = torch.cat([positions(seq, g.size, j, device=q.device) for j in range(g.size)])
         mask = kpos[None, :] <= qpos[:, None]
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale, **kwargs)
+    return _sdpa()(q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale, **kwargs)
