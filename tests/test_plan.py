@@ -187,6 +187,12 @@ def test_units_order_schedule_and_trace():
     assert ("free", "layers.2", "post_forward(layers.2)", False) in kinds
     assert plan.unit("layers.2").reshard_after_forward is True
     kept = plan.with_reshard_after_forward({"layers.2": False})
+    # the same as an option of plan(), and what declarative() writes for mixed flags
+    direct = sp.plan(net, RULES, Mesh(dp=4), units=[r"layers\.\d+"], prefetch=1, min_unit_bytes=0,
+                     reshard_after_forward={"layers.2": False})
+    assert direct.equivalent(kept) and sp.plan(net, **kept.declarative()).equivalent(kept)
+    with pytest.raises(sp.PlanError, match=r"names unit\(s\) \['layers.9'\]"):
+        sp.plan(net, RULES, Mesh(dp=4), units=[r"layers\.\d+"], reshard_after_forward={"layers.9": False})
     assert ("free", "layers.2", "post_forward(layers.2)", False) not in [
         (o.kind, o.unit, o.trigger, o.prefetch) for o in kept.schedule]
     assert kept.memory().peak >= plan.memory().peak and kept.comm_bytes()["total"] < plan.comm_bytes()["total"]

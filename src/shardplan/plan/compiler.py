@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence, Union
 
 from .. import layout as L
 from .. import lowp
@@ -82,8 +82,9 @@ def _large_root_warning(members: dict, level: int, suggest: list) -> str:
 
 
 def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARAMS, units: Optional[Sequence] = None,
-         compute_dtype=None, reduce_dtype=None, prefetch: int = 1, reshard_after_forward: bool = True,
-         trace=None, optimizer_states: int = 2, world_size: Optional[int] = None,
+         compute_dtype=None, reduce_dtype=None, prefetch: int = 1,
+         reshard_after_forward: Union[bool, Mapping[str, bool]] = True, trace=None, optimizer_states: int = 2,
+         world_size: Optional[int] = None,
          min_unit_bytes: Optional[int] = None, order=Order.STATIC, compute_axes=(), styles=None,
          layout=LayoutChoice.AUTO, offload=None, offload_fraction: float = 1.0,
          device_memory: Optional[float] = None, expert_axes=None, gather_dtype=None) -> Plan:
@@ -232,6 +233,14 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
     params: dict[str, ParamPlan] = {}
     buffers: list[BufferPlan] = []
     unit_plans: list[UnitPlan] = []
+    # reshard_after_forward: one flag for every unit, or {unit: flag} (the rest: True), as
+    # Plan.with_reshard_after_forward takes it and Plan.declarative() writes it for a plan with mixed flags
+    raf_of = dict(reshard_after_forward) if isinstance(reshard_after_forward, Mapping) else None
+    if raf_of is not None:
+        unknown = sorted(set(raf_of) - set(unit_order))
+        if unknown:
+            raise PlanError(f"reshard_after_forward names unit(s) {unknown} that the plan does not have; its units: "
+                            f"{unit_order[:8]}{' ...' if len(unit_order) > 8 else ''}")
     for uname in [ROOT] + unit_order:
         idxs = []
         # [Note: expert weights get buffers of their own: their gradients are not reduced over the expert axis
@@ -269,7 +278,7 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
         # step's peak usually is: holding it there, or prefetching it as backward begins, adds its full size
         # to the peak (+98 MiB on the 1B GPT, measured). torchtitan keeps the last block gathered instead,
         # which saves that all-gather: ``plan.with_reshard_after_forward({last: False})``]
-        raf = reshard_after_forward and uname != ROOT
+        raf = (raf_of.get(uname, True) if raf_of is not None else bool(reshard_after_forward)) and uname != ROOT
         unit_plans.append(UnitPlan(name=uname, buffers=tuple(idxs), reshard_after_forward=raf,
                                    modules=covers.get(uname, ()), parent=parent.get(uname, ROOT)))
     activations = None
@@ -314,7 +323,8 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
                                           CPX.module_ops(context_calls, mesh) + EP.module_ops(expert_modules, expert_calls))
         buffers_ = tuple(buffers)
         return Plan(mesh=mesh, strategy=STRATEGIES[level], compute_dtype=compute, reduce_dtype=reduce, prefetch=prefetch,
-                    reshard_after_forward=reshard_after_forward, optimizer_states=optimizer_states, params=param_plans,
+                    reshard_after_forward=all(u.reshard_after_forward for u in unit_plans[1:]) if raf_of is not None
+                    else reshard_after_forward, optimizer_states=optimizer_states, params=param_plans,
                     buffers=buffers_, units=units_, schedule=schedule,
                     warnings=tuple(notes) + plan_warnings(mesh, param_plans, buffers_, units_), order=order,
                     notes=tuple(choices), min_unit_bytes=min_unit_bytes, compute_axes=compute_axes,

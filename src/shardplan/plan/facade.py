@@ -300,7 +300,7 @@ class Plan:
                 self.unit(name)
         units = tuple(dataclasses.replace(u, reshard_after_forward=bool(flags.get(u.name, u.reshard_after_forward)))
                       if u.name != ROOT else u for u in self.units)
-        raf = all(u.reshard_after_forward for u in units[1:-1]) if len(units) > 2 else self.reshard_after_forward
+        raf = all(u.reshard_after_forward for u in units[1:]) if len(units) > 1 else self.reshard_after_forward
         return self._rebuilt("with_reshard_after_forward", units=units, reshard_after_forward=raf)
 
     def with_order(self, order: Union[Order, str]) -> "Plan":
@@ -435,13 +435,14 @@ class Plan:
         from ..auto import rules_from_specs
         specs = [(p.name, p.spec if self.level else self.param(p.name).spec) for p in self.params]
         paths = [m for u in self.units[1:] for m in u.module_paths]
-        rafs = {u.reshard_after_forward for u in self.units[1:-1]}
+        rafs = {u.reshard_after_forward for u in self.units[1:]}
         tp_opts = dict(compute_axes=self.compute_axes,
                        styles=[(re.escape(m.path), m.style) for m in self.tp_modules]) if self.compute_axes else {}
         return dict(rules=rules_from_specs(specs), mesh=self.mesh, strategy=self.strategy, **tp_opts,
                     units=[re.escape(m) for m in paths], compute_dtype=self.compute_dtype,
                     reduce_dtype=self.reduce_dtype, prefetch=self.prefetch,
-                    reshard_after_forward=rafs.pop() if len(rafs) == 1 else self.reshard_after_forward,
+                    reshard_after_forward=rafs.pop() if len(rafs) == 1 else
+                    {u.name: False for u in self.units[1:] if not u.reshard_after_forward},
                     optimizer_states=self.optimizer_states, min_unit_bytes=self.min_unit_bytes, order=self.order,
                     **({"layout": self.layout} if self.layout != LayoutChoice.AUTO else {}),
                     **({"offload": self.offload} if self.offload else {}),
