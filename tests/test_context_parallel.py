@@ -176,6 +176,13 @@ def _train(rank, world, meshes):
         with sp.context_parallel.disabled():
             assert torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).shape == q.shape
         out.append((text, losses, ref_losses, recorded))
+    # once the context-parallel model is gone, attention is plain again: nothing of it stays in the process
+    import gc
+    del model, opt
+    gc.collect()
+    q = torch.zeros(1, 1, 8, 4)
+    assert sp.context_parallel.active() is None
+    assert torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).shape == q.shape
     return out
 
 

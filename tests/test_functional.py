@@ -234,6 +234,8 @@ def test_a_tree_with_two_leaves_for_one_tied_parameter_is_refused():
     plan = sp.plan(tied, [(r".*", sp.P("dp"))], sp.Mesh(dp=2))
     assert len(plan.params) == 1
     sp.shard_tree(dict(tied.named_parameters()), plan, rank=0)  # one leaf per tied group: fine
+    local = sp.shard_tree(tied.state_dict(), plan, rank=0)  # both names, one tensor: one parameter, accepted
+    assert torch.equal(local["emb.weight"], local["head.weight"])
     two = {"emb.weight": torch.zeros(8, 4), "head.weight": torch.ones(8, 4)}
     with pytest.raises(sp.ShardingError, match="'emb.weight' and 'head.weight' are one tied parameter"):
         sp.shard_tree(two, plan, rank=0)

@@ -28,22 +28,36 @@ def _rank(rank: Optional[int]) -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _same_tensor(a, b) -> bool:
+    """One tensor, or two views of the same memory with one shape (``state_dict()`` detaches each name)."""
+    if a is b:
+        return True
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.device.type == "meta":
+        return False
+    return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and a.data_ptr() == b.data_ptr())
+
+
 def check_tree(plan: Plan, paths, leaves, *, rank: Optional[int] = None, what: str = "tree") -> None:
     """Raise :class:`ShardingError` naming the first path whose name, shape or dtype does not fit the plan
     (``rank`` given: local shapes; else full shapes)."""
     names = set(paths)
-    seen: dict[str, str] = {}  # plan name -> the path that gave it
+    seen: dict[str, tuple] = {}  # plan name -> (the path that gave it, its leaf)
     for path, leaf in zip(paths, leaves):
         if path not in plan:
             close = [p.name for p in plan.params if path.split(".")[-1] in p.name][:3]
             raise ShardingError(f"{what} leaf {path!r} is not a parameter of the plan (close names: {close}); the tree "
                                 f"must have the structure the plan was built from")
         p = plan.param(path)
-        if p.name in seen:  # [Note: two leaves, one tied parameter: one of them would be dropped silently]
-            raise ShardingError(f"{what} leaves {seen[p.name]!r} and {path!r} are one tied parameter in the plan "
-                                f"({p.name!r}, also {', '.join(p.aliases)}), but the {what} holds them separately; "
-                                f"pass one leaf for it, or build the plan from an untied model")
-        seen[p.name] = path
+        first = seen.get(p.name)
+        # [Note: two different tensors for one tied parameter: one of them would be dropped silently. The same
+        # tensor under both names (a tied model's state_dict()) is one parameter, as the plan says]
+        if first is not None and not _same_tensor(first[1], leaf):
+            raise ShardingError(f"{what} leaves {first[0]!r} and {path!r} are one tied parameter in the plan "
+                                f"({p.name!r}, also {', '.join(p.aliases)}), but the {what} holds two different "
+                                f"tensors for them; pass one leaf (or the same tensor) for it, or build the plan from "
+                                f"an untied model")
+        seen.setdefault(p.name, (path, leaf))
         want = plan.local_shape(p.name, rank) if rank is not None else p.global_shape
         if tuple(getattr(leaf, "shape", ())) != tuple(want):
             raise ShardingError(f"{what} leaf {path!r} has shape {tuple(leaf.shape)}, the plan says "

@@ -237,6 +237,10 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
     # Plan.with_reshard_after_forward takes it and Plan.declarative() writes it for a plan with mixed flags
     raf_of = dict(reshard_after_forward) if isinstance(reshard_after_forward, Mapping) else None
     if raf_of is not None:
+        raf_of.pop(ROOT, None)  # the root is never freed after its forward (as with_reshard_after_forward)
+        bad = sorted(k for k, v in raf_of.items() if not isinstance(v, bool))
+        if bad:
+            raise PlanError(f"reshard_after_forward: the flags of {bad} are not True/False")
         unknown = sorted(set(raf_of) - set(unit_order))
         if unknown:
             raise PlanError(f"reshard_after_forward names unit(s) {unknown} that the plan does not have; its units: "

@@ -441,8 +441,8 @@ class Plan:
         return dict(rules=rules_from_specs(specs), mesh=self.mesh, strategy=self.strategy, **tp_opts,
                     units=[re.escape(m) for m in paths], compute_dtype=self.compute_dtype,
                     reduce_dtype=self.reduce_dtype, prefetch=self.prefetch,
-                    reshard_after_forward=rafs.pop() if len(rafs) == 1 else
-                    {u.name: False for u in self.units[1:] if not u.reshard_after_forward},
+                    reshard_after_forward=rafs.pop() if len(rafs) == 1 else self.reshard_after_forward if not rafs
+                    else {u.name: False for u in self.units[1:] if not u.reshard_after_forward},
                     optimizer_states=self.optimizer_states, min_unit_bytes=self.min_unit_bytes, order=self.order,
                     **({"layout": self.layout} if self.layout != LayoutChoice.AUTO else {}),
                     **({"offload": self.offload} if self.offload else {}),

@@ -75,8 +75,13 @@ _ACTIVE: Optional[ContextGroup] = None  # set by shard() for a plan whose mesh h
 
 
 def active() -> Optional[ContextGroup]:
-    """The context-parallel group :func:`attention` gathers over (``None``: not context-parallel)."""
-    return _ACTIVE
+    """The context-parallel group :func:`attention` gathers over (``None``: not context-parallel, or the
+    sharded model that made it is gone)."""
+    global _ACTIVE
+    g = _ACTIVE
+    if g is not None and g.engine is not None and g.engine() is None:  # its model was collected
+        _ACTIVE = g = None
+    return g
 
 
 @contextlib.contextmanager
@@ -93,8 +98,8 @@ def disabled():
         _ACTIVE = prev
 
 
-# the call attention() makes (F's attribute is replaced by the guard below while cp > 1 is on)
-_PLAIN_SDPA = getattr(F.scaled_dot_product_attention, "plain", F.scaled_dot_product_attention)
+# torch's own function (F's attribute is replaced by the guard below while cp > 1 is on)
+_PLAIN_SDPA = torch._C._nn.scaled_dot_product_attention
 
 
 def _guarded_sdpa(*args, **kwargs):
@@ -105,7 +110,7 @@ def _guarded_sdpa(*args, **kwargs):
     refused, naming the fix; ``attention()`` calls the plain function, a traced step (the planner's) and
     ``disabled()`` blocks pass through. Code that bound the function itself before (``from
     torch.nn.functional import scaled_dot_product_attention``) is not seen: a traced plan refuses it]"""
-    g = _ACTIVE
+    g = active()
     if g is not None and not tracing():
         raise RuntimeShardingError(
             f"F.scaled_dot_product_attention was called directly while context parallelism is on (cp={g.size}): "
@@ -241,7 +246,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None,
 
     >>> y = attention(q, k, v, is_causal=True)
     """
-    g = _ACTIVE
+    g = active()
     if g is None or tracing():  # (the planner's traced step: one rank's shapes, no collective)
         return _sdpa()(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                        **kwargs)

@@ -76,9 +76,9 @@ def _slabs(buffers: list, device: torch.device) -> dict:
     wastes up to half of it (an 8B model's 2 GB embedding shards take 4 GiB each, four times over), and one
     slab for everything wastes as much at once (71.5 GiB of state would pin 128 GiB). So the slabs are
     powers of two themselves: buffers, largest first, go into the first slab with room, and a new slab is
-    the largest power of two the unplaced bytes fill (at least the buffer's own size rounded up), so what
-    is pinned exceeds the plan's host bytes by less than the largest buffer. On a CPU-only run (no
-    pinning) one exact slab per dtype.
+    the largest power of two the unplaced bytes fill (at least the buffer's own size rounded up); where
+    one slab of the total rounded up pins no more, that one slab is used. On a CPU-only run (no pinning)
+    one exact slab per dtype. Buffers with an empty shard on this rank get empty tensors.
     """
     pin = device.type == "cuda"
     by_dtype: dict = {}
@@ -87,6 +87,11 @@ def _slabs(buffers: list, device: torch.device) -> dict:
     out = {}
     for dt, bs in by_dtype.items():
         item = torch.empty(0, dtype=dt).element_size()
+        for b in [b for b in bs if b.shard.numel() == 0]:
+            out[b.bp.index] = torch.zeros(0, dtype=dt)
+        bs = [b for b in bs if b.shard.numel()]
+        if not bs:
+            continue
         need = {b.bp.index: 4 * b.shard.numel() * item for b in bs}
         if not pin:
             slab = torch.zeros(sum(need.values()) // item, dtype=dt)
@@ -107,6 +112,14 @@ def _slabs(buffers: list, device: torch.device) -> dict:
             room[2].append((b.bp.index, room[1]))
             room[1] += n
             left -= n
+        total = sum(need.values())
+        one = 1 << max(0, (total - 1).bit_length())
+        if one <= sum(sl[0] for sl in slabs):  # one rounded slab pins no more than the packing
+            at, placed = 0, []
+            for b in bs:
+                placed.append((b.bp.index, at))
+                at += need[b.bp.index]
+            slabs = [[one, at, placed]]
         for size, _, placed in slabs:
             slab = torch.zeros(size // item, dtype=dt, pin_memory=True)
             for index, offset in placed:
@@ -459,12 +472,8 @@ class OffloadState:
     # -- inspection --------------------------------------------------------------------------------------
     def host_bytes(self) -> int:
         """Bytes of host memory held (plan.memory().host counts the same tensors)."""
-        seen = {}
-        for hb in self.hosts.values():
-            for t in (hb.master, hb.grad, hb.exp_avg, hb.exp_avg_sq):
-                st = t.untyped_storage()
-                seen[st.data_ptr()] = st.size()
-        return sum(seen.values())
+        # the tensors' own bytes: on CUDA their pinned slabs round up to powers of two (see _slabs)
+        return sum(t.nbytes for hb in self.hosts.values() for t in (hb.master, hb.grad, hb.exp_avg, hb.exp_avg_sq))
 
     # -- helpers ------------------------------------------------------------------------------------------
     def _pool(self) -> ThreadPoolExecutor:

@@ -55,7 +55,11 @@ def check_module(module: nn.Module, plan: Plan) -> tuple[Slots, list[str]]:
     reported = set()
     for pp, names in tied.values():
         want = {pp.name, *pp.aliases}
-        if set(names) != want and pp.name not in reported:
+        # the module's other names for this tensor that the plan knows as something else, and the plan's names
+        # for it that the module gives another tensor; a name the plan does not know at all (a plan built from
+        # a pytree of the parameters, without the aliases) binds like the first one, which is what it is
+        clash = {n for n in names if n not in want and n in plan} | (want - set(names))
+        if clash and pp.name not in reported:
             reported.add(pp.name)
             held = [sorted(ns) for q, ns in tied.values() if q.name == pp.name]
             problems.append(f"  {', '.join(sorted(want))}: tied in the plan (one tensor), but the module holds "
