@@ -314,6 +314,16 @@ def forget_dtensor_caches() -> None:
         clear = getattr(fn, "cache_clear", None)
         if clear is not None:
             clear()
+    # the redistribution planners, keyed by weak references to meshes that compare equal by shape and names:
+    # each planner holds its mesh (and so its process groups) alive, and a later equal mesh finds it
+    clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if clear_planners is not None:
+        clear_planners()
+    try:  # mesh topologies for the cost model, cached per mesh the same way
+        from torch.distributed.tensor._collective_utils import MeshTopoInfo
+        MeshTopoInfo.build_from_mesh.cache_clear()
+    except (ImportError, AttributeError):
+        pass
 
 
 # -- start-up exchange ---------------------------------------------------------------------------------
