@@ -40,7 +40,7 @@ import gpt_rules  # noqa: E402
 import moe  # noqa: E402
 
 import shardplan as sp  # noqa: E402
-from _report import emit  # noqa: E402
+from _report import emit, start_world  # noqa: E402
 from train_step import run_steps, sync  # noqa: E402,F401
 
 SYSTEMS = ("plain", "cp1", "plain_forced", "cp1_forced")  # for moe: ep1 and ep1_forced in place of cp1*
@@ -79,15 +79,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    cuda = torch.cuda.is_available()
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    cuda, dev = start_world()
     if dist.get_world_size() != 1:
         raise SystemExit("cp_ep_overhead.py measures one rank: run it without torchrun (or with one process)")
-    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dt = torch.bfloat16 if args.dtype == "bf16" else None
     out = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
            "dtype": args.dtype or "fp32", "batch": args.batch, "seq": args.seq, "models": {}}

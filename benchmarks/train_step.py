@@ -38,6 +38,7 @@ import gpt  # noqa: E402
 import gpt_rules_tp  # noqa: E402
 
 import shardplan as sp  # noqa: E402
+from _report import start_world  # noqa: E402
 
 
 def sync(dev):
@@ -376,14 +377,8 @@ def main():
                          "the same batch per GPU, its step time and tokens/s per GPU reported beside the measured ones")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    cuda = torch.cuda.is_available()
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    cuda, dev = start_world()
     rank, world = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     systems = [s for s in args.systems.split(",") if s]
     if not cuda:
         systems = [s for s in systems if s != "megatron"]  # Megatron-FSDP needs CUDA
