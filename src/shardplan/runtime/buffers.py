@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from ..dtypes import to_torch
 from ..errors import RuntimeShardingError
+from ..lowp import BLOCK
 from ..plan import BufferPlan, Plan
 from ..plan.values import ParamPlan, Piece
 
@@ -235,15 +236,15 @@ class BufferState:
             event.synchronize()
         k = int(index.item())
         if k >= 0:
-            nb = -(-self.S // 256)
-            raise RuntimeShardingError(self._non_finite(k // nb, (k % nb) * 256))
+            nb = -(-self.S // BLOCK)
+            raise RuntimeShardingError(self._non_finite(k // nb, (k % nb) * BLOCK))
 
     def _non_finite(self, segment: int, start: int) -> str:
         """The error for a NaN/inf in ``segment``'s shard at ``start`` (a block of it): names the parameter."""
         group = self._group(self.plan)
         rank = group[segment] if segment < len(group) else segment
         names = [pc.param for pc in self.plan.buffer_pieces(self.bp.index, rank)
-                 if pc.numel and pc.shard_offset < start + 256 and start < pc.shard_offset + pc.numel]
+                 if pc.numel and pc.shard_offset < start + BLOCK and start < pc.shard_offset + pc.numel]
         return (f"shardplan: parameter {', '.join(names) or '(padding)'} holds NaN or inf on rank {rank} (buffer "
                 f"#{self.bp.index}, unit {self.bp.unit}), found when quantizing it for its {self.qfmt} gather; "
                 f"lower the learning rate or clip gradients (sp.clip_grad_norm_), and check the loss for NaN")
