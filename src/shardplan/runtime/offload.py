@@ -52,6 +52,7 @@ overlap, ``clip_grad_norm_`` after a host step already ran raises (pass ``max_gr
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -89,42 +90,35 @@ def _slabs(buffers: list, device: torch.device) -> dict:
         item = torch.empty(0, dtype=dt).element_size()
         for b in [b for b in bs if b.shard.numel() == 0]:
             out[b.bp.index] = torch.zeros(0, dtype=dt)
-        bs = [b for b in bs if b.shard.numel()]
-        if not bs:
+        need = {b.bp.index: 4 * b.shard.numel() * item for b in bs if b.shard.numel()}
+        if not need:
             continue
-        need = {b.bp.index: 4 * b.shard.numel() * item for b in bs}
-        if not pin:
-            slab = torch.zeros(sum(need.values()) // item, dtype=dt)
-            at = 0
-            for b in bs:
-                out[b.bp.index] = slab[at:at + need[b.bp.index] // item]
-                at += need[b.bp.index] // item
-            continue
-        left = sum(need.values())
-        slabs: list = []  # [size in bytes, bytes used, [(buffer index, offset)]]
-        for b in sorted(bs, key=lambda b: -need[b.bp.index]):
-            n = need[b.bp.index]
-            room = next((sl for sl in slabs if sl[0] - sl[1] >= n), None)
-            if room is None:
-                size = max(1 << (left.bit_length() - 1), 1 << max(0, (n - 1).bit_length()))
-                room = [size, 0, []]
-                slabs.append(room)
-            room[2].append((b.bp.index, room[1]))
-            room[1] += n
-            left -= n
         total = sum(need.values())
-        one = 1 << max(0, (total - 1).bit_length())
-        if one <= sum(sl[0] for sl in slabs):  # one rounded slab pins no more than the packing
-            at, placed = 0, []
-            for b in bs:
-                placed.append((b.bp.index, at))
-                at += need[b.bp.index]
-            slabs = [[one, at, placed]]
-        for size, _, placed in slabs:
-            slab = torch.zeros(size // item, dtype=dt, pin_memory=True)
+        offsets = [0, *itertools.accumulate(need.values())][:-1]
+        one = [(total if not pin else 1 << max(0, (total - 1).bit_length()), list(zip(need, offsets)))]
+        slabs = _packed(need) if pin else one
+        if pin and one[0][0] <= sum(size for size, _ in slabs):  # one rounded slab pins no more than the packing
+            slabs = one
+        for size, placed in slabs:
+            slab = torch.zeros(size // item, dtype=dt, pin_memory=pin)
             for index, offset in placed:
                 out[index] = slab[offset // item:(offset + need[index]) // item]
     return out
+
+
+def _packed(need: dict) -> list:
+    """``[(slab bytes, [(buffer index, offset)])]``: buffers, largest first, in the first power-of-two slab
+    with room; a new slab is the largest power of two the unplaced bytes fill (at least the buffer, rounded up)."""
+    left, slabs = sum(need.values()), []  # [size, used, placed]
+    for index, n in sorted(need.items(), key=lambda kv: -kv[1]):
+        room = next((sl for sl in slabs if sl[0] - sl[1] >= n), None)
+        if room is None:
+            room = [max(1 << (left.bit_length() - 1), 1 << max(0, (n - 1).bit_length())), 0, []]
+            slabs.append(room)
+        room[2].append((index, room[1]))
+        room[1] += n
+        left -= n
+    return [(size, placed) for size, _, placed in slabs]
 
 
 def _hyper(group: dict) -> dict:
