@@ -59,7 +59,7 @@ def main():
 
     base = bench(make())
     m = make()
-    sp.shard(m, sp.plan(m, [(r".*", sp.P("dp"))], sp.Mesh(dp=1), units=[r"layers\.\d+"]))
+    sp.shard(m, sp.plan(m, [(r".*", sp.P("dp"))], sp.Mesh(dp=1), units=[r"layers\.\d+"], min_unit_bytes=0))
     eng = sp.runtime.engine_of(m)
     ts = bench(m)
     hooks = eng.hook_seconds / (args.steps + 2) / units

@@ -131,6 +131,8 @@ class TreeFace:
         self.versions: dict[str, tuple] = {}
         self.srcs: dict[int, list] = {}    # buffer -> its held leaves, flat, this call (what its gathers send)
         self.dsts: dict[int, list] = {}    # buffer -> slices of its gathered buffer the leaves are copied into
+        self.fulls: dict[str, list] = {}   # unit -> its parameters' aliases over the gathered storage (made once)
+        self.autograd_grads = True         # this call's local gradients go to autograd too (see load())
 
     # -- loading the caller's tree ---------------------------------------------------------------------
     def load(self, leaves: dict[str, torch.Tensor], sources: Optional[dict] = None) -> bool:
@@ -160,6 +162,9 @@ class TreeFace:
                 torch._foreach_copy_(dsts, srcs)
         self.leaves = leaves
         self.srcs = {}
+        # [Note: who reads the local gradients] value_and_grad (it passes ``sources``) reads the reduced
+        # gradients from ``self.grads``; a plain functional_call hands them to autograd, as the leaves' gradients
+        self.autograd_grads = sources is None
         return changed
 
     def gather_input(self, b: BufferState, collective: bool, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -167,7 +172,8 @@ class TreeFace:
             return b.gather_input(collective, out)
         srcs = self.srcs.get(b.bp.index)
         if srcs is None:  # once per call: a ZeRO-3 unit gathers in forward and again in backward
-            srcs = self.srcs[b.bp.index] = [self.leaves[m.name].detach().reshape(-1) for m in b.members if m.held]
+            with torch.no_grad():  # flat views of the leaves, no autograd record (one op per leaf, not two)
+                srcs = self.srcs[b.bp.index] = [self.leaves[m.name].reshape(-1) for m in b.members if m.held]
         if not collective and out is not None:  # a gather that moves nothing: straight into the output
             send = out
             dsts = self.dsts.get(b.bp.index)  # the gathered buffer is one tensor for the runtime's life
@@ -212,7 +218,14 @@ class TreeFace:
         """Tensors over the unit's gathered storage, each with a version counter of its own: the re-gather in
         backward must not look like an in-place change, and neither may a module's in-place write to one
         parameter (``nn.Embedding(max_norm=...)``) to its neighbours' saved tensors."""
-        return [alias(b.full, m.piece.full_offset, m.fshape) for b in u.buffers for m in b.members]
+        made = self.fulls.get(u.name)
+        if made is None:  # [Note: aliases made once] creating one is ~6 µs on CPU and several times that on CUDA,
+            # per parameter and call; the gathered storage is one tensor for the runtime's life (resized, never
+            # replaced), so each parameter's alias is made once and each call gets a detached handle on it: the
+            # same storage and the alias's own version counter, which no re-gather into ``b.full`` touches
+            made = self.fulls[u.name] = [alias(b.full, m.piece.full_offset, m.fshape) for b in u.buffers
+                                         for m in b.members]
+        return [t.detach() for t in made]
 
     def unit_backward(self, u: UnitRuntime, grads) -> list[Optional[torch.Tensor]]:
         """The unit's full gradients arrived (complete: autograd summed every use): land them in the
@@ -231,8 +244,9 @@ class TreeFace:
                 if g is not None and b.requires_grad:
                     arrived.append((i, g))
                     exe.used[m.index] = 1
-                if self.leaves[m.name].requires_grad:
-                    out.append(dst.as_strided(m.lshape, m.lstride, m.shard.start) if dst is not None else None)
+                if self.leaves[m.name].requires_grad:  # (value_and_grad reads ``self.grads``: no views for it)
+                    out.append(dst.as_strided(m.lshape, m.lstride, m.shard.start)
+                               if dst is not None and self.autograd_grads else None)
             if arrived:
                 b.land_grads(exe.window, arrived)
         exe.complete(u.name)

@@ -171,7 +171,8 @@ def value_and_grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool 
         if isinstance(loss, torch.Tensor) and loss.requires_grad and want:
             torch.autograd.grad(loss, want, allow_unused=True)  # drives backward; the executor fills the grads
         got, rt.face.grads = rt.face.grads, {}
-        grads = [got[p].to(l.dtype) if p in got else torch.zeros_like(l) for p, l in zip(paths, leaves)]
+        grads = [torch.zeros_like(l) if g is None else g if g.dtype == l.dtype else g.to(l.dtype)
+                 for g, l in zip(map(got.get, paths), leaves)]
         gtree = dict(zip(paths, grads)) if spec is None else optree.tree_unflatten(spec, grads)
         value = loss.detach() if isinstance(loss, torch.Tensor) else loss
         return ((value, aux), gtree) if has_aux else (value, gtree)
