@@ -75,6 +75,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--out-dir", default=None, help="Chrome traces and profile.json go here")
     args = ap.parse_args()
+    for k, v in vars(T.parser().parse_args([])).items():  # train_step's other options, at their defaults
+        if not hasattr(args, k):
+            setattr(args, k, v)
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -344,7 +344,8 @@ class _null:
         return False
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's options (profile_step.py takes its defaults from here)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="small")
     ap.add_argument("--batch", type=int, default=8)
@@ -376,7 +377,11 @@ def main():
                     help="also forecast the same job without offload on DP GPUs of NETWORK (e.g. h200-8x-ib400:8): "
                          "the same batch per GPU, its step time and tokens/s per GPU reported beside the measured ones")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    return ap
+
+
+def main():
+    args = parser().parse_args()
     cuda, dev = start_world()
     rank, world = dist.get_rank(), dist.get_world_size()
     systems = [s for s in args.systems.split(",") if s]

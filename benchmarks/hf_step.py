@@ -1,0 +1,130 @@
+"""A model this project did not write, side by side: Hugging Face LlamaForCausalLM (Llama-3.2-1B shapes,
+1.24B parameters, tied embeddings) trained by shardplan and by FSDP2 in one launch.
+
+    python benchmarks/hf_step.py --batch 4 --seq 2048 --out hf_llama.json          # one GPU
+    python benchmarks/hf_step.py --tiny --steps 2 --rounds 1                        # CPU, a smoke run
+
+Each system builds the model from the same seed, wraps every decoder layer as a unit (shardplan:
+``units=[r"model\\.layers\\.\\d+"]``; FSDP2: ``fully_shard`` per layer, then the root), trains with bf16
+compute, fp32 reduction and AdamW (foreach) on the same batches; systems alternate over rounds. Reported:
+median step time, peak device memory (``max_memory_allocated`` after a reset, each system alone on the
+device), and the losses, which must agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "src"))
+import shardplan as sp  # noqa: E402
+from _report import emit, start_world  # noqa: E402
+from forecast_gpu import _llama_3_2_1b  # noqa: E402
+
+
+def build(args, dev):
+    import transformers
+    torch.manual_seed(0)
+    with torch.device(dev):
+        return transformers.LlamaForCausalLM(_llama_3_2_1b(args.tiny))
+
+
+def make(name, args, dev, world):
+    model = build(args, dev)
+    dt = torch.bfloat16 if args.dtype == "bf16" else None
+    info = {}
+    if name == "shardplan":
+        plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[r"model\.layers\.\d+"],
+                       compute_dtype=dt, reduce_dtype=torch.float32 if dt else None)
+        sp.shard(model, plan)
+        info.update(units=len(plan.units), plan_peak=plan.memory().peak)
+    elif name == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(param_dtype=dt, reduce_dtype=torch.float32) if dt else MixedPrecisionPolicy()
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+    else:
+        raise SystemExit(f"unknown system {name}")
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True), info
+
+
+def run(model, opt, data, dev):
+    times, losses = [], []
+    for x in data:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+        losses.append(loss.detach().float().item())
+    return times, losses
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--systems", default="shardplan,fsdp2")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tiny", action="store_true", help="a two-layer model of the same kind (CPU smoke runs)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cuda, dev = start_world()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    vocab = _llama_3_2_1b(args.tiny).vocab_size
+    g = torch.Generator().manual_seed(123)
+    per = args.batch // world
+    data = [torch.randint(0, vocab, (args.batch, args.seq), generator=g)[rank * per:(rank + 1) * per].to(dev)
+            for _ in range(args.warmup + args.steps)]
+    systems = args.systems.split(",")
+    res = {s: {"times": [], "peak": [], "losses": None} for s in systems}
+    for _ in range(args.rounds):
+        for s in systems:
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            model, opt, info = make(s, args, dev, world)
+            times, losses = run(model, opt, data, dev)
+            r = res[s]
+            r["times"] += times[args.warmup:]
+            r["losses"] = losses
+            r.update(info)
+            if cuda:
+                r["peak"].append(torch.cuda.max_memory_allocated())
+            del model, opt
+    out = {"model": "HF LlamaForCausalLM, Llama-3.2-1B shapes" + (" (tiny)" if args.tiny else ""),
+           "world": world, "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "torch": torch.__version__,
+           "device": torch.cuda.get_device_name() if cuda else "cpu", "systems": {}}
+    for s, r in res.items():
+        out["systems"][s] = {"median_step_ms": 1e3 * statistics.median(r["times"]),
+                             "peak_gib": max(r["peak"]) / 2**30 if r["peak"] else None,
+                             "losses": r["losses"], **{k: r[k] for k in ("units", "plan_peak") if k in r}}
+    if "shardplan" in res and "fsdp2" in res:
+        a, b = out["systems"]["shardplan"], out["systems"]["fsdp2"]
+        out["shardplan/fsdp2"] = {"step": a["median_step_ms"] / b["median_step_ms"],
+                                  "peak": a["peak_gib"] / b["peak_gib"] if a["peak_gib"] else None}
+        out["losses_agree"] = all(abs(x - y) <= 2e-2 * max(1.0, abs(y)) for x, y in zip(a["losses"], b["losses"]))
+    emit(out, args.out if rank == 0 else None, print_it=rank == 0)
+
+
+if __name__ == "__main__":
+    main()
