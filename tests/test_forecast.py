@@ -361,3 +361,82 @@ def test_head_loss_and_copy_traffic():
     assert sp.forecast.compute_model("h200-sxm-bf16").copy_traffic and sp.forecast.compute_model("h200-sxm-bf16").logit_bytes == 40
     with pytest.raises(ForecastError, match="copy_traffic"):
         ComputeModel(copy_traffic="yes")
+
+
+# -- memory-bound work counted op by op in a traced plan ------------------------------------------------------
+
+def test_moved_bytes_classify_ops_by_hand():
+    """Matmuls and views move nothing here (matmuls are timed from FLOPs); an elementwise op reads its
+    inputs and writes its output; a broadcast input counts its storage; fill only writes; a cast reads
+    one dtype and writes the other."""
+    from shardplan.optraffic import kind, moved_bytes
+    aten = torch.ops.aten
+    x = torch.empty(4, 1024, device="meta", dtype=torch.bfloat16)
+    w = torch.empty(1024, device="meta", dtype=torch.bfloat16)
+    assert moved_bytes(aten.mm.default, (x, x.t()), {}, x) == 0 and kind(aten.mm.default) == "matmul"
+    assert moved_bytes(aten.view.default, (x, [4096]), {}, x.view(4096)) == 0 and kind(aten.t.default) == "free"
+    assert moved_bytes(aten.mul.Tensor, (x, x), {}, x) == 3 * 8192
+    assert moved_bytes(aten.mul.Tensor, (x, w.expand(4, 1024)), {}, x) == 8192 + 2048 + 8192
+    assert moved_bytes(aten.fill_.Scalar, (x, 0.0), {}, x) == 8192
+    assert moved_bytes(aten._to_copy.default, (x,), {"dtype": torch.float32}, x.float()) == 8192 + 16384
+    assert kind(aten._scaled_dot_product_flash_attention.default) == "matmul"
+
+
+def _traced_tiny(batch=(2, 32)):
+    with torch.device("meta"):
+        m = gpt.build("tiny")
+    tokens = torch.zeros(*batch, dtype=torch.long, device="meta")
+    return sp.plan(m, [(r".*", P("dp"))], Mesh(dp=1), units=[r"layers\.\d+"], compute_dtype=torch.bfloat16,
+                   reduce_dtype=torch.float32, min_unit_bytes=0, trace=(tokens, tokens))
+
+
+def test_traced_plan_counts_memory_bound_bytes_per_unit():
+    """A traced plan's profile holds the bytes moved between events; every block moves the same, forward
+    less than backward; the sum over units is every byte counted; a JSON round trip keeps them; the
+    forecast times them at elementwise_gbs, shows the split, and scales them with the tokens."""
+    from shardplan.forecast.traffic import traced_bytes
+    plan = _traced_tiny()
+    assert plan.activations.tokens == 64 and all(p.moved is not None for p in plan.activations.plain)
+    per = traced_bytes(plan, (2, 32))
+    blocks = [v for u, v in per.items() if u != ROOT]
+    assert len(set(blocks)) == 1 and 0 < blocks[0][0] < blocks[0][1]
+    assert sum(f + b for f, b in per.values()) == sum(p.moved for p in plan.activations.plain)
+    assert traced_bytes(sp.Plan.from_json(plan.to_json()), (2, 32)) == per
+    assert traced_bytes(plan, (4, 32))["layers.0"] == tuple(2 * x for x in per["layers.0"])
+    cm = ComputeModel(tflops=100.0, memory_gbs=1000.0, elementwise_gbs=500.0, optimizer_s=0.0)
+    f = plan.forecast("h100-8x-ib400", cm, batch=(2, 32))
+    total = sum(f_ + b for f_, b in per.values())
+    assert f.traffic == "traced" and f.memory_bytes == pytest.approx(total)
+    assert f.memory_s == pytest.approx(total / 500e9) and f.copies_s == 0
+    assert f.forward_s + f.backward_s == pytest.approx(f.matmul_s + f.memory_s)
+    assert "memory-bound" in str(f) and f.to_dict()["memory_traffic"] == "traced"
+    untraced = sp.plan(gpt.build("tiny").to("meta"), [(r".*", P("dp"))], Mesh(dp=1), units=[r"layers\.\d+"],
+                       compute_dtype=torch.bfloat16, min_unit_bytes=0).forecast("h100-8x-ib400", cm, batch=(2, 32))
+    assert untraced.traffic == "estimated" and any("trace=" in n for n in untraced.notes)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.floats(1.0, 8.0), st.floats(1.0, 8.0), st.booleans(), st.sampled_from(["h200-sxm-bf16", "h100-sxm-bf16"]))
+def test_more_memory_bandwidth_never_predicts_a_slower_step(hbm, elementwise, traced, preset):
+    """Faster memory (the streaming bandwidth, the elementwise one, or both) never predicts a slower step,
+    traced or not, world 1 or 2."""
+    import dataclasses
+    plan = _TRACED if traced else _UNTRACED
+    cm = sp.forecast.compute_model(preset)
+    faster = dataclasses.replace(cm, memory_gbs=cm.memory_gbs * hbm, elementwise_gbs=cm.elementwise_gbs * elementwise)
+    for p in plan:
+        base, f = p.forecast("h100-8x-ib400", cm, batch=(2, 32)), p.forecast("h100-8x-ib400", faster, batch=(2, 32))
+        assert _close_or_less(f.step_s, base.step_s) and _close_or_less(f.memory_s, base.memory_s)
+        assert _close_or_less(f.exposed_s, base.exposed_s + 1e-12) or f.step_s <= base.step_s
+
+
+def _plans(trace: bool):
+    with torch.device("meta"):
+        m = gpt.build("tiny")
+    tokens = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    return [sp.plan(m, [(r".*", P("dp"))], Mesh(dp=n), units=[r"layers\.\d+"], compute_dtype=torch.bfloat16,
+                    reduce_dtype=torch.float32, min_unit_bytes=0, trace=(tokens, tokens) if trace else None)
+            for n in (1, 2)]
+
+
+_TRACED, _UNTRACED = _plans(True), _plans(False)

@@ -6,7 +6,8 @@ unit checkpointed (``torch.utils.checkpoint``, non-reentrant). A dispatch mode s
 allocates and follows each storage until it dies; parameters are left out (the plan counts them, in its
 own layout), their gradients are counted as they form, until their unit completes (``Activations.grads``). At each event the runtime reports (``pre_forward(u)``,
 ``post_backward(u)``, ...) the profile records the activation bytes alive and the most alive since the
-previous event; :func:`shardplan.plan.accounting.memory` adds them to the model states at the same events.
+previous event, and the bytes the ops in between that are not matmuls moved (:mod:`shardplan.optraffic`:
+what the forecast times at the memory bandwidth); :func:`shardplan.plan.accounting.memory` adds them to the model states at the same events.
 
 >>> acts = profile(model, trace=(tokens, tokens), units=plan.units, compute_dtype="bfloat16")
 >>> acts.plain[-1].event, acts.recompute[-1].event
@@ -16,8 +17,10 @@ previous event; :func:`shardplan.plan.accounting.memory` adds them to the model 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any, Optional, Sequence
 
+from .optraffic import moved_bytes
 from .plan.values import ActivationPoint, Activations
 from .units import entry_points, has_forward, trace_args, traced_step
 
@@ -117,10 +120,14 @@ def _fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sc
     """``scaled_dot_product_attention`` as a GPU runs it: the fused kernels, which keep the output and the
     log-sum-exp for backward instead of the T x T attention weights. [Note: on the meta device torch picks
     the math path, whose saved weights would count tens of GiB a GPU never holds; CPUs have fused kernels
-    too.] A call the fused kernels do not take (grouped-query ``enable_gqa``) keeps torch's own."""
+    too.] Grouped-query attention (``enable_gqa``, fewer key/value heads than query heads) without a mask
+    goes to the flash kernel too, which takes it natively on GPUs (Hugging Face's Llama calls it so); with
+    a mask, or not 4-D, torch's own runs."""
     import torch
-    if kw.get("enable_gqa") or q.dim() != 4:
-        return _SDPA[0](q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
+    gqa = kw.pop("enable_gqa", False)
+    if q.dim() != 4 or (gqa and attn_mask is not None):
+        return _SDPA[0](q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                        **({"enable_gqa": gqa} if gqa else {}), **kw)
     if attn_mask is None:
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
     if attn_mask.dtype == torch.bool:
@@ -142,6 +149,7 @@ class _Tracker:
         self.live: dict[int, tuple[Any, int]] = {}
         self.total = 0
         self.high = 0                          # most since the last event
+        self.moved = 0                         # bytes moved by memory-bound ops since the last event
 
     def add(self, t) -> None:
         st = t.untyped_storage()
@@ -168,8 +176,8 @@ class _Tracker:
 
     def point(self, event: str) -> ActivationPoint:
         live = self.purge()
-        p = ActivationPoint(event, live, max(self.high, live))
-        self.high = live
+        p = ActivationPoint(event, live, max(self.high, live), self.moved)
+        self.high, self.moved = live, 0
         return p
 
 
@@ -189,6 +197,7 @@ def _run(model, trace, entries: dict[str, list[str]], checkpointed: bool) -> tup
     class Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
+            tracker.moved += moved_bytes(func, args, kwargs or {}, out)
             for t in _tensors(out, []):
                 if t.device.type == "meta":
                     tracker.add(t)
@@ -207,11 +216,23 @@ def _run(model, trace, entries: dict[str, list[str]], checkpointed: bool) -> tup
     waiting = dict(pending)
     started = set()
 
+    def tail(u):
+        # [Note: a unit's backward ends with its input's gradient, which may form after its parameters'
+        # gradients (post_backward(u)): the bytes moved in between (the first norm's input gradient, the
+        # residual's add) are added to post_backward(u)'s point, so its ``moved`` is the whole backward]
+        def hook(_g):
+            if points and points[-1].event == f"post_backward({u})" and tracker.moved:
+                points[-1] = dataclasses.replace(points[-1], moved=points[-1].moved + tracker.moved)
+                tracker.moved = 0
+        return hook
+
     def fwd_pre(u):
         def hook(_m, _a):
             if not state["backward"] and u not in started:
                 started.add(u)
                 mark(f"pre_forward({u})")
+                if _a and isinstance(_a[0], torch.Tensor) and _a[0].requires_grad:
+                    _a[0].register_hook(tail(u))
         return hook
 
     def fwd_post(u, last):
@@ -341,4 +362,5 @@ def profile(model, trace, units: Sequence[tuple[str, Sequence[str]]], compute_dt
     with torch.random.fork_rng(devices=[]), traced_step():
         plain = _run(meta, trace, entries, checkpointed=False)
         recompute = _run(meta, trace, entries, checkpointed=True)
-    return Activations(inputs=what, plain=plain, recompute=recompute, grads=True)
+    tokens = next((t.numel() for t in ins if t.dim() == 2 and not t.is_floating_point() and not t.is_complex()), None)
+    return Activations(inputs=what, plain=plain, recompute=recompute, grads=True, tokens=tokens)

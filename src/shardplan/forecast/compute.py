@@ -26,16 +26,23 @@ from .sources import preset_or_file
 class ComputeModel:
     """Compute time per rank.
 
-    From FLOPs: a unit's forward + backward takes ``3F / tflops`` (``F``: its forward matmul FLOPs, see
-    :mod:`shardplan.forecast.flops`) plus ``elementwise_bytes x tokens x width / memory_gbs`` for the work
-    that is not matmuls (norms, activations, residual adds, casts; ``width``: the unit's hidden size), split
-    1 : ``backward_factor`` between forward and backward (2 for plain training, about 3 with full
-    activation checkpointing). ``logit_bytes``: memory traffic per logit of the output head for the loss,
-    forward and backward (40 for an fp32 cross-entropy over bf16 logits; 0 leaves it out);
+    From FLOPs: a unit's forward + backward takes ``3F / tflops`` for its matmuls (``F``: its forward
+    matmul FLOPs, see :mod:`shardplan.forecast.flops`) plus the bytes its other ops move (norms,
+    activations, rotary embeddings, residual adds, casts, the loss) at ``elementwise_gbs`` (default
+    ``memory_gbs``): counted op by op when the plan was traced with example inputs
+    (:func:`shardplan.forecast.traffic.traced_bytes`), else estimated as ``elementwise_bytes x tokens x
+    width`` (``width``: the unit's hidden size) plus ``logit_bytes`` per logit of the output head for the
+    loss (40 for an fp32 cross-entropy over bf16 logits; 0 leaves it out). The matmuls split 1 :
+    ``backward_factor`` between forward and backward (2 for plain training, about 3 with full activation
+    checkpointing; traced bytes keep their own split, plus ``backward_factor - 2`` forwards re-run).
     ``copy_traffic``: time the runtime's local parameter and gradient copies and casts (gathers that are
     local or cast, landing gradients, reduce-dtype casts) at ``memory_gbs`` (see
-    :mod:`shardplan.forecast.traffic`). ``peak_tflops``: the datasheet peak, for MFU. The optimizer step moves
-    ``optimizer_bytes`` per trained local element at ``memory_gbs`` unless ``optimizer_s`` gives it.
+    :mod:`shardplan.forecast.traffic`). ``peak_tflops``: the datasheet peak, for MFU. The optimizer step
+    moves ``optimizer_bytes`` per trained local element at ``memory_gbs`` unless ``optimizer_s`` gives it.
+    [Note: two bandwidths. ``memory_gbs`` is what large streaming kernels reach (the optimizer's foreach
+    ops, whole-buffer copies); ``elementwise_gbs`` what a step's many activation-sized eager kernels
+    reach on average (reductions, strided reads, launch gaps included), fitted with ``tflops`` on
+    transformer blocks (see the presets).]
 
     Measured: ``units`` gives ``(unit, forward_s, backward_s)``; ``optimizer_s`` the step after backward
     (clip, step, zero_grad); ``batch`` the per-rank ``(B, T)`` they were measured at.
@@ -45,6 +52,7 @@ class ComputeModel:
     tflops: Optional[float] = None
     peak_tflops: Optional[float] = None
     memory_gbs: Optional[float] = None
+    elementwise_gbs: Optional[float] = None
     backward_factor: float = 2.0
     elementwise_bytes: float = 0.0
     optimizer_bytes: float = 80.0
@@ -56,7 +64,7 @@ class ComputeModel:
     source: str = ""
 
     def __post_init__(self):
-        for f in ("tflops", "peak_tflops", "memory_gbs", "optimizer_s"):
+        for f in ("tflops", "peak_tflops", "memory_gbs", "elementwise_gbs", "optimizer_s"):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0
                                   or (v == 0 and f != "optimizer_s")):
@@ -108,32 +116,39 @@ class ComputeModel:
 
 
 # [Note: sources and choices. Peaks: NVIDIA datasheets, dense (no sparsity) BF16 tensor-core rates: H100 SXM
-# 989.4 TFLOP/s, H200 SXM 989.4 (the same GH100 compute), A100 SXM 312. H100/H200: measured on one H200
-# here (benchmarks/forecast_gpu.py, results/forecast_h200_w1.json): one examples/gpt.py block of the 1B,
-# Llama-3-8B and 70B shapes in bf16, forward + backward, at 8x1024, 2x8192, 1x4096 and 1x4096 tokens, ran
-# in 5.91, 45.24, 10.85 and 36.26 ms; a least-squares fit of t = 3F / R + e x tokens x width / BW gives
-# R = 725 TFLOP/s for the matmuls (a plain 8192^3 bf16 GEMM runs at 770-800 there) and e = 485 bytes per
-# token and unit of width at 0.8 x 4.8 TB/s, every block within 4%. The H100 SXM preset takes the same
-# matmul rate (same SMs and clocks at 700 W) and its own memory bandwidth (3.35 TB/s x 0.8).
+# 989.4 TFLOP/s, H200 SXM 989.4 (the same GH100 compute), A100 SXM 312. HBM peaks: H100 SXM 3.35 TB/s,
+# H200 4.8 TB/s, A100 80GB 2.04 TB/s; memory_gbs (the optimizer, the runtime's copies) is 0.8 of them.
+# H100/H200 tflops and elementwise_gbs: one calibration on one H200 (benchmarks/forecast_gpu.py,
+# results/forecast_h200_w1.json): one examples/gpt.py block of the 1B, Llama-3-8B and 70B shapes in bf16,
+# forward + backward, at 8x1024, 2x8192, 1x4096 and 1x4096 tokens, ran in 5.90, 44.77, 10.65 and 35.51 ms;
+# their non-matmul ops move 6.29, 27.38, 6.85 and 13.62 GB (counted on the meta device,
+# shardplan.optraffic: 375-408 bytes per token and unit of width). The least-squares fit of
+# t = 3F / R + bytes / BW gives R = 764 TFLOP/s for the matmuls (a plain 8192^3 bf16 GEMM runs at 770-800
+# there) and BW = 2,767 GB/s (58% of the HBM peak: eager kernels on 16-512 MiB activations, reductions and
+# strided reads among them), every block within 4%. With R and BW fixed, the estimate for an untraced plan
+# fits elementwise_bytes = 390 (every block within 4%). The H100 SXM preset takes the same matmul rate
+# (same SMs and clocks at 700 W) and scales both bandwidths by its HBM (3.35 / 4.8).
 # A100: no measurement here; torchtitan's FSDP runs of Llama 3 8B on 64 A100s report 56.8-58.2% MFU
 # (torchtitan docs/performance.md), so 0.57 x 312 = 178 TFLOP/s is taken as a whole-step rate (no separate
 # elementwise term). optimizer_bytes = 80: torch's foreach AdamW with weight decay passes over fp32
 # memory eight times per element (param *= 1 - lr wd: 8 B; exp_avg.lerp_: 12; exp_avg_sq *= b2: 8;
 # addcmul_: 12; sqrt: 8; div_: 8; add_ eps: 8; param addcdiv_: 16); a fused AdamW moves about 28.
-# logit_bytes = 40 and copy_traffic (H100/H200): counted, not fitted (forecast/traffic.py); the 1B step at
-# world 1 forecast 0.90 of the measured step without them (results/forecast_h200_w1.json), the head's fp32
-# loss and the runtime's casts being what the blocks' fit cannot see. The A100 preset is a whole-step
-# rate and leaves them out.]
+# logit_bytes = 40 (untraced plans only: a traced one counts the loss's ops) and copy_traffic
+# (H100/H200): counted, not fitted (forecast/traffic.py); the 1B step at world 1 forecast 0.90 of the
+# measured step without them, the head's fp32 loss and the runtime's casts being what the blocks' fit
+# cannot see. The A100 preset is a whole-step rate and leaves them out.]
 PRESETS: dict[str, ComputeModel] = {
-    "h100-sxm-bf16": ComputeModel("h100-sxm-bf16", tflops=725.0, peak_tflops=989.4, memory_gbs=2680.0,
-                                  elementwise_bytes=485.0, logit_bytes=40.0, copy_traffic=True,
+    "h100-sxm-bf16": ComputeModel("h100-sxm-bf16", tflops=764.0, peak_tflops=989.4, memory_gbs=2680.0,
+                                  elementwise_gbs=1930.0, elementwise_bytes=390.0, logit_bytes=40.0,
+                                  copy_traffic=True,
                                   source="H100 SXM, BF16: peak 989.4 TFLOP/s (datasheet); matmul rate and elementwise "
-                                         "bytes fitted on one H200 (same compute; benchmarks/forecast_gpu.py); "
-                                         "HBM 3.35 TB/s x 0.8"),
-    "h200-sxm-bf16": ComputeModel("h200-sxm-bf16", tflops=725.0, peak_tflops=989.4, memory_gbs=3840.0,
-                                  elementwise_bytes=485.0, logit_bytes=40.0, copy_traffic=True,
+                                         "bandwidth fitted on one H200 (same compute; benchmarks/forecast_gpu.py), "
+                                         "the bandwidth scaled to H100's HBM; HBM 3.35 TB/s x 0.8"),
+    "h200-sxm-bf16": ComputeModel("h200-sxm-bf16", tflops=764.0, peak_tflops=989.4, memory_gbs=3840.0,
+                                  elementwise_gbs=2767.0, elementwise_bytes=390.0, logit_bytes=40.0,
+                                  copy_traffic=True,
                                   source="H200 SXM, BF16: peak 989.4 TFLOP/s (datasheet); matmul rate and elementwise "
-                                         "bytes fitted on one H200 (benchmarks/forecast_gpu.py); HBM 4.8 TB/s x 0.8"),
+                                         "bandwidth fitted on one H200 (benchmarks/forecast_gpu.py); HBM 4.8 TB/s x 0.8"),
     "a100-sxm-bf16": ComputeModel("a100-sxm-bf16", tflops=178.0, peak_tflops=312.0, memory_gbs=1630.0,
                                   source="A100 SXM 80GB, BF16: peak 312 TFLOP/s (datasheet); a whole-step rate of 57% "
                                          "of it (torchtitan, Llama 3 8B FSDP on 64 A100s); HBM 2.04 TB/s x 0.8"),

@@ -23,7 +23,7 @@ from ..plan.kinds import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BEGIN_BACKWARD, POS
 from ..units import ROOT
 from .compute import ComputeModel, compute_model
 from .flops import model_flops, unit_flops, unit_widths
-from .traffic import unit_traffic
+from .traffic import traced_bytes, unit_traffic
 from .network import Network, Placement, Timing, check_fits, collective_time, network as resolve_network, placement
 from .result import CollectiveForecast, Forecast
 from .timeline import Comm, Issue, Item, Run, Wait, Work, simulate
@@ -49,8 +49,9 @@ def _stream(kind: str, what: str) -> str:
     return "gather" if kind == ALL_GATHER else "reduce"
 
 
-def _unit_times(plan: "Plan", cm: ComputeModel, batch: tuple[int, int]) -> tuple[dict[str, tuple[float, float]], list[str]]:
-    """(forward, backward) seconds per unit, and notes."""
+def _unit_times(plan: "Plan", cm: ComputeModel, batch: tuple[int, int]) -> tuple[dict[str, tuple[float, float]], list[str], dict]:
+    """(forward, backward) seconds per unit, notes, and how the forward + backward time splits
+    (``{"matmul_s", "memory_s", "copies_s", "memory_bytes", "traffic"}``; empty for measured units)."""
     measured = cm.measured
     notes = []
     if measured:
@@ -63,21 +64,45 @@ def _unit_times(plan: "Plan", cm: ComputeModel, batch: tuple[int, int]) -> tuple
                                 f"forecast that batch, or measure at {batch[0]}x{batch[1]}")
     flops = unit_flops(plan, batch)
     widths = unit_widths(plan)
-    traffic = unit_traffic(plan, batch, cm.logit_bytes, cm.copy_traffic) \
-        if cm.memory_gbs and (cm.logit_bytes or cm.copy_traffic) else {}
+    bw = cm.memory_gbs * 1e9 if cm.memory_gbs else None
+    # [Note: the memory-bound work of the model's own ops. A traced plan counts it op by op (every
+    # norm, activation, rotary embedding, cast, softmax and the loss: forecast/traffic.traced_bytes); an
+    # untraced one estimates it from the unit's width (elementwise_bytes per token and unit of width,
+    # fitted on examples/gpt.py's blocks) plus logit_bytes per logit for the loss. Both are timed at
+    # elementwise_gbs; the traced count replaces both estimates, so nothing is counted twice. The
+    # runtime's own copies (whole flat buffers) run at memory_gbs, as the optimizer does]
+    traced = traced_bytes(plan, batch) if bw and cm.tflops and not measured else None
+    ebw = (cm.elementwise_gbs or cm.memory_gbs) * 1e9 if bw else None
+    loss = unit_traffic(plan, batch, cm.logit_bytes, False) if bw and cm.logit_bytes and not traced else {}
+    copies = unit_traffic(plan, batch, 0.0, True) if bw and cm.copy_traffic else {}
     out = {}
     missing = []
+    parts = {"matmul_s": 0.0, "memory_s": 0.0, "copies_s": 0.0, "memory_bytes": 0.0,
+             "traffic": "traced" if traced else "estimated"}
     for u in plan.units:
         if u.name in measured:
             out[u.name] = measured[u.name]
         elif cm.tflops:
-            fwd = flops[u.name] / (cm.tflops * 1e12)
-            if cm.elementwise_bytes and cm.memory_gbs:  # forward's share of the non-matmul memory traffic
-                fwd += (cm.elementwise_bytes * batch[0] * batch[1] * widths[u.name] / (cm.memory_gbs * 1e9)
-                        / (1 + cm.backward_factor))
-            bwd = cm.backward_factor * fwd
-            if u.name in traffic:  # the head's loss, the runtime's copies (forecast/traffic.py)
-                fwd, bwd = fwd + traffic[u.name][0] / (cm.memory_gbs * 1e9), bwd + traffic[u.name][1] / (cm.memory_gbs * 1e9)
+            mm = flops[u.name] / (cm.tflops * 1e12)
+            if traced:
+                mf, mb = traced[u.name]
+                # with activation checkpointing (backward_factor above 2) the backward re-runs the forward
+                mb += max(0.0, cm.backward_factor - 2.0) * mf
+            elif cm.elementwise_bytes and bw:  # the estimate, split as the matmuls are
+                total = cm.elementwise_bytes * batch[0] * batch[1] * widths[u.name]
+                mf, mb = total / (1 + cm.backward_factor), total * cm.backward_factor / (1 + cm.backward_factor)
+            else:
+                mf = mb = 0.0
+            lf, lb = loss.get(u.name, (0.0, 0.0))     # the head's loss (estimated when untraced)
+            kf, kb = copies.get(u.name, (0.0, 0.0))   # the runtime's copies and casts
+            fwd, bwd = mm, cm.backward_factor * mm
+            if bw:
+                fwd += (mf + lf) / ebw + kf / bw
+                bwd += (mb + lb) / ebw + kb / bw
+                parts["memory_s"] += (mf + mb + lf + lb) / ebw
+                parts["memory_bytes"] += mf + mb + lf + lb
+                parts["copies_s"] += (kf + kb) / bw
+            parts["matmul_s"] += (1 + cm.backward_factor) * mm
             out[u.name] = (fwd, bwd)
         else:
             missing.append(u.name)
@@ -86,7 +111,12 @@ def _unit_times(plan: "Plan", cm: ComputeModel, batch: tuple[int, int]) -> tuple
                             f"tflops= (achievable TFLOP/s) or measured times for every unit")
     if measured and len(measured) < len(plan.units):
         notes.append(f"{len(plan.units) - len(measured)} unit(s) not measured: timed from FLOPs at {cm.tflops:g} TFLOP/s")
-    return out, notes
+    if measured:
+        parts = {}
+    elif bw and not traced:
+        notes.append("memory-bound work estimated from each unit's width (elementwise_bytes); plan with trace= example "
+                     "inputs (CLI: --trace-tokens) to count it op by op")
+    return out, notes, parts
 
 
 def _optimizer_s(plan: "Plan", cm: ComputeModel, rank: int) -> tuple[float, Optional[str]]:
@@ -122,7 +152,7 @@ def forecast(plan: "Plan", network: Union[str, dict, Network], compute: Union[No
     rank = plan._check_rank(rank)
     check_fits(net, plan.mesh)
     cm = compute_model(net.device if compute is None else compute)
-    times, notes = _unit_times(plan, cm, batch)
+    times, notes, parts = _unit_times(plan, cm, batch)
     opt_s, opt_note = _optimizer_s(plan, cm, rank)
     notes += [opt_note] if opt_note else []
 
@@ -246,5 +276,6 @@ def forecast(plan: "Plan", network: Union[str, dict, Network], compute: Union[No
         backward_s=phase_s["backward"], optimizer_s=opt_s, exposed_s=tl.exposed_s,
         tokens_per_step=batch[0] * batch[1] * plan.data_size * _cp(plan), flops_per_step=model_flops(plan, batch),
         collectives=collectives, spans=tl.compute, placements=tuple(ordered), bytes=tuple(sent.items()),
-        notes=tuple(notes))
+        notes=tuple(notes), matmul_s=parts.get("matmul_s"), memory_s=parts.get("memory_s"),
+        copies_s=parts.get("copies_s"), memory_bytes=parts.get("memory_bytes"), traffic=parts.get("traffic", "measured"))
 

@@ -83,6 +83,14 @@ class Forecast:
     placements: tuple[Placement, ...]
     bytes: tuple[tuple[str, Optional[int]], ...]
     notes: tuple[str, ...] = ()
+    # how forward + backward split (None: measured unit times): matmuls at the FLOP rate, the model's
+    # memory-bound ops (``memory_bytes`` of them, ``traffic``: "traced" op by op or "estimated" from the
+    # units' widths) and the runtime's own copies and casts, both at the memory bandwidth
+    matmul_s: Optional[float] = None
+    memory_s: Optional[float] = None
+    copies_s: Optional[float] = None
+    memory_bytes: Optional[float] = None
+    traffic: str = "measured"
 
     # -- figures ------------------------------------------------------------------------------------
     @property
@@ -133,6 +141,8 @@ class Forecast:
         return {
             "step_s": self.step_s, "compute_s": self.compute_s, "forward_s": self.forward_s,
             "backward_s": self.backward_s, "optimizer_s": self.optimizer_s, "exposed_s": self.exposed_s,
+            "matmul_s": self.matmul_s, "memory_bound_s": self.memory_s, "copies_s": self.copies_s,
+            "memory_bound_bytes": self.memory_bytes, "memory_traffic": self.traffic,
             "exposed_by_kind_s": self.exposed_by_kind(), "comm_alone_s": self.comm_s(),
             "tokens_per_step": self.tokens_per_step, "tokens_per_s": self.tokens_per_s,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "flops_per_step": self.flops_per_step, "mfu": self.mfu,
@@ -212,6 +222,11 @@ def render(f: Forecast) -> str:
              + (f", MFU {100 * f.mfu:.1f}%" if f.mfu is not None else "")),
             ("  compute", _ms(f.compute_s), f"forward {_ms(f.forward_s)}, backward {_ms(f.backward_s)}, "
                                             f"optimizer {_ms(f.optimizer_s)}"),
+            *([("    of which", "", f"matmuls {_ms(f.matmul_s)} at {cm.tflops:g} TFLOP/s, memory-bound "
+                                  f"{_ms(f.memory_s)} ({fmt_bytes(int(f.memory_bytes or 0))} {f.traffic}"
+                                  + (f" at {cm.memory_gbs:,.0f} GB/s" if cm.memory_gbs else "") + ")"
+                                  + (f", runtime copies {_ms(f.copies_s)}" if f.copies_s else ""))]
+              if f.matmul_s is not None else []),
             ("  exposed comm", _ms(f.exposed_s), ", ".join(f"{k} {_ms(v)}" for k, v in exposed.items()) or "none"),
             ("communication", _ms(sum(alone.values())), "each alone on its link: "
              + ", ".join(f"{k} {_ms(v)}" for k, v in alone.items() if v)),

@@ -1,17 +1,20 @@
-"""Memory traffic a step has beside its matmuls and the blocks' elementwise work, per unit: the loss over
-the output head's logits, and the runtime's local copies and casts of parameters and gradients. Both are
-memory-bound; the forecast times them at the compute model's ``memory_gbs``.
+"""Memory traffic a step has beside its matmuls, per unit: what the model's own memory-bound ops move
+(counted op by op in a traced plan, :func:`traced_bytes`; else estimated: the loss over the output head's
+logits), and the runtime's local copies and casts of parameters and gradients. All are memory-bound; the
+forecast times them at the compute model's ``memory_gbs``.
 
->>> unit_traffic(plan, batch=(8, 1024), logit_bytes=40.0, copies=True)   # {unit: (forward bytes, backward bytes)}
+>>> traced_bytes(plan, batch=(8, 1024))                                  # {unit: (forward bytes, backward bytes)}
+>>> unit_traffic(plan, batch=(8, 1024), logit_bytes=40.0, copies=True)   # the same, for the loss and the copies
 """
 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from ..plan.accounting import sizes
 from ..plan.kinds import ALL_GATHER, PARAMS
+from ..units import ROOT
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..plan.facade import Plan
@@ -73,3 +76,43 @@ def unit_traffic(plan: "Plan", batch: tuple[int, int], logit_bytes: float,
             if rt != it:
                 out[b.unit][1] += b.reduced_numel * (rt + it)               # the local gradient's cast
     return {u: (f, bw) for u, (f, bw) in out.items()}
+
+
+def traced_bytes(plan: "Plan", batch: tuple[int, int]) -> Optional[dict[str, tuple[float, float]]]:
+    """(forward, backward) bytes that each unit's memory-bound ops move, counted op by op in the plan's
+    traced step (``trace=``; :mod:`shardplan.optraffic`), scaled from the traced tokens to ``batch``'s;
+    ``None`` for a plan not traced, or traced before the count existed, or not on tokens.
+
+    >>> traced_bytes(plan, (8, 1024))["layers.0"]          # a GPT-1B block in bf16: about 0.9 and 2.1 GiB
+    (9.35e+08, 2.21e+09)
+
+    [Note: attribution by the profile's events. Each point holds the bytes moved since the previous
+    event: the one ending at ``post_forward(u)`` is u's forward, at ``post_backward(u)`` u's backward
+    (the profile adds the ops after its parameters' gradients formed, up to its input's gradient), and
+    any left from ``post_backward(u)`` to the next ``pre_backward`` is u's too. Everything else (the embedding, the head, the loss, the gaps) is the root's, forward before
+    ``begin_backward``, backward after. The traced bytes grow with the tokens except a few weight-sized
+    ones (the embedding's gradient), so scaling them linearly is exact at the traced batch and close
+    elsewhere.]
+    """
+    acts = getattr(plan, "activations", None)
+    if acts is None or not acts.tokens or any(p.moved is None for p in acts.plain):
+        return None
+    scale = batch[0] * batch[1] / acts.tokens
+    out = {u.name: [0.0, 0.0] for u in plan.units}
+    backward, last_done = False, None
+    for p in acts.plain:
+        event, _, at = p.event.partition("(")
+        unit = at[:-1] if at else ""
+        if event == "begin_backward":
+            backward = True
+        if event == "post_forward" and unit in out and unit != ROOT:
+            owner, phase = unit, 0
+        elif event == "post_backward" and unit in out:
+            owner, phase = unit, 1
+        elif event == "pre_backward" and last_done is not None:
+            owner, phase = last_done, 1
+        else:
+            owner, phase = ROOT, int(backward)
+        out[owner][phase] += p.moved * scale
+        last_done = unit if event == "post_backward" else None
+    return {u: (f, b) for u, (f, b) in out.items()}

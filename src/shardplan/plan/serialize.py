@@ -71,15 +71,19 @@ def to_dict(plan: "Plan") -> dict[str, Any]:
 
 
 def _activations_dict(a: Activations) -> dict[str, Any]:
-    return {"inputs": a.inputs, "plain": [[p.event, p.live, p.peak] for p in a.plain],
-            "recompute": [[p.event, p.live, p.peak] for p in a.recompute], **({"grads": True} if a.grads else {})}
+    def point(p: ActivationPoint) -> list:
+        return [p.event, p.live, p.peak] + ([] if p.moved is None else [p.moved])
+    return {"inputs": a.inputs, "plain": [point(p) for p in a.plain],
+            "recompute": [point(p) for p in a.recompute], **({"grads": True} if a.grads else {}),
+            **({"tokens": a.tokens} if a.tokens is not None else {})}
 
 
 def _activations(d: Optional[dict]) -> Optional[Activations]:
     if d is None:
         return None
     return Activations(inputs=d["inputs"], plain=tuple(ActivationPoint(*p) for p in d["plain"]),
-                       recompute=tuple(ActivationPoint(*p) for p in d["recompute"]), grads=bool(d.get("grads", False)))
+                       recompute=tuple(ActivationPoint(*p) for p in d["recompute"]), grads=bool(d.get("grads", False)),
+                       tokens=d.get("tokens"))
 
 
 def _mesh_json(mesh: Mesh):

@@ -272,11 +272,15 @@ class Memory:
 @dataclass(frozen=True)
 class ActivationPoint:
     """Activation bytes at one event of a traced step: ``live`` just after it, ``peak`` the most alive
-    between the previous event and this one (the compute in between: a unit's forward, its backward)."""
+    between the previous event and this one (the compute in between: a unit's forward, its backward).
+    ``moved``: the bytes the ops in between that are not matmuls read and write (norms, activations,
+    casts, the loss: :mod:`shardplan.optraffic`), which the forecast times at the memory bandwidth;
+    ``None`` in a profile saved before it was counted."""
 
     event: str
     live: int
     peak: int
+    moved: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -292,6 +296,9 @@ class Activations:
     # completes, so the walk counts a unit's unsharded gradient from its reduction on, not from its
     # ``prepare``. False: a profile saved before (gradients left out of it).
     grads: bool = False
+    # tokens of the traced step (B x T of its first 2-D integer input; None: not a token model, or a
+    # profile saved before): the forecast scales the traced ``moved`` bytes to the batch it forecasts
+    tokens: Optional[int] = None
 
     def points(self, recompute: bool = False) -> tuple[ActivationPoint, ...]:
         return self.recompute if recompute else self.plain
