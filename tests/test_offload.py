@@ -569,3 +569,43 @@ def test_runtime_host_allocations_equal_the_plan_cpu_and_pinned():
     for rank_out in run(_pinned_worker, 2, cases, timeout=180):
         for case, (measured, planned) in zip(cases, rank_out):
             assert measured == planned, (case, measured, planned)
+
+
+def test_host_worker_runs_the_ready_job_the_forward_needs_first():
+    """[Note: host step order] (runtime/host_worker.py): while the worker is busy, jobs queue; it then takes
+    the ready one of smallest priority, and waits for the oldest when none is ready."""
+    import threading
+    from shardplan.runtime.host_worker import HostWorker
+
+    class Event:  # a CUDA event's query()
+        def __init__(self, done):
+            self.done = done
+
+        def query(self):
+            return self.done
+
+    gate, started, ran = threading.Event(), threading.Event(), []
+    w = HostWorker()
+    first = w.submit(9, lambda: (started.set(), gate.wait(5), ran.append("busy")))
+    assert started.wait(5)  # the worker is busy: what follows queues
+    futs = [w.submit(p, ran.append, (name,), ready=Event(ok))
+            for p, name, ok in [(3, "c", True), (0, "a", False), (1, "b", True), (2, "late", False)]]
+    gate.set()
+    for f in [first] + futs:
+        f.result(timeout=5)
+    # b (1) before c (3): ready, by priority; then none ready: the oldest (a) first, then late
+    assert ran == ["busy", "b", "c", "a", "late"]
+    w.shutdown()
+
+
+def test_forecast_and_print_state_the_host_step_bound():
+    from examples import gpt
+    with torch.device("meta"):
+        model = gpt.build("124M")
+    plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=1), units=[r"layers\.\d+"], offload="optimizer")
+    elements = sum(b.shard_numel for b in plan.buffers if b.offload)
+    assert plan.host_step_s(gbps=50) == pytest.approx(28 * elements / 50e9)
+    assert "host step" in str(plan) and "benchmarks/host_adamw.py" in str(plan)
+    small, large = (plan.forecast("h200-8x-ib400", batch=(b, 1024)) for b in (1, 64))
+    assert any("host-bound" in n for n in small.notes)        # ~0.45 GB of host traffic vs a short device step
+    assert not any("host-bound" in n for n in large.notes) and any("can hide" in n for n in large.notes)
