@@ -46,6 +46,15 @@ def sync(dev):
         torch.cuda.synchronize()
 
 
+def rss_now() -> int:
+    """The process's resident host memory now, in bytes (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0
+
+
 def build_model(args, dev):
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -183,6 +192,7 @@ def make_system(name, args, dev, world):
             info["plan_peak_traced"] = plan.memory(recompute=args.act_ckpt).peak
         if args.threads:  # the host step's CPU threads (torch's intra-op pool, shared with the main thread)
             torch.set_num_threads(args.threads)
+        info["host_rss_before_bytes"] = rss_now()  # Python, torch, CUDA and the model on the device: before offload
         sp.shard(model, plan)
         info.update(planned_memory=plan.memory().__dict__, comm_bytes=plan.comm_bytes()["total"],
                     plan_peak=plan.memory().peak, units=len(plan.units), offload=args.offload,
@@ -437,9 +447,12 @@ def main():
             res["parts"] += parts[args.warmup:]
             res["losses"] = res["losses"] or losses
             res.update(info)
-            if s == "shardplan_offload":  # the process's peak resident host memory (Linux: KiB)
+            if s == "shardplan_offload":  # the process's peak resident host memory (Linux: KiB), and its parts
                 import resource
                 res["host_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+                res["host_rss_end_bytes"] = rss_now()
+                # what shardplan allocated on the host (its slabs and step counts): the figure the plan states
+                res["shardplan_host_bytes"] = sp.runtime.engine_of(model).offload.host_bytes()
             if cuda:
                 res["peak"].append(torch.cuda.max_memory_allocated())
                 if args.mem_phases:  # after the peak is read: this step resets it per phase
@@ -481,7 +494,8 @@ def main():
             entry["optimizer_ms"] = 1000 * statistics.median(p[2] for p in res["parts"])
         for k in ("comm_bytes", "plan_peak", "planned_memory", "hook_us_per_unit", "forward_hook_us_per_unit",
                   "backward_hook_us_per_unit", "forward_hook_us_per_block", "units", "notes", "data_size",
-                  "offload", "offload_fraction", "host_copy_bytes", "host_rss_bytes", "host_step_ms",
+                  "offload", "offload_fraction", "host_copy_bytes", "host_rss_bytes", "host_rss_end_bytes",
+                  "host_rss_before_bytes", "shardplan_host_bytes", "host_step_ms",
                   "host_exposed_ms", "host_hidden_fraction", "host_steps_overlapped", "host_kernel_ms", "host_threads",
                   "calibration", "plan_peak_traced", "memory_phases", "planned_bytes"):
             if k in res:
@@ -521,9 +535,17 @@ def main():
                 print(f"  {'':<18} host step {e['host_step_ms']:.1f} ms/step, exposed {e['host_exposed_ms']:.1f} ms "
                       f"({'-' if hidden is None else f'{100 * hidden:.0f}%'} hidden; buffer steps overlapped "
                       f"{e['host_steps_overlapped']}), AdamW kernels {e.get('host_kernel_ms', 0):.1f} ms on "
-                      f"{e.get('host_threads')} threads, offload_fraction {e.get('offload_fraction')}, host RSS "
-                      f"{e.get('host_rss_bytes', 0) / 2**30:.2f} GiB (plan: host "
-                      f"{e['planned_memory']['host'] / 2**30:.2f} GiB)")
+                      f"{e.get('host_threads')} threads, offload_fraction {e.get('offload_fraction')}")
+                # [Note: host memory] what the plan states is shardplan's own host tensors (pinned slabs on a GPU);
+                # the process's RSS adds what was resident before sp.shard (Python, torch, the CUDA context and
+                # libraries) and the rest (allocator caches, a calibration run's leftovers in --offload balance)
+                gib, pm = 2**30, e["planned_memory"]
+                sp_host, before, peak = (e.get(k, 0) or 0 for k in ("shardplan_host_bytes", "host_rss_before_bytes",
+                                                                     "host_rss_bytes"))
+                print(f"  {'':<18} host: shardplan's tensors {sp_host / gib:.2f} GiB (plan: {pm['host'] / gib:.2f} GiB "
+                      f"of tensors, {pm.get('host_pinned', 0) / gib:.2f} GiB pinned); process RSS peak "
+                      f"{peak / gib:.2f} GiB = before sp.shard {before / gib:.2f} + shardplan {sp_host / gib:.2f} + "
+                      f"other {(peak - before - sp_host) / gib:.2f} GiB (now {e.get('host_rss_end_bytes', 0) / gib:.2f})")
                 if "plan_peak_traced" in e and e["peak_bytes"]:
                     print(f"  {'':<18} device peak {e['peak_bytes'] / 2**30:.2f} GiB vs plan (traced) "
                           f"{e['plan_peak_traced'] / 2**30:.2f} GiB ({e['peak_bytes'] / e['plan_peak_traced']:.3f}x)")

@@ -186,7 +186,9 @@ def test_offloaded_and_device_bytes_are_conserved_and_monotone(strategy, f1, f2,
         taken = sum(x.shard_numel * x.itemsize for x in p.buffers if x.offload)
         frac = p.offload_fraction
         assert taken <= frac * trainable * (1 + 1e-9) or len([x for x in p.buffers if x.offload]) == 1
-        assert m.host == sum(x.shard_numel * x.itemsize * (2 + p.optimizer_states) for x in p.buffers if x.offload)
+        steps = 4 * sum(1 for q in p.params if q.requires_grad and p.buffers[q.buffer].offload)  # fp32 step counts
+        assert m.host == sum(x.shard_numel * x.itemsize * (2 + p.optimizer_states) for x in p.buffers if x.offload) + steps
+        assert m.host_pinned >= m.host
         assert m.peak <= mb.peak
 
 
@@ -432,3 +434,178 @@ def test_params_offload_on_one_rank():
     cases = [(3, "params", 1.0, {}), (3, "params", 0.5, dict(accum=True, clip=True))]
     for diff, _ in run(_train_worker, 1, cases, timeout=100)[0]:
         assert diff <= 1e-6
+
+
+# -- the host step overlaps the next forward: no stale parameter, in forward order ------------------------
+
+def _overlap_worker(rank, world, cases):
+    """Per-step losses of an offloaded run whose host steps are slowed down (so the next forward starts while
+    they still run) against an unsharded torch.optim.AdamW run on the whole batch; and the worker's order."""
+    import time
+    import torch.distributed as dist
+    import shardplan.runtime.offload as off
+
+    order: list = []
+    plain = off._host_compute
+
+    def slow(hb, *a):  # [the next forward must wait for exactly this unit's step]
+        order.append(hb.b.bp.unit)
+        time.sleep(0.02)
+        return plain(hb, *a)
+
+    off._host_compute = slow
+    out = []
+    try:
+        for strategy, fraction, extra in cases:
+            steps, hyper = 4, dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+            data = [batches(steps, seed=1 + r) for r in range(world)]
+            ref = Toy()
+            ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **hyper)
+            ref_losses = []
+            for s in range(steps):
+                loss = ref(torch.cat([d[s][0] for d in data]), torch.cat([d[s][1] for d in data]))
+                loss.backward()
+                if extra.get("clip"):
+                    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+                ref_opt.step()
+                ref_opt.zero_grad()
+                ref_losses.append(loss.item())
+            model = Toy()
+            plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), strategy=strategy, units=UNITS, min_unit_bytes=0,
+                           offload="optimizer", offload_fraction=fraction, prefetch=extra.get("prefetch", 1))
+            sp.shard(model, plan)
+            opt = sp.offload_optimizer(model, max_grad_norm=0.05 if extra.get("clip") else None, **hyper)
+            eng = model._shardplan
+            losses, pending = [], 0
+            del order[:]
+            for s in range(steps):
+                loss = model(*data[rank][s])
+                loss.backward()
+                opt.step()
+                pending += sum(hb.inflight is not None and not hb.inflight.future.done()
+                               for hb in eng.offload.hosts.values())
+                opt.zero_grad()
+                t = loss.detach().clone()
+                dist.all_reduce(t)
+                losses.append(t.item() / world)
+            opt.synchronize()
+            units = [u.name for u in plan.units]
+            out.append((max(abs(a - b) for a, b in zip(losses, ref_losses)), pending, list(order), units))
+    finally:
+        off._host_compute = plain
+    return out
+
+
+OVERLAP_CASES = [(3, 1.0, {}), (3, 0.5, {}), (3, 1.0, dict(clip=True)), (3, 1.0, dict(prefetch=2)),
+                 (1, 1.0, {})]
+
+
+@pytest.mark.timeout(300)
+def test_the_next_forward_sees_the_updated_parameters():
+    """[Note: the host step overlaps the next forward] opt.step() returns with host steps still running;
+    each unit's forward waits for its own step: the losses of every step equal an unsharded run's (a stale
+    parameter would be off by ~lr); and once every gradient is queued the worker steps in forward order."""
+    for rank_out in run(_overlap_worker, 2, OVERLAP_CASES, timeout=280):
+        for case, (diff, pending, order, units) in zip(OVERLAP_CASES, rank_out):
+            assert diff <= 2e-6, (case, diff)
+            assert pending > 0, case  # opt.step() returned before the host finished: the forward overlapped it
+            steps = len(order) // 4
+            for s in range(4):
+                done = order[s * steps:(s + 1) * steps]
+                rest = done[1:] if not case[2].get("clip") else done  # (the first ran while others queued)
+                assert rest == sorted(rest, key=units.index), (case, done)
+
+
+# -- host memory: what the runtime allocates is what the plan says ----------------------------------------
+
+def test_pinned_slabs_are_powers_of_two_and_hold_every_buffer():
+    """[Note: slabs] (plan/offload.py): the layout the runtime allocates, a pure function of the sizes."""
+    from shardplan.plan.offload import slab_layout
+    gib = 2**30
+    for need in ({0: 3 << 20, 1: 1 << 20}, {i: n for i, n in enumerate([int(2.0 * gib)] * 2 + [int(1.7 * gib)] * 40)},
+                 {0: 1000, 1: 24, 2: 0}, {7: 5}):
+        exact = slab_layout(need, pinned=False)
+        assert [s for s, _ in exact] == [sum(need.values())]
+        slabs = slab_layout(need, pinned=True)
+        placed = {}
+        for size, where in slabs:
+            assert size & (size - 1) == 0  # a power of two: torch's pinned allocator rounds no further
+            ends = sorted((off, off + need[i]) for i, off in where)
+            assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:])) and ends[-1][1] <= size
+            placed.update(dict(where))
+        assert set(placed) == {i for i, n in need.items() if n}
+        total = sum(s for s, _ in slabs)
+        assert sum(need.values()) <= total <= 1 << (sum(need.values()) - 1).bit_length()
+    # 42 equal buffers of 1.7 GiB (71.4 GiB): 37 in 64 GiB, 4 in 8 GiB, the last in 2 GiB
+    assert [s // gib for s, _ in slab_layout({i: int(1.7 * gib) for i in range(42)}, pinned=True)] == [64, 8, 2]
+
+
+def _pinned_worker(rank, world, cases):
+    from shardplan.plan.offload import slab_layout
+    out = []
+    for strategy, fraction, mode in cases:
+        model = Toy()
+        plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), strategy=strategy, units=UNITS, min_unit_bytes=0,
+                       offload=mode, offload_fraction=fraction)
+        sp.shard(model, plan)
+        host = model._shardplan.offload
+        need: dict = {}  # what the runtime asks of the pinned allocator on a GPU, per dtype, from its own tensors
+        for hb in host.hosts.values():
+            for k, t in enumerate((hb.master, hb.grad, hb.exp_avg, hb.exp_avg_sq)):
+                if t.numel():
+                    need.setdefault(t.dtype, {})[hb.b.bp.index, k] = t.nbytes
+        steps = sum(t.untyped_storage().nbytes() for hb in host.hosts.values() for t in hb.steps.values())
+        pinned = sum(s for n in need.values() for s, _ in slab_layout(n, pinned=True)) + steps
+        m = plan.memory(rank)
+        out.append(((host.host_bytes(), pinned), (m.host, m.host_pinned)))
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_runtime_host_allocations_equal_the_plan_cpu_and_pinned():
+    """Every host byte shardplan's offload allocates (its slabs' storages and the step counts) equals
+    plan.memory().host on CPU, and the slabs it would pin on a GPU equal plan.memory().host_pinned."""
+    cases = [(3, 1.0, "optimizer"), (3, 0.5, "optimizer"), (1, 1.0, "optimizer"), (3, 1.0, "params")]
+    for rank_out in run(_pinned_worker, 2, cases, timeout=180):
+        for case, (measured, planned) in zip(cases, rank_out):
+            assert measured == planned, (case, measured, planned)
+
+
+def test_host_worker_runs_the_ready_job_the_forward_needs_first():
+    """[Note: host step order] (runtime/host_worker.py): while the worker is busy, jobs queue; it then takes
+    the ready one of smallest priority, and waits for the oldest when none is ready."""
+    import threading
+    from shardplan.runtime.host_worker import HostWorker
+
+    class Event:  # a CUDA event's query()
+        def __init__(self, done):
+            self.done = done
+
+        def query(self):
+            return self.done
+
+    gate, started, ran = threading.Event(), threading.Event(), []
+    w = HostWorker()
+    first = w.submit(9, lambda: (started.set(), gate.wait(5), ran.append("busy")))
+    assert started.wait(5)  # the worker is busy: what follows queues
+    futs = [w.submit(p, ran.append, (name,), ready=Event(ok))
+            for p, name, ok in [(3, "c", True), (0, "a", False), (1, "b", True), (2, "late", False)]]
+    gate.set()
+    for f in [first] + futs:
+        f.result(timeout=5)
+    # b (1) before c (3): ready, by priority; then none ready: the oldest (a) first, then late
+    assert ran == ["busy", "b", "c", "a", "late"]
+    w.shutdown()
+
+
+def test_forecast_and_print_state_the_host_step_bound():
+    from examples import gpt
+    with torch.device("meta"):
+        model = gpt.build("124M")
+    plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=1), units=[r"layers\.\d+"], offload="optimizer")
+    elements = sum(b.shard_numel for b in plan.buffers if b.offload)
+    assert plan.host_step_s(gbps=50) == pytest.approx(28 * elements / 50e9)
+    assert "host step" in str(plan) and "benchmarks/host_adamw.py" in str(plan)
+    small, large = (plan.forecast("h200-8x-ib400", batch=(b, 1024)) for b in (1, 64))
+    assert any("host-bound" in n for n in small.notes)        # ~0.45 GB of host traffic vs a short device step
+    assert not any("host-bound" in n for n in large.notes) and any("can hide" in n for n in large.notes)

@@ -270,6 +270,14 @@ def forecast(plan: "Plan", network: Union[str, dict, Network], compute: Union[No
         if s.kind == "compute" and s.phase in phase_s:
             phase_s[s.phase] += s.end_s - s.start_s
     ordered = [places[a] for a in sorted(places, key=lambda a: [plan.mesh.axis_names.index(x) for x in a])]
+    if plan.offload:  # [Note: the host step's bound] (plan/offload.py): the step is at least the host step
+        from ..plan.offload import HOST_GBPS
+        host_s = plan.host_step_s(HOST_GBPS)
+        bound = "host-bound: the step takes at least the host step" if host_s > tl.step_s else \
+            "the overlap can hide it (backward and the next forward)"
+        notes.append(f"CPU offload: host step ~{1e3 * host_s:.1f} ms at {HOST_GBPS:g} GB/s of host memory bandwidth "
+                     f"(benchmarks/host_adamw.py measures yours) against a device step of {1e3 * tl.step_s:.1f} ms: "
+                     f"{bound}; not included in step_s")
     return Forecast(
         network=net, compute=cm, batch=batch, rank=rank, mesh=plan.mesh, strategy=str(plan.strategy),
         prefetch=plan.prefetch, fingerprint=plan.fingerprint(), step_s=tl.step_s, forward_s=phase_s["forward"],

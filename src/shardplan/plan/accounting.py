@@ -16,7 +16,7 @@ from ..units import natural_sorted
 from ..mesh import Mesh
 from . import tensor_parallel as tp
 from .kinds import ALL_GATHER, ALL_REDUCE, COPY_D2H, COPY_H2D, FREE, GRADS, PARAMS, PREPARE, REDUCE_SCATTER, WAIT, Offload
-from .offload import host_bytes
+from .offload import host_bytes, pinned_host_bytes
 from .values import BufferPlan, ParamPlan, UnitPlan
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -118,9 +118,14 @@ def memory(plan: "Plan", rank: int = 0, recompute: bool = False) -> dict:
             if p.requires_grad and not plan.buffers[p.buffer].offload:  # offloaded: the state is on the host
                 optimizer += math.prod(plan.local_shape(p.name, rank)) * 4 * plan.optimizer_states
     grads = sum(v for (k, _), v in live.items() if k in ("lgrad", "flat", "rin", "recv", "rout"))
-    host = sum(host_bytes(b, plan.optimizer_states) for b in plan.buffers)
+    trainable: dict[int, int] = {}  # buffer index -> trainable parameters (each has a host step count)
+    for p in plan.params:
+        if p.requires_grad:
+            trainable[p.buffer] = trainable.get(p.buffer, 0) + 1
+    host = sum(host_bytes(b, plan.optimizer_states, trainable.get(b.index, 0)) for b in plan.buffers)
+    pinned = pinned_host_bytes(plan.buffers, plan.optimizer_states, trainable) if plan.offload else 0
     return dict(params=params, grads=grads, optimizer=optimizer, gathered_peak=gathered_peak, peak=peak + optimizer,
-                host=host, host_peak=host, activations=act_at_peak if acts is not None else None, recompute=recompute,
+                host=host, host_peak=host, host_pinned=pinned, activations=act_at_peak if acts is not None else None, recompute=recompute,
                 states_peak=states_peak + optimizer)
 
 

@@ -24,6 +24,7 @@ from . import schedule as S
 from . import context_parallel as CPX
 from . import expert_parallel as EP
 from . import tensor_parallel as tp
+from .offload import HOST_GBPS
 from .kinds import LayoutChoice, Offload, Order, Strategy, choose, strategy_level
 from .validate import normalised, validate
 from .values import Activations, BufferPlan, Memory, Op, ParamPlan, Piece, Program, UnitPlan
@@ -343,6 +344,17 @@ class Plan:
         >>> m = plan.memory(0); m.peak, m.states_peak, m.activations   # activations None: not traced
         """
         return Memory(**accounting.memory(self, rank, recompute))
+
+    def host_step_s(self, gbps: float = HOST_GBPS) -> float:
+        """Estimated seconds of the host optimizer step per training step at ``gbps`` GB/s of host memory
+        bandwidth (``benchmarks/host_adamw.py`` measures a host's): the bytes it moves (28 per fp32 element
+        for AdamW) over the bandwidth ([Note: the host step's bound], plan/offload.py); 0 without offload.
+        A step takes at least ``max(device step, host step)``.
+
+        >>> plan.host_step_s(gbps=91)   # the 1B fully offloaded on a 16-core H200 host: ~0.3 s
+        """
+        from .offload import host_step_bytes
+        return host_step_bytes(self.buffers, self.optimizer_states) / (gbps * 1e9)
 
     def balanced_offload_fraction(self, host_s: float, window_s: float, at_least: float = 0.0) -> float:
         """The ``offload_fraction`` whose host step just fits ``window_s`` (the backward it overlaps), given

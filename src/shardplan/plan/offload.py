@@ -172,10 +172,82 @@ def balanced_fraction(buffers: Sequence[BufferPlan], units: Sequence[UnitPlan], 
     return best
 
 
-def host_bytes(b: BufferPlan, optimizer_states: int) -> int:
+HOST_GBPS = 100.0  # host memory bandwidth assumed by estimates (benchmarks/host_adamw.py measures a host's)
+
+
+def host_step_bytes(buffers: Sequence[BufferPlan], optimizer_states: int) -> int:
+    """Host memory traffic of one host step over the offloaded buffers: AdamW reads the master, the gradient
+    and the states and writes the master and the states (28 bytes per fp32 element).
+
+    [Note: the host step's bound] The fused CPU AdamW is bound by the host's memory bandwidth, so the host
+    step takes about ``host_step_bytes / bandwidth``; it overlaps backward and the next forward
+    (runtime/offload.py, [Note: the host step overlaps the next forward]) but cannot shrink: a training step
+    takes at least ``max(device step, host step)``."""
+    return sum(shard_bytes(b) * (3 + 2 * optimizer_states) for b in buffers if b.offload and b.requires_grad)
+
+
+STEP_BYTES = 4  # AdamW's step count per trainable parameter: a 0-dim float32 host tensor (torch's "step")
+
+
+def host_bytes(b: BufferPlan, optimizer_states: int, trainable_params: int = 0) -> int:
     """Host bytes of one offloaded buffer: the master shard, the gradient shard and ``optimizer_states``
-    state tensors, each a flat shard in the parameters' dtype (``0`` for a buffer not offloaded)."""
+    state tensors, each a flat shard in the parameters' dtype, and the step count of each of its
+    ``trainable_params`` (``0`` for a buffer not offloaded)."""
     if not b.offload:
         return 0
     per = shard_bytes(b)
-    return per * (1 + (1 + optimizer_states if b.requires_grad else 0))
+    return per * (1 + (1 + optimizer_states if b.requires_grad else 0)) + STEP_BYTES * trainable_params
+
+
+def slab_layout(need: dict, pinned: bool) -> tuple:
+    """``((slab bytes, ((key, offset), ...)), ...)``: where the runtime puts the offloaded buffers' host
+    tensors (``need``: key -> bytes, one dtype; the runtime's keys are ``(buffer index, k)``, one per tensor:
+    master, gradient, moments), one allocation per slab.
+
+    [Note: slabs] torch's pinned (CUDA host) allocator rounds every block up to a power of two and keeps it:
+    per host tensor that wastes up to half of it (an 8B model's 2 GB embedding shards would take 4 GiB each,
+    four times over), and one slab for everything wastes as much at once (71.5 GiB of state would pin 128
+    GiB). So pinned slabs are powers of two themselves: buffers, largest first, go into the first slab with
+    room, and a new slab is the largest power of two the unplaced bytes fill (at least the tensor's own size
+    rounded up); where one slab of the total rounded up pins no more, that one slab is used. Each tensor is
+    placed on its own (a buffer's four need not share a slab): finer pieces pack tighter (the 8B at fraction
+    0.6: 73 GiB pinned for 71.5 GiB of state, against 76 GiB placing each buffer's four together). Unpinned
+    (a CPU-only run): one exact slab.
+
+    >>> slab_layout({0: 3 << 20, 1: 1 << 20}, pinned=True)    # 4 MiB in one slab of 4 MiB
+    ((4194304, ((0, 0), (1, 3145728))),)
+    """
+    need = {i: n for i, n in need.items() if n}
+    if not need:
+        return ()
+    total, offsets, at = sum(need.values()), [], 0
+    for i, n in need.items():
+        offsets.append((i, at))
+        at += n
+    one = ((total if not pinned else 1 << max(0, (total - 1).bit_length()), tuple(offsets)),)
+    if not pinned:
+        return one
+    left, slabs = total, []  # [size, used, placed]
+    for index, n in sorted(need.items(), key=lambda kv: -kv[1]):
+        room = next((sl for sl in slabs if sl[0] - sl[1] >= n), None)
+        if room is None:
+            room = [max(1 << (left.bit_length() - 1), 1 << max(0, (n - 1).bit_length())), 0, []]
+            slabs.append(room)
+        room[2].append((index, room[1]))
+        room[1] += n
+        left -= n
+    packed = tuple((size, tuple(placed)) for size, _, placed in slabs)
+    return one if one[0][0] <= sum(size for size, _ in packed) else packed
+
+
+def pinned_host_bytes(buffers: Sequence[BufferPlan], optimizer_states: int, trainable: dict) -> int:
+    """Host bytes a CUDA run allocates for the offloaded buffers: the pinned slabs of :func:`slab_layout`
+    per dtype (each buffer's ``2 + optimizer_states`` shard tensors) and the step counts (pageable);
+    ``trainable``: buffer index -> its trainable parameters."""
+    by_dtype: dict = {}
+    for b in buffers:
+        if b.offload and b.shard_numel:
+            for k in range(host_bytes(b, optimizer_states) // shard_bytes(b)):
+                by_dtype.setdefault(b.dtype, {})[b.index, k] = shard_bytes(b)
+    slabs = sum(size for need in by_dtype.values() for size, _ in slab_layout(need, pinned=True))
+    return slabs + sum(STEP_BYTES * trainable.get(b.index, 0) for b in buffers if b.offload)

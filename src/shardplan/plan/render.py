@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from .. import layout as L
 from ..dtypes import itemsize
 from .accounting import coverage
+from .offload import HOST_GBPS, host_step_bytes
 from .kinds import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COPY_D2H, COPY_H2D, FREE, OPTIM_STEP, PARAMS, PREPARE,
                     REDUCE_SCATTER, WAIT)
 
@@ -100,9 +101,14 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
         share = sum(b.shard_numel * b.itemsize for b in hosted if b.requires_grad) / max(trainable, 1)
         out.append(f"host memory on rank {rank}: {fmt_bytes(m.host)} (offload={plan.offload}: {len(hosted)} of "
                    f"{len(plan.buffers)} buffers, {100 * share:.0f}% of the trainable shard bytes; master, gradient and "
-                   f"{plan.optimizer_states} state shards), host peak {fmt_bytes(m.host_peak)}; copied per step: "
+                   f"{plan.optimizer_states} state shards), host peak {fmt_bytes(m.host_peak)}, pinned on a GPU "
+                   f"{fmt_bytes(m.host_pinned)} (power-of-two slabs); copied per step: "
                    f"device->host {fmt_bytes(c['copy_d2h'])}, host->device {fmt_bytes(c['copy_h2d'])}; the host steps "
-                   f"each buffer as its gradient arrives (optim_step), overlapping backward")
+                   f"each buffer as its gradient arrives (optim_step), overlapping backward and the next forward")
+        out.append(f"host step: {fmt_bytes(host_step_bytes(plan.buffers, plan.optimizer_states))} of host memory "
+                   f"traffic, ~{1e3 * plan.host_step_s(HOST_GBPS):.3g} ms at {HOST_GBPS:g} GB/s (measure yours: "
+                   f"benchmarks/host_adamw.py); a step takes at least max(device step, host step): offload less "
+                   f"(offload_fraction, plan.balanced_offload_fraction) where the device step is shorter")
     tp_part = ""
     if plan.compute_axes:
         tp_part = (f", tensor-parallel activations {fmt_bytes(c['tensor_parallel'])}" if c["tensor_parallel"] is not None

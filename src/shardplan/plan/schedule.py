@@ -131,12 +131,15 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
                           if b.sharded else (), sum(b.gather_bytes for b in p if b.sharded), pf,
                           when) for p in parts]
 
-    def copy_back(u) -> list[Op]:
-        """CPU offload of the optimizer: the shards the host stepped are on the device before the forward
-        (``stale``: only after a step may have changed them; the optimizer issues the copies as it goes)."""
+    def copy_back(u, event=BEFORE_FORWARD, at="", pf=False, when=STALE) -> list[Op]:
+        """CPU offload of the optimizer: the shards the host stepped are on the device before anything reads
+        them. ZeRO-1/2 gather every unit at ``before_forward`` after a step (``stale``), so every copy comes
+        first; ZeRO-3 copies each unit in just before its first forward gather (``always``: a no-op but
+        after a step), so the next forward waits for unit k's host step only ([Note: the host step overlaps
+        the next forward], runtime/offload.py)."""
         mine = bufs(u, lambda b: b.offload == Offload.OPTIMIZER)
-        return [op(COPY_H2D, u, PARAMS, BEFORE_FORWARD, "", mine, lambda b: (),
-                   sum(b.shard_numel * b.itemsize for b in mine), when=STALE)] if mine else []
+        return [op(COPY_H2D, u, PARAMS, event, at, mine, lambda b: (),
+                   sum(b.shard_numel * b.itemsize for b in mine), pf, when)] if mine else []
 
     def wait_params(u, event, at, when=ALWAYS) -> list[Op]:
         mine = [buffers[i] for i in by_name[u].buffers]
@@ -188,6 +191,8 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
         j = order_.index(u)
         for k, v in enumerate(order_[j:j + 1 + prefetch]):
             if v not in gathered:
+                if event == PRE_FORWARD:  # (ZeRO-3) the stepped shards of v first
+                    out += copy_back(v, event, u, pf=k > 0, when=ALWAYS)
                 out += gather(v, event, u, pf=k > 0)
                 gathered.add(v)
             if k == 0:
@@ -199,8 +204,9 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
     deferred: list[Op] = []
     for event, at in fwd_events:
         if event == BEFORE_FORWARD:
-            for u in pre_order:
-                ops += copy_back(u)
+            if level != 3:
+                for u in pre_order:
+                    ops += copy_back(u)
             if level in (0, 1, 2):
                 for u in pre_order:
                     ops += gather(u, event, at, when=STALE)

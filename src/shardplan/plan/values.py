@@ -247,7 +247,9 @@ class UnitPlan:
 class Memory:
     """Bytes on one rank. ``peak`` = the most the schedule holds at once on the device (optimizer state
     included); ``host`` / ``host_peak``: host memory of CPU offload (master shards, gradient shards and
-    optimizer state of the offloaded buffers; every host tensor is kept for the whole run, so the two agree)."""
+    optimizer state of the offloaded buffers, and their step counts; every host tensor is kept for the whole run,
+    so the two agree: what a CPU run allocates); ``host_pinned``: what a CUDA run allocates for the same
+    tensors, whose pinned slabs are rounded up to powers of two (``shardplan.plan.offload.slab_layout``)."""
 
     params: int
     grads: int
@@ -256,6 +258,7 @@ class Memory:
     peak: int
     host: int = 0
     host_peak: int = 0
+    host_pinned: int = 0
     # [Note: activations] With a traced plan (``trace=``), ``peak`` includes the activations the traced
     # step keeps (``activations``: their bytes at the peak; ``recompute``: with every unit checkpointed)
     # and ``states_peak`` is the model states' own peak (what the runtime's own accounting measures).

@@ -427,7 +427,8 @@ class Executor:
     def shard_of(self, buffer_index: int) -> torch.Tensor:
         """This rank's flat shard of a buffer (``plan.buffers[buffer_index]``): under ``offload="params"``
         its host master (the device holds it only around the buffer's all-gathers)."""
-        if self.offload is not None:  # [offload hook]
+        if self.offload is not None:  # [offload hook] (host steps still running finish first)
+            self.offload.settle()
             hosted = self.offload.hosted_shard(buffer_index)
             if hosted is not None:
                 return hosted
@@ -437,7 +438,8 @@ class Executor:
         """This rank's shard of parameter ``name`` (its local parameter ``lp``) as a tensor holding its value
         now (what checkpoints read and write): ``lp`` detached, or under ``offload="params"`` a view of its host master
         (written through: call :meth:`mark_shards_changed` after writing)."""
-        if self.offload is not None:  # [offload hook]
+        if self.offload is not None:  # [offload hook] (host steps still running finish first)
+            self.offload.settle()
             hosted = self.offload.hosted_value(name)
             if hosted is not None:
                 return hosted

@@ -9,8 +9,9 @@ these (``plan.memory().host``).
   go to the host gradient on a side copy stream, overlapping the rest of backward.
 * ``optim_step params`` (right after it): the host step of those buffers is handed to a worker thread
   (torch's CPU kernels release the GIL), so it runs while backward goes on; see [Note: the overlapped step].
-* ``copy_h2d params`` (``before_forward``, after a step): the updated shards are on the device before any
-  gather reads them; it issues any copy not yet issued and orders the compute stream after them.
+* ``copy_h2d params`` (ZeRO-3: just before the unit's first forward gather; ZeRO-1/2: ``before_forward``,
+  after a step): the updated shards are on the device before any gather reads them; it waits for the
+  unit's host step, issues its copy if not yet issued and orders the gather after it.
 
 [Note: the overlapped step] At ``optim_step`` a buffer steps on the host at once (in the worker) when
 the step is known now to be the one ``opt.step()`` would take: the optimizer is built with ``overlap=True``
@@ -22,8 +23,23 @@ scheduler set) when it starts, i.e. during backward; ``opt.step()`` checks that 
 are still what the step used, and raises naming the fix otherwise (never a silently different step).
 The new shard goes back to the device as soon as the executor next sees the worker done (at the next
 host op, at ``opt.step()`` or at the next ``copy_h2d``), on a host-to-device stream that waits only for
-the device's last read of the shard (``ready``, recorded at ``optim_step``). ``opt.step()`` waits for the
-steps in flight, steps the buffers that could not overlap, and the device-resident buffers.
+the device's last read of the shard (``ready``, recorded at ``optim_step``). ``opt.step()`` checks the
+steps in flight, hands the worker the buffers that could not overlap backward, steps the device-resident
+buffers, and returns without waiting for the host: [Note: the host step overlaps the next forward].
+
+[Note: the host step overlaps the next forward] Each offloaded buffer's step is a :class:`HostStep` state
+and a future (:class:`InFlightStep`): ``QUEUED`` when backward handed it to the worker, ``CLAIMED`` once
+``opt.step()`` checked it is the step it would take (hyper-parameters, gradients), ``IDLE`` once it ran and
+the copy of the new shard to the device is issued (landed). ``opt.step()`` does not wait for the worker:
+the wait is the unit's own ``copy_h2d``, which ZeRO-3 runs just before the unit's first all-gather of the
+next forward (at the schedule's prefetch depth), and which waits for that unit's step only; the worker steps
+the units in forward order once they are all queued (runtime/host_worker.py, [Note: host step order]). So
+unit k's forward in step t+1 reads its parameters after step t's update (no staleness), while the host
+still steps units k+1, ... . Under ZeRO-1/2 every gather runs at ``before_forward``, so the first forward
+op waits for every host step (the overlap is then backward's only). Whatever reads the shards or the
+host state between ``opt.step()`` and that forward waits first (:meth:`OffloadState.settle`): checkpoints,
+``model.state_dict()``, ``opt.state_dict()``, ``Executor.local_value`` / ``shard_of``; a loop reading
+``model.parameters()`` directly there calls ``opt.synchronize()`` first.
 
 [Note: hosted parameter shards] Under ``offload="params"`` (ZeRO-3) a buffer's master *is* its shard: the
 device shard's storage is freed at start-up (the local parameters keep their shapes, with no storage, as the
@@ -52,17 +68,19 @@ overlap, ``clip_grad_norm_`` after a host step already ran raises (pass ``max_gr
 from __future__ import annotations
 
 import contextlib
-import itertools
+import enum
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from ..errors import RuntimeShardingError
-from ..plan.kinds import COPY_D2H, OPTIM_STEP, Offload
+from ..plan.kinds import COPY_D2H, OPTIM_STEP, PRE_FORWARD, Offload
+from ..plan.offload import slab_layout
 from .buffers import BufferState, alias, alloc_storage, free_storage
+from .host_worker import HostWorker
 
 HYPER = ("lr", "betas", "eps", "weight_decay")  # what the host step reads from the optimizer's param group
 # opt.host_stats(): seconds of host steps (kernel_s of them in the AdamW kernels, the rest waiting for the
@@ -71,16 +89,11 @@ STATS = dict(host_step_s=0.0, kernel_s=0.0, exposed_s=0.0, steps=0, overlapped=0
 
 
 def _slabs(buffers: list, device: torch.device) -> dict:
-    """``{buffer index: a zeroed host tensor of 4 x its shard}`` (pinned on CUDA), cut from a few large slabs.
-
-    [Note: slabs] torch's pinned allocator rounds every block up to a power of two: per host tensor that
-    wastes up to half of it (an 8B model's 2 GB embedding shards take 4 GiB each, four times over), and one
-    slab for everything wastes as much at once (71.5 GiB of state would pin 128 GiB). So the slabs are
-    powers of two themselves: buffers, largest first, go into the first slab with room, and a new slab is
-    the largest power of two the unplaced bytes fill (at least the buffer's own size rounded up); where
-    one slab of the total rounded up pins no more, that one slab is used. On a CPU-only run (no pinning)
-    one exact slab per dtype. Buffers with an empty shard on this rank get empty tensors.
-    """
+    """``{buffer index: [4 zeroed host tensors of its shard's size]}`` (pinned on CUDA: master, gradient, two
+    moments), cut from the slabs of :func:`shardplan.plan.offload.slab_layout` ([Note: slabs] there: torch's
+    pinned allocator rounds every block up to a power of two, so on CUDA the slabs are powers of two
+    themselves, each tensor placed on its own; on CPU one exact slab per dtype). ``plan.memory().host`` /
+    ``host_pinned`` count the same slabs. Empty shards get empty tensors."""
     pin = device.type == "cuda"
     by_dtype: dict = {}
     for b in buffers:
@@ -89,36 +102,13 @@ def _slabs(buffers: list, device: torch.device) -> dict:
     for dt, bs in by_dtype.items():
         item = torch.empty(0, dtype=dt).element_size()
         for b in [b for b in bs if b.shard.numel() == 0]:
-            out[b.bp.index] = torch.zeros(0, dtype=dt)
-        need = {b.bp.index: 4 * b.shard.numel() * item for b in bs if b.shard.numel()}
-        if not need:
-            continue
-        total = sum(need.values())
-        offsets = [0, *itertools.accumulate(need.values())][:-1]
-        one = [(total if not pin else 1 << max(0, (total - 1).bit_length()), list(zip(need, offsets)))]
-        slabs = _packed(need) if pin else one
-        if pin and one[0][0] <= sum(size for size, _ in slabs):  # one rounded slab pins no more than the packing
-            slabs = one
-        for size, placed in slabs:
+            out[b.bp.index] = [torch.zeros(0, dtype=dt) for _ in range(4)]
+        need = {(b.bp.index, k): b.shard.numel() * item for b in bs if b.shard.numel() for k in range(4)}
+        for size, placed in slab_layout(need, pinned=pin):
             slab = torch.zeros(size // item, dtype=dt, pin_memory=pin)
-            for index, offset in placed:
-                out[index] = slab[offset // item:(offset + need[index]) // item]
+            for (index, k), offset in placed:
+                out.setdefault(index, [None] * 4)[k] = slab[offset // item:(offset + need[index, k]) // item]
     return out
-
-
-def _packed(need: dict) -> list:
-    """``[(slab bytes, [(buffer index, offset)])]``: buffers, largest first, in the first power-of-two slab
-    with room; a new slab is the largest power of two the unplaced bytes fill (at least the buffer, rounded up)."""
-    left, slabs = sum(need.values()), []  # [size, used, placed]
-    for index, n in sorted(need.items(), key=lambda kv: -kv[1]):
-        room = next((sl for sl in slabs if sl[0] - sl[1] >= n), None)
-        if room is None:
-            room = [max(1 << (left.bit_length() - 1), 1 << max(0, (n - 1).bit_length())), 0, []]
-            slabs.append(room)
-        room[2].append((index, room[1]))
-        room[1] += n
-        left -= n
-    return [(size, placed) for size, _, placed in slabs]
 
 
 def _hyper(group: dict) -> dict:
@@ -126,13 +116,22 @@ def _hyper(group: dict) -> dict:
     return {k: (float(group[k]) if isinstance(group[k], torch.Tensor) else group[k]) for k in HYPER}
 
 
+class HostStep(enum.Enum):
+    """Where one offloaded buffer's host step stands ([Note: the host step overlaps the next forward])."""
+
+    IDLE = "idle"        # none in flight: the master's copy to the device is issued (or nothing changed)
+    QUEUED = "queued"    # handed to the worker during backward; opt.step() has not claimed it yet
+    CLAIMED = "claimed"  # opt.step() took it as its step; the unit's next copy_h2d waits for it
+
+
 @dataclass(eq=False)
 class InFlightStep:
-    """A host step handed to the worker during backward (``optim_step``); ``opt.step()`` claims it."""
+    """A host step handed to the worker (during backward at ``optim_step``, or by ``opt.step()``)."""
 
-    future: Future                    # -> seconds the host step took
+    future: Future                    # -> (seconds the host step took, seconds in the kernels)
     hyper: dict                       # the hyper-parameters it used
     ready: Any = None                 # event: the device read the shard for the last time before the copy back
+    in_backward: bool = True          # handed over during backward (host_stats' "overlapped")
 
 
 @dataclass(eq=False)
@@ -151,8 +150,9 @@ class HostBuffer:
     d2h: Any = None                   # event: the gradient copy is done
     h2d: Any = None                   # event: the master's copy to the device is done
     dirty: bool = False               # the master changed since it was last copied to the device
-    inflight: Optional[InFlightStep] = None  # its host step, running in the worker
-    early: bool = False               # stepped during this backward; opt.step() has not claimed it yet
+    inflight: Optional[InFlightStep] = None  # its host step, in the worker (or done, not yet landed)
+    state: HostStep = HostStep.IDLE
+    hyper: Optional[dict] = None      # the hyper-parameters its last host step used (checked by opt.step())
     staged: bool = False              # offload="params": the device shard holds the master (copy_h2d to gather)
     device_view: Any = None           # offload="params": the device shard's storage, its own version counter
 
@@ -176,16 +176,18 @@ class OffloadState:
         self.d2h_stream = torch.cuda.Stream(exe.device) if self.cuda else None
         self.h2d_stream = torch.cuda.Stream(exe.device) if self.cuda else None
         self.optimizer_ref = None         # weak reference to the OffloadAdamW stepping this model (it registers)
-        self.worker: Optional[ThreadPoolExecutor] = None
+        self.worker: Optional[HostWorker] = None
+        # the worker's priority of a unit's host step: its place in the forward ([Note: host step order])
+        self.priority = {u.name: k for k, u in enumerate(exe.plan.units)}
         self.stats = dict(STATS)
         self.hosts: dict[int, HostBuffer] = {}
-        self.submitted: list[HostBuffer] = []  # early steps in the order the worker runs them
+        self.submitted: list[HostBuffer] = []  # steps queued during backward, in the order they were queued
         self.values: dict[str, torch.Tensor] = {}  # offload="params": parameter name -> view of its host master
         offloaded = [b for u in exe.unit_list for b in u.buffers if b.bp.offload]
         slabs = _slabs(offloaded, exe.device)
         for b in offloaded:
             n = b.shard.numel()
-            master, grad, exp_avg, exp_avg_sq = slabs[b.bp.index].view(4, n).unbind(0)
+            master, grad, exp_avg, exp_avg_sq = slabs[b.bp.index]
             master.copy_(b.shard.detach())
             hb = HostBuffer(b, b.bp.offload, master=master, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
             hb.steps = {m.index: torch.tensor(0.0) for m in hb.trainable}
@@ -204,7 +206,7 @@ class OffloadState:
         elif op.kind == OPTIM_STEP:
             self.start_steps(hosts)
         else:
-            self.copy_params(hosts)
+            self.copy_params(hosts, before_gather=op.event == PRE_FORWARD)
         self.harvest()
 
     def copy_grads(self, hosts: list[HostBuffer]) -> None:
@@ -226,9 +228,12 @@ class OffloadState:
                 hb.scales.clear()
                 hb.d2h = self._event(self.d2h_stream)
 
-    def copy_params(self, hosts: list[HostBuffer]) -> None:
-        """The stepped master shards on the device before anything reads them (idempotent). A hosted
-        parameter shard ([Note: hosted parameter shards]) is copied in for the all-gather that follows."""
+    def copy_params(self, hosts: list[HostBuffer], before_gather: bool = False) -> None:
+        """The stepped master shards on the device before anything reads them (idempotent): waits for these
+        buffers' host steps only ([Note: the host step overlaps the next forward]). A hosted parameter shard
+        ([Note: hosted parameter shards]) is copied in for the all-gather that follows. ``before_gather``
+        (ZeRO-3's copy before a unit's forward gather): only the gather reads a sharded buffer's shard, so a
+        gather that runs on the gather stream waits for the copy, not the compute stream."""
         for hb in hosts:
             if hb.inflight is not None:
                 self._land(hb, block=True)
@@ -238,7 +243,11 @@ class OffloadState:
             if hb.dirty:
                 self._issue_h2d(hb)
             if self.cuda and hb.h2d is not None:
-                torch.cuda.current_stream().wait_event(hb.h2d)
+                bp = hb.b.bp
+                if before_gather and bp.sharded and self.exe.comm.groups.gather(bp.axes).pg is not None:
+                    self.exe.comm.streams.side_waits("gather", hb.h2d)
+                else:
+                    torch.cuda.current_stream().wait_event(hb.h2d)
 
     def _stage(self, hb: HostBuffer) -> None:
         """offload="params": allocate the device shard and copy the master into it on the host-to-device
@@ -273,14 +282,14 @@ class OffloadState:
         hb = self.hosts.get(index)
         if hb is None or not hb.params:
             return None
-        self.wait_all()
+        self.settle()
         return hb.master
 
     def hosted_value(self, name: str) -> Optional[torch.Tensor]:
         """A view of parameter ``name``'s host master when its shard is hosted, else ``None``."""
         v = self.values.get(name)
         if v is not None:
-            self.wait_all()
+            self.settle()
         return v
 
     # -- the overlapped host step ([Note: the overlapped step]) --------------------------------------------
@@ -292,7 +301,7 @@ class OffloadState:
         used = self.exe.grads.used
         group = opt.param_groups[0]
         for hb in hosts:
-            if hb.early:
+            if hb.state == HostStep.QUEUED:
                 raise RuntimeShardingError(
                     f"shardplan: the host stepped buffer #{hb.b.bp.index} in the previous synchronising backward, "
                     f"but opt.step() was not called before this one: with the overlapped host step every "
@@ -303,11 +312,19 @@ class OffloadState:
             active = [m for m in hb.trainable if m.local.grad is not None]
             if not active:
                 continue
-            ready = self._event(torch.cuda.current_stream()) if self.cuda else None
-            h = _hyper(group)
-            fut = self._pool().submit(_host_compute, hb, active, dict(group), opt.fused, hb.d2h, hb.h2d)
-            hb.inflight, hb.early, hb.d2h = InFlightStep(fut, h, ready), True, None
+            if hb.inflight is not None:  # (the last step's, landed by the forward in every normal loop)
+                self._land(hb, block=True)
+            self._submit(hb, active, group, opt.fused, in_backward=True)
+            hb.state = HostStep.QUEUED
             self.submitted.append(hb)
+
+    def _submit(self, hb: HostBuffer, active: list, group: dict, fused: Optional[bool], in_backward: bool) -> None:
+        """Hand ``hb``'s AdamW to the worker ([Note: host step order]); the copy back waits for ``ready``."""
+        ready = self._event(torch.cuda.current_stream()) if self.cuda else None
+        fut = self._pool().submit(self.priority.get(hb.b.bp.unit, len(self.priority)), _host_compute,
+                                  (hb, active, dict(group), fused, hb.d2h, hb.h2d), ready=hb.d2h)
+        hb.hyper = _hyper(group)
+        hb.inflight, hb.d2h = InFlightStep(fut, hb.hyper, ready, in_backward), None
 
     def harvest(self) -> None:
         """Issue the copy back of every host step the worker finished (without waiting for the others)."""
@@ -324,27 +341,27 @@ class OffloadState:
         self.stats["host_step_s"] += seconds
         self.stats["kernel_s"] += kernel
         self.stats["steps"] += 1
-        self.stats["overlapped"] += 1
+        self.stats["overlapped"] += rec.in_backward
         hb.inflight = None
         hb.dirty = True
         self._issue_h2d(hb, after=rec.ready)
+        if hb.state == HostStep.CLAIMED:
+            hb.state = HostStep.IDLE
 
     def claim(self, group: dict) -> set:
-        """``opt.step()``: wait for the steps in flight, check they are the steps it would take now; returns
-        the indices of the buffers they stepped (opt.step() steps the others)."""
+        """``opt.step()``: check the steps queued during backward are the steps it would take now, without
+        waiting for them ([Note: the host step overlaps the next forward]); returns the indices of the
+        buffers they step (opt.step() hands the others to the worker, or steps them itself)."""
         done = set()
         now = _hyper(group)
-        # in the worker's order: each copy back is issued as soon as its step is done, while later ones run
         submitted, self.submitted = self.submitted, []
         for hb in submitted:
-            if not hb.early:
+            if hb.state != HostStep.QUEUED:
                 continue
             rec = hb.inflight
-            if rec is not None:
-                self._land(hb, block=True)
-            hb.early = False
+            hb.state = HostStep.CLAIMED if rec is not None else HostStep.IDLE
             done.add(hb.b.bp.index)
-            used = rec.hyper if rec is not None else now
+            used = hb.hyper
             if used != now:
                 raise RuntimeShardingError(
                     f"shardplan: the optimizer's hyper-parameters changed between backward and opt.step() ({used} "
@@ -363,7 +380,7 @@ class OffloadState:
 
     def check_clip(self) -> None:
         """``sp.clip_grad_norm_`` is about to scale the gradients: impossible once host steps used them."""
-        if any(hb.early for hb in self.hosts.values()):
+        if any(hb.state == HostStep.QUEUED for hb in self.hosts.values()):
             raise RuntimeShardingError(
                 "shardplan: clip_grad_norm_ after backward, but the host optimizer step of the offloaded buffers "
                 "already ran during backward (overlapped) with the unclipped gradients: pass max_grad_norm= to "
@@ -375,6 +392,16 @@ class OffloadState:
         for hb in self.hosts.values():
             if hb.inflight is not None:
                 self._land(hb, block=True)
+
+    def settle(self) -> None:
+        """Every host step done and its shard on the device, the compute stream after the copies: what a
+        reader of the shards or the host state between ``opt.step()`` and the next forward calls first."""
+        if any(hb.inflight is not None or hb.dirty for hb in self.hosts.values()):
+            self.wait_all()
+            for hb in self.hosts.values():
+                if hb.dirty:
+                    self._issue_h2d(hb)
+        self.finish_step()
 
     # -- the host step in opt.step() ----------------------------------------------------------------------
     def grads_scaled(self, coef: torch.Tensor) -> None:
@@ -390,6 +417,32 @@ class OffloadState:
     def host_step(self, hb: HostBuffer, group: dict, fused: Optional[bool]) -> None:
         """AdamW on ``hb``'s master shard, on the CPU, in ``opt.step()``; then its copy back to the device."""
         t0 = time.perf_counter()
+        active = self._prepare(hb)
+        if not active:
+            return
+        _, kernel = _host_compute(hb, active, group, fused, hb.d2h, hb.h2d)
+        hb.d2h = None
+        seconds = time.perf_counter() - t0
+        self.stats["host_step_s"] += seconds
+        self.stats["kernel_s"] += kernel
+        self.stats["exposed_s"] += seconds
+        self.stats["steps"] += 1
+        hb.dirty = True
+        self._issue_h2d(hb)
+
+    def submit_step(self, hb: HostBuffer, group: dict, fused: Optional[bool]) -> None:
+        """``opt.step()``'s host step of a buffer that did not step during backward, handed to the worker:
+        the gradients it reads are settled here (copied again, scaled); the next forward waits for it."""
+        if hb.inflight is not None:
+            self._land(hb, block=True)
+        active = self._prepare(hb)
+        if active:
+            self._submit(hb, active, group, fused, in_backward=False)
+            hb.state = HostStep.CLAIMED
+
+    def _prepare(self, hb: HostBuffer) -> list:
+        """The members of ``hb`` that step now, their host gradients made current (copied again when the
+        device gradient changed after its copy, scaled by the clip coefficients applied since)."""
         active = []
         for m in hb.trainable:
             g = m.local.grad
@@ -407,7 +460,7 @@ class OffloadState:
             else:
                 active.append((m, False))
         if not active:
-            return
+            return []
         with torch.no_grad():
             for m, fresh in active:
                 if hb.scales and not fresh and m.held:
@@ -417,15 +470,7 @@ class OffloadState:
                     for c in hb.scales:
                         hb.grad[m.shard].mul_(c.to(hb.grad.dtype))
             hb.scales.clear()
-        _, kernel = _host_compute(hb, [m for m, _ in active], group, fused, hb.d2h, hb.h2d)
-        hb.d2h = None
-        seconds = time.perf_counter() - t0
-        self.stats["host_step_s"] += seconds
-        self.stats["kernel_s"] += kernel
-        self.stats["exposed_s"] += seconds
-        self.stats["steps"] += 1
-        hb.dirty = True
-        self._issue_h2d(hb)
+        return [m for m, _ in active]
 
     def _issue_h2d(self, hb: HostBuffer, after=None) -> None:
         """The master to the device shard, non-blocking on the host-to-device stream. ``after``: an event
@@ -460,19 +505,23 @@ class OffloadState:
                 hb.h2d.synchronize()
             if not hb.params:  # a hosted parameter shard was written in its master (Executor.local_value)
                 hb.master.copy_(hb.b.shard.detach())
-            hb.dirty, hb.h2d, hb.early = False, None, False
+            hb.dirty, hb.h2d, hb.state = False, None, HostStep.IDLE
         self.submitted = []
 
     # -- inspection --------------------------------------------------------------------------------------
     def host_bytes(self) -> int:
-        """Bytes of host memory held (plan.memory().host counts the same tensors)."""
-        # the tensors' own bytes: on CUDA their pinned slabs round up to powers of two (see _slabs)
-        return sum(t.nbytes for hb in self.hosts.values() for t in (hb.master, hb.grad, hb.exp_avg, hb.exp_avg_sq))
+        """Bytes of host memory this rank's offload allocated: its slabs' storages (every host tensor is a view
+        of one) and the step counts. ``plan.memory().host`` on CPU, ``plan.memory().host_pinned`` on CUDA
+        (the slabs are powers of two there); the process's RSS adds Python, torch, CUDA and the model."""
+        slabs = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                 for hb in self.hosts.values() for t in (hb.master, hb.grad, hb.exp_avg, hb.exp_avg_sq) if t.numel()}
+        steps = sum(t.untyped_storage().nbytes() for hb in self.hosts.values() for t in hb.steps.values())
+        return sum(slabs.values()) + steps
 
     # -- helpers ------------------------------------------------------------------------------------------
-    def _pool(self) -> ThreadPoolExecutor:
-        if self.worker is None:  # one thread: buffers step in the order their gradients arrived
-            self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardplan-host-step")
+    def _pool(self) -> HostWorker:
+        if self.worker is None:  # one thread, the unit the next forward needs first, first
+            self.worker = HostWorker()
         return self.worker
 
     def _side(self, stream):

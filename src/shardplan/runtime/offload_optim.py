@@ -3,7 +3,7 @@
 >>> plan = sp.plan(model, rules, sp.Mesh(dp=8), offload="optimizer")
 >>> sp.shard(model, plan)
 >>> opt = sp.offload_optimizer(model, lr=3e-4, weight_decay=0.1, max_grad_norm=1.0)   # AdamW's hyper-parameters
->>> loss.backward(); opt.step(); opt.zero_grad()      # the host steps ran during backward; step() waits for them
+>>> loss.backward(); opt.step(); opt.zero_grad()      # the host steps run during backward and the next forward
 
 It is a ``torch.optim.Optimizer`` over the local shards (``model.parameters()``), with torch AdamW's
 state per parameter (``step``, ``exp_avg``, ``exp_avg_sq``): learning-rate schedulers, ``state_dict()``
@@ -63,6 +63,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         # back to the device start while later buffers still step
         order = {u.name: k for k, u in enumerate(reversed(eng.plan.units[1:]))}
         self._hosts = sorted(hosts.values(), key=lambda hb: order.get(hb.b.bp.unit, len(order)))
+        forward = {u.name: k for k, u in enumerate(eng.plan.units)}
+        self._forward_order = sorted(hosts.values(), key=lambda hb: forward.get(hb.b.bp.unit, len(forward)))
         if self._host is not None:
             self._host.optimizer_ref = weakref.ref(self)
 
@@ -84,13 +86,35 @@ class OffloadAdamW(torch.optim.Optimizer):
             st = [self.state[p] for p in dev]
             adamw(dev, [p.grad for p in dev], [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st],
                   [s["step"] for s in st], group, None)
-        stepped = self._host.claim(group) if self._host is not None else set()  # those that ran in backward
-        for hb in self._hosts:
+        stepped = self._host.claim(group) if self._host is not None else set()  # those queued in backward
+        # to the worker in forward order (the one the next forward needs first, first); in opt.step() itself
+        # in gradient order (the first copies back start while later buffers still step)
+        for hb in self._forward_order if self.overlap else self._hosts:
             if hb.b.bp.index not in stepped:
-                self._host.host_step(hb, group, self.fused)
+                if self.overlap:  # in the worker, overlapping the next forward
+                    self._host.submit_step(hb, group, self.fused)
+                else:
+                    self._host.host_step(hb, group, self.fused)
         if self._host is not None:
-            self._host.finish_step()
+            # [Note: the host step overlaps the next forward] (runtime/offload.py): with overlap, no wait here;
+            # each unit's copy_h2d before its next gather waits for that unit's step
+            self._host.harvest() if self.overlap else self._host.finish_step()
         return loss
+
+    def synchronize(self) -> None:
+        """Wait for the host steps still running (they overlap the next forward) and put their shards on the
+        device: call it before reading ``model.parameters()`` directly between ``step()`` and the next forward.
+        shardplan's own readers (checkpoints, ``state_dict``) do it themselves."""
+        if self._host is not None:
+            self._host.settle()
+
+    def state_dict(self):
+        self.synchronize()  # the state tensors are the host tensors the worker may still write
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.synchronize()
+        super().load_state_dict(state_dict)
 
     def host_stats(self, reset: bool = False) -> dict:
         """Seconds the host steps took (``host_step_s``; ``kernel_s`` of them in the AdamW kernels, the rest
@@ -98,6 +122,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         (``exposed_s``; the rest overlapped backward: ``hidden_s``), summed since the start (or the last
         reset); ``steps``: buffer steps, ``overlapped``: those that ran during backward; ``threads``: the
         CPU threads torch's kernels use."""
+        self.synchronize()  # (the host steps still overlapping the next forward land first)
         st = dict(self._host.stats) if self._host is not None else dict(STATS)
         st["threads"] = torch.get_num_threads()
         st["hidden_s"] = max(st["host_step_s"] - st["exposed_s"], 0.0)

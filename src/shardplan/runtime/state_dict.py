@@ -159,6 +159,8 @@ class StateDictHooks:
         """offload="params" keeps the shard of ``name`` in host memory (the local parameter has no storage
         between gathers): refuse, naming the checkpoint functions that read and write the host copy."""
         off = getattr(self.exe, "offload", None)
+        if off is not None:  # host steps still running (they overlap the next forward) finish first
+            off.settle()
         if off is not None and name in off.values:
             raise CheckpointError(f"model.state_dict() / load_state_dict(): parameter {name!r} lives in host memory "
                                   f"(offload='params'); use shardplan.checkpoint.save / load (or "
