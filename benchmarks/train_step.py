@@ -197,7 +197,7 @@ def make_system(name, args, dev, world):
         info.update(planned_memory=plan.memory().__dict__, comm_bytes=plan.comm_bytes()["total"],
                     plan_peak=plan.memory().peak, units=len(plan.units), offload=args.offload,
                     host_copy_bytes=plan.comm_bytes()["copy_d2h"] + plan.comm_bytes()["copy_h2d"])
-        return model, sp.offload_optimizer(model, lr=1e-4), None, info
+        return model, sp.offload_optimizer(model, lr=1e-4, overlap_forward=args.overlap_forward), None, info
     if name in ("shardplan_tp", "shardplan_tp_dtensor"):  # FSDP x TP from examples/gpt_rules_tp.py (--tp N)
         plan = sp.plan(model, gpt_rules_tp.rules, sp.Mesh(dp=world // args.tp, tp=args.tp),
                        compute_axes=gpt_rules_tp.compute_axes, units=gpt_rules_tp.UNITS, compute_dtype=dt,
@@ -382,6 +382,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--trace-plan", action="store_true",
                     help="shardplan_offload: plan on a meta twin traced on one batch "
                          "(plan_peak_traced: with activations)")
+    ap.add_argument("--overlap-forward", action="store_true",
+                    help="shardplan_offload: host steps also overlap the next forward (offload_optimizer(overlap_forward=True))")
     ap.add_argument("--threads", type=int, default=0, help="shardplan_offload: torch.set_num_threads for its run")
     ap.add_argument("--forecast", default="", metavar="NETWORK:DP",
                     help="also forecast the same job without offload on DP GPUs of NETWORK (e.g. h200-8x-ib400:8): "

@@ -448,8 +448,10 @@ def _overlap_worker(rank, world, cases):
     order: list = []
     plain = off._host_compute
 
+    backward_over = [False]  # (set by the loop below: the worker's picks after backward ended are checked)
+
     def slow(hb, *a):  # [the next forward must wait for exactly this unit's step]
-        order.append(hb.b.bp.unit)
+        order.append((hb.b.bp.unit, backward_over[0]))
         time.sleep(0.02)
         return plain(hb, *a)
 
@@ -474,13 +476,16 @@ def _overlap_worker(rank, world, cases):
             plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), strategy=strategy, units=UNITS, min_unit_bytes=0,
                            offload="optimizer", offload_fraction=fraction, prefetch=extra.get("prefetch", 1))
             sp.shard(model, plan)
-            opt = sp.offload_optimizer(model, max_grad_norm=0.05 if extra.get("clip") else None, **hyper)
+            opt = sp.offload_optimizer(model, max_grad_norm=0.05 if extra.get("clip") else None,
+                                       overlap_forward=extra.get("forward", True), **hyper)
             eng = model._shardplan
             losses, pending = [], 0
             del order[:]
             for s in range(steps):
                 loss = model(*data[rank][s])
+                backward_over[0] = False
                 loss.backward()
+                backward_over[0] = True
                 opt.step()
                 pending += sum(hb.inflight is not None and not hb.inflight.future.done()
                                for hb in eng.offload.hosts.values())
@@ -497,7 +502,7 @@ def _overlap_worker(rank, world, cases):
 
 
 OVERLAP_CASES = [(3, 1.0, {}), (3, 0.5, {}), (3, 1.0, dict(clip=True)), (3, 1.0, dict(prefetch=2)),
-                 (1, 1.0, {})]
+                 (1, 1.0, {}), (3, 1.0, dict(forward=False))]
 
 
 @pytest.mark.timeout(300)
@@ -508,12 +513,17 @@ def test_the_next_forward_sees_the_updated_parameters():
     for rank_out in run(_overlap_worker, 2, OVERLAP_CASES, timeout=280):
         for case, (diff, pending, order, units) in zip(OVERLAP_CASES, rank_out):
             assert diff <= 2e-6, (case, diff)
-            assert pending > 0, case  # opt.step() returned before the host finished: the forward overlapped it
+            if case[2].get("forward", True):  # overlap_forward=True: step() returned before the host finished
+                assert pending > 0, case
+            else:  # the default: after step() every host step is done (torch's contract: new parameters)
+                assert pending == 0, case
             steps = len(order) // 4
-            for s in range(4):
+            for s in range(4):  # what the worker picked once every gradient was queued: in forward order
                 done = order[s * steps:(s + 1) * steps]
-                rest = done[1:] if not case[2].get("clip") else done  # (the first ran while others queued)
-                assert rest == sorted(rest, key=units.index), (case, done)
+                after = [unit for unit, over in done if over]
+                assert after == sorted(after, key=units.index), (case, done)
+                if case[2].get("clip"):  # clipping: every host step runs after backward, all in forward order
+                    assert len(after) == len(done), (case, done)
 
 
 # -- host memory: what the runtime allocates is what the plan says ----------------------------------------

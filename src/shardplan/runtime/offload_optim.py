@@ -32,13 +32,15 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, lr=1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, fused: Optional[bool] = True, overlap: bool = True,
-                 max_grad_norm: Optional[float] = None):
+                 max_grad_norm: Optional[float] = None, overlap_forward: bool = False):
         eng = engine_of(model)
         self._engine = eng
         self._model = weakref.ref(model)
         self._host = eng.offload
         self.fused = fused
         self.overlap = bool(overlap)  # host steps during backward ([Note: the overlapped step], runtime/offload.py)
+        # ... and into the next forward: step() returns before the host steps end (opt in: see offload_optimizer)
+        self.overlap_forward = self.overlap and bool(overlap_forward)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.last_grad_norm: Optional[torch.Tensor] = None  # the global norm step() clipped by (max_grad_norm)
         members = [(b, m) for u in eng.unit_list for b in u.buffers for m in b.members if m.info.requires_grad]
@@ -99,6 +101,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             # [Note: the host step overlaps the next forward] (runtime/offload.py): with overlap, no wait here;
             # each unit's copy_h2d before its next gather waits for that unit's step
             self._host.harvest() if self.overlap else self._host.finish_step()
+            if self.overlap and not self.overlap_forward:  # torch's contract: after step() the parameters are new
+                self._host.settle()
         return loss
 
     def synchronize(self) -> None:
@@ -133,7 +137,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
 def offload_optimizer(model: nn.Module, lr=1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                       weight_decay: float = 1e-2, *, fused: Optional[bool] = True, overlap: bool = True,
-                      max_grad_norm: Optional[float] = None) -> OffloadAdamW:
+                      max_grad_norm: Optional[float] = None, overlap_forward: bool = False) -> OffloadAdamW:
     """AdamW for a model sharded with an offloading plan (``plan(..., offload="optimizer")``): the offloaded
     buffers' master shards and moments live in host memory and step there; hyper-parameters as
     ``torch.optim.AdamW``'s. ``fused``: torch's fused kernel for the host step (``None``: torch's default).
@@ -145,9 +149,17 @@ def offload_optimizer(model: nn.Module, lr=1e-3, betas: tuple[float, float] = (0
     in ``step()``, after the norm: clipping needs every gradient). ``overlap=False``: every host step
     runs in ``step()``, and ``shardplan.clip_grad_norm_`` / learning-rate changes after backward work.
 
+    ``overlap_forward=True`` (opt in): ``step()`` returns without waiting for the host steps, which go on
+    while the next forward runs; each unit's copy back to the device waits for its own step only
+    ([Note: the host step overlaps the next forward]). Until that forward, ``model.parameters()`` hold the
+    values before the step: call ``opt.synchronize()`` before reading them yourself (an EMA, a logged norm).
+    shardplan's own readers (checkpoints, ``state_dict``) wait by themselves. Off by default: after
+    ``step()`` the parameters are the new ones, as with every torch optimizer.
+
     >>> opt = shardplan.offload_optimizer(model, lr=3e-4, weight_decay=0.1)
     >>> loss.backward(); opt.step(); opt.zero_grad()
 
     Also runs a plan without offload (every buffer steps on the device), so one training script serves both.
     """
-    return OffloadAdamW(model, lr, betas, eps, weight_decay, fused=fused, overlap=overlap, max_grad_norm=max_grad_norm)
+    return OffloadAdamW(model, lr, betas, eps, weight_decay, fused=fused, overlap=overlap, max_grad_norm=max_grad_norm,
+                        overlap_forward=overlap_forward)
