@@ -37,6 +37,9 @@ CONFIGS = {
     "1B": GPTConfig(vocab=32000, dim=2048, layers=16, heads=16, kv_heads=16, ffn=5632, max_seq=2048, tie_embeddings=False),
     "3B": GPTConfig(vocab=128256, dim=3072, layers=28, heads=24, kv_heads=8, ffn=8192, max_seq=8192),  # Llama-3.2-3B shape
     "8B": GPTConfig(vocab=128256, dim=4096, layers=32, heads=32, kv_heads=8, ffn=14336, max_seq=8192, tie_embeddings=False),
+    # the 8B's blocks (its matmul sizes), 8 of them: one H200 holds its fp32 states beside FSDP2's and torchao's
+    "8B-L8": GPTConfig(vocab=128256, dim=4096, layers=8, heads=32, kv_heads=8, ffn=14336, max_seq=8192,
+                       tie_embeddings=False),
     "70B": GPTConfig(vocab=32000, dim=8192, layers=80, heads=64, kv_heads=8, ffn=28672, max_seq=4096, tie_embeddings=False),
     "L3-70B": GPTConfig(vocab=128256, dim=8192, layers=80, heads=64, kv_heads=8, ffn=28672, max_seq=8192,
                         tie_embeddings=False),  # Llama-3-70B shape
