@@ -20,6 +20,7 @@ from . import geometry
 from . import offload as OFF
 from . import context_parallel as CPX
 from . import expert_parallel as EP
+from . import float8 as F8
 from . import tensor_parallel as tp
 from .accounting import plan_warnings
 from .facade import Plan
@@ -87,7 +88,7 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
          world_size: Optional[int] = None,
          min_unit_bytes: Optional[int] = None, order=Order.STATIC, compute_axes=(), styles=None,
          layout=LayoutChoice.AUTO, offload=None, offload_fraction: float = 1.0,
-         device_memory: Optional[float] = None, expert_axes=None, gather_dtype=None) -> Plan:
+         device_memory: Optional[float] = None, expert_axes=None, gather_dtype=None, fp8=None) -> Plan:
     """Compile rules, a mesh and options into a :class:`Plan`. Pure: no process group, no GPU.
 
     >>> plan = shardplan.plan(model, rules, Mesh(dp=8), units=[r"layers\\.\\d+"], compute_dtype=torch.bfloat16)
@@ -138,6 +139,11 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
     shard), dequantized to the compute dtype after the gather; the master shards never see quantized values.
     Per rule: ``gather_dtype=[(r".*embed.*", None), (r".*", "int8")]`` (first match wins, unmatched: not
     quantized). See :mod:`shardplan.lowp` and docs/low_precision.md.
+
+    ``fp8="torchao"`` runs the units' ``nn.Linear`` modules in float8 (torchao's ``Float8Linear``, which
+    ``sp.shard`` swaps in; ``pip install shardplan[fp8]``): every one whose dims divide by 16, but the output
+    head, tied and tensor-parallel weights; per module, ``fp8=[(module regex, "torchao" or None), ...]``.
+    ``plan.fp8_modules`` lists them, ``plan.warnings`` says where FP8 compute does not pay (docs/low_precision.md).
     """
     if not isinstance(mesh, Mesh):
         raise MeshError(f"mesh must be a shardplan.Mesh, e.g. Mesh(dp=8); got {type(mesh).__name__}")
@@ -164,6 +170,7 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
             raise PlanError(f"{what}={name!r} is not a floating dtype; use e.g. 'bfloat16' or 'float32'{hint}")
     compute_axes = tp.as_compute_axes(compute_axes, mesh)
     gather_option = lowp.as_option(gather_dtype)
+    fp8_option = F8.as_option(fp8)
     expert_axes = EP.as_expert_axes(expert_axes, mesh, compute_axes)
     if reduce_quant:
         lowp.refuse_reduce(level, offload, compute_axes, bool(expert_axes))
@@ -230,6 +237,11 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
     paths = {u: covers.get(u, (u,)) for u in unit_order}
     parent = _parents(unit_order, paths)
 
+    fp8_modules, fp8_skipped = F8.select(module, fp8_option, infos,
+                                         {i.name: u for u, m in members.items() for i, _ in m}, tp_of)
+    if fp8_modules:
+        choices.append(F8.note(fp8_modules, fp8_skipped))
+        notes += F8.warnings(fp8_modules, F8.tokens_of(trace) if trace is not None else None)
     params: dict[str, ParamPlan] = {}
     buffers: list[BufferPlan] = []
     unit_plans: list[UnitPlan] = []
@@ -335,7 +347,7 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
                     tp_modules=tp_modules, tp_activations=activations, layout=layout,
                     offload=offload, offload_fraction=fraction, activations=profile,
                     expert_axes=expert_axes if expert_modules else (), expert_modules=expert_modules,
-                    expert_calls=expert_calls, context_calls=context_calls)
+                    expert_calls=expert_calls, context_calls=context_calls, fp8_modules=fp8_modules)
 
     if offload_fraction == OFF.AUTO:  # [Note: the automatic fraction] in plan/offload.py
         ranks = range(mesh.size) if mesh.size <= 64 else sorted({r * (mesh.size - 1) // 63 for r in range(64)})

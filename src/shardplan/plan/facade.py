@@ -23,6 +23,7 @@ from . import accounting, geometry, render, serialize
 from . import schedule as S
 from . import context_parallel as CPX
 from . import expert_parallel as EP
+from . import float8 as F8
 from . import tensor_parallel as tp
 from .kinds import LayoutChoice, Offload, Order, Strategy, choose, strategy_level
 from .validate import normalised, validate
@@ -66,6 +67,7 @@ class Plan:
     expert_modules: tuple[EP.ExpertModule, ...] = ()        # modules whose experts they split
     expert_calls: Optional[tuple[EP.ExpertCall, ...]] = None  # traced token inputs of those (None: not traced)
     context_calls: Optional[tuple[CPX.AttentionCall, ...]] = None  # traced attention calls (None: not traced or no cp)
+    fp8_modules: tuple[F8.FP8Module, ...] = ()  # nn.Linears run in float8 by torchao (fp8="torchao"; sp.shard swaps them)
 
     # -- lookups -----------------------------------------------------------------------------------
     @cached_property
@@ -450,7 +452,8 @@ class Plan:
                     **({"gather_dtype": [(re.escape(n), self.buffers[self.param(n).buffer].gather_dtype)
                                          for n in (p.name for p in self.params)
                                          if self.buffers[self.param(n).buffer].gather_dtype]}
-                       if any(b.gather_dtype for b in self.buffers) else {}))
+                       if any(b.gather_dtype for b in self.buffers) else {}),
+                    **({"fp8": [(re.escape(m.path), F8.TORCHAO) for m in self.fp8_modules]} if self.fp8_modules else {}))
 
     def to_source(self) -> str:
         """A rules file that rebuilds this plan: ``rules``, ``UNITS`` (the exact modules of its units),

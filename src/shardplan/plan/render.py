@@ -124,6 +124,8 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
         out.append(f"quantized gathers ({', '.join(sorted({b.gather_dtype for b in q}))}): {len(q)} buffers, all_gather "
                    f"includes {fmt_bytes(c['gather_scales'])} of fp32 block scales; their gathers carry "
                    f"{100 * wire / max(full, 1):.1f}% of the compute-dtype bytes")
+    if plan.fp8_modules:
+        out.append(fp8_line(plan))
     if plan.expert_modules:
         m0 = plan.expert_modules[0]
         out.append(f"expert axis {m0.axis}: {len(plan.expert_modules)} expert modules, {m0.local_experts} of "
@@ -181,6 +183,25 @@ def render_tp(plan: "Plan") -> list[str]:
     out.append(f"  activation collectives per step: {n_f} in forward, {n_b} in backward, {n_r} more when units are "
                f"recomputed (activation checkpointing); plan.ops() lists them in order")
     return out
+
+
+def fp8_line(plan: "Plan") -> str:
+    """FP8 compute: which Linears, what their gathers carry, and where the float8 matmuls pay (plan/float8.py)."""
+    mods = plan.fp8_modules
+    pays = sorted(m.min_tokens for m in mods if m.min_tokens)
+    gathered = 0  # the bytes the float8 Linears' weights take in the all-gathers, per step and rank
+    for m in mods:
+        p = plan.param(m.weight)
+        b, u = plan.buffers[p.buffer], next(u for u in plan.units if u.name == p.unit)
+        if plan.level >= 3 and b.sharded and b.group_size > 1:
+            times = 2 if u.reshard_after_forward else 1
+            gathered += times * p.numel * b.compute_itemsize * (b.group_size - 1) // b.group_size
+    span = f"{pays[0]:,d}" if pays and pays[0] == pays[-1] else f"{pays[0]:,d} to {pays[-1]:,d}" if pays else ""
+    where = (f"FP8 matmuls pay from {span} tokens per rank per step for {len(pays)} of them, "
+             f"never for {len(mods) - len(pays)}" if pays else "FP8 matmuls pay for none of them at any batch")
+    return (f"fp8 compute (torchao Float8Linear, tensorwise scales): {len(mods)} Linear modules; their weights are "
+            f"gathered in the compute dtype ({fmt_bytes(gathered)} of all_gather per step) and cast to float8 after the "
+            f"gather; {where} (rule of thumb, docs/low_precision.md#fp8-compute)")
 
 
 def _quantized(plan: "Plan", op) -> str:
