@@ -8,7 +8,7 @@
     python benchmarks/train_step.py --config 1B --batch 8 --seq 1024 --dtype bf16 \
         --systems shardplan,shardplan_int8,shardplan_fp8,shardplan_int8_qg,fsdp2   # docs/low_precision.md
     python benchmarks/train_step.py --config 8B --batch 1 --seq 8192 --dtype bf16 --act-ckpt --compile \
-        --systems shardplan,shardplan_fp8c,fsdp2,fsdp2_fp8     # FP8 compute (torchao; pip install shardplan[fp8])
+        --systems shardplan,shardplan_fp8c,shardplan_fp8c_cast,fsdp2,fsdp2_fp8   # FP8 compute (shardplan[fp8])
     torchrun --nproc-per-node 2 benchmarks/train_step.py --config small --out cpu.json             # CPU, gloo
 
 Every system trains the same GPT (examples/gpt.py; units = transformer blocks) from the same
@@ -115,8 +115,10 @@ def calibrate(args, dev, world, plan, steps=4):
 
 
 SHARDPLAN_SYSTEMS = ("shardplan", "shardplan_raf", "shardplan_int8", "shardplan_fp8", "shardplan_int8_qg",
-                     "shardplan_fp8c")
-FP8_SYSTEMS = ("shardplan_fp8c", "fsdp2_fp8")  # FP8 compute through torchao
+                     "shardplan_fp8c", "shardplan_fp8c_cast")
+# FP8 compute through torchao: _fp8c gathers the Float8Linear weights as float8 (one scale per weight), _fp8c_cast
+# in bf16 (torchao casts after the gather), fsdp2_fp8 is FSDP2 + torchao's float8 all-gather (torchtitan's recipe)
+FP8_SYSTEMS = ("shardplan_fp8c", "shardplan_fp8c_cast", "fsdp2_fp8")
 
 
 class SkippedSystem(Exception):
@@ -162,14 +164,15 @@ def make_system(name, args, dev, world):
         reduce = "int8" if name == "shardplan_int8_qg" else torch.float32 if dt else None
         opts = dict(units=[r"layers\.\d+"], compute_dtype=dt, reduce_dtype=reduce,
                     prefetch=args.prefetch, min_unit_bytes=args.min_unit_bytes, gather_dtype=gather,
-                    fp8="torchao" if name == "shardplan_fp8c" else None)
+                    fp8="torchao" if name in FP8_SYSTEMS else None, fp8_gather=name != "shardplan_fp8c_cast")
         plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), **opts)
         if name == "shardplan_raf":  # every unit freed after its forward, the last too (FSDP2's default; by
             plan = plan.with_reshard_after_forward(True)  # default the last stays gathered, as in torchtitan)
         with torch.device("meta"):  # the gathers are local at world 1: the bytes they would send at 8 and 64 ranks
             meta = gpt.build(args.config)
         info["planned_bytes"] = {w: {k: v for k, v in sp.plan(meta, [(r".*", sp.P("dp"))], sp.Mesh(dp=w), **opts)
-                                     .comm_bytes().items() if k in ("all_gather", "reduce_scatter", "gather_scales")}
+                                     .comm_bytes().items() if k in ("all_gather", "reduce_scatter", "gather_scales",
+                                                                      "fp8_amax")}
                                  for w in (8, 64)}
         sp.shard(model, plan)
         if plan.fp8_modules:
@@ -546,7 +549,7 @@ def main():
     ref = next(iter(ok.values()))["first_losses"][0] if ok else None
     tol = 3e-2 if args.dtype else 1e-4
     # quantized gathers and FP8 compute: within their documented tolerance
-    quantized = ("shardplan_int8", "shardplan_fp8", "shardplan_int8_qg", "shardplan_fp8c", "fsdp2_fp8")
+    quantized = ("shardplan_int8", "shardplan_fp8", "shardplan_int8_qg") + FP8_SYSTEMS
     summary["losses_agree"] = all(abs(e["first_losses"][0] - ref) <= (3e-2 if s in quantized else tol) * max(1.0, abs(ref))
                                   for s, e in ok.items())
     if "shardplan" in ok:  # the loss after the run's steps against unquantized gathers (docs/low_precision.md)

@@ -46,12 +46,43 @@ def test_the_plan_picks_every_block_linear_but_the_head():
     m = next(m for m in plan.fp8_modules if m.path == "layers.3.feed_forward.w1")
     assert (m.in_features, m.out_features, m.unit, m.weight) == (2048, 5632, "layers.3", "layers.3.feed_forward.w1.weight")
     assert any("output: the output head" in n for n in plan.notes)
-    # FP8 compute changes no byte of the plan: the weights are still gathered in bf16 (cast after the gather)
+    # fp8_gather=False changes no byte of the plan: the weights are gathered in bf16 (torchao casts after the gather)
     bf16 = sp.plan(_meta("1B"), RULES, sp.Mesh(dp=8), compute_dtype="bf16")
-    assert plan.comm_bytes() == bf16.comm_bytes() and plan.memory() == bf16.memory()
+    cast = sp.plan(_meta("1B"), RULES, sp.Mesh(dp=8), compute_dtype="bf16", fp8="torchao", fp8_gather=False)
+    assert cast.comm_bytes() == bf16.comm_bytes() and cast.memory() == bf16.memory()
+    assert not any(b.tensorwise for b in cast.buffers)
     # the tiny GPT's head is tied to the embedding: excluded by name, and its 64-wide Linears all convert
     tiny = sp.plan(gpt.tiny(), RULES, sp.Mesh(dp=2), units=UNITS, fp8="torchao")
     assert len(tiny.fp8_modules) == 14
+
+
+def test_float8_gathers_in_the_plan():
+    """Under ZeRO-3 the float8 Linears' weights get buffers of their own, gathered as float8 codes (1 byte per
+    element, no block scales) after an all-reduce of one fp32 absmax per weight; the plan's bytes say so."""
+    bf16 = sp.plan(_meta("1B"), RULES, sp.Mesh(dp=8), compute_dtype="bf16")
+    plan = sp.plan(_meta("1B"), RULES, sp.Mesh(dp=8), compute_dtype="bf16", fp8="torchao")
+    tw = [b for b in plan.buffers if b.tensorwise]
+    assert {n for b in tw for n in b.params} == {m.weight for m in plan.fp8_modules}
+    assert all(b.gather_bytes == b.shard_numel * b.group_size and b.scale_bytes == 0 for b in tw)
+    assert all(b.amax_bytes == 4 * 7 for b in tw)                       # 7 weights per block
+    c, c0 = plan.comm_bytes(), bf16.comm_bytes()
+    gathers = sum(1 for o in plan.ops() if o.kind == "all_gather" and o.what == "params" and any(
+        plan.buffers[i].tensorwise for i in o.buffers))
+    assert c["fp8_amax"] == gathers * 2 * 28 * 7 // 8 and c["all_reduce"] == c0["all_reduce"] + c["fp8_amax"]
+    linear = sum(p.numel for p in plan.params if p.name in {m.weight for m in plan.fp8_modules})
+    saved = c0["all_gather"] - c["all_gather"]                         # one byte per element instead of two
+    assert abs(saved - gathers // 16 * 0 - 2 * linear * 7 // 8) < 0.01 * saved, (saved, linear)
+    m, m0 = plan.memory(), bf16.memory()
+    assert m.gathered_peak < m0.gathered_peak                           # the gathered weights are float8 codes
+    text = str(plan)
+    assert "all-gathered as float8 codes" in text and "absmax all-reduce" in text
+    from shardplan.plan.render import render_schedule
+    sched = render_schedule(plan)
+    assert "absmax all-reduce (28 B), quantize float8 (one scale per weight)" in sched
+    assert "float8 weights to torchao as they are (no dequantize)" in sched
+    for kw in (dict(strategy="optim_grads"), dict(offload="optimizer")):  # no per-step gather, or not supported
+        other = sp.plan(_meta("1B"), RULES, sp.Mesh(dp=8), fp8="torchao", **kw)
+        assert not any(b.tensorwise for b in other.buffers) and other.fp8_modules
 
 
 def test_per_module_rules_and_refusals():
@@ -157,21 +188,42 @@ STEPS, EXACT, TOL = 20, 1e-5, 1e-2
 
 
 def _parity(rank, world, steps):
-    """(sharded fp8 losses, unsharded fp8 losses, unsharded fp32 losses, the sharded model's Float8Linear count)."""
-    plan = sp.plan(gpt.tiny(), RULES, sp.Mesh(dp=world), units=UNITS, min_unit_bytes=0, fp8="torchao")
+    """Loss curves of: the sharded model with float8 gathers, the sharded model with fp32 gathers (fp8_gather=False),
+    the unsharded converted model, the unsharded unconverted one; and, for the float8-gather run, the Float8Linear
+    count, the bytes all_gather sent per step against the plan's, and the absmax all-reduces against the plan's."""
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+    from shardplan.runtime import collectives as C
+    kw = dict(units=UNITS, min_unit_bytes=0, fp8="torchao")
+    plan = sp.plan(gpt.tiny(), RULES, sp.Mesh(dp=world), **kw)
     model = sp.shard(gpt.tiny().init_weights(0), plan)
+    cast = sp.shard(gpt.tiny().init_weights(0), sp.plan(gpt.tiny(), RULES, sp.Mesh(dp=world), fp8_gather=False, **kw))
     ref = FP8.convert(gpt.tiny().init_weights(0), plan)
     plain = gpt.tiny().init_weights(0)
-    opts = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (model, ref, plain)]
+    models = (model, cast, ref, plain)
+    opts = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in models]
+    seen = []  # the weight a float8 Linear computes with, in the float8-gather run
+    model.layers[0].feed_forward.w1.register_forward_pre_hook(lambda m, a: seen.append(type(m.weight)))
+    sent, amaxes, orig, orig_max = [0], [0], C.all_gather, C.all_reduce_max
+
+    def counted(out, inp, group, async_op=True):
+        if group.pg is not None:
+            sent[0] += out.numel() * out.element_size() * (group.size - 1) // group.size
+        return orig(out, inp, group, async_op)
+
+    def counted_max(t, group):
+        amaxes[0] += 1
+        return orig_max(t, group)
     g = torch.Generator().manual_seed(1)
-    curves = ([], [], [])
+    curves, per_step = tuple([] for _ in models), []
     batch, seq = 4, 32
     for _ in range(steps):
         start = torch.randint(0, 256, (batch * world, 1), generator=g)
         stride = torch.randint(1, 4, (batch * world, 1), generator=g)
         x = (start + stride * torch.arange(seq + 1)) % 256
-        for i, (m, opt) in enumerate(zip((model, ref, plain), opts)):
+        for i, (m, opt) in enumerate(zip(models, opts)):
             if i == 0:
+                C.all_gather, C.all_reduce_max, before = counted, counted_max, sent[0]
+            if i < 2:
                 xs = x[rank * batch:(rank + 1) * batch]
                 loss = m(xs[:, :-1], xs[:, 1:])
             else:  # [Note: per-rank batches] torchao scales activations and output gradients by their absmax, so
@@ -181,26 +233,83 @@ def _parity(rank, world, steps):
             loss.backward()
             opt.step()
             opt.zero_grad()
-            t = loss.detach().clone()
             if i == 0:
+                C.all_gather, C.all_reduce_max = orig, orig_max
+                per_step.append(sent[0] - before)
+            t = loss.detach().clone()
+            if i < 2:
                 torch.distributed.all_reduce(t)
                 t /= world
             curves[i].append(t.item())
-    return curves + (len(FP8.converted(model)),)
+    gathers = sum(1 for o in plan.ops() if o.kind == "all_gather" and o.what == "params"
+                  and any(plan.buffers[i].tensorwise for i in o.buffers))
+    return curves + (len(FP8.converted(model)), per_step, plan.comm_bytes()["all_gather"], amaxes[0],
+                     gathers * steps, all(t is Float8TrainingTensor for t in seen) and len(seen) == steps)
 
 
 @needs_torchao
 @pytest.mark.slow
 def test_sharded_fp8_training_matches_the_unsharded_fp8_model():
-    """2 ranks (gloo, CPU float8 _scaled_mm): 20 AdamW steps of the tiny GPT with its 14 Linears in float8 against
-    the same model converted and unsharded, run on the same per-rank batches. The first 5 steps agree to 1e-6
-    (measured: equal); then the fp32 reduction's summation order (5e-7) flips float8 roundings and the curves drift
-    apart by up to 2.4e-3 (measured), under the spread between fp8 and fp32 compute itself (5.5e-3)."""
-    sharded, ref, plain, n = run(_parity, 2, STEPS)[0]
-    assert n == 14
-    diffs = [abs(a - b) for a, b in zip(sharded, ref)]
+    """2 ranks (gloo, CPU float8 _scaled_mm): 20 AdamW steps of the tiny GPT with its 14 Linears in float8.
+
+    * float8 gathers and fp32 gathers cast after the gather give the same curve to the bit (fp32 compute: the codes
+      are the same, from the same absmax of the whole weight);
+    * against the same model converted and not sharded, run on the same per-rank batches, the first 5 steps are
+      equal; then the fp32 reduction's summation order (5e-7) flips float8 roundings and the curves drift apart by
+      up to 2.4e-3 (measured), under the spread between fp8 and fp32 compute itself (5.5e-3);
+    * the bytes all_gather sends per step equal the plan's, and one absmax all-reduce runs per float8 gather."""
+    f8, cast, ref, plain, n, per_step, planned, amaxes, gathers, bound = run(_parity, 2, STEPS)[0]
+    assert n == 14 and bound
+    assert f8 == cast
+    assert set(per_step) == {planned} and amaxes == gathers, (per_step, planned, amaxes, gathers)
+    diffs = [abs(a - b) for a, b in zip(f8, ref)]
     off = max(abs(a - b) for a, b in zip(ref, plain))
     print(f"max |sharded fp8 - unsharded fp8| over {STEPS} steps: {max(diffs):.3g} (first 5: {max(diffs[:5]):.3g}); "
-          f"fp8 vs fp32 compute: {off:.3g}; final {sharded[-1]:.4f} / {ref[-1]:.4f} / {plain[-1]:.4f}")
+          f"fp8 vs fp32 compute: {off:.3g}; final {f8[-1]:.4f} / {ref[-1]:.4f} / {plain[-1]:.4f}")
     assert max(diffs[:5]) < EXACT and max(diffs) < TOL, diffs
-    assert off > 0 and sharded[-1] < sharded[0] - 1
+    assert off > 0 and f8[-1] < f8[0] - 1
+
+
+def _toy_and_memory(rank, world):
+    """The Toy model (a weight sharded over dim 1: interleaved, copied out after its gather) with float8 gathers
+    against fp8_gather=False: (their gradients, equal?), and the runtime's peak against the plan's, per case."""
+    from models import Toy, batches, toy_rules
+    out = {}
+    grads = []
+    for gather in (True, False):
+        model = Toy(d=16, h=32)
+        plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=[r"blocks\.\d+"], min_unit_bytes=0,
+                       fp8="torchao", fp8_gather=gather)
+        assert not gather or any(b.tensorwise and b.copy_out for b in plan.buffers)
+        sp.shard(model, plan)
+        x, y = batches(1, batch=2)[0]
+        sp.reset_peak(model)
+        model(x, y).backward()
+        torch.optim.SGD(model.parameters(), lr=1.0).step()  # the gradients, whole, in the updated weights
+        grads.append(sp.full_state_dict(model))
+        out[("toy", gather)] = (sp.memory_stats(model)["peak"], plan.memory(rank).peak - plan.memory(rank).optimizer)
+    out["toy grads equal"] = grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][k], grads[1][k])
+                                                                          for k in grads[0])
+    for compute in (None, torch.bfloat16):
+        plan = sp.plan(gpt.tiny(), RULES, sp.Mesh(dp=world), units=UNITS, min_unit_bytes=0, fp8="torchao",
+                       compute_dtype=compute)
+        model = sp.shard(gpt.tiny().init_weights(0), plan)
+        x = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(rank))
+        sp.reset_peak(model)
+        loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+        out[("gpt", str(compute))] = (sp.memory_stats(model)["peak"], plan.memory(rank).peak - plan.memory(rank).optimizer)
+    return out
+
+
+@needs_torchao
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_float8_gathers_memory_and_copy_out(world):
+    """Float8 gathers of an interleaved weight (copied out after its gather, as bytes) give the gradients of fp32
+    gathers to the bit (fp32 compute); the runtime's peak equals the plan's (fp32 and bf16 compute)."""
+    for rank, r in enumerate(run(_toy_and_memory, world)):
+        assert r.pop("toy grads equal"), rank
+        for case, (measured, planned) in r.items():
+            assert measured == planned, (rank, case, measured, planned)

@@ -80,7 +80,7 @@ def load_target(target: str):
 # the keywords of shardplan.plan a rules file's OPTIONS may set (rules, units and the mesh have names of their own)
 PLAN_OPTIONS = ("strategy", "compute_dtype", "reduce_dtype", "prefetch", "reshard_after_forward", "optimizer_states",
                 "min_unit_bytes", "order", "layout", "compute_axes", "styles", "offload", "offload_fraction", "device_memory",
-                "gather_dtype", "fp8")
+                "gather_dtype", "fp8", "fp8_gather")
 
 
 def _fraction(text: str):

@@ -6,7 +6,7 @@ with, or ``sp.functional_call``). torchao is an optional extra (``pip install sh
 only when a plan asks for FP8.
 
 >>> plan = sp.plan(model, rules, sp.Mesh(dp=8), compute_dtype="bf16", fp8="torchao")
->>> model = sp.shard(model, plan)            # its Linears are Float8Linear now; gathers stay bf16
+>>> model = sp.shard(model, plan)            # its Linears are Float8Linear now, their weights gathered in float8
 >>> ref = sp.fp8.convert(build(), plan)      # the same conversion, unsharded
 """
 
@@ -73,9 +73,10 @@ def check_device(device) -> None:
 def config():
     """The torchao config shardplan converts with: tensorwise dynamic scales (torchao's default recipe).
 
-    [Note: no torchao float8 all-gather] ``enable_fsdp_float8_all_gather`` makes the weight a tensor subclass
-    with FSDP2's ``fsdp_pre_all_gather`` hooks; shardplan gathers flat buffers itself and binds plain tensors,
-    so the flag stays off: the weights are gathered in the compute dtype and Float8Linear casts them."""
+    [Note: not torchao's float8 all-gather] ``enable_fsdp_float8_all_gather`` makes the weight a tensor subclass
+    with FSDP2's ``fsdp_pre_all_gather`` hooks; shardplan gathers flat buffers itself (float8 codes, its own
+    absmax all-reduce: runtime/buffers.py, tensorwise buffers) and binds the gathered weights as torchao float8
+    tensors (:func:`weight_maker`), so the flag stays off."""
     return torchao_float8().Float8LinearConfig(enable_fsdp_float8_all_gather=False)
 
 
@@ -110,6 +111,27 @@ def convert(model: nn.Module, plan, device=None) -> nn.Module:
         parent, _, attr = m.path.rpartition(".")
         setattr(named[parent] if parent else model, attr, Float8Linear.from_float(mod, config=cfg))
     return model
+
+
+def weight_maker(slots: dict):
+    """``make(name, codes, scale, dtype, requires_grad)``: the full parameter of a Float8Linear weight gathered
+    as float8 (BufferState.make_params, tensorwise buffers), a torchao ``Float8TrainingTensor`` over the gathered
+    codes with the module's own matmul config, wrapped in an ``nn.Parameter`` (as FSDP2's float8 all-gather
+    gives it). ``slots``: plan name -> [(module, attribute)] (the converted module that holds it).
+
+    [Note: no cast, no dequantize] Float8Linear's matmul takes a weight that is already a Float8TrainingTensor as
+    it is (``tensor_already_casted_to_fp8``), in forward and for grad_input; grad_weight is computed from the
+    input and the output gradient, so the gradient that reaches the parameter is a plain tensor of ``dtype``."""
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
+    def make(name, codes, scale, dtype, requires_grad):
+        module = slots[name][0][0]
+        if not hasattr(module, "linear_mm_config"):
+            raise RuntimeShardingError(f"the plan gathers {name!r} as float8 for torchao, but its module is a "
+                                       f"{type(module).__name__}, not a Float8Linear; shard the model with sp.shard")
+        t = Float8TrainingTensor(codes, scale, dtype, module.linear_mm_config, GemmInputRole.WEIGHT)
+        return nn.Parameter(t, requires_grad=requires_grad)
+    return make
 
 
 def converted(model: nn.Module) -> list[str]:

@@ -451,9 +451,12 @@ class Plan:
                     **({"offload_fraction": self.offload_fraction} if self.offload_fraction != 1 else {}),
                     **({"gather_dtype": [(re.escape(n), self.buffers[self.param(n).buffer].gather_dtype)
                                          for n in (p.name for p in self.params)
-                                         if self.buffers[self.param(n).buffer].gather_dtype]}
-                       if any(b.gather_dtype for b in self.buffers) else {}),
-                    **({"fp8": [(re.escape(m.path), F8.TORCHAO) for m in self.fp8_modules]} if self.fp8_modules else {}))
+                                         if self.buffers[self.param(n).buffer].gather_dtype
+                                         and not self.buffers[self.param(n).buffer].tensorwise]}
+                       if any(b.gather_dtype and not b.tensorwise for b in self.buffers) else {}),
+                    # (the float8 Linears' tensorwise gathers follow from fp8= and fp8_gather=)
+                    **({"fp8": [(re.escape(m.path), F8.TORCHAO) for m in self.fp8_modules],
+                        "fp8_gather": any(b.tensorwise for b in self.buffers)} if self.fp8_modules else {}))
 
     def to_source(self) -> str:
         """A rules file that rebuilds this plan: ``rules``, ``UNITS`` (the exact modules of its units),

@@ -149,10 +149,26 @@ def tokens_of(trace) -> Optional[int]:
     return None
 
 
-def note(mods: tuple[FP8Module, ...], skipped: tuple[str, ...]) -> str:
+def float8_gathers(mods, wanted: bool, level: int, offload, compute_axes, expert: bool) -> tuple[bool, str]:
+    """Whether the float8 Linears' weights are gathered as float8 (lowp.FLOAT8_TW), and why not."""
+    if not mods:
+        return False, ""
+    if not wanted:
+        return False, "fp8_gather=False"
+    if level < 3:
+        return False, "the strategy keeps the parameters whole (no per-step gather)"
+    if offload or compute_axes or expert:
+        return False, "not supported with CPU offload, tensor or expert parallelism yet"
+    return True, ""
+
+
+def note(mods: tuple[FP8Module, ...], skipped: tuple[str, ...], tensorwise: bool = False, why: str = "") -> str:
     """What ``plan.notes`` says about the conversion."""
+    how = ("their weights are all-gathered as float8 codes, one scale per weight from an absmax all-reduce, and "
+           "reach the matmuls without a dequantize" if tensorwise else
+           f"their weights are gathered in the compute dtype and cast to float8 after the gather ({why})")
     text = (f"fp8='torchao': {len(mods)} nn.Linear modules run in float8 (torchao Float8Linear, tensorwise dynamic "
-            f"scales; their weights are gathered in the compute dtype and cast to float8 after the gather)")
+            f"scales; {how})")
     if skipped:
         text += f"; {len(skipped)} stay: " + "; ".join(skipped[:4]) + (" ..." if len(skipped) > 4 else "")
     return text

@@ -88,7 +88,7 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
             unit_full = {n: originals[n].detach() for n in names}
         for b in bufs:
             b.fill_local([tp_local(plan, n, unit_full[n], rank) for n in b.bp.params])
-            b.make_params([rt.wrappers.get(n) for n in b.bp.params])
+            b.make_params([rt.wrappers.get(n) for n in b.bp.params], float8 if b.tw else None)
             # the objects the user holds (an optimizer built before shard()) become the local shards
             for m in b.members:
                 m.local = identity.adopt(originals[m.name], m.local, m.name)
@@ -98,6 +98,10 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
         for m, attr, lp, _ in unit_slots[up.name]:
             m._parameters[attr] = lp  # drops the module's full tensors (meta init: the only full copy of this unit)
 
+    float8 = None
+    if any(b.tensorwise for b in plan.buffers):  # FP8 compute's float8 gathers: torchao's tensors over them
+        from ..fp8 import weight_maker
+        float8 = weight_maker(slots)
     units = rt.make_units(fill)
     identity.sharded()
     face = ModuleFace(unit_slots)
