@@ -184,10 +184,15 @@ class BufferState:
         first step, all-reduced (max) over the shard group before :meth:`set_scales`."""
         with torch.no_grad():
             held = [i for i, m in enumerate(self.members) if m.held]
+            if not held:
+                return torch.zeros(len(self.members), dtype=torch.float32, device=self.device)
+            # the inf-norm is the absmax (as torchao's precompute takes it): one foreach kernel
+            norms = torch.stack(torch._foreach_norm([self.shard[self.members[i].shard] for i in held], ord=math.inf))
+            if len(held) == len(self.members):
+                return norms.float()
             out = torch.zeros(len(self.members), dtype=torch.float32, device=self.device)
-            if held:  # the inf-norm is the absmax (as torchao's precompute takes it): one foreach kernel
-                norms = torch._foreach_norm([self.shard[self.members[i].shard] for i in held], ord=math.inf)
-                out[torch.tensor(held, device=self.device)] = torch.stack(norms).float()
+            for k, i in enumerate(held):
+                out[i] = norms[k]
         return out
 
     def set_scales(self, amax: torch.Tensor) -> None:
@@ -208,18 +213,13 @@ class BufferState:
         """This rank's shard as float8 codes (uint8) into ``out[:S]``, each piece with its parameter's scale
         (torchao's cast: fp32 times the scale, saturated to +-448); padding is zero."""
         with torch.no_grad():
+            if sum(m.held for m in self.members) != self.S:  # padding (and gaps) send zero codes
+                out[:self.S].zero_()
             codes = out[:self.S].view(torch.float8_e4m3fn)
-            covered = 0
             for i, m in enumerate(self.members):
                 if m.held:
                     x = self.shard[m.shard].float() * self.scales[i]
                     codes[m.shard].copy_(x.clamp_(-448.0, 448.0))
-                    covered += m.held
-            if covered != self.S:  # padding (and gaps): zero codes
-                mask = torch.ones(self.S, dtype=torch.bool, device=self.device)
-                for m in self.members:
-                    mask[m.shard] = False
-                out[:self.S][mask] = 0
 
     def gather_input(self, collective: bool, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The shard as the all-gather sends it: cast to the compute dtype, or a copy when it is part of
