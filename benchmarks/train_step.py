@@ -7,6 +7,8 @@
         --systems shardplan,shardplan_offload --offload balance       # the fraction whose host step backward hides
     python benchmarks/train_step.py --config 1B --batch 8 --seq 1024 --dtype bf16 \
         --systems shardplan,shardplan_int8,shardplan_fp8,shardplan_int8_qg,fsdp2   # docs/low_precision.md
+    python benchmarks/train_step.py --config 8B --batch 1 --seq 8192 --dtype bf16 --act-ckpt --compile \
+        --systems shardplan,shardplan_fp8c,shardplan_fp8c_cast,fsdp2,fsdp2_fp8   # FP8 compute (shardplan[fp8])
     torchrun --nproc-per-node 2 benchmarks/train_step.py --config small --out cpu.json             # CPU, gloo
 
 Every system trains the same GPT (examples/gpt.py; units = transformer blocks) from the same
@@ -121,6 +123,38 @@ def calibrate(args, dev, world, plan, steps=4):
     return kernel, statistics.median(back[1:])
 
 
+SHARDPLAN_SYSTEMS = ("shardplan", "shardplan_raf", "shardplan_int8", "shardplan_fp8", "shardplan_int8_qg",
+                     "shardplan_fp8c", "shardplan_fp8c_cast")
+# FP8 compute through torchao: _fp8c gathers the Float8Linear weights as float8 (one scale per weight), _fp8c_cast
+# in bf16 (torchao casts after the gather), fsdp2_fp8 is FSDP2 + torchao's float8 all-gather (torchtitan's recipe)
+FP8_SYSTEMS = ("shardplan_fp8c", "shardplan_fp8c_cast", "fsdp2_fp8")
+
+
+class SkippedSystem(Exception):
+    """A system that cannot run here (torchao missing): reported as skipped, the others run."""
+
+
+def need_torchao():
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError as exc:
+        raise SkippedSystem(f"skipped: torchao is not installed (pip install 'shardplan[fp8]'): {exc}") from None
+
+
+class _AfterStep:
+    """An optimizer whose step() is followed by ``fn`` (FSDP2 + torchao: precompute the float8 weight scales)."""
+
+    def __init__(self, opt, fn):
+        self.opt, self.fn = opt, fn
+
+    def step(self):
+        self.opt.step()
+        self.fn()
+
+    def zero_grad(self, set_to_none=True):
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+
 def make_system(name, args, dev, world):
     model = build_model(args, dev)
     dt = torch.bfloat16 if args.dtype == "bf16" else None
@@ -130,21 +164,31 @@ def make_system(name, args, dev, world):
         ctx = (lambda: torch.autocast(dev.type, dtype=dt)) if dt else None
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         return wrapped, opt, ctx, info
-    if name in ("shardplan", "shardplan_raf", "shardplan_int8", "shardplan_fp8", "shardplan_int8_qg"):
-        # _int8/_fp8: quantized gathers, _int8_qg: and the int8 gradient reduction (docs/low_precision.md)
+    if name in FP8_SYSTEMS:
+        need_torchao()
+    if name in SHARDPLAN_SYSTEMS:
+        # _int8/_fp8: quantized gathers, _int8_qg: and the int8 gradient reduction, _fp8c: FP8 compute (torchao
+        # Float8Linear, bf16 gathers) (docs/low_precision.md)
         gather = {"shardplan_int8": "int8", "shardplan_fp8": "float8_e4m3fn", "shardplan_int8_qg": "int8"}.get(name)
         reduce = "int8" if name == "shardplan_int8_qg" else torch.float32 if dt else None
         opts = dict(units=[r"layers\.\d+"], compute_dtype=dt, reduce_dtype=reduce,
-                    prefetch=args.prefetch, min_unit_bytes=args.min_unit_bytes, gather_dtype=gather)
+                    prefetch=args.prefetch, min_unit_bytes=args.min_unit_bytes, gather_dtype=gather,
+                    fp8="torchao" if name in FP8_SYSTEMS else None, fp8_gather=name != "shardplan_fp8c_cast")
         plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), **opts)
         if name == "shardplan_raf":  # every unit freed after its forward, the last too (FSDP2's default; by
             plan = plan.with_reshard_after_forward(True)  # default the last stays gathered, as in torchtitan)
         with torch.device("meta"):  # the gathers are local at world 1: the bytes they would send at 8 and 64 ranks
             meta = gpt.build(args.config)
         info["planned_bytes"] = {w: {k: v for k, v in sp.plan(meta, [(r".*", sp.P("dp"))], sp.Mesh(dp=w), **opts)
-                                     .comm_bytes().items() if k in ("all_gather", "reduce_scatter", "gather_scales")}
+                                     .comm_bytes().items() if k in ("all_gather", "reduce_scatter", "gather_scales",
+                                                                      "fp8_amax")}
                                  for w in (8, 64)}
         sp.shard(model, plan)
+        if plan.fp8_modules:
+            info["fp8_linears"] = len(plan.fp8_modules)
+            info["fp8_warnings"] = [w for w in plan.warnings if w.startswith("fp8")]
+        if args.compile:
+            sp.compile_units(model)
         info["planned_memory"] = plan.memory().__dict__
         info["units"] = len(plan.units)
         info["notes"] = list(plan.notes)
@@ -216,13 +260,24 @@ def make_system(name, args, dev, world):
                        min_unit_bytes=args.min_unit_bytes)
         system = FunctionalSystem(model, plan)
         return system, system, None, info
-    if name == "fsdp2":
+    if name in ("fsdp2", "fsdp2_fp8"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=dt, reduce_dtype=torch.float32) if dt else MixedPrecisionPolicy()
+        if name == "fsdp2_fp8":  # torchtitan's recipe: tensorwise float8, float8 all-gather, the head left in bf16
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+            cfg = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+            convert_to_float8_training(model, config=cfg, module_filter_fn=lambda m, fqn: fqn != "output"
+                                       and m.in_features % 16 == 0 and m.out_features % 16 == 0)
+        if args.compile:  # per block, before sharding (torchtitan's order)
+            for layer in model.layers:
+                layer.compile()
         for layer in model.layers:
             fully_shard(layer, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        if name == "fsdp2_fp8":  # the next step's weight scales in one all-reduce, after each optimizer step
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+            opt = _AfterStep(opt, lambda: precompute_float8_dynamic_scale_for_fsdp(model))
         return model, opt, None, info
     if name == "megatron":
         from megatron_fsdp import MixedPrecisionPolicy, fully_shard_model, fully_shard_optimizer
@@ -379,6 +434,9 @@ def parser() -> argparse.ArgumentParser:
                          "(plan.balanced_offload_fraction; not below the one fitting GIB); "
                          "reports host step time (host_step_ms) and how much of it backward hid")
     ap.add_argument("--act-ckpt", action="store_true", help="activation checkpointing of every block (all systems)")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile every block: shardplan systems via sp.compile_units, FSDP2 ones per layer "
+                         "before fully_shard (torchao's float8 casts are slow uncompiled)")
     ap.add_argument("--trace-plan", action="store_true",
                     help="shardplan_offload: plan on a meta twin traced on one batch "
                          "(plan_peak_traced: with activations)")
@@ -440,6 +498,12 @@ def main():
                     # the definition of earlier results: forward hooks only, per block (not per merged unit)
                     info["forward_hook_us_per_block"] = 1e6 * eng.hook_seconds / len(times) / (
                         gpt.CONFIGS[args.config].layers + 1)
+            except SkippedSystem as exc:
+                results[s]["error"] = str(exc)[:500]
+                if rank == 0:
+                    print(f"{s}: {exc}")
+                model = opt = None
+                continue
             except Exception as exc:  # noqa: BLE001 - recorded, the other systems still run
                 results[s]["error"] = f"{type(exc).__name__}: {exc}"[:500]
                 model = opt = None  # (an out-of-memory system must not keep its tensors from the next one)
@@ -459,8 +523,7 @@ def main():
                 res["peak"].append(torch.cuda.max_memory_allocated())
                 if args.mem_phases:  # after the peak is read: this step resets it per phase
                     res.setdefault("memory_phases", []).append(memory_phases(model, opt, ctx, data[0], dev))
-            elif s in ("shardplan", "shardplan_raf", "shardplan_offload", "shardplan_int8", "shardplan_fp8",
-                       "shardplan_int8_qg"):  # CPU: the runtime's own accounting, one step untimed
+            elif s in SHARDPLAN_SYSTEMS + ("shardplan_offload",):  # CPU: the runtime's own accounting, one step untimed
                 sp.reset_peak(model)  # (it costs a pass over every tensor per op while on)
                 run_steps(model, opt, ctx, data[:1], dev)
                 res["peak"].append(sp.memory_stats(model)["peak"])
@@ -499,14 +562,15 @@ def main():
                   "offload", "offload_fraction", "host_copy_bytes", "host_rss_bytes", "host_rss_end_bytes",
                   "host_rss_before_bytes", "shardplan_host_bytes", "host_step_ms",
                   "host_exposed_ms", "host_hidden_fraction", "host_steps_overlapped", "host_kernel_ms", "host_threads",
-                  "calibration", "plan_peak_traced", "memory_phases", "planned_bytes"):
+                  "calibration", "plan_peak_traced", "memory_phases", "planned_bytes", "fp8_linears", "fp8_warnings"):
             if k in res:
                 entry[k] = res[k]
         summary["systems"][s] = entry
     ok = {s: e for s, e in summary["systems"].items() if "error" not in e}
     ref = next(iter(ok.values()))["first_losses"][0] if ok else None
     tol = 3e-2 if args.dtype else 1e-4
-    quantized = ("shardplan_int8", "shardplan_fp8", "shardplan_int8_qg")  # quantized gathers: within their documented tolerance
+    # quantized gathers and FP8 compute: within their documented tolerance
+    quantized = ("shardplan_int8", "shardplan_fp8", "shardplan_int8_qg") + FP8_SYSTEMS
     summary["losses_agree"] = all(abs(e["first_losses"][0] - ref) <= (3e-2 if s in quantized else tol) * max(1.0, abs(ref))
                                   for s, e in ok.items())
     if "shardplan" in ok:  # the loss after the run's steps against unquantized gathers (docs/low_precision.md)

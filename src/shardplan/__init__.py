@@ -13,7 +13,7 @@ that ``import shardplan`` and the ``shardplan`` command start at once.
 import importlib as _importlib
 from importlib.util import find_spec as _find_spec
 
-from .errors import (CheckpointError, CollectiveError, ForecastError, MeshError, PlanError, PlanWarning, RuleError,
+from .errors import (CheckpointError, CollectiveError, FP8UnavailableError, ForecastError, MeshError, PlanError, PlanWarning, RuleError,
                      RehearsalError, RuntimeShardingError, ShardingError, SpecError, UnmatchedParametersError,
                      UnusedRuleWarning)
 from .mesh import Mesh
@@ -65,7 +65,7 @@ def __dir__():
 __all__ = [
     "Mesh", "P", "Rules", "match", "explain", "plan", "Plan", "ParamPlan", "BufferPlan", "UnitPlan", "Memory", "Op",
     "ShardingError", "MeshError", "SpecError", "RuleError", "UnmatchedParametersError", "PlanError",
-    "RuntimeShardingError", "CollectiveError", "CheckpointError", "ForecastError", "UnusedRuleWarning", "PlanWarning",
+    "RuntimeShardingError", "FP8UnavailableError", "CollectiveError", "CheckpointError", "ForecastError", "UnusedRuleWarning", "PlanWarning",
     "shard", "no_sync", "clip_grad_norm_", "record_ops", "memory_stats", "reset_peak", "mark_shards_changed",
     "compile_units", "checkpoint", "state_dict", "load_state_dict", "full_state_dict", "load_full_state_dict",
     "shard_tree", "unshard_tree", "assemble", "functional_call", "value_and_grad", "grad", "optim",

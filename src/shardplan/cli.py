@@ -80,7 +80,7 @@ def load_target(target: str):
 # the keywords of shardplan.plan a rules file's OPTIONS may set (rules, units and the mesh have names of their own)
 PLAN_OPTIONS = ("strategy", "compute_dtype", "reduce_dtype", "prefetch", "reshard_after_forward", "optimizer_states",
                 "min_unit_bytes", "order", "layout", "compute_axes", "styles", "offload", "offload_fraction", "device_memory",
-                "gather_dtype")
+                "gather_dtype", "fp8", "fp8_gather")
 
 
 def _fraction(text: str):
@@ -225,6 +225,8 @@ def plan_options_parser() -> argparse.ArgumentParser:
                    help="gradient reduction dtype, e.g. fp32 (default: the compute dtype)")
     p.add_argument("--gather-dtype", default=None, metavar="FORMAT",
                    help="quantized parameter gathers (ZeRO-3): int8 or float8_e4m3fn (docs/low_precision.md)")
+    p.add_argument("--fp8", default=None, choices=("torchao",),
+                   help="FP8 compute: the nn.Linears in torchao's Float8Linear (docs/low_precision.md#fp8-compute)")
     p.add_argument("--prefetch", type=int, default=None, metavar="N",
                    help="units gathered ahead (default: the rules file's OPTIONS, else 1)")
     p.add_argument("--min-unit-bytes", type=parse_size, default=None, metavar="SIZE",
@@ -351,6 +353,7 @@ def plan_options(args, file: Optional[RulesFile]) -> dict:
              "prefetch": args.prefetch, "min_unit_bytes": args.min_unit_bytes, "order": args.order,
              "reshard_after_forward": args.reshard_after_forward, "offload": args.offload,
              "offload_fraction": args.offload_fraction, "gather_dtype": getattr(args, "gather_dtype", None),
+             "fp8": getattr(args, "fp8", None),
              "device_memory": None if getattr(args, "device_memory", None) is None else int(args.device_memory * 2**30)}
     if args.compute_axes is not None:
         given["compute_axes"] = tuple(a.strip() for a in args.compute_axes.split(",") if a.strip())

@@ -59,3 +59,8 @@ class PlanWarning(UserWarning):
 class RehearsalError(ShardingError):
     """One rank of a plan cannot be rehearsed here (a rank outside the mesh, a device too small for it,
     a plan the rehearsal cannot run yet)."""
+
+
+class FP8UnavailableError(RuntimeShardingError):
+    """FP8 compute (``sp.plan(..., fp8="torchao")``) cannot run here: torchao is not installed, or the device
+    has no float8 matmul. The message names the fix."""

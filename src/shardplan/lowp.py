@@ -22,6 +22,12 @@ from .errors import PlanError
 
 INT8, FLOAT8 = "int8", "float8_e4m3fn"
 FORMATS = (INT8, FLOAT8)
+# [Note: FP8 compute's gathers] (sp.plan(..., fp8="torchao"), plan/float8.py) send float8_e4m3fn codes of the
+# torchao Float8Linear weights with one scale per parameter (448 / its absmax over the whole weight, one all-reduce
+# of the buffer's absmaxes before the gather), no block scales: the gathered codes are the weights torchao's matmul
+# reads, never dequantized. Not a gather_dtype= choice: the planner gives it to the float8 Linears' weights.
+FLOAT8_TW = "float8_tensorwise"
+AMAX_BYTES = 4  # one fp32 absmax per parameter of such a buffer
 BLOCK = 256  # elements of the flat shard per fp32 scale
 SCALE_BYTES = 4
 QMAX = {INT8: 127.0, FLOAT8: 448.0}  # the largest code magnitude: absmax maps to it
@@ -36,8 +42,10 @@ def scale_count(shard_numel: int) -> int:
     return -(-shard_numel // BLOCK)
 
 
-def wire_shard_bytes(shard_numel: int) -> int:
+def wire_shard_bytes(shard_numel: int, fmt: str = "") -> int:
     """Bytes one rank sends in a quantized gather of a buffer with ``shard_numel`` elements per rank."""
+    if fmt == FLOAT8_TW:
+        return shard_numel  # codes only: the scales come from the absmax all-reduce
     return shard_numel + SCALE_BYTES * scale_count(shard_numel)
 
 

@@ -29,13 +29,14 @@ def sizes(b: BufferPlan) -> dict[str, int]:
     collective = b.sharded and b.group_size > 1
     return dict(
         shard=0 if b.alias else b.shard_numel * it,
-        full=(b.numel if b.copy_out else b.gathered_numel) * ct,   # parameter-layout storage of the full params
-        packed=b.gathered_numel * ct if b.copy_out else 0,         # all-gather output before the copy-out
+        # [Note: a tensorwise (FP8 compute) gather] writes float8 codes straight into full (or packed): 1 byte each
+        full=(b.numel if b.copy_out else b.gathered_numel) * b.gathered_itemsize,  # the full params' storage
+        packed=b.gathered_numel * b.gathered_itemsize if b.copy_out else 0,       # before the copy-out
         send=b.shard_numel * ct if collective and (ct != it or b.alias) and not b.gather_dtype else 0,
         # [Note: a quantized gather] sends codes and scales (qsend, one rank's wire segment) into the gathered
         # wire, which the wait dequantizes into the full (or packed) buffer and releases
         qsend=b.wire_shard_bytes if collective else 0,
-        wire=b.gather_bytes if b.gather_dtype else 0,
+        wire=b.gather_bytes if b.gather_dtype and not b.tensorwise else 0,
         flat=b.grad_numel * ct if b.requires_grad else 0,          # unsharded gradient
         rin=(b.gathered_numel * (rt if rt != ct else ct)) if (rt != ct or b.copy_out) and not b.reduce_quant
         else b.reduce_bytes if b.reduce_quant else 0,
@@ -202,12 +203,21 @@ def comm_bytes(plan: "Plan") -> dict:
         factor = 2 if op.kind == ALL_REDUCE else 1
         out[op.kind] += op.bytes * factor * (n - 1) // n
     out["total"] = sum(out.values())
-    quantized = [b for b in plan.buffers if b.gather_dtype and b.sharded]
+    quantized = [b for b in plan.buffers if b.gather_dtype and not b.tensorwise and b.sharded]
     if quantized:  # [Note: part of all_gather, not added to the total again]
         scales = {b.index: b.scale_bytes * b.group_size for b in quantized}
         out["gather_scales"] = sum(scales[i] * (plan.mesh.axis_size(op.axes) - 1) // plan.mesh.axis_size(op.axes)
                                    for op in plan.ops() if op.kind == ALL_GATHER and op.what == PARAMS
                                    for i in op.buffers if i in scales)
+    tensorwise = {b.index: b.amax_bytes for b in plan.buffers if b.amax_bytes}
+    if tensorwise:  # [Note: FP8 compute's absmax all-reduce] inside each all_gather op of those buffers: a max of
+        # one fp32 per parameter over the gather's group, in all_reduce and the total (ring: 2 (n-1)/n of it)
+        amax = sum(2 * tensorwise[i] * (plan.mesh.axis_size(op.axes) - 1) // plan.mesh.axis_size(op.axes)
+                   for op in plan.ops() if op.kind == ALL_GATHER and op.what == PARAMS for i in op.buffers
+                   if i in tensorwise)
+        out["fp8_amax"] = amax
+        out[ALL_REDUCE] += amax
+        out["total"] += amax
     if plan.compute_axes:
         acts = plan.tp_activations
         out["tensor_parallel"] = None if acts is None else tp.activation_bytes(plan.tp_modules, acts, plan.mesh)
@@ -296,7 +306,8 @@ def plan_warnings(mesh: Mesh, params: Sequence[ParamPlan], buffers: Sequence[Buf
         if data and pad / data > 0.01 and pad > 4096:
             out.append(f"unit {u.name}: padding wastes {100 * pad / data:.2f}% ({pad:,} elements); "
                        f"fewer ranks per shard group or row sizes dividing the shard size reduce it")
-    local = [b for b in buffers if (b.gather_dtype or b.reduce_quant) and b.group_size == 1]
+    # (FP8 compute's float8 gathers are left out: their cast replaces torchao's own, adding neither time nor error)
+    local = [b for b in buffers if ((b.gather_dtype and not b.tensorwise) or b.reduce_quant) and b.group_size == 1]
     if local:
         out.append(f"{len(local)} buffer(s) quantize their gathers or gradient reduction (gather_dtype/reduce_dtype) "
                    f"over a shard group of one: nothing crosses the network, so quantizing only costs time and adds "

@@ -20,6 +20,7 @@ from . import geometry
 from . import offload as OFF
 from . import context_parallel as CPX
 from . import expert_parallel as EP
+from . import float8 as F8
 from . import tensor_parallel as tp
 from .accounting import plan_warnings
 from .facade import Plan
@@ -87,7 +88,8 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
          world_size: Optional[int] = None,
          min_unit_bytes: Optional[int] = None, order=Order.STATIC, compute_axes=(), styles=None,
          layout=LayoutChoice.AUTO, offload=None, offload_fraction: float = 1.0,
-         device_memory: Optional[float] = None, expert_axes=None, gather_dtype=None) -> Plan:
+         device_memory: Optional[float] = None, expert_axes=None, gather_dtype=None, fp8=None,
+         fp8_gather: bool = True) -> Plan:
     """Compile rules, a mesh and options into a :class:`Plan`. Pure: no process group, no GPU.
 
     >>> plan = shardplan.plan(model, rules, Mesh(dp=8), units=[r"layers\\.\\d+"], compute_dtype=torch.bfloat16)
@@ -138,6 +140,14 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
     shard), dequantized to the compute dtype after the gather; the master shards never see quantized values.
     Per rule: ``gather_dtype=[(r".*embed.*", None), (r".*", "int8")]`` (first match wins, unmatched: not
     quantized). See :mod:`shardplan.lowp` and docs/low_precision.md.
+
+    ``fp8="torchao"`` runs the units' ``nn.Linear`` modules in float8 (torchao's ``Float8Linear``, which
+    ``sp.shard`` swaps in; ``pip install shardplan[fp8]``): every one whose dims divide by 16, but the output
+    head, tied and tensor-parallel weights; per module, ``fp8=[(module regex, "torchao" or None), ...]``.
+    ``plan.fp8_modules`` lists them, ``plan.warnings`` says where FP8 compute does not pay (docs/low_precision.md).
+    Under ZeRO-3 their weights are all-gathered as float8 codes with one scale per weight (an all-reduce of the
+    absmaxes first) and handed to torchao as float8 tensors, never dequantized; ``fp8_gather=False`` gathers
+    them in the compute dtype instead (torchao casts after the gather).
     """
     if not isinstance(mesh, Mesh):
         raise MeshError(f"mesh must be a shardplan.Mesh, e.g. Mesh(dp=8); got {type(mesh).__name__}")
@@ -164,6 +174,7 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
             raise PlanError(f"{what}={name!r} is not a floating dtype; use e.g. 'bfloat16' or 'float32'{hint}")
     compute_axes = tp.as_compute_axes(compute_axes, mesh)
     gather_option = lowp.as_option(gather_dtype)
+    fp8_option = F8.as_option(fp8)
     expert_axes = EP.as_expert_axes(expert_axes, mesh, compute_axes)
     if reduce_quant:
         lowp.refuse_reduce(level, offload, compute_axes, bool(expert_axes))
@@ -207,6 +218,10 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
     gather_of = lowp.gather_of(gather_option, [(i.name, len(i.shape), is_floating(dtype_name(i.dtype)), i.requires_grad)
                                                for i in infos])
     lowp.refuse(level, offload, compute_axes, bool(ep_of), next((f for f in gather_of.values() if f), ""))
+    fp8_modules, fp8_skipped = F8.select(module, fp8_option, infos, owner, tp_of)
+    fp8_tw, fp8_why = F8.float8_gathers(fp8_modules, fp8_gather, level, offload, compute_axes, bool(ep_of))
+    if fp8_tw:  # [Note: FP8 compute's gathers] in lowp.py: the float8 Linears' weights, whatever gather_dtype says
+        gather_of.update({m.weight: lowp.FLOAT8_TW for m in fp8_modules})
     members: dict[str, list] = {u: [] for u in [ROOT] + unit_order}
     for info in infos:  # the layout sees what one tensor-parallel rank stores: its local shape, storage axes
         c = tp_of[info.name]
@@ -230,6 +245,11 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
     paths = {u: covers.get(u, (u,)) for u in unit_order}
     parent = _parents(unit_order, paths)
 
+    if fp8_modules:  # the units they ended in (after merging)
+        final = {i.name: u for u, m in members.items() for i, _ in m}
+        fp8_modules = tuple(dataclasses.replace(m, unit=final[m.weight]) for m in fp8_modules)
+        choices.append(F8.note(fp8_modules, fp8_skipped, fp8_tw, fp8_why))
+        notes += F8.warnings(fp8_modules, F8.tokens_of(trace) if trace is not None else None)
     params: dict[str, ParamPlan] = {}
     buffers: list[BufferPlan] = []
     unit_plans: list[UnitPlan] = []
@@ -335,7 +355,7 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
                     tp_modules=tp_modules, tp_activations=activations, layout=layout,
                     offload=offload, offload_fraction=fraction, activations=profile,
                     expert_axes=expert_axes if expert_modules else (), expert_modules=expert_modules,
-                    expert_calls=expert_calls, context_calls=context_calls)
+                    expert_calls=expert_calls, context_calls=context_calls, fp8_modules=fp8_modules)
 
     if offload_fraction == OFF.AUTO:  # [Note: the automatic fraction] in plan/offload.py
         ranks = range(mesh.size) if mesh.size <= 64 else sorted({r * (mesh.size - 1) // 63 for r in range(64)})

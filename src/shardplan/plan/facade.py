@@ -23,6 +23,7 @@ from . import accounting, geometry, render, serialize
 from . import schedule as S
 from . import context_parallel as CPX
 from . import expert_parallel as EP
+from . import float8 as F8
 from . import tensor_parallel as tp
 from .offload import HOST_GBPS
 from .kinds import LayoutChoice, Offload, Order, Strategy, choose, strategy_level
@@ -67,6 +68,7 @@ class Plan:
     expert_modules: tuple[EP.ExpertModule, ...] = ()        # modules whose experts they split
     expert_calls: Optional[tuple[EP.ExpertCall, ...]] = None  # traced token inputs of those (None: not traced)
     context_calls: Optional[tuple[CPX.AttentionCall, ...]] = None  # traced attention calls (None: not traced or no cp)
+    fp8_modules: tuple[F8.FP8Module, ...] = ()  # nn.Linears run in float8 by torchao (fp8="torchao"; sp.shard swaps them)
 
     # -- lookups -----------------------------------------------------------------------------------
     @cached_property
@@ -461,8 +463,12 @@ class Plan:
                     **({"offload_fraction": self.offload_fraction} if self.offload_fraction != 1 else {}),
                     **({"gather_dtype": [(re.escape(n), self.buffers[self.param(n).buffer].gather_dtype)
                                          for n in (p.name for p in self.params)
-                                         if self.buffers[self.param(n).buffer].gather_dtype]}
-                       if any(b.gather_dtype for b in self.buffers) else {}))
+                                         if self.buffers[self.param(n).buffer].gather_dtype
+                                         and not self.buffers[self.param(n).buffer].tensorwise]}
+                       if any(b.gather_dtype and not b.tensorwise for b in self.buffers) else {}),
+                    # (the float8 Linears' tensorwise gathers follow from fp8= and fp8_gather=)
+                    **({"fp8": [(re.escape(m.path), F8.TORCHAO) for m in self.fp8_modules],
+                        "fp8_gather": any(b.tensorwise for b in self.buffers)} if self.fp8_modules else {}))
 
     def to_source(self) -> str:
         """A rules file that rebuilds this plan: ``rules``, ``UNITS`` (the exact modules of its units),

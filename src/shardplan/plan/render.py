@@ -124,12 +124,14 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
                f"{fmt_bytes(c['reduce_scatter'])}, all_reduce {fmt_bytes(c['all_reduce'])}{tp_part}, "
                f"total {fmt_bytes(c['total'])}")
     if "gather_scales" in c:
-        q = [b for b in plan.buffers if b.gather_dtype]
+        q = [b for b in plan.buffers if b.gather_dtype and not b.tensorwise]
         full = sum(b.gathered_numel * b.compute_itemsize for b in q)
         wire = sum(b.gather_bytes for b in q)
         out.append(f"quantized gathers ({', '.join(sorted({b.gather_dtype for b in q}))}): {len(q)} buffers, all_gather "
                    f"includes {fmt_bytes(c['gather_scales'])} of fp32 block scales; their gathers carry "
                    f"{100 * wire / max(full, 1):.1f}% of the compute-dtype bytes")
+    if plan.fp8_modules:
+        out.append(fp8_line(plan))
     if plan.expert_modules:
         m0 = plan.expert_modules[0]
         out.append(f"expert axis {m0.axis}: {len(plan.expert_modules)} expert modules, {m0.local_experts} of "
@@ -189,9 +191,39 @@ def render_tp(plan: "Plan") -> list[str]:
     return out
 
 
+def fp8_line(plan: "Plan") -> str:
+    """FP8 compute: which Linears, what their gathers carry, and where the float8 matmuls pay (plan/float8.py)."""
+    mods = plan.fp8_modules
+    pays = sorted(m.min_tokens for m in mods if m.min_tokens)
+    gathered = tw = 0  # the bytes the float8 Linears' weights take in the all-gathers, per step and rank
+    for m in mods:
+        p = plan.param(m.weight)
+        b, u = plan.buffers[p.buffer], next(u for u in plan.units if u.name == p.unit)
+        tw += b.tensorwise
+        if plan.level >= 3 and b.sharded and b.group_size > 1:
+            times = 2 if u.reshard_after_forward else 1
+            gathered += times * p.numel * b.gathered_itemsize * (b.group_size - 1) // b.group_size
+    span = f"{pays[0]:,d}" if pays and pays[0] == pays[-1] else f"{pays[0]:,d} to {pays[-1]:,d}" if pays else ""
+    where = (f"FP8 matmuls pay from {span} tokens per rank per step for {len(pays)} of them, "
+             f"never for {len(mods) - len(pays)}" if pays else "FP8 matmuls pay for none of them at any batch")
+    c = plan.comm_bytes()
+    how = (f"all-gathered as float8 codes ({fmt_bytes(gathered)} of all_gather per step; absmax all-reduce "
+           f"{fmt_bytes(c.get('fp8_amax', 0))}), bound to torchao without a dequantize" if tw else
+           f"gathered in the compute dtype ({fmt_bytes(gathered)} of all_gather per step) and cast to float8 after "
+           f"the gather")
+    return (f"fp8 compute (torchao Float8Linear, tensorwise scales): {len(mods)} Linear modules; their weights are "
+            f"{how}; {where} (rule of thumb, docs/low_precision.md#fp8-compute)")
+
+
 def _quantized(plan: "Plan", op) -> str:
     """The quantized gather formats of ``op``'s buffers ("int8", "int8+float8_e4m3fn", or "")."""
-    return "+".join(sorted({plan.buffers[i].gather_dtype for i in op.buffers if plan.buffers[i].gather_dtype}))
+    return "+".join(sorted({plan.buffers[i].gather_dtype for i in op.buffers
+                            if plan.buffers[i].gather_dtype and not plan.buffers[i].tensorwise}))
+
+
+def _tensorwise(plan: "Plan", op) -> int:
+    """The absmax bytes all-reduced before ``op``'s tensorwise (FP8 compute) gathers; 0: none."""
+    return sum(plan.buffers[i].amax_bytes or (4 if plan.buffers[i].tensorwise else 0) for i in op.buffers)
 
 
 def render_schedule(plan: "Plan") -> str:
@@ -208,14 +240,18 @@ def render_schedule(plan: "Plan") -> str:
         elif op.is_collective:
             ax = ",".join(op.axes) or "local"
             body = f"{op.kind} {op.what} {op.unit or 'all'} over {ax}, {fmt_bytes(op.bytes)}"
-            q = _quantized(plan, op)
+            q, tw = _quantized(plan, op), _tensorwise(plan, op)
             if q and op.kind == ALL_GATHER:
                 body = f"quantize {q} (fp32 block scales), " + body
+            if tw and op.kind == ALL_GATHER:
+                body = f"absmax all-reduce ({tw} B), quantize float8 (one scale per weight), " + body
         else:
             body = f"{op.kind} {op.what} {op.unit or 'all'}"
             q = _quantized(plan, op)
             if q and op.kind == WAIT and op.what == PARAMS:
                 body += f", dequantize {q} -> compute dtype"
+            if _tensorwise(plan, op) and op.kind == WAIT and op.what == PARAMS:
+                body += ", float8 weights to torchao as they are (no dequantize)"
         lines.append(f"  {i:>4}  {body}{flags}")
     return "\n".join(lines)
 

@@ -11,6 +11,7 @@ from ..mesh import Mesh
 from ..spec import P
 from . import context_parallel as CPX
 from . import expert_parallel as EP
+from . import float8 as F8
 from . import tensor_parallel as tp
 from .kinds import LayoutChoice, Offload, Order, Strategy, choose
 from .validate import normalised
@@ -65,6 +66,7 @@ def to_dict(plan: "Plan") -> dict[str, Any]:
            if plan.expert_modules else {}),
         **({"context_calls": [dataclasses.asdict(c) for c in plan.context_calls]}
            if plan.context_calls is not None else {}),
+        **({"fp8_modules": [dataclasses.asdict(m) for m in plan.fp8_modules]} if plan.fp8_modules else {}),
         # [Note: written only for a plan traced with it, so older plans keep their JSON and fingerprints]
         **({"activations": _activations_dict(plan.activations)} if getattr(plan, "activations", None) is not None else {}),
     }
@@ -133,6 +135,7 @@ def plan_fields(text: str) -> dict[str, Any]:
         expert_modules=tuple(EP.ExpertModule(**m) for m in d.get("expert_modules", ())),
         expert_calls=None if d.get("expert_calls") is None else tuple(EP.ExpertCall(**c) for c in d["expert_calls"]),
         context_calls=None if d.get("context_calls") is None else tuple(CPX.AttentionCall(**c) for c in d["context_calls"]),
+        fp8_modules=tuple(F8.FP8Module(**m) for m in d.get("fp8_modules", ())),
     )
 
 

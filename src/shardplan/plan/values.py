@@ -163,12 +163,30 @@ class BufferPlan:
     @property
     def wire_shard_bytes(self) -> int:
         """Bytes one rank sends in this buffer's quantized gather: codes and fp32 block scales (0: not quantized)."""
-        return lowp.wire_shard_bytes(self.shard_numel) if self.gather_dtype else 0
+        return lowp.wire_shard_bytes(self.shard_numel, self.gather_dtype) if self.gather_dtype else 0
 
     @property
     def scale_bytes(self) -> int:
-        """Bytes of fp32 scales one rank sends in its quantized gather (0: not quantized)."""
-        return lowp.SCALE_BYTES * lowp.scale_count(self.shard_numel) if self.gather_dtype else 0
+        """Bytes of fp32 scales one rank sends in its quantized gather (0: not quantized, or FP8 compute's
+        tensorwise gather, whose scales come from the absmax all-reduce: :attr:`amax_bytes`)."""
+        if not self.gather_dtype or self.tensorwise:
+            return 0
+        return lowp.SCALE_BYTES * lowp.scale_count(self.shard_numel)
+
+    @property
+    def tensorwise(self) -> bool:
+        """FP8 compute's gather (plan/float8.py): float8 codes, bound as torchao float8 weights, no dequantize."""
+        return self.gather_dtype == lowp.FLOAT8_TW
+
+    @property
+    def amax_bytes(self) -> int:
+        """The all-reduce (max) before each tensorwise gather: one fp32 absmax per parameter (0: none)."""
+        return lowp.AMAX_BYTES * len(self.params) if self.tensorwise and self.sharded and self.group_size > 1 else 0
+
+    @property
+    def gathered_itemsize(self) -> int:
+        """Bytes per element of the gathered parameters: the compute dtype's, or 1 (float8 codes, tensorwise)."""
+        return 1 if self.tensorwise else self.compute_itemsize
 
     @property
     def gather_bytes(self) -> int:

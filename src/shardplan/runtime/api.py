@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..errors import RuntimeShardingError
+from ..errors import FP8UnavailableError, RuntimeShardingError
 from ..plan import Plan
 from . import collectives as C
 from . import context_parallel as CP
@@ -20,7 +20,7 @@ from . import tensor_parallel as TP
 from . import state_dict as SD
 from .builder import ATTR as _ATTR, build, engine_of
 from .executor import Executor
-from .startup import tp_local
+from .startup import device_for, tp_local
 from .seams import guard_apply
 from .faces import ModuleFace
 from . import identity
@@ -30,6 +30,28 @@ from .hooks import install
 
 
 # -- shard ---------------------------------------------------------------------------------------------
+
+def _build_fp8(module: nn.Module, plan: Plan, timeout_s: float, check_values: bool):
+    """:func:`build`, after the plan's FP8 Linears are converted (``plan.fp8_modules``, :mod:`shardplan.fp8`).
+
+    [Note: one rank without FP8] the conversion's problem (no torchao, no float8 matmuls) joins the start-up
+    checks, so every rank raises together instead of the others waiting at the first collective; the rank
+    that found it raises its own FP8UnavailableError (naming the install or the device)."""
+    mine = None
+    if plan.fp8_modules:
+        from .. import fp8
+        try:
+            fp8.convert(module, plan, device_for(module, dist.get_backend())[0])
+        except FP8UnavailableError as exc:
+            mine = exc
+    try:
+        return build(module, plan, timeout_s=timeout_s, check_values=check_values,
+                     problems=[str(mine)] if mine else [])
+    except RuntimeShardingError as exc:
+        if mine is not None:
+            raise mine from exc
+        raise
+
 
 def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Module], None]] = None,
           timeout_s: float = 300.0, sync_buffers: bool = True, sync_module_states: bool = False) -> nn.Module:
@@ -46,7 +68,7 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     """
     if _ATTR in module.__dict__:
         raise RuntimeShardingError("this module is already sharded; build a fresh module to shard it again")
-    rt = build(module, plan, timeout_s=timeout_s, check_values=not sync_module_states)
+    rt = _build_fp8(module, plan, timeout_s, not sync_module_states)
     slots, rank, device = rt.slots, rt.rank, rt.device
     if sync_module_states and rt.world > 1 and not rt.meta:
         with torch.no_grad():
@@ -66,7 +88,7 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
             unit_full = {n: originals[n].detach() for n in names}
         for b in bufs:
             b.fill_local([tp_local(plan, n, unit_full[n], rank) for n in b.bp.params])
-            b.make_params([rt.wrappers.get(n) for n in b.bp.params])
+            b.make_params([rt.wrappers.get(n) for n in b.bp.params], float8 if b.tw else None)
             # the objects the user holds (an optimizer built before shard()) become the local shards
             for m in b.members:
                 m.local = identity.adopt(originals[m.name], m.local, m.name)
@@ -76,6 +98,10 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
         for m, attr, lp, _ in unit_slots[up.name]:
             m._parameters[attr] = lp  # drops the module's full tensors (meta init: the only full copy of this unit)
 
+    float8 = None
+    if any(b.tensorwise for b in plan.buffers):  # FP8 compute's float8 gathers: torchao's tensors over them
+        from ..fp8 import weight_maker
+        float8 = weight_maker(slots)
     units = rt.make_units(fill)
     identity.sharded()
     face = ModuleFace(unit_slots)

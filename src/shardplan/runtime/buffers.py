@@ -96,9 +96,13 @@ class BufferState:
         group = self._group(plan) if bp.copy_out else ()
         self.members = [Member(plan.param(pc.param), pc, self._copy_plan(plan, pc.param, group))
                         for pc in plan.buffer_pieces(bp.index, rank)]
-        # full: the full parameters' storage, in parameter layout (interleaved: packed elsewhere)
-        self.full = torch.zeros(bp.numel if bp.copy_out else self.G, dtype=self.cdtype, device=device)
-        self.packed = torch.zeros(self.G, dtype=self.cdtype, device=device) if bp.copy_out else None
+        # full: the full parameters' storage, in parameter layout (interleaved: packed elsewhere). [Note: FP8
+        # compute's tensorwise gather] (bp.tensorwise) gathers float8 codes (as uint8) straight into it; the full
+        # parameters are torchao float8 tensors over it, with one scale each (``scales``), never dequantized
+        self.tw = bp.tensorwise
+        sdtype = torch.uint8 if self.tw else self.cdtype
+        self.full = torch.zeros(bp.numel if bp.copy_out else self.G, dtype=sdtype, device=device)
+        self.packed = torch.zeros(self.G, dtype=sdtype, device=device) if bp.copy_out else None
         if bp.alias:
             self.shard = self.full[self.seg * self.S:(self.seg + 1) * self.S] if self.sharded else self.full
         else:
@@ -113,9 +117,10 @@ class BufferState:
             free_storage(self.packed)
         # [Note: a quantized gather] (bp.gather_dtype) gathers codes and scales into ``wire`` (uint8), which
         # ``finish_gather`` dequantizes into the full (or packed) buffer; ``plan`` names a parameter on error
-        self.qfmt = bp.gather_dtype
+        self.qfmt = "" if self.tw else bp.gather_dtype
         self.wire: Optional[torch.Tensor] = None
-        self.plan = plan if self.qfmt else None
+        self.plan = plan if bp.gather_dtype else None
+        self.scales = torch.ones(len(self.members), dtype=torch.float32, device=device) if self.tw else None
         self.defer_check = device.type != "cpu"  # see [Note: the non-finite check without a host sync]
         self.pending_check = None
 
@@ -142,15 +147,21 @@ class BufferState:
                     continue
                 self.shard[m.shard].copy_(t[m.piece.storage_box].reshape(-1))
 
-    def make_params(self, wraps: Optional[list] = None) -> None:
+    def make_params(self, wraps: Optional[list] = None, float8: Optional[Callable] = None) -> None:
         """The local shards and the full parameters; ``wraps[i]`` (tensor parallelism) turns parameter i's
-        full tensor into the DTensor its module computes with, over the same storage."""
+        full tensor into the DTensor its module computes with, over the same storage. A tensorwise buffer's
+        full parameters come from ``float8(name, codes, scale, dtype, requires_grad)`` (:mod:`shardplan.fp8`):
+        torchao float8 tensors over the gathered codes, the scale a view of ``scales``."""
         for i, m in enumerate(self.members):
             if wraps is not None:
                 m.wrap = wraps[i]
             m.local = nn.Parameter(self.shard[m.shard].view(m.piece.shape), requires_grad=m.info.requires_grad)
-            m.full = nn.Parameter(self._wrap(m, alias(self.full, m.piece.full_offset, m.info.shape)),
-                                  requires_grad=m.info.requires_grad)
+            if self.tw:
+                codes = alias(self.full, m.piece.full_offset, m.info.shape).view(torch.float8_e4m3fn)
+                m.full = float8(m.name, codes, self.scales[i], self.cdtype, m.info.requires_grad)
+            else:
+                m.full = nn.Parameter(self._wrap(m, alias(self.full, m.piece.full_offset, m.info.shape)),
+                                      requires_grad=m.info.requires_grad)
             m.lshape, m.lstride = tuple(m.piece.shape), _contiguous_strides(m.piece.shape)
             m.fshape, m.fstride = tuple(m.info.shape), _contiguous_strides(m.info.shape)
         if not self.bp.persistent:
@@ -168,11 +179,58 @@ class BufferState:
             return self.wire
         return self.packed if self.packed is not None else self.full
 
+    def amax(self) -> torch.Tensor:
+        """The absmax of this rank's piece of every parameter (fp32; 0 where it holds none): a tensorwise gather's
+        first step, all-reduced (max) over the shard group before :meth:`set_scales`."""
+        with torch.no_grad():
+            held = [i for i, m in enumerate(self.members) if m.held]
+            if not held:
+                return torch.zeros(len(self.members), dtype=torch.float32, device=self.device)
+            # the inf-norm is the absmax (as torchao's precompute takes it): one foreach kernel
+            norms = torch.stack(torch._foreach_norm([self.shard[self.members[i].shard] for i in held], ord=math.inf))
+            if len(held) == len(self.members):
+                return norms.float()
+            out = torch.zeros(len(self.members), dtype=torch.float32, device=self.device)
+            for k, i in enumerate(held):
+                out[i] = norms[k]
+        return out
+
+    def set_scales(self, amax: torch.Tensor) -> None:
+        """Every parameter's float8 scale from its absmax over the whole weight, as torchao computes it
+        (``amax_to_scale``: 448 / max(amax, 1e-12) in float64, then fp32), into ``scales`` in place (the full
+        parameters' scales are views of it). A non-finite absmax raises on every rank alike (CPU; on a GPU the
+        weights turn NaN and the loss shows it, without a host sync)."""
+        with torch.no_grad():
+            if self.device.type == "cpu" and not bool(torch.isfinite(amax).all()):
+                bad = [m.name for m, a in zip(self.members, amax.tolist()) if not math.isfinite(a)]
+                raise RuntimeShardingError(f"shardplan: parameter {', '.join(bad[:3])} holds NaN or inf (buffer "
+                                           f"#{self.bp.index}, unit {self.bp.unit}), found when casting it to float8 "
+                                           f"for its gather; lower the learning rate or clip gradients")
+            scale = 448.0 / torch.clamp(amax.to(torch.float64), min=1e-12)
+            self.scales.copy_(scale.to(torch.float32))
+
+    def _quantize_tw(self, out: torch.Tensor) -> None:
+        """This rank's shard as float8 codes (uint8) into ``out[:S]``, each piece with its parameter's scale
+        (torchao's cast: fp32 times the scale, saturated to +-448); padding is zero."""
+        with torch.no_grad():
+            if sum(m.held for m in self.members) != self.S:  # padding (and gaps) send zero codes
+                out[:self.S].zero_()
+            codes = out[:self.S].view(torch.float8_e4m3fn)
+            for i, m in enumerate(self.members):
+                if m.held:
+                    x = self.shard[m.shard].float() * self.scales[i]
+                    codes[m.shard].copy_(x.clamp_(-448.0, 448.0))
+
     def gather_input(self, collective: bool, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The shard as the all-gather sends it: cast to the compute dtype, or a copy when it is part of
         the output (in-place gathers are not portable across backends). A gather that moves nothing
         (``collective`` False) writes the shard straight into ``out``, casting in the same copy. A quantized
-        gather sends the master shard's codes and scales (quantized in fp32)."""
+        gather sends the master shard's codes and scales (quantized in fp32); a tensorwise one its float8 codes."""
+        if self.tw:
+            send = out if not collective and out is not None else \
+                torch.empty(self.S, dtype=torch.uint8, device=self.device)
+            self._quantize_tw(send)
+            return send
         if self.qfmt:
             from .quantize import quantize_into
             send = out if not collective and out is not None else \

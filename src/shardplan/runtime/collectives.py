@@ -118,6 +118,13 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: boo
     return dist.all_to_all_single(out, inp, group=group.pg, async_op=async_op) or DONE
 
 
+def all_reduce_max(t: torch.Tensor, group: Group) -> None:
+    """The elementwise max of ``t`` over ``group``, in place, in stream order (FP8 compute's absmaxes before a
+    float8 gather); nothing over a group of one."""
+    if group.pg is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.pg)
+
+
 def all_gather_list(mine: torch.Tensor, group: Group) -> list[torch.Tensor]:
     """Every rank's ``mine`` (same shape and dtype on every rank), indexed by the rank's place in the group."""
     if group.pg is None:

@@ -46,6 +46,11 @@ class CommEngine:
         with self.streams.on("gather") if moves else contextlib.nullcontext():
             for (b, out), group in zip(outs, groups):
                 collective = group.pg is not None
+                if b.tw:  # [Note: FP8 compute's tensorwise gather] one scale per weight: the absmax of all of it
+                    amax = b.amax()
+                    if collective:
+                        self.call(C.all_reduce_max, op, amax, group)
+                    b.set_scales(amax)
                 send = face.gather_input(b, collective, None if collective else out)
                 if collective:
                     keep.append(send)

@@ -117,6 +117,11 @@ class TreeFace:
 
     def __init__(self, plan, exe_ref, wrappers: Optional[dict] = None):
         quantized = [b.unit for b in plan.buffers if b.gather_dtype]
+        if any(b.tensorwise for b in plan.buffers):
+            raise RuntimeShardingError(f"shardplan: the plan gathers the float8 Linears' weights of unit {quantized[0]!r} "
+                                       f"as float8 (fp8='torchao'), which the functional face does not support yet; "
+                                       f"plan with fp8_gather=False for functional_call (and sp.fp8.convert the "
+                                       f"module), or train the module with sp.shard")
         if quantized:
             raise RuntimeShardingError(f"shardplan: the plan quantizes the gathers of unit {quantized[0]!r} "
                                        f"(gather_dtype), which the functional face does not support yet; plan with "
