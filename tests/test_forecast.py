@@ -410,6 +410,7 @@ def test_traced_plan_counts_memory_bound_bytes_per_unit():
     assert f.memory_s == pytest.approx(total / 500e9) and f.copies_s == 0
     assert f.forward_s + f.backward_s == pytest.approx(f.matmul_s + f.memory_s)
     assert "memory-bound" in str(f) and f.to_dict()["memory_traffic"] == "traced"
+    assert "traced at 500 GB/s" in str(f)  # the table names the bandwidth the bytes were timed at, not memory_gbs
     untraced = sp.plan(gpt.build("tiny").to("meta"), [(r".*", P("dp"))], Mesh(dp=1), units=[r"layers\.\d+"],
                        compute_dtype=torch.bfloat16, min_unit_bytes=0).forecast("h100-8x-ib400", cm, batch=(2, 32))
     assert untraced.traffic == "estimated" and any("trace=" in n for n in untraced.notes)

@@ -224,7 +224,8 @@ def render(f: Forecast) -> str:
                                             f"optimizer {_ms(f.optimizer_s)}"),
             *([("    of which", "", f"matmuls {_ms(f.matmul_s)} at {cm.tflops:g} TFLOP/s, memory-bound "
                                   f"{_ms(f.memory_s)} ({fmt_bytes(int(f.memory_bytes or 0))} {f.traffic}"
-                                  + (f" at {cm.memory_gbs:,.0f} GB/s" if cm.memory_gbs else "") + ")"
+                                  + (f" at {cm.elementwise_gbs or cm.memory_gbs:,.0f} GB/s"
+                                     if (cm.elementwise_gbs or cm.memory_gbs) else "") + ")"
                                   + (f", runtime copies {_ms(f.copies_s)}" if f.copies_s else ""))]
               if f.matmul_s is not None else []),
             ("  exposed comm", _ms(f.exposed_s), ", ".join(f"{k} {_ms(v)}" for k, v in exposed.items()) or "none"),
