@@ -245,5 +245,8 @@ def test_unit_lists_sort_naturally_and_merging_is_described():
                                                                                  "layers.10"]
     out = cli("plan", "examples/gpt.py:tiny", "--mesh", "dp=2", "--summary")
     text = " ".join(out.stdout.split())
+    assert "units kept as given: merging 2 blocks of 0.157 MiB would leave fewer than 8 units" in text, text
+    out = cli("plan", "examples/gpt.py:tiny", "--mesh", "dp=2", "--summary", "--min-unit-bytes", str(2 ** 24))
+    text = " ".join(out.stdout.split())
     assert "merged 2 blocks into 1 unit of 2 blocks" in text and "target 16 MiB, more than all 2 blocks hold" in text
     assert "merged to at least" not in text

@@ -319,9 +319,14 @@ def test_min_unit_bytes_merges_neighbours():
     plain = sp.plan(net, RULES, Mesh(dp=4), units=[r"layers\.\d+"], min_unit_bytes=0)
     count = lambda p: sum(o.kind == "all_gather" for o in p.ops())
     assert count(plan) < count(plain)
-    auto = sp.plan(net, RULES, Mesh(dp=4), units=[r"layers\.\d+"])  # tiny blocks: merged by default, and said so
-    assert count(auto) < count(plain) and auto.min_unit_bytes > 0 and "automatic" in auto.notes[0]
-    assert "planner's choices" in str(auto)
+    # three tiny blocks: merging would leave fewer than auto.MIN_MERGED_UNITS units to overlap, so kept, and said so
+    few = sp.plan(net, RULES, Mesh(dp=4), units=[r"layers\.\d+"])
+    assert count(few) == count(plain) and few.min_unit_bytes == 0 and "automatic" in few.notes[0]
+    assert "fewer than 8 units" in few.notes[0] and "planner's choices" in str(few)
+    deep = nn.Sequential(*[nn.Linear(16, 16) for _ in range(40)])  # forty tiny blocks: merged, at least 8 units left
+    auto = sp.plan(deep, RULES, Mesh(dp=4), units=[r"\d+"])
+    assert auto.min_unit_bytes > 0 and "automatic" in auto.notes[0] and "merged 40 blocks into 8 units" in auto.notes[0]
+    assert len(auto.units) - 1 == 8, auto.notes
 
 
 def test_transformations_rebuild_the_schedule():
