@@ -313,3 +313,33 @@ def test_float8_gathers_memory_and_copy_out(world):
         assert r.pop("toy grads equal"), rank
         for case, (measured, planned) in r.items():
             assert measured == planned, (rank, case, measured, planned)
+
+
+def _fp8_nan_worker(rank, world, deferred=False):
+    model = gpt.tiny().init_weights(0)
+    plan = sp.plan(model, RULES, sp.Mesh(dp=world), units=UNITS, min_unit_bytes=0, fp8="torchao")
+    sp.shard(model, plan)
+    if deferred:  # the GPU's check (no host sync): found at the buffer's next gather
+        for b in model._shardplan.buffer.values():
+            b.defer_check = True
+    x = torch.randint(0, 256, (2, 9))
+    model(x[:, :-1], x[:, 1:]).backward()
+    if rank == 1:
+        with torch.no_grad():
+            model.layers[1].feed_forward.w2.weight.view(-1)[3] = float("nan")
+    for _ in range(2 if deferred else 1):
+        model(x[:, :-1], x[:, 1:]).backward()
+    return "no error"
+
+
+@needs_torchao
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_nan_in_a_float8_weight_raises_on_every_rank_naming_it(deferred):
+    """The absmax is all-reduced before the cast: every rank sees the NaN of rank 1's shard and raises at the
+    same gather (at once on the host; at the buffer's next gather with the GPU's deferred check)."""
+    for status, message in run(_fp8_nan_worker, 2, deferred, expect_errors=True):
+        assert status == "error", message
+        assert "RuntimeShardingError" in message and "layers.1.feed_forward.w2.weight" in message, message
+        assert "casting it to float8" in message, message

@@ -123,6 +123,7 @@ class BufferState:
         self.scales = torch.ones(len(self.members), dtype=torch.float32, device=device) if self.tw else None
         self.defer_check = device.type != "cpu"  # see [Note: the non-finite check without a host sync]
         self.pending_check = None
+        self.pending_tw = None  # the same for a tensorwise (float8 compute) gather's absmax
 
     def _group(self, plan: Plan) -> tuple[int, ...]:
         """The ranks of one shard group, in segment order (the copy-out reads their segments)."""
@@ -198,14 +199,17 @@ class BufferState:
     def set_scales(self, amax: torch.Tensor) -> None:
         """Every parameter's float8 scale from its absmax over the whole weight, as torchao computes it
         (``amax_to_scale``: 448 / max(amax, 1e-12) in float64, then fp32), into ``scales`` in place (the full
-        parameters' scales are views of it). A non-finite absmax raises on every rank alike (CPU; on a GPU the
-        weights turn NaN and the loss shows it, without a host sync)."""
+        parameters' scales are views of it). A non-finite absmax raises on every rank alike, naming the
+        parameter: at once on the host, at the buffer's next gather on a GPU ([Note: the non-finite check
+        without a host sync]; the all-reduced absmax is the same on every rank, so every rank raises there)."""
         with torch.no_grad():
-            if self.device.type == "cpu" and not bool(torch.isfinite(amax).all()):
+            if self.defer_check:
+                self.check_pending()
+                from .quantize import first_non_finite
+                self.pending_tw = first_non_finite(amax)
+            elif not bool(torch.isfinite(amax).all()):
                 bad = [m.name for m, a in zip(self.members, amax.tolist()) if not math.isfinite(a)]
-                raise RuntimeShardingError(f"shardplan: parameter {', '.join(bad[:3])} holds NaN or inf (buffer "
-                                           f"#{self.bp.index}, unit {self.bp.unit}), found when casting it to float8 "
-                                           f"for its gather; lower the learning rate or clip gradients")
+                raise RuntimeShardingError(self._tw_non_finite(bad))
             scale = 448.0 / torch.clamp(amax.to(torch.float64), min=1e-12)
             self.scales.copy_(scale.to(torch.float32))
 
@@ -284,8 +288,21 @@ class BufferState:
                             self.packed if self.packed is not None else self.full)
         self.wire = None
 
+    def _tw_non_finite(self, names: list[str]) -> str:
+        return (f"shardplan: parameter {', '.join(names[:3])} holds NaN or inf (buffer #{self.bp.index}, unit "
+                f"{self.bp.unit}), found when casting it to float8 for its gather; lower the learning rate or clip "
+                f"gradients (sp.clip_grad_norm_), and check the loss for NaN")
+
     def check_pending(self) -> None:
-        """Raise for a non-finite block an earlier (deferred) check found."""
+        """Raise for a non-finite block (or a float8 weight's absmax) an earlier (deferred) check found."""
+        tw, self.pending_tw = self.pending_tw, None
+        if tw is not None:
+            index, event = tw
+            if event is not None:
+                event.synchronize()
+            k = int(index.item())
+            if k >= 0:
+                raise RuntimeShardingError(self._tw_non_finite([self.members[k].name]))
         pending, self.pending_check = self.pending_check, None
         if pending is None:
             return

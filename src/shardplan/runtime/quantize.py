@@ -91,12 +91,17 @@ def first_bad_block(wire: torch.Tensor, S: int, segments: int):
     """``(index, event)``: the flat index (segment * blocks + block) of the first non-finite scale, or -1, in
     host memory once ``event`` completes (``None``: already there). Issues no host synchronisation."""
     nb = lowp.scale_count(S)
-    scales = wire.view(segments, S + 4 * nb)[:, S:].reshape(-1).clone().view(torch.float32)
-    bad = ~torch.isfinite(scales)
+    return first_non_finite(wire.view(segments, S + 4 * nb)[:, S:].reshape(-1).clone().view(torch.float32))
+
+
+def first_non_finite(x: torch.Tensor):
+    """``(index, event)``: the index of the first non-finite element of ``x`` (1-D), or -1, in host memory once
+    ``event`` completes (``None``: already there). Issues no host synchronisation."""
+    bad = ~torch.isfinite(x)
     ar = torch.arange(bad.numel(), device=bad.device)
     index = torch.where(bad, ar, torch.full_like(ar, bad.numel())).min()
     index = torch.where(index == bad.numel(), torch.full_like(index, -1), index)
-    if wire.device.type != "cuda":
+    if x.device.type != "cuda":
         return index, None
     host = torch.empty((), dtype=index.dtype, pin_memory=True)
     host.copy_(index, non_blocking=True)
