@@ -182,6 +182,17 @@ def test_convert_swaps_exactly_the_planned_modules():
     FP8.convert(model, plan)                                               # again: nothing left to do
     with pytest.raises(sp.RuntimeShardingError, match="build the plan from this model"):
         FP8.convert(nn.Sequential(nn.Linear(32, 32)), plan)
+    # a module the user converted with another recipe would be cast by shardplan's float8 gather as if it had
+    # the default one: refused (fp8_gather=False lets torchao cast with the module's own config)
+    from torchao.float8 import Float8LinearConfig
+    other = gpt.tiny().init_weights(0)
+    own = Float8LinearConfig(round_scales_to_power_of_2=True)
+    other.layers[0].feed_forward.w1 = Float8Linear.from_float(other.layers[0].feed_forward.w1, config=own)
+    with pytest.raises(sp.RuntimeShardingError, match="already a torchao Float8Linear with a config other"):
+        FP8.convert(other, plan)
+    cast = sp.plan(gpt.tiny(), RULES, sp.Mesh(dp=1), units=UNITS, fp8=[(r".*feed_forward.*", "torchao")],
+                   fp8_gather=False)
+    FP8.convert(other, cast)
 
 
 STEPS, EXACT, TOL = 20, 1e-5, 1e-2
@@ -315,7 +326,7 @@ def test_float8_gathers_memory_and_copy_out(world):
             assert measured == planned, (rank, case, measured, planned)
 
 
-def _fp8_nan_worker(rank, world, deferred=False):
+def _fp8_nan_worker(rank, world, deferred=False, holder=1, weight="w2"):
     model = gpt.tiny().init_weights(0)
     plan = sp.plan(model, RULES, sp.Mesh(dp=world), units=UNITS, min_unit_bytes=0, fp8="torchao")
     sp.shard(model, plan)
@@ -324,9 +335,9 @@ def _fp8_nan_worker(rank, world, deferred=False):
             b.defer_check = True
     x = torch.randint(0, 256, (2, 9))
     model(x[:, :-1], x[:, 1:]).backward()
-    if rank == 1:
+    if rank == holder:
         with torch.no_grad():
-            model.layers[1].feed_forward.w2.weight.view(-1)[3] = float("nan")
+            getattr(model.layers[1].feed_forward, weight).weight.view(-1)[3] = float("nan")
     for _ in range(2 if deferred else 1):
         model(x[:, :-1], x[:, 1:]).backward()
     return "no error"
@@ -335,11 +346,13 @@ def _fp8_nan_worker(rank, world, deferred=False):
 @needs_torchao
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("deferred", [False, True])
-def test_a_nan_in_a_float8_weight_raises_on_every_rank_naming_it(deferred):
-    """The absmax is all-reduced before the cast: every rank sees the NaN of rank 1's shard and raises at the
-    same gather (at once on the host; at the buffer's next gather with the GPU's deferred check)."""
-    for status, message in run(_fp8_nan_worker, 2, deferred, expect_errors=True):
+@pytest.mark.parametrize("deferred,holder,weight", [(False, 1, "w2"), (True, 1, "w2"), (False, 0, "w1"),
+                                                     (False, 1, "w1"), (True, 0, "w1")])
+def test_a_nan_in_a_float8_weight_raises_on_every_rank_naming_it(deferred, holder, weight):
+    """The absmax is all-reduced before the cast: every rank sees the NaN of one rank's shard (as inf: a max
+    all-reduce may drop a NaN) and raises at the same gather (at once on the host; at the buffer's next gather
+    with the GPU's deferred check). w1's weight spans both ranks' shards."""
+    for status, message in run(_fp8_nan_worker, 2, deferred, holder, weight, expect_errors=True):
         assert status == "error", message
-        assert "RuntimeShardingError" in message and "layers.1.feed_forward.w2.weight" in message, message
+        assert "RuntimeShardingError" in message and f"layers.1.feed_forward.{weight}.weight" in message, message
         assert "casting it to float8" in message, message

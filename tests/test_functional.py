@@ -387,3 +387,54 @@ def _seams_worker(rank, world):
 def test_functional_call_in_place_parameter_writes_and_module_copies():
     for ok, twin, saved in run(_seams_worker, 1):
         assert ok and twin == "Sequential" and saved
+
+
+def _calls_worker(rank, world):
+    """Calls of functional_call differentiated by plain autograd (the local leaves' gradients come from autograd)
+    and by value_and_grad (from the face), alternating on one runtime: each call's full parameters are handles
+    on the same aliases (made once per runtime); every gradient must be the unsharded model's, sliced to this rank."""
+    torch.manual_seed(0)
+    ref = Toy()
+    data = batches(4, seed=7)  # the same data on every rank: the mean over ranks is one rank's gradient
+    out = []
+    for strategy in ("optim_grads_params", "optim_grads"):
+        model = Toy()
+        model.load_state_dict(ref.state_dict())
+        plan = _plan(model, world, {"strategy": strategy})
+        local = sp.shard_tree(dict(model.named_parameters()), plan)
+        vg = sp.value_and_grad(lambda p, x, y: sp.functional_call(model, plan, p, (x, y)), plan)
+        for k, (x, y) in enumerate(data):
+            if k % 2 == 0:
+                leaves = {n: v.detach().requires_grad_(plan.param(n).requires_grad) for n, v in local.items()}
+                loss = sp.functional_call(model, plan, leaves, (x, y))
+                trained = [n for n in leaves if leaves[n].requires_grad]
+                got = dict(zip(trained, torch.autograd.grad(loss, [leaves[n] for n in trained])))
+            else:
+                _, got = vg(local, x, y)
+            ref.zero_grad()
+            ref(x, y).backward()
+            want = sp.shard_tree({n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in ref.named_parameters()}, plan)
+            out.append(max((got[n] - want[n]).abs().max().item() for n in got if got[n].numel()))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_autograd_and_value_and_grad_calls_alternate_on_one_runtime():
+    for diffs in run(_calls_worker, 2, timeout=100):
+        assert len(diffs) == 8 and all(d <= 1e-6 for d in diffs), diffs
+
+
+def _grad_accumulation_worker(rank, world):
+    model = Toy()
+    plan = _plan(model, world, {"strategy": "optim_grads_params"})
+    local = sp.shard_tree(dict(model.named_parameters()), plan)
+    leaves = {n: v.detach().requires_grad_(plan.param(n).requires_grad) for n, v in local.items()}
+    for x, y in batches(2, seed=3):  # the second backward would add a not-yet-reduced view into .grad
+        sp.functional_call(model, plan, leaves, (x, y)).backward()
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_accumulating_functional_gradients_into_grad_raises():
+    for status, message in run(_grad_accumulation_worker, 2, timeout=100, expect_errors=True):
+        assert status == "error" and "already holds a .grad" in message and "value_and_grad" in message, message

@@ -619,3 +619,59 @@ def test_forecast_and_print_state_the_host_step_bound():
     small, large = (plan.forecast("h200-8x-ib400", batch=(b, 1024)) for b in (1, 64))
     assert any("host-bound" in n for n in small.notes)        # ~0.45 GB of host traffic vs a short device step
     assert not any("host-bound" in n for n in large.notes) and any("can hide" in n for n in large.notes)
+
+
+def _tensor_lr_worker(rank, world):
+    """A tensor learning rate under a scheduler, with the host steps overlapping the next forward: torch's
+    schedulers update a tensor lr in place right after opt.step(), while host steps are still queued; each host
+    step must use its own step's lr (against unsharded torch.optim.AdamW, slowed host steps)."""
+    import time
+    import torch.distributed as dist
+    import shardplan.runtime.offload as off
+    plain = off._host_compute
+
+    def slow(hb, *a):
+        time.sleep(0.02)
+        return plain(hb, *a)
+
+    off._host_compute = slow
+    steps, hyper, sched = 4, dict(betas=(0.9, 0.95), weight_decay=0.1), (lambda s: 1.0 / (1 + 3 * s))
+    data = [batches(steps, seed=1 + r) for r in range(world)]
+    ref = Toy()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False, **hyper)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, sched)
+    ref_losses = []
+    for s in range(steps):
+        loss = ref(torch.cat([d[s][0] for d in data]), torch.cat([d[s][1] for d in data]))
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_sched.step()
+        ref_losses.append(loss.item())
+    model = Toy()
+    plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), strategy=3, units=UNITS, min_unit_bytes=0,
+                   offload="optimizer")
+    sp.shard(model, plan)
+    opt = sp.offload_optimizer(model, lr=torch.tensor(1e-2), overlap_forward=True, **hyper)
+    opt_sched = torch.optim.lr_scheduler.LambdaLR(opt, sched)
+    losses = []
+    try:
+        for s in range(steps):
+            loss = model(*data[rank][s])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            opt_sched.step()
+            t = loss.detach().clone()
+            dist.all_reduce(t)
+            losses.append(t.item() / world)
+        opt.synchronize()
+    finally:
+        off._host_compute = plain
+    return max(abs(a - b) for a, b in zip(losses, ref_losses))
+
+
+@pytest.mark.timeout(120)
+def test_a_tensor_learning_rate_changed_in_place_does_not_reach_queued_host_steps():
+    for diff in run(_tensor_lr_worker, 2, timeout=100):
+        assert diff <= 2e-6, diff  # before the snapshot: 1.21

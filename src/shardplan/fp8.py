@@ -102,7 +102,8 @@ def convert(model: nn.Module, plan, device=None) -> nn.Module:
     named = dict(model.named_modules())
     for m in mods:
         mod = named.get(m.path)
-        if isinstance(mod, Float8Linear):
+        if isinstance(mod, Float8Linear):  # converted by the user: its recipe must be the one shardplan casts with
+            _check_own_recipe(m, mod, cfg, plan)
             continue
         if not isinstance(mod, nn.Linear) or (mod.in_features, mod.out_features) != (m.in_features, m.out_features):
             raise RuntimeShardingError(f"the plan runs {m.path!r} in float8 as a Linear {m.in_features} -> "
@@ -111,6 +112,28 @@ def convert(model: nn.Module, plan, device=None) -> nn.Module:
         parent, _, attr = m.path.rpartition(".")
         setattr(named[parent] if parent else model, attr, Float8Linear.from_float(mod, config=cfg))
     return model
+
+
+def _check_own_recipe(m, mod: nn.Module, cfg, plan) -> None:
+    """A module the user converted keeps its own config; under a float8 gather shardplan casts its weight (one
+    tensorwise e4m3 scale, torchao's default recipe), so another recipe (rowwise, power-of-2 scales, another
+    float8 dtype) would silently compute with other numbers than the user's unsharded model: refused."""
+    try:
+        tensorwise = plan.buffers[plan.param(m.weight).buffer].tensorwise
+    except (KeyError, IndexError, AttributeError):
+        tensorwise = False
+    if not tensorwise:
+        return  # compute-dtype gathers: torchao casts after the gather, with the module's own config
+    import dataclasses
+    own = getattr(mod, "config", None)
+    same = own is not None and dataclasses.is_dataclass(own) and \
+        dataclasses.replace(own, enable_fsdp_float8_all_gather=False) == cfg
+    if not same:
+        raise RuntimeShardingError(
+            f"{m.path!r} is already a torchao Float8Linear with a config other than the one shardplan's float8 "
+            f"gather casts with (tensorwise dynamic scales, torchao's default): {own}. Leave it an nn.Linear for "
+            f"shardplan to convert, or plan with fp8_gather=False (torchao then casts after the gather, with the "
+            f"module's own config)")
 
 
 def weight_maker(slots: dict):

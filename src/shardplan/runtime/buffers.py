@@ -189,6 +189,8 @@ class BufferState:
                 return torch.zeros(len(self.members), dtype=torch.float32, device=self.device)
             # the inf-norm is the absmax (as torchao's precompute takes it): one foreach kernel
             norms = torch.stack(torch._foreach_norm([self.shard[self.members[i].shard] for i in held], ord=math.inf))
+            # NaN as inf: the max all-reduce may drop a NaN (gloo keeps the other rank's value), never an inf
+            norms = torch.where(torch.isnan(norms), torch.full_like(norms, math.inf), norms)
             if len(held) == len(self.members):
                 return norms.float()
             out = torch.zeros(len(self.members), dtype=torch.float32, device=self.device)

@@ -147,6 +147,9 @@ class TreeFace:
         call, at the same version. The all-gather sends straight from the leaves; only buffers whose
         shard is part of the full parameters (ZeRO-1/2 without a cast) take a copy."""
         exe = self.exe()
+        # [Note: who reads the local gradients] value_and_grad (it passes ``sources``) reads the reduced
+        # gradients from ``self.grads``; a plain functional_call hands them to autograd, as the leaves' gradients
+        self.autograd_grads = sources is None
         sources = sources or leaves
         changed = False
         dsts, srcs = [], []
@@ -167,9 +170,6 @@ class TreeFace:
                 torch._foreach_copy_(dsts, srcs)
         self.leaves = leaves
         self.srcs = {}
-        # [Note: who reads the local gradients] value_and_grad (it passes ``sources``) reads the reduced
-        # gradients from ``self.grads``; a plain functional_call hands them to autograd, as the leaves' gradients
-        self.autograd_grads = sources is None
         return changed
 
     def gather_input(self, b: BufferState, collective: bool, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -192,6 +192,21 @@ class TreeFace:
             with torch.no_grad():
                 torch._foreach_copy_(dsts, srcs)  # the cast to the compute dtype happens in the same pass
         return send
+
+    def _check_no_accumulation(self, u: UnitRuntime) -> None:
+        """[Note: local gradients are filled after autograd takes them] The views this backward hands autograd
+        are written by the reduction later; autograd adding one into a leaf's existing ``.grad`` would add it
+        before that (zeros): a second micro-batch's gradient lost without a word. Raise instead."""
+        for b in u.buffers:
+            for m in b.members:
+                leaf = self.leaves.get(m.name)
+                if leaf is not None and leaf.requires_grad and leaf.grad is not None:
+                    raise RuntimeShardingError(
+                        f"shardplan: the local leaf {m.name!r} already holds a .grad: functional_call's local "
+                        f"gradients are filled by the reduction after autograd takes them, so accumulating them into "
+                        f".grad over several backward passes would lose every pass but the first. Use "
+                        f"torch.autograd.grad(loss, leaves) or shardplan.value_and_grad and add the gradients "
+                        f"yourself, or set the leaves' .grad to None before each backward")
 
     def reduce_output(self, b: BufferState) -> torch.Tensor:
         """The reduce-scatter writes straight into the local gradients the backward handed to autograd."""
@@ -239,6 +254,8 @@ class TreeFace:
         t = time.perf_counter()
         exe.begin_backward()
         exe.check_not_reduced(u, [m.name for b in u.buffers for m in b.members])
+        if self.autograd_grads:
+            self._check_no_accumulation(u)
         grads = iter(grads)  # one per full tensor, in buffer order (frozen parameters too)
         out = []
         for b in u.buffers:

@@ -103,12 +103,28 @@ def _slabs(buffers: list, device: torch.device) -> dict:
         item = torch.empty(0, dtype=dt).element_size()
         for b in [b for b in bs if b.shard.numel() == 0]:
             out[b.bp.index] = [torch.zeros(0, dtype=dt) for _ in range(4)]
-        need = {(b.bp.index, k): b.shard.numel() * item for b in bs if b.shard.numel() for k in range(4)}
+        # a frozen buffer's host holds its master only (no gradient, no moments), as plan.memory().host counts it
+        need = {(b.bp.index, k): b.shard.numel() * item for b in bs if b.shard.numel()
+                for k in range(4 if b.requires_grad else 1)}
         for size, placed in slab_layout(need, pinned=pin):
             slab = torch.zeros(size // item, dtype=dt, pin_memory=pin)
             for (index, k), offset in placed:
                 out.setdefault(index, [None] * 4)[k] = slab[offset // item:(offset + need[index, k]) // item]
+        for b in bs:
+            if b.shard.numel() and not b.requires_grad:
+                out[b.bp.index][1:] = [torch.zeros(0, dtype=dt) for _ in range(3)]
     return out
+
+
+def _snapshot(group: dict) -> dict:
+    """``group`` for a step the worker runs later: tensor hyper-parameters copied (torch's LR schedulers update
+    a tensor learning rate in place, and ``scheduler.step()`` right after ``opt.step()`` must not reach a host step
+    still queued: it would step with the next step's learning rate)."""
+    def own(v):
+        if isinstance(v, torch.Tensor):
+            return v.detach().clone()
+        return tuple(own(x) for x in v) if isinstance(v, tuple) else v
+    return {k: (v if k == "params" else own(v)) for k, v in group.items()}
 
 
 def _hyper(group: dict) -> dict:
@@ -322,7 +338,7 @@ class OffloadState:
         """Hand ``hb``'s AdamW to the worker ([Note: host step order]); the copy back waits for ``ready``."""
         ready = self._event(torch.cuda.current_stream()) if self.cuda else None
         fut = self._pool().submit(self.priority.get(hb.b.bp.unit, len(self.priority)), _host_compute,
-                                  (hb, active, dict(group), fused, hb.d2h, hb.h2d), ready=hb.d2h)
+                                  (hb, active, _snapshot(group), fused, hb.d2h, hb.h2d), ready=hb.d2h)
         hb.hyper = _hyper(group)
         hb.inflight, hb.d2h = InFlightStep(fut, hb.hyper, ready, in_backward), None
 
