@@ -21,26 +21,11 @@ import dataclasses
 from typing import Any, Optional, Sequence
 
 from .optraffic import moved_bytes
+from .optraffic import tensors_in as _tensors
 from .plan.values import ActivationPoint, Activations
 from .units import entry_points, has_forward, trace_args, traced_step
 
 ROOT = "<root>"
-
-
-def _tensors(obj, out: list) -> list:
-    import torch
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            _tensors(x, out)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            _tensors(x, out)
-    elif hasattr(obj, "__dataclass_fields__"):
-        for k in obj.__dataclass_fields__:
-            _tensors(getattr(obj, k, None), out)
-    return out
 
 
 def scalar_of(output: Any):

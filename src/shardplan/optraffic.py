@@ -66,16 +66,20 @@ def _bytes(t) -> int:
         return n
 
 
-def _tensors(obj: Any, out: list) -> list:
+def tensors_in(obj: Any, out: list) -> list:
+    """The tensors inside nested tuples, lists, dicts and dataclasses, appended to ``out`` (the tracers' walk)."""
     import torch
     if isinstance(obj, torch.Tensor):
         out.append(obj)
     elif isinstance(obj, (list, tuple)):
         for x in obj:
-            _tensors(x, out)
+            tensors_in(x, out)
     elif isinstance(obj, dict):
         for x in obj.values():
-            _tensors(x, out)
+            tensors_in(x, out)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for k in obj.__dataclass_fields__:
+            tensors_in(getattr(obj, k, None), out)
     return out
 
 
@@ -95,11 +99,11 @@ def moved_bytes(func, args: tuple, kwargs: dict, out: Any) -> int:
     if k != "memory":
         return 0
     name = func.overloadpacket.__name__
-    outs = _tensors(out, [])
+    outs = tensors_in(out, [])
     written = sum(_bytes(t) for t in outs)
     if name in WRITE_ONLY:
         return written
-    ins = _tensors((args, kwargs), [])
+    ins = tensors_in((args, kwargs), [])
     if name == "copy_" and len(ins) >= 2:          # dst.copy_(src): read src, write dst
         return _bytes(ins[1]) + written
     if name == "embedding" and len(ins) >= 2:      # gathers the rows it writes, reads the indices
