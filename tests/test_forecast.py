@@ -441,3 +441,21 @@ def _plans(trace: bool):
 
 
 _TRACED, _UNTRACED = _plans(True), _plans(False)
+
+
+def test_fp8_compute_absmax_all_reduces_are_forecast():
+    """FP8 compute's float8 gathers all-reduce one absmax per weight first (inside the all_gather op): the
+    forecast issues them on the gather's group and stream, and its bytes equal plan.comm_bytes() again."""
+    import sys
+    sys.path.insert(0, __file__.rsplit("/tests/", 1)[0] + "/examples")
+    import gpt
+    with torch.device("meta"):
+        model = gpt.build("1B")
+    plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=16), units=[r"layers\.\d+"], compute_dtype="bf16",
+                   fp8="torchao")
+    f = plan.forecast("h100-8x-ib400", batch=(1, 2048))
+    assert f.comm_bytes() == plan.comm_bytes() and f.comm_bytes()["fp8_amax"] > 0
+    amax = [c for c in f.collectives if c.what == "fp8_amax"]
+    gathers = [o for o in plan.ops() if o.kind == "all_gather" and any(plan.buffers[b].amax_bytes for b in o.buffers)]
+    assert len(amax) == sum(1 for o in gathers for b in o.buffers if plan.buffers[b].amax_bytes) > 0
+    assert all(c.kind == "all_reduce" and c.stream == "gather" and c.latency_s > 0 for c in amax)

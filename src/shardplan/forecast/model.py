@@ -220,6 +220,13 @@ def forecast(plan: "Plan", network: Union[str, dict, Network], compute: Union[No
             if not op.applies():
                 continue
             if op.is_collective:
+                if op.kind == ALL_GATHER:  # [Note: FP8 compute's absmax all-reduce] part of the all_gather op:
+                    for b in op.buffers:   # one per float8 buffer, on the gather's group and stream, before it
+                        amax = plan.buffers[b].amax_bytes
+                        if amax:
+                            pending.setdefault((op.unit, op.what), []).append(
+                                issue(ALL_REDUCE, "fp8_amax", op.unit, tuple(op.axes), amax,
+                                      _stream(op.kind, op.what), i))
                 cid = issue(op.kind, op.what, op.unit, tuple(op.axes), op.bytes, _stream(op.kind, op.what), i)
                 pending.setdefault((op.unit, op.what), []).append(cid)
             elif op.kind == WAIT:
@@ -250,6 +257,8 @@ def forecast(plan: "Plan", network: Union[str, dict, Network], compute: Union[No
         if c.index >= 0:
             sent[c.kind] += c.sent
     sent["total"] = sum(sent.values())
+    if any(b.amax_bytes for b in plan.buffers):  # (already in all_reduce and the total, as plan.comm_bytes() has it)
+        sent["fp8_amax"] = sum(c.sent for c in collectives if c.what == "fp8_amax")
     if plan.compute_axes:
         sent["tensor_parallel"] = None if plan.tp_activations is None else sum(c.sent for c in collectives
                                                                                if c.what == "activations")
