@@ -455,7 +455,10 @@ def test_fp8_compute_absmax_all_reduces_are_forecast():
                    fp8="torchao")
     f = plan.forecast("h100-8x-ib400", batch=(1, 2048))
     assert f.comm_bytes() == plan.comm_bytes() and f.comm_bytes()["fp8_amax"] > 0
-    amax = [c for c in f.collectives if c.what == "fp8_amax"]
+    amax = [c for c in f.collectives if c.what == "scales"]
     gathers = [o for o in plan.ops() if o.kind == "all_gather" and any(plan.buffers[b].amax_bytes for b in o.buffers)]
-    assert len(amax) == sum(1 for o in gathers for b in o.buffers if plan.buffers[b].amax_bytes) > 0
+    ops = plan.ops()
+    scales = [k for k, o in enumerate(ops) if o.what == "scales"]
+    assert len(amax) == len(scales) == len(gathers) > 0  # one all_reduce of scales per float8 gather, just before it
+    assert all(ops[k + 1].kind == "all_gather" and set(ops[k].buffers) <= set(ops[k + 1].buffers) for k in scales)
     assert all(c.kind == "all_reduce" and c.stream == "gather" and c.latency_s > 0 for c in amax)

@@ -78,7 +78,21 @@ def test_float8_gathers_in_the_plan():
     assert "all-gathered as float8 codes" in text and "absmax all-reduce" in text
     from shardplan.plan.render import render_schedule
     sched = render_schedule(plan)
-    assert "absmax all-reduce (28 B), quantize float8 (one scale per weight)" in sched
+    # the absmax all-reduce is an op of its own (every collective is), just before its unit's all-gather
+    assert "absmax (max) of float8 weights, then their scales: all_reduce scales layers.0 over dp, 28 B" in sched
+    assert "quantize float8 (one scale per weight), all_gather params layers.0" in sched
+    ops = plan.ops()
+    scales = [k for k, o in enumerate(ops) if o.what == "scales"]
+    assert scales and all(ops[k + 1].kind == "all_gather" and ops[k + 1].unit == ops[k].unit for k in scales)
+    # a hand-edited schedule is checked: a float8 gather without its scales, or scales over another group
+    import dataclasses
+    i = next(i for i, o in enumerate(plan.schedule) if o.what == "scales")
+    with pytest.raises(sp.PlanError, match="no all_reduce of their scales"):
+        plan.with_schedule(plan.schedule[:i] + plan.schedule[i + 1:])
+    edited = list(plan.schedule)
+    edited[i] = dataclasses.replace(edited[i], axes=())
+    with pytest.raises(sp.PlanError, match="gathered over"):
+        plan.with_schedule(edited)
     assert "float8 weights to torchao as they are (no dequantize)" in sched
     for kw in (dict(strategy="optim_grads"), dict(offload="optimizer")):  # no per-step gather, or not supported
         other = sp.plan(_meta("1B"), RULES, sp.Mesh(dp=8), fp8="torchao", **kw)

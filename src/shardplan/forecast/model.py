@@ -19,7 +19,8 @@ import math
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from ..errors import ForecastError
-from ..plan.kinds import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BEGIN_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, USED, WAIT
+from ..plan.kinds import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BEGIN_BACKWARD, PARAMS, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD,
+                          SCALES, USED, WAIT)
 from ..units import ROOT
 from .compute import ComputeModel, compute_model
 from .flops import model_flops, unit_flops, unit_widths
@@ -46,7 +47,7 @@ def _batch(batch: Any) -> tuple[int, int]:
 def _stream(kind: str, what: str) -> str:
     if what == USED:
         return "used"
-    return "gather" if kind == ALL_GATHER else "reduce"
+    return "gather" if kind == ALL_GATHER or what == SCALES else "reduce"
 
 
 def _unit_times(plan: "Plan", cm: ComputeModel, batch: tuple[int, int]) -> tuple[dict[str, tuple[float, float]], list[str], dict]:
@@ -220,15 +221,9 @@ def forecast(plan: "Plan", network: Union[str, dict, Network], compute: Union[No
             if not op.applies():
                 continue
             if op.is_collective:
-                if op.kind == ALL_GATHER:  # [Note: FP8 compute's absmax all-reduce] part of the all_gather op:
-                    for b in op.buffers:   # one per float8 buffer, on the gather's group and stream, before it
-                        amax = plan.buffers[b].amax_bytes
-                        if amax:
-                            pending.setdefault((op.unit, op.what), []).append(
-                                issue(ALL_REDUCE, "fp8_amax", op.unit, tuple(op.axes), amax,
-                                      _stream(op.kind, op.what), i))
                 cid = issue(op.kind, op.what, op.unit, tuple(op.axes), op.bytes, _stream(op.kind, op.what), i)
-                pending.setdefault((op.unit, op.what), []).append(cid)
+                # (FP8 compute's scales: the unit's wait for its parameters waits for them too)
+                pending.setdefault((op.unit, PARAMS if op.what == SCALES else op.what), []).append(cid)
             elif op.kind == WAIT:
                 ids = tuple(pending.pop((op.unit, op.what), ()))
                 if ids:
@@ -258,7 +253,7 @@ def forecast(plan: "Plan", network: Union[str, dict, Network], compute: Union[No
             sent[c.kind] += c.sent
     sent["total"] = sum(sent.values())
     if any(b.amax_bytes for b in plan.buffers):  # (already in all_reduce and the total, as plan.comm_bytes() has it)
-        sent["fp8_amax"] = sum(c.sent for c in collectives if c.what == "fp8_amax")
+        sent["fp8_amax"] = sum(c.sent for c in collectives if c.what == SCALES)
     if plan.compute_axes:
         sent["tensor_parallel"] = None if plan.tp_activations is None else sum(c.sent for c in collectives
                                                                                if c.what == "activations")

@@ -15,7 +15,7 @@ from .. import layout as L
 from ..units import natural_sorted
 from ..mesh import Mesh
 from . import tensor_parallel as tp
-from .kinds import ALL_GATHER, ALL_REDUCE, COPY_D2H, COPY_H2D, FREE, GRADS, PARAMS, PREPARE, REDUCE_SCATTER, WAIT, Offload
+from .kinds import ALL_GATHER, ALL_REDUCE, COPY_D2H, COPY_H2D, FREE, GRADS, PARAMS, PREPARE, REDUCE_SCATTER, SCALES, WAIT, Offload
 from .offload import host_bytes, pinned_host_bytes
 from .values import BufferPlan, ParamPlan, UnitPlan
 
@@ -209,15 +209,10 @@ def comm_bytes(plan: "Plan") -> dict:
         out["gather_scales"] = sum(scales[i] * (plan.mesh.axis_size(op.axes) - 1) // plan.mesh.axis_size(op.axes)
                                    for op in plan.ops() if op.kind == ALL_GATHER and op.what == PARAMS
                                    for i in op.buffers if i in scales)
-    tensorwise = {b.index: b.amax_bytes for b in plan.buffers if b.amax_bytes}
-    if tensorwise:  # [Note: FP8 compute's absmax all-reduce] inside each all_gather op of those buffers: a max of
-        # one fp32 per parameter over the gather's group, in all_reduce and the total (ring: 2 (n-1)/n of it)
-        amax = sum(2 * tensorwise[i] * (plan.mesh.axis_size(op.axes) - 1) // plan.mesh.axis_size(op.axes)
-                   for op in plan.ops() if op.kind == ALL_GATHER and op.what == PARAMS for i in op.buffers
-                   if i in tensorwise)
-        out["fp8_amax"] = amax
-        out[ALL_REDUCE] += amax
-        out["total"] += amax
+    if any(b.amax_bytes for b in plan.buffers):  # FP8 compute's absmax all-reduces (their own ops, `scales`):
+        # already in all_reduce and the total; this says how much of them they are
+        out["fp8_amax"] = sum(op.bytes * 2 * (plan.mesh.axis_size(op.axes) - 1) // plan.mesh.axis_size(op.axes)
+                              for op in plan.ops() if op.what == SCALES)
     if plan.compute_axes:
         acts = plan.tp_activations
         out["tensor_parallel"] = None if acts is None else tp.activation_bytes(plan.tp_modules, acts, plan.mesh)

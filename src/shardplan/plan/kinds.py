@@ -64,6 +64,8 @@ class Subject(Name):
     PARAMS = "params"
     GRADS = "grads"
     USED = "used"
+    SCALES = "scales"  # FP8 compute: the float8 weights' absmaxes, all-reduced (max) over the gather's group before
+    #                    their all-gather (plan/float8.py; the scales of the float8 codes come from them)
     ACTIVATIONS = "activations"  # moved inside a module's call: a tensor-parallel module's input gradient or
     #                              output (plan/tensor_parallel.py), context-parallel attention's keys and values
     #                              (plan/context_parallel.py), an expert module's tokens (plan/expert_parallel.py)
@@ -123,7 +125,7 @@ COPIES = (COPY_D2H, COPY_H2D)
 HOST_OPS = (COPY_D2H, COPY_H2D, OPTIM_STEP)  # CPU offload's ops: local, no process group
 COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL)
 KINDS = tuple(OpKind)
-PARAMS, GRADS, USED, ACTIVATIONS = Subject
+PARAMS, GRADS, USED, SCALES, ACTIVATIONS = Subject
 (BEFORE_FORWARD, PRE_FORWARD, POST_FORWARD, PRE_BACKWARD, POST_BACKWARD, END_BACKWARD, BEGIN_BACKWARD, MODULE_FORWARD,
  MODULE_BACKWARD) = Event
 BACKWARD_EVENTS = (BEGIN_BACKWARD, PRE_BACKWARD, POST_BACKWARD, END_BACKWARD, MODULE_BACKWARD)

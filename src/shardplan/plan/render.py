@@ -11,7 +11,7 @@ from ..dtypes import itemsize
 from .accounting import coverage
 from .offload import HOST_GBPS, host_step_bytes
 from .kinds import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COPY_D2H, COPY_H2D, FREE, OPTIM_STEP, PARAMS, PREPARE,
-                    REDUCE_SCATTER, WAIT)
+                    REDUCE_SCATTER, SCALES, WAIT)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .facade import Plan
@@ -244,7 +244,9 @@ def render_schedule(plan: "Plan") -> str:
             if q and op.kind == ALL_GATHER:
                 body = f"quantize {q} (fp32 block scales), " + body
             if tw and op.kind == ALL_GATHER:
-                body = f"absmax all-reduce ({tw} B), quantize float8 (one scale per weight), " + body
+                body = "quantize float8 (one scale per weight), " + body
+            if op.what == SCALES:
+                body = f"absmax (max) of float8 weights, then their scales: {body}"
         else:
             body = f"{op.kind} {op.what} {op.unit or 'all'}"
             q = _quantized(plan, op)

@@ -31,7 +31,7 @@ from ..units import ROOT
 from .kinds import (ALL_GATHER, ALL_REDUCE, ALWAYS, BACKWARD, BEFORE_FORWARD, BEGIN_BACKWARD, PREPARE, COLLECTIVES, CONDITIONS, END_BACKWARD,
                     COPY_D2H, COPY_H2D, OPTIM_STEP, Offload,
                     EVENTS, FORWARD, FREE, GRADS, KINDS, NO_GRAD, ORDERS, PARAMS, POST_BACKWARD, POST_FORWARD,
-                    PRE_BACKWARD, PRE_FORWARD, REDUCE_SCATTER, STALE, STEP, STRATEGIES, SYNC, USED, WAIT, Condition,
+                    PRE_BACKWARD, PRE_FORWARD, REDUCE_SCATTER, SCALES, STALE, STEP, STRATEGIES, SYNC, USED, WAIT, Condition,
                     Event, OpKind, Order, Subject)
 from .values import Op, Program, Step
 
@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .values import BufferPlan, UnitPlan
 
 __all__ = ["ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "FREE", "PREPARE", "COPY_D2H", "COPY_H2D", "OPTIM_STEP", "BEGIN_BACKWARD", "COLLECTIVES", "KINDS", "PARAMS", "GRADS",
-           "USED", "BEFORE_FORWARD", "PRE_FORWARD", "POST_FORWARD", "PRE_BACKWARD", "POST_BACKWARD", "END_BACKWARD",
+           "USED", "SCALES", "BEFORE_FORWARD", "PRE_FORWARD", "POST_FORWARD", "PRE_BACKWARD", "POST_BACKWARD", "END_BACKWARD",
            "EVENTS", "ALWAYS", "STALE", "SYNC", "NO_GRAD", "CONDITIONS", "ORDERS", "FORWARD", "BACKWARD", "STEP",
            "STRATEGIES", "ROOT", "Op", "Step", "Program", "OpKind", "Subject", "Event", "Condition", "Order",
            "interleave", "skeleton", "needs_gather", "build_schedule", "program", "select"]
@@ -127,9 +127,17 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
         hosted = [b for b in entries if b.offload == Offload.PARAMS]
         copy = [op(COPY_H2D, u, PARAMS, event, at, hosted, lambda b: (), sum(b.shard_numel * b.itemsize for b in hosted),
                    pf, when)] if hosted else []
-        return copy + [op(ALL_GATHER, u, PARAMS, event, at, sorted(p, key=lambda b: b.index), lambda b: b.axes
-                          if b.sharded else (), sum(b.gather_bytes for b in p if b.sharded), pf,
-                          when) for p in parts]
+        out = list(copy)
+        for p in parts:
+            p = sorted(p, key=lambda b: b.index)
+            # FP8 compute: the float8 weights' absmaxes over the gather's group first (their scales)
+            tw = [b for b in p if b.amax_bytes]
+            if tw:
+                out.append(op(ALL_REDUCE, u, SCALES, event, at, tw, lambda b: b.axes, sum(b.amax_bytes for b in tw),
+                              pf, when))
+            out.append(op(ALL_GATHER, u, PARAMS, event, at, p, lambda b: b.axes if b.sharded else (),
+                          sum(b.gather_bytes for b in p if b.sharded), pf, when))
+        return out
 
     def copy_back(u, event=BEFORE_FORWARD, at="", pf=False, when=STALE) -> list[Op]:
         """CPU offload of the optimizer: the shards the host stepped are on the device before anything reads

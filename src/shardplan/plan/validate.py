@@ -14,7 +14,7 @@ from .kinds import (ACTIVATIONS, ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, COPY_D2
                     OPTIM_STEP, SYNC,
                     MODULE_BACKWARD, Offload,
                     MODULE_FORWARD, PARAMS, POST_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, PREPARE,
-                    REDUCE_SCATTER, USED, WAIT)
+                    REDUCE_SCATTER, SCALES, USED, WAIT)
 from .schedule import needs_gather
 from .values import Op, Program
 
@@ -80,6 +80,16 @@ def _check_op(plan: "Plan", units, i: int, op: Op) -> None:
         if op.kind == ALL_REDUCE and tuple(op.axes) != plan.mesh.axis_names:
             raise _fail(i, op, f"the used-parameter exchange runs over every mesh axis {plan.mesh.axis_names}")
         return
+    if op.what == SCALES:  # FP8 compute: the float8 weights' absmaxes before their gather
+        bad = [b for b in op.buffers if not (0 <= b < len(plan.buffers)) or not plan.buffers[b].amax_bytes
+               or plan.buffers[b].unit != op.unit]
+        if op.kind != ALL_REDUCE or bad or not op.buffers:
+            raise _fail(i, op, f"the scales of float8 gathers are an all_reduce of unit {op.unit!r}'s float8 buffers "
+                               f"(buffers {bad or list(op.buffers)} are not)")
+        want = tuple(dict.fromkeys(a for b in op.buffers for a in plan.buffers[b].axes))
+        if tuple(op.axes) != want:
+            raise _fail(i, op, f"runs over axes {tuple(op.axes)}; its buffers are gathered over {want}")
+        return
     if op.what == ACTIVATIONS and op.kind == K.ALL_TO_ALL:
         m = next((m for m in plan.expert_modules if m.path == op.at), None)
         if m is None:
@@ -110,7 +120,7 @@ def _check_op(plan: "Plan", units, i: int, op: Op) -> None:
                                f"({m.axis!r},) in unit {m.unit!r}")
         return
     if op.what not in (PARAMS, GRADS):
-        raise _fail(i, op, f"unknown what {op.what!r}; use params, grads, used or activations")
+        raise _fail(i, op, f"unknown what {op.what!r}; use params, grads, used, scales or activations")
     if op.unit not in units:
         raise _fail(i, op, f"names no unit of the plan; units: {list(units)}")
     mine = set(units[op.unit].buffers)
@@ -200,6 +210,7 @@ def _simulate(plan: "Plan", units, prog: Program, *, stale: bool, grad: bool, sy
     copied_bufs: set[int] = set()  # offloaded buffers whose reduced gradient reached the host this step
     hosted_grads = {n: any(b.offload and b.requires_grad for b in bs) for n, bs in bufs.items()}
     used_issued = used_waited = False
+    scaled: set[int] = set()  # float8 buffers whose scales were all-reduced for their next gather
     mode = f"(in a step with stale={stale}, grad={grad}, sync={sync})"
     steps = list(prog.forward) if not grad else prog.canonical()
     for step in steps:
@@ -225,6 +236,9 @@ def _simulate(plan: "Plan", units, prog: Program, *, stale: bool, grad: bool, sy
                 else:
                     used_waited = True
                 continue
+            if op.what == SCALES:
+                scaled |= set(op.buffers)
+                continue
             if op.kind == PREPARE:
                 prepared.add(u)
             elif op.kind == COPY_H2D:
@@ -241,6 +255,11 @@ def _simulate(plan: "Plan", units, prog: Program, *, stale: bool, grad: bool, sy
                     raise _fail(i, op, f"steps buffer(s) {missing} on the host before their gradient was copied there "
                                        f"{mode}: put it after the unit's copy_d2h of grads")
             elif op.kind == ALL_GATHER:  # one op per process group: a unit may take several
+                unscaled = sorted(b for b in op.buffers if plan.buffers[b].amax_bytes and b not in scaled)
+                if unscaled:
+                    raise _fail(i, op, f"gathers float8 buffer(s) {unscaled} of unit {u!r} with no all_reduce of their "
+                                       f"scales before it {mode}: add one at the same trigger")
+                scaled -= set(op.buffers)
                 missing = hosted[u] & set(op.buffers) - staged
                 if missing:
                     raise _fail(i, op, f"gathers buffer(s) {sorted(missing)} of unit {u!r}, whose shards live on the "

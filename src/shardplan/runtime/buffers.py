@@ -124,6 +124,7 @@ class BufferState:
         self.defer_check = device.type != "cpu"  # see [Note: the non-finite check without a host sync]
         self.pending_check = None
         self.pending_tw = None  # the same for a tensorwise (float8 compute) gather's absmax
+        self.scaled = False     # the scales were all-reduced for the next gather (its ``all_reduce scales`` op)
 
     def _group(self, plan: Plan) -> tuple[int, ...]:
         """The ranks of one shard group, in segment order (the copy-out reads their segments)."""
@@ -289,6 +290,14 @@ class BufferState:
             dequantize_into(self.wire, self.qfmt, self.S, segments,
                             self.packed if self.packed is not None else self.full)
         self.wire = None
+
+    def take_scales(self, op) -> None:
+        """The gather of a float8 buffer consumes the scales its ``all_reduce scales`` op set."""
+        if not self.scaled:
+            raise RuntimeShardingError(f"shardplan: {op.kind} {op.what} of unit {op.unit!r} at {op.trigger} gathers float8 "
+                                       f"buffer #{self.bp.index} without the all_reduce of its scales before it; the "
+                                       f"schedule is inconsistent (plan.validate() says where)")
+        self.scaled = False
 
     def _tw_non_finite(self, names: list[str]) -> str:
         return (f"shardplan: parameter {', '.join(names[:3])} holds NaN or inf (buffer #{self.bp.index}, unit "

@@ -46,11 +46,12 @@ class CommEngine:
         with self.streams.on("gather") if moves else contextlib.nullcontext():
             for (b, out), group in zip(outs, groups):
                 collective = group.pg is not None
-                if b.tw:  # [Note: FP8 compute's tensorwise gather] one scale per weight: the absmax of all of it
-                    amax = b.amax()
+                if b.tw:  # [Note: FP8 compute's tensorwise gather] one scale per weight: the absmax of all of it,
+                    # all-reduced by the op before this one (``all_reduce scales``), or local over a group of one
                     if collective:
-                        self.call(C.all_reduce_max, op, amax, group)
-                    b.set_scales(amax)
+                        b.take_scales(op)
+                    else:
+                        b.set_scales(b.amax())
                 send = face.gather_input(b, collective, None if collective else out)
                 if collective:
                     keep.append(send)
@@ -65,6 +66,17 @@ class CommEngine:
                                      g.extra + (op,))
         else:
             u.gather = PendingGather(op, works, event, keep)
+
+    def scales(self, op: Op, buffers: list) -> None:
+        """FP8 compute's ``all_reduce scales`` op: each float8 buffer's absmaxes, max over the gather's group (on
+        the gather stream, ahead of the all-gather that casts with them), then its scales."""
+        group = self.groups.gather(op.axes)
+        with self.streams.on("gather") if group.pg is not None else contextlib.nullcontext():
+            for b in buffers:
+                amax = b.amax()
+                self.call(C.all_reduce_max, op, amax, group)
+                b.set_scales(amax)
+                b.scaled = True
 
     def finish_gather(self, u: UnitRuntime) -> None:
         """Wait for ``u``'s all-gather, make the compute stream wait for it, copy out interleaved pieces."""

@@ -36,7 +36,7 @@ import torch
 from ..errors import RuntimeShardingError
 from ..plan import Plan
 from ..plan.schedule import (ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, COPY_D2H, COPY_H2D, FREE, GRADS, OPTIM_STEP, PARAMS,
-                             POST_BACKWARD, POST_FORWARD, PRE_FORWARD, PREPARE, REDUCE_SCATTER, ROOT, STALE, USED, WAIT,
+                             POST_BACKWARD, POST_FORWARD, PRE_FORWARD, PREPARE, REDUCE_SCATTER, ROOT, SCALES, STALE, USED, WAIT,
                              Op, Step)
 from . import collectives as C
 from .comm import CommEngine
@@ -89,7 +89,8 @@ class Executor:
                         (FREE, GRADS): self._free_grads, (ALL_REDUCE, USED): self._exchange_used,
                         (WAIT, USED): self._wait_used, (PREPARE, GRADS): self._prepare_grads,
                         (COPY_D2H, GRADS): self._offload_copy, (COPY_H2D, PARAMS): self._offload_copy,
-                        (OPTIM_STEP, PARAMS): self._offload_copy}  # [offload hook]
+                        (OPTIM_STEP, PARAMS): self._offload_copy,  # [offload hook]
+                        (ALL_REDUCE, SCALES): self._scales}
         self.offload = None  # [offload hook] runtime/offload.py's OffloadState, set by shard() for offloading plans
 
     @property
@@ -292,6 +293,11 @@ class Executor:
             self.n_gathered += 1
             self.max_gathered = max(self.max_gathered, self.n_gathered)
         u.params = Params.GATHERING
+
+    def _scales(self, op: Op) -> None:
+        """FP8 compute: the float8 weights' absmaxes over the gather's group, then their scales (the next op is
+        their all-gather, which casts with them)."""
+        self.comm.scales(op, [self.buffer[i] for i in op.buffers])
 
     def _wait_params(self, op: Op) -> None:
         u = self.units[op.unit]
