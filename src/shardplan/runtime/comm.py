@@ -47,8 +47,9 @@ class CommEngine:
             for (b, out), group in zip(outs, groups):
                 collective = group.pg is not None
                 if b.tw:  # [Note: FP8 compute's tensorwise gather] one scale per weight: the absmax of all of it,
-                    # all-reduced by the op before this one (``all_reduce scales``), or local over a group of one
-                    if collective:
+                    # all-reduced by the op before this one (``all_reduce scales``, where the plan has one), or
+                    # local over a shard group of one (the plan then has none: ``amax_bytes`` 0)
+                    if b.bp.amax_bytes:
                         b.take_scales(op)
                     else:
                         b.set_scales(b.amax())
