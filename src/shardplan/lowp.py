@@ -66,16 +66,22 @@ def as_option(gather_dtype):
     ``(regex, format or "")`` pairs (per rule, first match wins)."""
     if gather_dtype is None or isinstance(gather_dtype, str) or not isinstance(gather_dtype, (list, tuple)):
         return format_name(gather_dtype)
+    return rule_pairs(gather_dtype, "gather_dtype", "(regex, dtype)", "[(r'.*norm.*', None), (r'.*', 'int8')]",
+                      format_name)
+
+
+def rule_pairs(items, option: str, pair: str, example: str, value, valid=lambda v: True) -> tuple:
+    """``((regex, value(v)), ...)`` of a per-rule option (``gather_dtype=[...]``, ``fp8=[...]``), each regex
+    compiled to check it; a :class:`PlanError` naming the rule and the option's shape otherwise."""
     out = []
-    for i, item in enumerate(gather_dtype):
-        if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str)):
-            raise PlanError(f"gather_dtype rule #{i} {item!r} is not a (regex, dtype) pair; e.g. "
-                            f"gather_dtype=[(r'.*norm.*', None), (r'.*', 'int8')]")
+    for i, item in enumerate(items):
+        if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str) and valid(item[1])):
+            raise PlanError(f"{option} rule #{i} {item!r} is not a {pair} pair; e.g. {option}={example}")
         try:
             re.compile(item[0])
         except re.error as exc:
-            raise PlanError(f"gather_dtype rule #{i}: invalid regex {item[0]!r}: {exc}") from None
-        out.append((item[0], format_name(item[1])))
+            raise PlanError(f"{option} rule #{i}: invalid regex {item[0]!r}: {exc}") from None
+        out.append((item[0], value(item[1])))
     return tuple(out)
 
 

@@ -32,7 +32,7 @@ training sizes (tens of MiB, larger than L2).]
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 # [Note: op names by their overload packet's name (``aten.mm`` for ``aten.mm.default``), so every
 # overload of one op is classified alike]
@@ -66,20 +66,25 @@ def _bytes(t) -> int:
         return n
 
 
-def tensors_in(obj: Any, out: list) -> list:
-    """The tensors inside nested tuples, lists, dicts and dataclasses, appended to ``out`` (the tracers' walk)."""
+def tensors_in(obj: Any, out: Optional[list] = None) -> list:
+    """The tensors inside nested tuples, lists, dicts (incl. HF ModelOutput) and dataclasses, appended to ``out``
+    (the tracers' and the runtime hooks' one walk; torch is imported at the call, not with this module)."""
     import torch
-    if isinstance(obj, torch.Tensor):
+    return _walk(obj, [] if out is None else out, torch.Tensor)
+
+
+def _walk(obj: Any, out: list, tensor: type) -> list:
+    if isinstance(obj, tensor):
         out.append(obj)
     elif isinstance(obj, (list, tuple)):
         for x in obj:
-            tensors_in(x, out)
+            _walk(x, out, tensor)
     elif isinstance(obj, dict):
         for x in obj.values():
-            tensors_in(x, out)
+            _walk(x, out, tensor)
     elif hasattr(obj, "__dataclass_fields__"):
         for k in obj.__dataclass_fields__:
-            tensors_in(getattr(obj, k, None), out)
+            _walk(getattr(obj, k, None), out, tensor)
     return out
 
 

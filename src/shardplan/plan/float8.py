@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import PlanError
+from ..lowp import rule_pairs
 
 TORCHAO = "torchao"
 MULTIPLE = 16  # float8 matmuls (torch._scaled_mm) need both dims divisible by 16, as torchao's filter checks
@@ -64,18 +65,9 @@ def as_option(fp8):
     if isinstance(fp8, str) or not isinstance(fp8, (list, tuple)):
         raise PlanError(f"fp8 must be None, 'torchao' or a list of (module regex, 'torchao' or None) pairs; got "
                         f"{fp8!r}")
-    out = []
-    for i, item in enumerate(fp8):
-        if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str)
-                and item[1] in (None, False, True, "", TORCHAO)):
-            raise PlanError(f"fp8 rule #{i} {item!r} is not a (module regex, 'torchao' or None) pair; e.g. "
-                            f"fp8=[(r'.*attention.*', None), (r'layers\\..*', 'torchao')]")
-        try:
-            re.compile(item[0])
-        except re.error as exc:
-            raise PlanError(f"fp8 rule #{i}: invalid regex {item[0]!r}: {exc}") from None
-        out.append((item[0], TORCHAO if item[1] in (True, TORCHAO) else ""))
-    return tuple(out)
+    return rule_pairs(fp8, "fp8", "(module regex, 'torchao' or None)", "[(r'.*attention.*', None), (r'layers\\..*', "
+                      "'torchao')]", lambda v: TORCHAO if v in (True, TORCHAO) else "",
+                      valid=lambda v: v in (None, False, True, "", TORCHAO))
 
 
 def select(module, option, infos, owner: dict, compute: dict) -> tuple[tuple[FP8Module, ...], tuple[str, ...]]:

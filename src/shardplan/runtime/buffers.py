@@ -46,6 +46,14 @@ def alias(base: torch.Tensor, offset: int, shape) -> torch.Tensor:
     return t
 
 
+def _first_index(pending) -> int:
+    """The index a deferred non-finite check found (``quantize.first_non_finite``'s pair), once it is on the host."""
+    index, event = pending
+    if event is not None:
+        event.synchronize()
+    return int(index.item())
+
+
 def _contiguous_strides(shape) -> tuple:
     stride, acc = [], 1
     for d in reversed(tuple(shape)):
@@ -125,6 +133,9 @@ class BufferState:
         self.pending_check = None
         self.pending_tw = None  # the same for a tensorwise (float8 compute) gather's absmax
         self.scaled = False     # the scales were all-reduced for the next gather (its ``all_reduce scales`` op)
+        # (fixed per buffer: the members this rank holds a piece of, and whether padding sends zero codes)
+        self.held_idx = [i for i, m in enumerate(self.members) if m.held]
+        self.padded = sum(m.held for m in self.members) != self.S
 
     def _group(self, plan: Plan) -> tuple[int, ...]:
         """The ranks of one shard group, in segment order (the copy-out reads their segments)."""
@@ -185,7 +196,7 @@ class BufferState:
         """The absmax of this rank's piece of every parameter (fp32; 0 where it holds none): a tensorwise gather's
         first step, all-reduced (max) over the shard group before :meth:`set_scales`."""
         with torch.no_grad():
-            held = [i for i, m in enumerate(self.members) if m.held]
+            held = self.held_idx
             if not held:
                 return torch.zeros(len(self.members), dtype=torch.float32, device=self.device)
             # the inf-norm is the absmax (as torchao's precompute takes it): one foreach kernel
@@ -220,7 +231,7 @@ class BufferState:
         """This rank's shard as float8 codes (uint8) into ``out[:S]``, each piece with its parameter's scale
         (torchao's cast: fp32 times the scale, saturated to +-448); padding is zero."""
         with torch.no_grad():
-            if sum(m.held for m in self.members) != self.S:  # padding (and gaps) send zero codes
+            if self.padded:  # padding (and gaps) send zero codes
                 out[:self.S].zero_()
             codes = out[:self.S].view(torch.float8_e4m3fn)
             for i, m in enumerate(self.members):
@@ -307,20 +318,12 @@ class BufferState:
     def check_pending(self) -> None:
         """Raise for a non-finite block (or a float8 weight's absmax) an earlier (deferred) check found."""
         tw, self.pending_tw = self.pending_tw, None
-        if tw is not None:
-            index, event = tw
-            if event is not None:
-                event.synchronize()
-            k = int(index.item())
-            if k >= 0:
-                raise RuntimeShardingError(self._tw_non_finite([self.members[k].name]))
+        if tw is not None and _first_index(tw) >= 0:
+            raise RuntimeShardingError(self._tw_non_finite([self.members[_first_index(tw)].name]))
         pending, self.pending_check = self.pending_check, None
         if pending is None:
             return
-        index, event = pending
-        if event is not None:
-            event.synchronize()
-        k = int(index.item())
+        k = _first_index(pending)
         if k >= 0:
             nb = -(-self.S // BLOCK)
             raise RuntimeShardingError(self._non_finite(k // nb, (k % nb) * BLOCK))

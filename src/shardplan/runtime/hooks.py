@@ -19,27 +19,11 @@ import torch.nn as nn
 
 from ..dtypes import to_torch
 from ..errors import RuntimeShardingError
+from ..optraffic import tensors_in
 from ..plan.schedule import ROOT
 from ..units import entry_points, has_forward
 from .executor import Executor, in_backward_pass
 from .unit import UnitRuntime
-
-
-def tensors_in(obj, out=None) -> list[torch.Tensor]:
-    """Tensors inside nested tuples, lists, dicts (incl. HF ModelOutput) and dataclasses."""
-    out = [] if out is None else out
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            tensors_in(x, out)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            tensors_in(x, out)
-    elif hasattr(obj, "__dataclass_fields__"):
-        for k in obj.__dataclass_fields__:
-            tensors_in(getattr(obj, k, None), out)
-    return out
 
 
 def cast_inputs(args, kwargs, dtype_name):

@@ -25,12 +25,15 @@ The new shard goes back to the device as soon as the executor next sees the work
 host op, at ``opt.step()`` or at the next ``copy_h2d``), on a host-to-device stream that waits only for
 the device's last read of the shard (``ready``, recorded at ``optim_step``). ``opt.step()`` checks the
 steps in flight, hands the worker the buffers that could not overlap backward, steps the device-resident
-buffers, and returns without waiting for the host: [Note: the host step overlaps the next forward].
+buffers, and waits for the host steps (the parameters after ``step()`` are the new ones, torch's contract);
+with ``offload_optimizer(..., overlap_forward=True)`` it returns without waiting: [Note: the host step
+overlaps the next forward].
 
 [Note: the host step overlaps the next forward] Each offloaded buffer's step is a :class:`HostStep` state
 and a future (:class:`InFlightStep`): ``QUEUED`` when backward handed it to the worker, ``CLAIMED`` once
 ``opt.step()`` checked it is the step it would take (hyper-parameters, gradients), ``IDLE`` once it ran and
-the copy of the new shard to the device is issued (landed). ``opt.step()`` does not wait for the worker:
+the copy of the new shard to the device is issued (landed). With ``overlap_forward`` ``opt.step()`` does not
+wait for the worker:
 the wait is the unit's own ``copy_h2d``, which ZeRO-3 runs just before the unit's first all-gather of the
 next forward (at the schedule's prefetch depth), and which waits for that unit's step only; the worker steps
 the units in forward order once they are all queued (runtime/host_worker.py, [Note: host step order]). So
