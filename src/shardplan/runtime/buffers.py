@@ -121,6 +121,14 @@ class BufferState:
         self.forming = False  # the unit's backward started: autograd is forming the gradients that will land
         self.flat_itemsize = torch.empty(0, dtype=self.cdtype).element_size()
         self.gappy = bp.grad_numel != sum(m.info.numel for m in self.members)  # padding between parameters
+        # [Note: landing in one call] when the members tile the flat gradient in order (no padding between
+        # them), a full landing is one ``_chunk_cat`` into it: no per-parameter views to make (they are made
+        # only for the paths that need them, see ``_views``)
+        ends = [(m.whole.start, m.whole.stop) for m in self.members]
+        self.tiled = bool(ends) and not self.gappy and ends[0][0] == 0 and ends[-1][1] == bp.grad_numel and \
+            all(a[1] == b[0] for a, b in zip(ends, ends[1:]))
+        self.viewed = False  # the members' ``view`` (and ``gap_views``) are over the current ``flat``
+        self.gap_views: list = []
         if self.packed is not None:
             free_storage(self.packed)
         # [Note: a quantized gather] (bp.gather_dtype) gathers codes and scales into ``wire`` (uint8), which
@@ -258,8 +266,8 @@ class BufferState:
             return send
         if not collective and out is not None:
             if out.data_ptr() != self.shard.data_ptr() or out.dtype != self.shard.dtype:
-                with torch.no_grad():
-                    out[:self.S].copy_(self.shard)
+                # (neither tensor requires grad: the copy records nothing, no no_grad context needed)
+                (out if out.numel() == self.S else out[:self.S]).copy_(self.shard)
             return out
         if self.cdtype != self.dtype:
             return self.shard.to(self.cdtype)
@@ -395,22 +403,36 @@ class BufferState:
         if self.flat is None or self.lent:  # a lent one still holds the local shards' gradients: a new one
             self.flat = torch.empty(self.bp.grad_numel, dtype=self.cdtype, device=self.device)
             self.lent = False
-            for m in self.members:
-                m.view = self.flat[m.whole].view(m.info.shape)
-            self.gap_views = [self.flat[g] for g in self._gaps()] if self.gappy else []
+            self.viewed = False
         else:
             alloc_storage(self.flat)
+
+    def _views(self) -> None:
+        """Each member's part of ``flat`` (``m.view``) and the padding between them, made once per flat tensor."""
+        if self.viewed:
+            return
+        for m in self.members:
+            m.view = self.flat[m.whole].view(m.info.shape)
+        self.gap_views = [self.flat[g] for g in self._gaps()] if self.gappy else []
+        self.viewed = True
 
     def land_grads(self, window: int, arrived: list) -> None:
         """Add ``(parameter index, gradient)`` pairs into the unsharded gradient; the first arrival of a
         window copies instead of zeroing and adding (the other parameters' pieces are zeroed)."""
         grads = [g for _, g in arrived]
+        members = self.members
         if self.flat_window == window and self.flat is not None and self.flat.untyped_storage().size():
-            torch._foreach_add_([self.members[i].view for i, _ in arrived], grads)
+            self._views()
+            torch._foreach_add_([members[i].view for i, _ in arrived], grads)
             return
         self._fresh_flat()
         self.flat_window = window
-        members = self.members
+        if self.tiled and len(arrived) == len(members):  # every member, in order (``arrived`` is in member order)
+            # [Note: landing in one call] each gradient has its parameter's shape (autograd checks it), so
+            # the concatenation of their elements, in member order, is exactly the flat layout
+            torch._chunk_cat(grads, 0, 1, out=self.flat.view(1, -1))
+            return
+        self._views()
         torch._foreach_copy_([members[i].view for i, _ in arrived], grads)
         rest = self.gap_views
         if len(arrived) < len(members):
@@ -436,6 +458,7 @@ class BufferState:
         self.prepare_grads(window)
         g = self.flat
         if self.packed is not None:  # copy-in: parameter layout -> packed segments
+            self._views()
             g = torch.zeros(self.G, dtype=self.cdtype, device=self.device)
             view = g.view(self.bp.group_size, self.S)
             for m in self.members:
@@ -459,7 +482,7 @@ class BufferState:
             result = result.to(self.dtype)
         if self.flat is not None and result.untyped_storage().data_ptr() == self.flat.untyped_storage().data_ptr():
             self.lent = True  # the local gradients are views of the flat one: the next window makes a new one
-        created = []
+        created, into, adds = [], [], []
         base = result.storage_offset()
         try:
             for m in self.members:
@@ -467,11 +490,15 @@ class BufferState:
                 if not lp.requires_grad:
                     continue
                 g = result.as_strided(m.lshape, m.lstride, base + m.shard.start)
-                if lp.grad is None:
+                have = lp.grad
+                if have is None:
                     lp.grad = g
                     created.append(m.index)
-                else:
-                    lp.grad.add_(g)
+                else:  # accumulated into the existing .grad, all in one foreach add below
+                    into.append(have)
+                    adds.append(g)
+            if into:
+                torch._foreach_add_(into, adds)
         except RuntimeError:
             # [Note: a child module's .to()/.half() after shard() replaced a local parameter's .data; torch's
             # own error here is a bare grad dtype/device mismatch. Diagnosed only on failure: no per-step cost.]
@@ -491,8 +518,10 @@ class BufferState:
             return
         if self.lent:  # the local gradients hold its storage now: drop ours, the next window makes a new one
             self.flat = None
+            self.viewed = False
             for m in self.members:
                 m.view = None
+            self.gap_views = []
         else:
             free_storage(self.flat)
 
