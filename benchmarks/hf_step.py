@@ -8,12 +8,16 @@ Each system builds the model from the same seed, wraps every decoder layer as a 
 ``units=[r"model\\.layers\\.\\d+"]``; FSDP2: ``fully_shard`` per layer, then the root), trains with bf16
 compute, fp32 reduction and AdamW (foreach) on the same batches; systems alternate over rounds. Reported:
 median step time, peak device memory (``max_memory_allocated`` after a reset, each system alone on the
-device), and the losses, which must agree.
+device; ``peak_requested_gib``: the same peak in the bytes the tensors asked for, before the allocator's
+rounding), and the losses, which must agree. ``--snapshot``: the last round records the allocator's trace
+and reports what is live at each system's peak, by allocation site, and where two systems differ
+(benchmarks/_memsnap.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -28,6 +32,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 import shardplan as sp  # noqa: E402
 from _report import emit, start_world  # noqa: E402
+import _memsnap  # noqa: E402
 from forecast_gpu import _llama_3_2_1b  # noqa: E402
 
 
@@ -85,6 +90,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tiny", action="store_true", help="a two-layer model of the same kind (CPU smoke runs)")
+    ap.add_argument("--snapshot", action="store_true", help="GPU: what is live at each system's peak (last round)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cuda, dev = start_world()
@@ -95,21 +101,26 @@ def main():
     data = [torch.randint(0, vocab, (args.batch, args.seq), generator=g)[rank * per:(rank + 1) * per].to(dev)
             for _ in range(args.warmup + args.steps)]
     systems = args.systems.split(",")
-    res = {s: {"times": [], "peak": [], "losses": None} for s in systems}
-    for _ in range(args.rounds):
+    res = {s: {"times": [], "peak": [], "requested": [], "losses": None} for s in systems}
+    for k in range(args.rounds):
         for s in systems:
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-            model, opt, info = make(s, args, dev, world)
-            times, losses = run(model, opt, data, dev)
+            snap = cuda and args.snapshot and k == args.rounds - 1
+            with _memsnap.recording() if snap else contextlib.nullcontext():
+                model, opt, info = make(s, args, dev, world)
+                times, losses = run(model, opt, data, dev)
+                if snap:
+                    res[s]["live_at_peak"] = _memsnap.live_at_peak(torch.cuda.memory._snapshot())
             r = res[s]
             r["times"] += times[args.warmup:]
             r["losses"] = losses
             r.update(info)
             if cuda:
                 r["peak"].append(torch.cuda.max_memory_allocated())
+                r["requested"].append(torch.cuda.memory_stats()["requested_bytes.all.peak"])
             del model, opt
     out = {"model": "HF LlamaForCausalLM, Llama-3.2-1B shapes" + (" (tiny)" if args.tiny else ""),
            "world": world, "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "torch": torch.__version__,
@@ -117,11 +128,14 @@ def main():
     for s, r in res.items():
         out["systems"][s] = {"median_step_ms": 1e3 * statistics.median(r["times"]),
                              "peak_gib": max(r["peak"]) / 2**30 if r["peak"] else None,
-                             "losses": r["losses"], **{k: r[k] for k in ("units", "plan_peak") if k in r}}
+                             "peak_requested_gib": max(r["requested"]) / 2**30 if r["requested"] else None,
+                             "losses": r["losses"], **{k: r[k] for k in ("units", "plan_peak", "live_at_peak") if k in r}}
     if "shardplan" in res and "fsdp2" in res:
         a, b = out["systems"]["shardplan"], out["systems"]["fsdp2"]
         out["shardplan/fsdp2"] = {"step": a["median_step_ms"] / b["median_step_ms"],
                                   "peak": a["peak_gib"] / b["peak_gib"] if a["peak_gib"] else None}
+        if "live_at_peak" in a and "live_at_peak" in b:  # by allocation site: shardplan's bytes (a) minus FSDP2's (b)
+            out["peak_diff_by_site"] = _memsnap.diff(a["live_at_peak"], b["live_at_peak"])
         out["losses_agree"] = all(abs(x - y) <= 2e-2 * max(1.0, abs(y)) for x, y in zip(a["losses"], b["losses"]))
     emit(out, args.out if rank == 0 else None, print_it=rank == 0)
 

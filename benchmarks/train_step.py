@@ -521,6 +521,9 @@ def main():
                 res["shardplan_host_bytes"] = sp.runtime.engine_of(model).offload.host_bytes()
             if cuda:
                 res["peak"].append(torch.cuda.max_memory_allocated())
+                # the same peak in the bytes tensors asked for (no allocator rounding): a difference of a few MiB
+                # between systems that is in peak_bytes only is the allocator's, not a tensor's
+                res.setdefault("requested", []).append(torch.cuda.memory_stats()["requested_bytes.all.peak"])
                 if args.mem_phases:  # after the peak is read: this step resets it per phase
                     res.setdefault("memory_phases", []).append(memory_phases(model, opt, ctx, data[0], dev))
             elif s in SHARDPLAN_SYSTEMS + ("shardplan_offload",):  # CPU: the runtime's own accounting, one step untimed
@@ -552,6 +555,7 @@ def main():
         entry = {"median_step_ms": 1000 * statistics.median(res["times"]),
                  # the least over rounds: a system that leaves memory behind must not inflate the next one
                  "peak_bytes": min(res["peak"]) if res["peak"] else None,
+                 "peak_requested_bytes": min(res["requested"]) if res.get("requested") else None,
                  "first_losses": res["losses"][:3], "last_loss": res["losses"][-1], "steps_timed": len(res["times"])}
         if args.breakdown:
             entry["forward_ms"] = 1000 * statistics.median(p[0] for p in res["parts"])
