@@ -3,7 +3,9 @@
     python benchmarks/hook_overhead.py --out overhead.json
 
 Forward + backward only (no optimizer), fp32, CPU or the current GPU; reports the time per unit per
-step that shardplan and FSDP2 add over the unsharded model, and shardplan's own hook time.
+step that shardplan and FSDP2 add over the unsharded model (in wall time, and in CPU time of the training
+thread, which other processes on the machine move less), and shardplan's own hook time (forward module
+hooks; backward hooks and callbacks).
 """
 
 from __future__ import annotations
@@ -45,33 +47,41 @@ def main():
 
     x = torch.randint(0, 256, (1, 8), device=dev)
 
-    def bench(m):
+    cpu = {}
+
+    def bench(m, name):
         for _ in range(2):
             m(x, x).backward()
         if cuda:
             torch.cuda.synchronize()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         for _ in range(args.steps):
             m(x, x).backward()
+        cpu[name] = (time.thread_time() - c) / args.steps  # this thread's CPU time: robust to a busy machine
         if cuda:
             torch.cuda.synchronize()
         return (time.perf_counter() - t) / args.steps
 
-    base = bench(make())
+    base = bench(make(), "unsharded")
     m = make()
     sp.shard(m, sp.plan(m, [(r".*", sp.P("dp"))], sp.Mesh(dp=1), units=[r"layers\.\d+"], min_unit_bytes=0))
     eng = sp.runtime.engine_of(m)
-    ts = bench(m)
+    ts = bench(m, "shardplan")
     hooks = eng.hook_seconds / (args.steps + 2) / units
+    bwd_hooks = eng.backward_seconds / (args.steps + 2) / units
     from torch.distributed.fsdp import fully_shard
     f = make()
     for layer in f.layers:
         fully_shard(layer)
     fully_shard(f)
-    tf = bench(f)
+    tf = bench(f, "fsdp2")
     out = {"device": str(dev), "unsharded_ms": base * 1e3, "shardplan_ms": ts * 1e3, "fsdp2_ms": tf * 1e3,
            "shardplan_us_per_unit": (ts - base) / units * 1e6, "fsdp2_us_per_unit": (tf - base) / units * 1e6,
-           "shardplan_hook_us_per_unit": hooks * 1e6}
+           "shardplan_hook_us_per_unit": hooks * 1e6, "shardplan_backward_hook_us_per_unit": bwd_hooks * 1e6,
+           # the same differences in CPU time (time.thread_time of the training thread): what each system's own
+           # work costs the host per unit and step, unmoved by other processes on the machine
+           "shardplan_cpu_us_per_unit": (cpu["shardplan"] - cpu["unsharded"]) / units * 1e6,
+           "fsdp2_cpu_us_per_unit": (cpu["fsdp2"] - cpu["unsharded"]) / units * 1e6}
     emit(out, args.out)
 
 
