@@ -85,3 +85,34 @@ def test_every_torch_distributed_collective_lives_in_collectives_py():
             if name in ("dist", "torch.distributed", "_dist", "c10d"):
                 found.append(f"{path.relative_to(SRC)}:{node.lineno} {name}.{node.func.attr}")
     assert not found, "collectives outside runtime/collectives.py:\n" + "\n".join(found)
+
+
+def test_landing_in_one_call_equals_landing_through_views():
+    """[Note: landing in one call] a unit whose parameters tile its flat gradient lands every gradient with
+    one _chunk_cat; the result must equal the per-parameter path (some gradients missing, zeros for them),
+    and accumulating into it afterwards must go through views over the new flat tensor."""
+    import torch
+    from shardplan.runtime.buffers import BufferState
+
+    plan = sp.plan(Toy(), toy_rules(), sp.Mesh(dp=4), units=[r"blocks\.\d+"], min_unit_bytes=0)
+    tiled = [b for b in plan.buffers if b.requires_grad and
+             BufferState(plan, b, 0, torch.device("cpu")).tiled and len(plan.buffer_pieces(b.index, 0)) > 1]
+    assert tiled, "the toy plan should have a buffer of several parameters without padding"
+    b = BufferState(plan, tiled[0], 0, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(m.info.shape, generator=g) for m in b.members]
+    expect = torch.zeros(b.bp.grad_numel)
+    for m, t in zip(b.members, grads):
+        expect[m.whole] = t.reshape(-1)
+    b.land_grads(0, list(enumerate(grads)))  # every member: one call
+    assert torch.equal(b.flat, expect)
+    b.land_grads(0, [(0, grads[0])])  # the same window again: added through the views of this flat tensor
+    expect[b.members[0].whole] += grads[0].reshape(-1)
+    assert torch.equal(b.flat, expect)
+    b.lent = True  # the local gradients kept that flat tensor: the next window lands in a new one
+    old = b.flat
+    b.land_grads(1, [(1, grads[1])])  # one member only: the others' pieces are zeros
+    part = torch.zeros(b.bp.grad_numel)
+    part[b.members[1].whole] = grads[1].reshape(-1)
+    assert torch.equal(b.flat, part)
+    assert b.flat is not old and torch.equal(old, expect)  # the lent tensor was left alone

@@ -23,6 +23,9 @@ from ..plan import BufferPlan, Plan
 from ..plan.values import ParamPlan, Piece
 
 
+_chunk_cat = getattr(torch, "_chunk_cat", None)  # (torch >= 2.4, FSDP2's copy-in; else the per-parameter views)
+
+
 def free_storage(t: torch.Tensor) -> None:
     if t.untyped_storage().size() != 0:
         t.untyped_storage().resize_(0)
@@ -427,10 +430,11 @@ class BufferState:
             return
         self._fresh_flat()
         self.flat_window = window
-        if self.tiled and len(arrived) == len(members):  # every member, in order (``arrived`` is in member order)
+        # every member arrived, in member order (``arrived`` is), and they tile the flat gradient
+        if self.tiled and len(arrived) == len(members) and _chunk_cat is not None:
             # [Note: landing in one call] each gradient has its parameter's shape (autograd checks it), so
             # the concatenation of their elements, in member order, is exactly the flat layout
-            torch._chunk_cat(grads, 0, 1, out=self.flat.view(1, -1))
+            _chunk_cat(grads, 0, 1, out=self.flat.view(1, -1))
             return
         self._views()
         torch._foreach_copy_([members[i].view for i, _ in arrived], grads)
