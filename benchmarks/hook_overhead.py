@@ -30,6 +30,8 @@ from _report import emit  # noqa: E402
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time the runtime's parts per unit and step (inclusive: nested parts count in both)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     os.environ.setdefault("RANK", "0")
@@ -69,6 +71,7 @@ def main():
     ts = bench(m, "shardplan")
     hooks = eng.hook_seconds / (args.steps + 2) / units
     bwd_hooks = eng.backward_seconds / (args.steps + 2) / units
+    parts = breakdown(m, x, args.steps, units) if args.breakdown else None
     from torch.distributed.fsdp import fully_shard
     f = make()
     for layer in f.layers:
@@ -82,7 +85,55 @@ def main():
            # work costs the host per unit and step, unmoved by other processes on the machine
            "shardplan_cpu_us_per_unit": (cpu["shardplan"] - cpu["unsharded"]) / units * 1e6,
            "fsdp2_cpu_us_per_unit": (cpu["fsdp2"] - cpu["unsharded"]) / units * 1e6}
+    if parts:
+        out["shardplan_parts_us_per_unit"] = parts
     emit(out, args.out)
+
+
+# the runtime's parts, by what they do (executor events and ops, the comm engine, buffers, the module face)
+PARTS = {"executor": ("pre_forward", "post_forward", "pre_backward", "on_grad", "_run_step"),
+         "comm": ("gather", "finish_gather", "reduce", "finish_reduce"),
+         "buffers": ("gather_output", "gather_input", "collect_grads", "land_grads", "assign_local_grads",
+                     "release_full", "release_grads"),
+         "faces": ("bind", "unbind", "deliver")}
+
+
+def breakdown(m, x, steps: int, units: int) -> dict:
+    """Wall time inside each runtime part per unit and step (timers wrapped around the methods, so the
+    figures include the timers' own ~0.2 us a call; inclusive: a part's callees count in it too)."""
+    import functools
+    from collections import Counter
+
+    from shardplan.runtime import buffers, comm, executor, faces
+    owners = {"executor": executor.Executor, "comm": comm.CommEngine, "buffers": buffers.BufferState,
+              "faces": faces.ModuleFace}
+    spent, calls, saved = Counter(), Counter(), []
+    for part, names in PARTS.items():
+        cls = owners[part]
+        for name in names:
+            fn = getattr(cls, name)
+            key = f"{cls.__name__}.{name}"
+
+            def timed(*a, _fn=fn, _key=key, **k):
+                t = time.perf_counter_ns()
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    spent[_key] += time.perf_counter_ns() - t
+                    calls[_key] += 1
+            saved.append((cls, name, fn))
+            setattr(cls, name, functools.wraps(fn)(timed))
+    try:
+        m(x, x).backward()
+        spent.clear()
+        calls.clear()
+        for _ in range(steps):
+            m(x, x).backward()
+    finally:
+        for cls, name, fn in saved:
+            setattr(cls, name, fn)
+    return {k: {"us": v / 1e3 / steps / units, "calls": calls[k] / steps / units}
+            for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
 
 
 if __name__ == "__main__":
