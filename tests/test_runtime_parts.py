@@ -116,3 +116,19 @@ def test_landing_in_one_call_equals_landing_through_views():
     part[b.members[1].whole] = grads[1].reshape(-1)
     assert torch.equal(b.flat, part)
     assert b.flat is not old and torch.equal(old, expect)  # the lent tensor was left alone
+
+
+def test_a_gradient_of_another_size_is_refused_not_landed():
+    """The one-call landing must not write a gradient whose size differs from its parameter's (an ``out=``
+    of the wrong size is resized, not refused): the per-view path's copy refuses it."""
+    import pytest
+    import torch
+    from shardplan.runtime.buffers import BufferState
+
+    plan = sp.plan(Toy(), toy_rules(), sp.Mesh(dp=4), units=[r"blocks\.\d+"], min_unit_bytes=0)
+    b = next(s for s in (BufferState(plan, bp, 0, torch.device("cpu")) for bp in plan.buffers if bp.requires_grad)
+             if s.tiled and len(s.members) > 1)
+    grads = [torch.ones(m.info.shape) for m in b.members]
+    grads[-1] = torch.ones(grads[-1].numel() + 1)
+    with pytest.raises(RuntimeError):
+        b.land_grads(0, list(enumerate(grads)))

@@ -431,9 +431,12 @@ class BufferState:
         self._fresh_flat()
         self.flat_window = window
         # every member arrived, in member order (``arrived`` is), and they tile the flat gradient
-        if self.tiled and len(arrived) == len(members) and _chunk_cat is not None:
+        if self.tiled and len(arrived) == len(members) and _chunk_cat is not None and \
+                sum(map(torch.Tensor.numel, grads)) == self.bp.grad_numel:
             # [Note: landing in one call] each gradient has its parameter's shape (autograd checks it), so
-            # the concatenation of their elements, in member order, is exactly the flat layout
+            # the concatenation of their elements, in member order, is exactly the flat layout. (The count is
+            # checked all the same: an ``out=`` of another size would be resized, not refused; a gradient of
+            # another shape takes the per-view path below, whose copy refuses it.)
             _chunk_cat(grads, 0, 1, out=self.flat.view(1, -1))
             return
         self._views()
