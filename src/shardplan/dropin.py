@@ -149,6 +149,8 @@ def _compile_root(root: nn.Module) -> None:
         shard(root, p)
     finally:
         _COMPILING[0] = False
+    engine_of(root).fsdp2_optimizer_state = True  # optimizers over it give DTensor states, as FSDP2's do
+    _watch_optimizers()
     opts["root"] = root
     for _, m in marked:
         m.__dict__[_MARK]["root"] = root
@@ -185,6 +187,47 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     if any(_MARK in m.__dict__ for name, m in module.named_modules() if name):
         _compile_root(module)
     return module
+
+
+_WATCHING = [False]
+
+
+def _watch_optimizers() -> None:
+    if not _WATCHING[0]:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        register_optimizer_step_pre_hook(_dtensor_optimizer_state)
+        _WATCHING[0] = True
+
+
+def _dtensor_optimizer_state(opt: torch.optim.Optimizer, args, kwargs) -> None:
+    """Optimizer step pre-hook (once per optimizer): one that steps a ``fully_shard`` model's parameters gives
+    its states as DTensors from ``state_dict()`` and takes them back in ``load_state_dict``, as FSDP2's does.
+
+    [Note: FSDP2's optimizer states are DTensors] Without this an optimizer's moments are this rank's shards
+    as plain tensors under the parameters' names: ``get_optimizer_state_dict(full_state_dict=True)`` would
+    return one rank's shard as the "full" state, and ``dcp.save`` would keep one rank's copy for every rank
+    (plain tensors are taken as replicated): silently wrong. Installed at the first step, which
+    ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` run on an optimizer without state."""
+    if "_shardplan_dtensor_state" in opt.__dict__:
+        return
+    params = [p for g in opt.param_groups for p in g["params"]]
+    engines = {id(e): e for e in (getattr(p, "_shardplan_engine", lambda: None)() for p in params) if e is not None}
+    ours = [e for e in engines.values() if getattr(e, "fsdp2_optimizer_state", False)]
+    opt.__dict__["_shardplan_dtensor_state"] = False
+    if not ours:
+        return
+    if len(engines) > 1 or any(getattr(p, "_shardplan_engine", None) is None for p in params):
+        def refuse(*_):  # training is right; only its state dict could not be: refuse that, not the step
+            raise ShardingError("optimizer.state_dict() / load_state_dict(): this optimizer holds parameters of a "
+                                "shardplan fully_shard model and other parameters (or another model's); their states "
+                                "cannot be given as FSDP2's DTensors. Build one optimizer per fully_shard model, on "
+                                "model.parameters()")
+        opt.register_state_dict_pre_hook(refuse)
+        opt.register_load_state_dict_pre_hook(refuse)
+        return
+    from .runtime import state_dict as SD
+    SD.install_optimizer(opt, ours[0])
+    opt.__dict__["_shardplan_dtensor_state"] = True
 
 
 # -- Megatron-FSDP --------------------------------------------------------------------------------------------
@@ -340,6 +383,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
 
     optimizer.step = step.__get__(optimizer)
     optimizer.zero_grad = zero_grad.__get__(optimizer)
+    optimizer.__dict__["_shardplan_dtensor_state"] = preproc_state_dict_for_dcp_ckpt
     if preproc_state_dict_for_dcp_ckpt:
         from .runtime import state_dict as SD
         SD.install_optimizer(optimizer, eng)
