@@ -91,6 +91,7 @@ class Executor:
                         (COPY_D2H, GRADS): self._offload_copy, (COPY_H2D, PARAMS): self._offload_copy,
                         (OPTIM_STEP, PARAMS): self._offload_copy,  # [offload hook]
                         (ALL_REDUCE, SCALES): self._scales}
+        self.fsdp2_inputs = False  # the drop-in fully_shard: cast inputs at every unit, as FSDP2 (hooks.py)
         self.offload = None  # [offload hook] runtime/offload.py's OffloadState, set by shard() for offloading plans
 
     @property

@@ -26,10 +26,16 @@ from .executor import Executor, in_backward_pass
 from .unit import UnitRuntime
 
 
-def cast_inputs(args, kwargs, dtype_name):
+def cast_inputs(args, kwargs, dtype_name, fsdp2: bool = False):
     if dtype_name is None:
         return args, kwargs
     target = to_torch(dtype_name)
+    if fsdp2:  # the drop-in fully_shard: FSDP2's own traversal (dataclasses, namedtuples, OrderedDicts, sets)
+        from torch.distributed.utils import _apply_to_tensors
+
+        def cast_fp(x):
+            return x.to(target) if x.is_floating_point() and x.dtype != target else x
+        return _apply_to_tensors(cast_fp, args), _apply_to_tensors(cast_fp, kwargs)
 
     def cast(x):
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != target:
@@ -111,7 +117,7 @@ def module_hooks(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn
     def root_pre(_m, args, kwargs):
         exe.before_forward()
         inputs.clear()
-        args, kwargs = cast_inputs(args, kwargs, exe.plan.compute_dtype)
+        args, kwargs = cast_inputs(args, kwargs, exe.plan.compute_dtype, exe.fsdp2_inputs)
         note_inputs(ROOT, args, kwargs)
         exe.pre_forward(ROOT)
         return args, kwargs
@@ -130,8 +136,11 @@ def module_hooks(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn
 
         @timed
         def pre(_m, args, kwargs, _name=name):
+            if exe.fsdp2_inputs:  # FSDP2 casts every fully_shard module's inputs, not only the root's
+                args, kwargs = cast_inputs(args, kwargs, exe.plan.compute_dtype, True)
             note_inputs(_name, args, kwargs)
             exe.pre_forward(_name)
+            return (args, kwargs) if exe.fsdp2_inputs else None
 
         @timed
         def pre_inner(_m, _args, _name=name):  # a later module of a merged unit: its inputs come from inside
