@@ -13,6 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from torch.distributed.fsdp import register_fsdp_forward_method  # bound before shardplan's drop-in is imported
+
 import shardplan as sp
 from distributed import run
 
@@ -157,7 +159,219 @@ def c_optimizer_state_dicts(kind, rank, world):
     return dict(types=",".join(types), moments=moments, losses=losses, p=_params(m2))
 
 
-CHECKS = [c_clip_grad_norm, c_optimizer_state_dicts]
+def _step(m, opt, x, y):
+    loss = F.mse_loss(m(x).float(), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def c_fsdp_module_methods(kind, rank, world):
+    """FSDPModule's scheduling hints are accepted (same numbers); accumulation with set_requires_gradient_sync
+    on the root, set before the plan compiled (a lone root call) and after."""
+    fully_shard, _ = _impl(kind)
+    m = Net()
+    for b in m.blocks:
+        fully_shard(b)
+    fully_shard(m)
+    bl = list(m.blocks)
+    for a, b in zip(bl, bl[1:]):
+        a.set_modules_to_forward_prefetch([b])
+        b.set_modules_to_backward_prefetch([a])
+    m.set_force_sum_reduction_for_comms(False)
+    m.set_unshard_in_backward(True)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    out = []
+    for i, (x, y) in enumerate(_data(rank, world, n=6)):
+        last = i % 3 == 2
+        m.set_requires_gradient_sync(last)
+        m.set_is_last_backward(last)
+        m.set_reshard_after_backward(last)
+        loss = F.mse_loss(m(x), y) / 3
+        loss.backward()
+        out.append(loss.item())
+        if last:
+            opt.step()
+            opt.zero_grad()
+    lone = Net(seed=2)
+    fully_shard(lone)
+    lone.set_requires_gradient_sync(False)  # before the plan compiles
+    opt = torch.optim.SGD(lone.parameters(), lr=0.1)
+    x, y = _data(rank, world)[0]
+    F.mse_loss(lone(x), y).backward()
+    lone.set_requires_gradient_sync(True)
+    F.mse_loss(lone(x), y).backward()
+    opt.step()
+    return dict(losses=out, p=_params(m), lone=_params(lone))
+
+
+class Gen(Net):
+    def generate(self, x, steps=2):
+        for _ in range(steps):
+            x = x + self.forward(x)[:, :1]
+        return x
+
+
+def c_forward_method(kind, rank, world):
+    """register_fsdp_forward_method (torch's, bound before shardplan was imported): a generate-like method
+    gathers like forward; with gradients too under order='dynamic' (units run twice per step)."""
+    fully_shard, _ = _impl(kind)
+    d = _data(rank, world)
+    m = Gen()
+    for b in m.blocks:
+        fully_shard(b)
+    fully_shard(m)
+    register_fsdp_forward_method(m, "generate")
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    out = [_step(m, opt, *d[0])]
+    with torch.no_grad():  # one forward per call (each unit once): the static plan's order
+        out.append(m.generate(d[1][0], steps=1).sum().item())
+    out.append(_step(m, opt, *d[2]))
+    g = Gen(seed=1)
+    for b in g.blocks:
+        fully_shard(b)
+    fully_shard(g, **({} if kind == "torch" else dict(order="dynamic")))
+    register_fsdp_forward_method(g, "generate")
+    opt = torch.optim.AdamW(g.parameters(), lr=1e-2)
+    for x, _ in d[:2]:
+        loss = g.generate(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+        two = F.mse_loss(g(d[2][0]), d[2][1]) + F.mse_loss(g(d[3][0]), d[3][1])  # two forwards, one backward
+        two.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(two.item())
+    return dict(out=out, p=_params(m), g=_params(g))
+
+
+@dataclass
+class Batch:
+    x: torch.Tensor
+
+
+class Pair(NamedTuple):
+    x: torch.Tensor
+    bias: torch.Tensor
+
+
+class Inputs(Net):
+    def forward(self, batch, scale=None):
+        x = batch["x"] if isinstance(batch, dict) else batch.x
+        h = self.inp(x)
+        if isinstance(batch, Pair):
+            h = h + batch.bias
+        if scale is not None:
+            h = h * scale
+        for b in self.blocks:
+            h = b(h.float())  # each block casts its own inputs, as FSDP2 does
+        return self.out(h)
+
+
+def c_mixed_precision_inputs(kind, rank, world):
+    """bf16 compute, fp32 reduction; inputs in dicts, dataclasses, namedtuples and kwargs are cast; bf16 and
+    fp32 results agree with FSDP2 (to 1e-6 here: the same casts and the same fp32 reduction)."""
+    fully_shard, MP = _impl(kind)
+    mp = MP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    m = Inputs()
+    for b in m.blocks:
+        fully_shard(b, mp_policy=mp)
+    fully_shard(m, mp_policy=mp)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    out = []
+    for i, (x, y) in enumerate(_data(rank, world)):
+        batch = [{"x": x}, Batch(x), Pair(x, torch.ones(8))][i % 3]
+        o = m(batch, scale=torch.full((8,), 0.5))
+        out.append(str(o.dtype))
+        loss = F.mse_loss(o.float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return dict(out=out, p=_params(m))
+
+
+CHECKS = [c_clip_grad_norm, c_optimizer_state_dicts, c_fsdp_module_methods, c_forward_method, c_mixed_precision_inputs]
+
+
+def _errors_worker(rank, world):
+    """What shardplan refuses, each with its own error naming the call."""
+    msgs = {}
+
+    def catch(key, fn):
+        try:
+            fn()
+            msgs[key] = "no error"
+        except sp.ShardingError as exc:
+            msgs[key] = str(exc)
+
+    m = _wrap("sp", Net())
+    d = _data(rank, world)
+    catch("unshard", lambda: m.unshard(async_op=True))
+    catch("reshard", m.reshard)
+    catch("custom_all_gather", lambda: m.set_custom_all_gather(None))
+    catch("requires_all_reduce", lambda: m.set_requires_all_reduce(False))
+    catch("divide", lambda: m.set_gradient_divide_factor(1.0))
+    catch("divide_world", lambda: m.blocks[0].set_reduce_scatter_divide_factor(float(world)))
+    catch("raf_after", lambda: m.set_reshard_after_forward(False))
+    m.blocks[0].set_requires_gradient_sync(False)  # one child only: FSDP2 would skip that child's reduction
+    catch("sync_child", lambda: m(d[0][0]))
+    m.blocks[0].set_requires_gradient_sync(True)
+    m.set_requires_gradient_sync(False, recurse=False)
+    catch("sync_norecurse", lambda: m(d[0][0]))
+    for b in m.blocks:  # every module by hand, FSDP2 style: the flags agree again
+        b.set_requires_gradient_sync(True, recurse=False)
+    m.set_requires_gradient_sync(True, recurse=False)
+    catch("sync_all", lambda: F.mse_loss(m(d[0][0]), d[0][1]).backward())
+
+    def two_forwards():
+        (m(d[1][0]).sum() + m(d[2][0]).sum()).backward()
+    try:
+        two_forwards()
+        msgs["two_forwards"] = "no error"
+    except sp.ShardingError as exc:
+        msgs["two_forwards"] = str(exc)
+    gen = Gen()
+    for b in gen.blocks:
+        sp.fully_shard(b)
+    sp.fully_shard(gen)
+    register_fsdp_forward_method(gen, "generate")
+    with torch.no_grad():
+        catch("generate_twice", lambda: gen.generate(d[0][0], steps=2))
+    ok = Net()
+    catch("ignored", lambda: sp.fully_shard(ok, ignored_params=set(ok.out.parameters())))
+    early = Net()
+    for b in early.blocks:
+        sp.fully_shard(b)
+        b.set_reshard_after_forward(False)  # before the plan compiles: honoured
+    sp.fully_shard(early)
+    msgs["raf_before"] = [u.reshard_after_forward for u in sp.plan_of(early).units[1:]]
+    other = nn.Linear(2, 2)
+    mixed = torch.optim.AdamW(list(early.parameters()) + list(other.parameters()), lr=1e-2)
+    F.mse_loss(early(d[0][0]), d[0][1]).backward()
+    mixed.step()
+    catch("mixed_state_dict", mixed.state_dict)
+    return msgs
+
+
+@pytest.mark.timeout(120)
+def test_refusals_name_the_call():
+    for msgs in run(_errors_worker, 2, timeout=100):
+        for key in ("unshard", "reshard", "custom_all_gather", "requires_all_reduce"):
+            assert "is not supported by shardplan" in msgs[key] and key.split("_")[0] in msgs[key], (key, msgs[key])
+        assert "set_gradient_divide_factor(1.0)" in msgs["divide"] and msgs["divide_world"] == "no error", msgs
+        assert "fully_shard(module, reshard_after_forward=False)" in msgs["raf_after"], msgs["raf_after"]
+        for key in ("sync_child", "sync_norecurse"):
+            assert "set_requires_gradient_sync" in msgs[key] and "on the root" in msgs[key], msgs[key]
+        assert msgs["sync_all"] == "no error", msgs["sync_all"]
+        for key in ("two_forwards", "generate_twice"):
+            assert "fully_shard(model, order='dynamic')" in msgs[key], msgs[key]
+        assert "ignored_params=<2 parameters>" in msgs["ignored"] and "tensor(" not in msgs["ignored"], msgs["ignored"]
+        assert msgs["raf_before"] == [False, False, False], msgs["raf_before"]
+        assert "one optimizer per fully_shard model" in msgs["mixed_state_dict"], msgs["mixed_state_dict"]
 
 
 def _worker(rank, world, names):
