@@ -314,8 +314,30 @@ def c_eval_before_backward(kind, rank, world):
     return dict(out=out, p=_params(m))
 
 
+def c_nested_and_grouped(kind, rank, world):
+    """fully_shard nested three deep (a layer, its block, the model: torchtitan's experts pattern) and on a list
+    of modules (FSDP2's group); param groups built from a block's parameters() before the first forward."""
+    fully_shard, _ = _impl(kind)
+    m = Net()
+    for b in m.blocks:
+        fully_shard(b.fc1)
+        fully_shard(b)
+    fully_shard(m)
+    opt = torch.optim.AdamW([{"params": list(m.blocks[0].parameters()), "lr": 1e-1},
+                             {"params": [p for b in m.blocks[1:] for p in b.parameters()]
+                              + list(m.inp.parameters()) + list(m.out.parameters())}], lr=1e-2)
+    out = [_step(m, opt, x, y) for x, y in _data(rank, world)]
+    g = Net(seed=1)
+    fully_shard([g.blocks[0], g.blocks[1]])
+    fully_shard(g.blocks[2])
+    fully_shard(g)
+    opt = torch.optim.AdamW(g.parameters(), lr=1e-2)
+    out += [_step(g, opt, x, y) for x, y in _data(rank, world)]
+    return dict(out=out, p=_params(m), g=_params(g))
+
+
 CHECKS = [c_clip_grad_norm, c_optimizer_state_dicts, c_fsdp_module_methods, c_forward_method, c_mixed_precision_inputs,
-          c_eval_before_backward]
+          c_eval_before_backward, c_nested_and_grouped]
 
 
 def _errors_worker(rank, world):
@@ -370,6 +392,10 @@ def _errors_worker(rank, world):
         b.set_reshard_after_forward(False)  # before the plan compiles: honoured
     sp.fully_shard(early)
     msgs["raf_before"] = [u.reshard_after_forward for u in sp.plan_of(early).units[1:]]
+    used = Net()
+    sp.fully_shard(used.blocks[0])
+    used.blocks[0](torch.randn(2, 8))  # used alone: it became its own root
+    catch("compiled_inside", lambda: sp.fully_shard(used))
     other = nn.Linear(2, 2)
     mixed = torch.optim.AdamW(list(early.parameters()) + list(other.parameters()), lr=1e-2)
     F.mse_loss(early(d[0][0]), d[0][1]).backward()
@@ -393,6 +419,7 @@ def test_refusals_name_the_call():
         assert "ignored_params=<2 parameters>" in msgs["ignored"] and "tensor(" not in msgs["ignored"], msgs["ignored"]
         assert msgs["raf_before"] == [False, False, False], msgs["raf_before"]
         assert "one optimizer per fully_shard model" in msgs["mixed_state_dict"], msgs["mixed_state_dict"]
+        assert "'blocks.0' already runs its own plan" in msgs["compiled_inside"], msgs["compiled_inside"]
 
 
 def _worker(rank, world, names):

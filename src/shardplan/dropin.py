@@ -4,7 +4,7 @@ ordinary :class:`Plan` (``shardplan.plan_of(model)``), which prints, dry-runs an
 
 >>> from shardplan import fully_shard, MixedPrecisionPolicy            # was: torch.distributed.fsdp
 >>> for block in model.layers: fully_shard(block, mp_policy=mp)
->>> fully_shard(model, mp_policy=mp)                                    # the root call compiles one plan
+>>> fully_shard(model, mp_policy=mp)                                    # one plan, compiled at first use
 
 >>> from shardplan import fully_shard_model, fully_shard_optimizer     # was: megatron_fsdp
 >>> model = fully_shard_model(model, fsdp_unit_modules=[Block], zero_dp_strategy=3)
@@ -33,6 +33,7 @@ _MARK = "_shardplan_fully_shard"
 
 def plan_of(module: nn.Module) -> Plan:
     """The plan a sharded module runs (whichever entry point sharded it)."""
+    _ensure_compiled(module)
     return engine_of(module).plan
 
 
@@ -103,6 +104,14 @@ class ShardPlanModule:
     def named_parameters(self, *args, **kwargs):
         _ensure_compiled(self)
         return super().named_parameters(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        _ensure_compiled(self)
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        _ensure_compiled(self)
+        return super().load_state_dict(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
         _ensure_compiled(self)
@@ -264,7 +273,11 @@ def _ensure_compiled(module: nn.Module) -> None:
     opts = module.__dict__.get(_MARK)
     if _COMPILING[0] or opts is None or opts.get("root") is not None or "_shardplan" in module.__dict__:
         return
-    _compile_root(module)
+    while opts.get("owner") is not None:  # see [Note: the plan compiles at first use]
+        module = opts["owner"]
+        opts = module.__dict__[_MARK]
+    if opts.get("root") is None and "_shardplan" not in module.__dict__:
+        _compile_root(module)
 
 
 def _compile_root(root: nn.Module) -> None:
@@ -392,8 +405,9 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     >>> fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     >>> optimizer = torch.optim.AdamW(model.parameters())     # local shards, as with FSDP2's DTensors
 
-    Each call marks a unit; the call on a module that contains marked ones (or the first use of a lone
-    marked module's parameters) compiles the plan: every parameter sharded on dim 0 (or the dim
+    Each call marks a unit (a list of modules: one unit each); the first use of any of them (forward,
+    ``parameters()``, ``state_dict()``) compiles the plan of the outermost marked module, as FSDP2 finds its
+    root at the first forward, so calls nest to any depth: every parameter sharded on dim 0 (or the dim
     ``shard_placement_fn`` picks, ``torch.chunk`` pieces as FSDP2 makes) over the mesh (a 2-D ``DeviceMesh`` is HSDP: replicate, shard),
     ZeRO-3, each unit resharded after forward unless its call said ``False``. ``order="dynamic"`` (shardplan's
     own argument, on any call) is for models that run a unit more than once per step or in a data-dependent
@@ -409,14 +423,36 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     if mp_policy is not None:
         _unsupported("fully_shard(mp_policy)", output_dtype=(getattr(mp_policy, "output_dtype", None), lambda v: v is None),
                      cast_forward_inputs=(getattr(mp_policy, "cast_forward_inputs", True), lambda v: v is True))
+    if isinstance(module, (list, tuple)):  # FSDP2's group of modules: one unit each here (the same numbers)
+        for m in module:
+            fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                        shard_placement_fn=shard_placement_fn, mp_policy=mp_policy, offload_policy=offload_policy,
+                        order=order)
+        return module
     if "_shardplan" in module.__dict__:
         raise ShardingError("fully_shard: this module is already sharded (its plan was compiled)")
+    _refuse_compiled_inside(module)
     module.__dict__[_MARK] = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-                                  shard_placement_fn=shard_placement_fn, root=None, order=order)
+                                  shard_placement_fn=shard_placement_fn, root=None, order=order, owner=None)
     _swap_class(module)
-    if any(_MARK in m.__dict__ for name, m in module.named_modules() if name):
-        _compile_root(module)
+    # [Note: the plan compiles at first use] FSDP2 finds its root at the first forward, so fully_shard may
+    # nest to any depth (experts, then blocks, then the model). The outermost call so far owns every marked
+    # module inside it; the first use of any of them (forward, parameters(), state_dict(), ...) compiles
+    # the owner's plan.
+    for name, m in module.named_modules():
+        if name and _MARK in m.__dict__:
+            m.__dict__[_MARK]["owner"] = module
     return module
+
+
+def _refuse_compiled_inside(module: nn.Module) -> None:
+    inner = [name for name, m in module.named_modules()
+             if name and (m.__dict__.get(_MARK, {}).get("root") is not None or "_shardplan" in m.__dict__)]
+    if inner:
+        raise ShardingError(f"fully_shard: submodule {inner[0]!r} already runs its own plan (it was used, or "
+                            f"sharded, before this call, which made it a root); shardplan compiles one plan per "
+                            f"root at the first use. Call fully_shard on every module, innermost first and the "
+                            f"root last, before using any of them")
 
 
 _WATCHING = [False]
