@@ -336,8 +336,24 @@ def c_nested_and_grouped(kind, rank, world):
     return dict(out=out, p=_params(m), g=_params(g))
 
 
+def c_meta_init(kind, rank, world):
+    """torchtitan's start: fully_shard on the meta device, then the weights broadcast from rank 0 (FSDP2 needs
+    .to_empty() first; shardplan materialises the meta model itself and refuses .to_empty(), naming that)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    full = Net(seed=4).state_dict()
+    with torch.device("meta"):
+        m = Net()
+    _wrap(kind, m)
+    if kind == "torch":
+        m.to_empty(device="cpu")
+    set_model_state_dict(m, full if rank == 0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    return dict(out=[_step(m, opt, x, y) for x, y in _data(rank, world)], p=_params(m))
+
+
 CHECKS = [c_clip_grad_norm, c_optimizer_state_dicts, c_fsdp_module_methods, c_forward_method, c_mixed_precision_inputs,
-          c_eval_before_backward, c_nested_and_grouped]
+          c_eval_before_backward, c_nested_and_grouped, c_meta_init]
 
 
 def _errors_worker(rank, world):
@@ -396,6 +412,17 @@ def _errors_worker(rank, world):
     sp.fully_shard(used.blocks[0])
     used.blocks[0](torch.randn(2, 8))  # used alone: it became its own root
     catch("compiled_inside", lambda: sp.fully_shard(used))
+    with torch.device("meta"):
+        meta = Net()
+    _wrap("sp", meta)
+
+    def to_empty():
+        meta.to_empty(device="cpu")
+    try:
+        to_empty()
+        msgs["to_empty"] = "no error"
+    except sp.ShardingError as exc:
+        msgs["to_empty"] = str(exc)
     other = nn.Linear(2, 2)
     mixed = torch.optim.AdamW(list(early.parameters()) + list(other.parameters()), lr=1e-2)
     F.mse_loss(early(d[0][0]), d[0][1]).backward()
@@ -420,6 +447,7 @@ def test_refusals_name_the_call():
         assert msgs["raf_before"] == [False, False, False], msgs["raf_before"]
         assert "one optimizer per fully_shard model" in msgs["mixed_state_dict"], msgs["mixed_state_dict"]
         assert "'blocks.0' already runs its own plan" in msgs["compiled_inside"], msgs["compiled_inside"]
+        assert "to_empty" in msgs["to_empty"] and "drop that call" in msgs["to_empty"], msgs["to_empty"]
 
 
 def _worker(rank, world, names):

@@ -105,6 +105,15 @@ class ShardPlanModule:
         _ensure_compiled(self)
         return super().named_parameters(*args, **kwargs)
 
+    def _apply(self, fn, recurse: bool = True):
+        # .to()/.cuda()/.to_empty() compile first, so the sharded module's guard answers them (a meta model is
+        # materialised by the plan; .to_empty() after fully_shard raises naming that), as before the first use
+        if _MARK in self.__dict__ and not _COMPILING[0] and self.__dict__[_MARK].get("root") is None:
+            _ensure_compiled(self)
+            if "_apply" in self.__dict__:
+                return self.__dict__["_apply"](fn, recurse)
+        return super()._apply(fn, recurse)
+
     def state_dict(self, *args, **kwargs):
         _ensure_compiled(self)
         return super().state_dict(*args, **kwargs)
