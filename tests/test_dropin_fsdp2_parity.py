@@ -159,6 +159,20 @@ def c_optimizer_state_dicts(kind, rank, world):
     return dict(types=",".join(types), moments=moments, losses=losses, p=_params(m2))
 
 
+def c_optimizer_load_before_step(kind, rank, world):
+    """optimizer.state_dict() (DTensor moments) loaded straight into a never-stepped optimizer, then training."""
+    d = _data(rank, world)
+    m = _wrap(kind, Net())
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    for x, y in d[:2]:
+        _step(m, opt, x, y)
+    m2 = _wrap(kind, Net(seed=6))
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+    m2.load_state_dict(m.state_dict())
+    opt2.load_state_dict(opt.state_dict())
+    return dict(out=[_step(m2, opt2, x, y) for x, y in d[2:]], p=_params(m2))
+
+
 def _step(m, opt, x, y):
     loss = F.mse_loss(m(x).float(), y)
     loss.backward()
@@ -353,7 +367,7 @@ def c_meta_init(kind, rank, world):
 
 
 CHECKS = [c_clip_grad_norm, c_optimizer_state_dicts, c_fsdp_module_methods, c_forward_method, c_mixed_precision_inputs,
-          c_eval_before_backward, c_nested_and_grouped, c_meta_init]
+          c_eval_before_backward, c_nested_and_grouped, c_meta_init, c_optimizer_load_before_step]
 
 
 def _errors_worker(rank, world):

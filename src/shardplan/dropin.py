@@ -469,8 +469,11 @@ _WATCHING = [False]
 
 def _watch_optimizers() -> None:
     if not _WATCHING[0]:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-        register_optimizer_step_pre_hook(_dtensor_optimizer_state)
+        from torch.optim import optimizer as O
+        handle = O.register_optimizer_step_pre_hook(_dtensor_optimizer_state)
+        hooks = getattr(O, "_global_optimizer_pre_hooks", None)
+        if hasattr(hooks, "move_to_end"):  # before shardplan's check of the states' shapes (runtime/identity.py)
+            hooks.move_to_end(handle.id, last=False)
         _WATCHING[0] = True
 
 
@@ -503,6 +506,19 @@ def _dtensor_optimizer_state(opt: torch.optim.Optimizer, args, kwargs) -> None:
     from .runtime import state_dict as SD
     SD.install_optimizer(opt, ours[0])
     opt.__dict__["_shardplan_dtensor_state"] = True
+    _local_states(opt, ours[0])
+
+
+def _local_states(opt: torch.optim.Optimizer, eng) -> None:
+    """DTensor states a never-stepped optimizer was given by ``load_state_dict`` before its hooks existed (FSDP2's
+    or shardplan's ``optimizer.state_dict()``, loaded directly): this rank's pieces, as the hook would have."""
+    from torch.distributed.tensor import DTensor
+    names = {id(lp): n for n, lp in eng.local_params().items()}
+    for p, st in opt.state.items():
+        for k, v in list(st.items()):
+            if isinstance(v, DTensor):
+                local = eng.state_dict_hooks.local_value(names[id(p)], f"state.{names[id(p)]}.{k}", v, p)
+                st[k] = torch.zeros_like(p) if local.numel() == 0 else local.clone()
 
 
 # -- Megatron-FSDP --------------------------------------------------------------------------------------------
