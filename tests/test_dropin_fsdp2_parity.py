@@ -437,6 +437,11 @@ def _errors_worker(rank, world):
         msgs["to_empty"] = "no error"
     except sp.ShardingError as exc:
         msgs["to_empty"] = str(exc)
+    import copy
+    catch("deepcopy", lambda: copy.deepcopy(m))
+    fresh = _wrap("sp", Net())
+    twin = copy.deepcopy(fresh)  # before the first use: an ordinary copy, which compiles its own plan
+    msgs["twin"] = torch.equal(twin(d[0][0]), fresh(d[0][0])) and sp.plan_of(twin) is not sp.plan_of(fresh)
     other = nn.Linear(2, 2)
     mixed = torch.optim.AdamW(list(early.parameters()) + list(other.parameters()), lr=1e-2)
     F.mse_loss(early(d[0][0]), d[0][1]).backward()
@@ -462,6 +467,7 @@ def test_refusals_name_the_call():
         assert "one optimizer per fully_shard model" in msgs["mixed_state_dict"], msgs["mixed_state_dict"]
         assert "'blocks.0' already runs its own plan" in msgs["compiled_inside"], msgs["compiled_inside"]
         assert "to_empty" in msgs["to_empty"] and "drop that call" in msgs["to_empty"], msgs["to_empty"]
+        assert "copy.deepcopy of a fully_shard module" in msgs["deepcopy"] and msgs["twin"] is True, msgs
 
 
 def _worker(rank, world, names):

@@ -114,6 +114,19 @@ class ShardPlanModule:
                 return self.__dict__["_apply"](fn, recurse)
         return super()._apply(fn, recurse)
 
+    def __deepcopy__(self, memo):
+        opts = self.__dict__[_MARK]
+        if not _COMPILING[0] and (opts.get("root") is not None or "_shardplan" in self.__dict__):
+            raise ShardingError("copy.deepcopy of a fully_shard module is not supported (FSDP2 refuses it too): its "
+                                "parameters are this rank's shards, run by the model's plan and process groups. Build "
+                                "another model and load the weights into it: set_model_state_dict(copy, "
+                                "get_model_state_dict(model)) (torch.distributed.checkpoint.state_dict)")
+        import copy
+        new = type(self).__new__(type(self))  # before the plan compiles: an ordinary copy, marks included
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return new
+
     def state_dict(self, *args, **kwargs):
         _ensure_compiled(self)
         return super().state_dict(*args, **kwargs)
