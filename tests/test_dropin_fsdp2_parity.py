@@ -370,6 +370,41 @@ CHECKS = [c_clip_grad_norm, c_optimizer_state_dicts, c_fsdp_module_methods, c_fo
           c_eval_before_backward, c_nested_and_grouped, c_meta_init, c_optimizer_load_before_step]
 
 
+class Outside(Net):
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h) + 0.1 * self.blocks[1].fc2.bias.sum()  # a block's parameter read in the root's forward
+
+
+def _outside(rank, world):
+    """A block's parameter read in the root's forward: FSDP2 refuses (DTensor mixed with Tensor); shardplan
+    refuses naming reshard_after_forward=False, with which it trains as one process on the whole batch."""
+    out = {}
+    m = _wrap("sp", Outside())
+    x, y = _data(rank, world)[0]
+    try:
+        F.mse_loss(m(x), y).backward()
+        out["refused"] = "no error"
+    except sp.ShardingError as exc:
+        out["refused"] = str(exc)
+    m = Outside()
+    for i, b in enumerate(m.blocks):
+        sp.fully_shard(b, reshard_after_forward=i != 1)
+    sp.fully_shard(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    losses = torch.tensor([_step(m, opt, x, y) for x, y in _data(rank, world)])
+    dist.all_reduce(losses)
+    ref = Outside()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    batches = list(zip(*[_data(r, world) for r in range(world)]))
+    want = [_step(ref, ropt, torch.cat([b[0] for b in step]), torch.cat([b[1] for b in step])) for step in batches]
+    out["same"] = torch.allclose(losses / world, torch.tensor(want), rtol=1e-5)
+    out["params"] = all(torch.allclose(_params(m)[k], v, rtol=1e-5, atol=1e-6) for k, v in ref.state_dict().items())
+    return out
+
+
 def _errors_worker(rank, world):
     """What shardplan refuses, each with its own error naming the call."""
     msgs = {}
@@ -447,6 +482,7 @@ def _errors_worker(rank, world):
     F.mse_loss(early(d[0][0]), d[0][1]).backward()
     mixed.step()
     catch("mixed_state_dict", mixed.state_dict)
+    msgs.update(_outside(rank, world))
     return msgs
 
 
@@ -468,6 +504,8 @@ def test_refusals_name_the_call():
         assert "'blocks.0' already runs its own plan" in msgs["compiled_inside"], msgs["compiled_inside"]
         assert "to_empty" in msgs["to_empty"] and "drop that call" in msgs["to_empty"], msgs["to_empty"]
         assert "copy.deepcopy of a fully_shard module" in msgs["deepcopy"] and msgs["twin"] is True, msgs
+        assert "fully_shard(<the module holding it>, reshard_after_forward=False)" in msgs["refused"], msgs["refused"]
+        assert msgs["same"] and msgs["params"], msgs
 
 
 def _worker(rank, world, names):

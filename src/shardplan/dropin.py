@@ -333,6 +333,10 @@ def _compile_root(root: nn.Module) -> None:
     eng = engine_of(root)
     eng.fsdp2_optimizer_state = True  # optimizers over it give DTensor states, as FSDP2's do
     eng.fsdp2_inputs = True  # inputs cast at every marked module, through dataclasses etc., as FSDP2 casts them
+    eng.shard_used_hint = ("Use it inside its module's forward, or keep that module gathered from its forward to "
+                           "its backward: fully_shard(<the module holding it>, reshard_after_forward=False), then "
+                           "read it after that module's forward (or do not fully_shard that module: its parameters "
+                           "join the enclosing one's)")
     eng.cursor.fix_hint = ("A unit that runs more than once per step (two forwards then one backward, a generate "
                            "loop with gradients) or in a data-dependent order needs fully_shard(model, "
                            "order='dynamic') (shardplan's argument, on the root's call: units stay gathered until "

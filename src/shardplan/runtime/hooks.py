@@ -196,7 +196,7 @@ def _hook_params(exe: Executor, u: UnitRuntime) -> None:
             # weak references: a hook lives in C++, where the garbage collector cannot see the cycle
             # parameter -> hook -> executor -> parameter, so strong ones would leak the model
             fp.register_post_accumulate_grad_hook(arrived(idx))
-            lp.register_post_accumulate_grad_hook(lambda _p, _name=info.name: _shard_used(_name))
+            lp.register_post_accumulate_grad_hook(lambda _p, _name=info.name: _shard_used(_name, me))
 
 
 def _timed_backward(me, fn):
@@ -214,9 +214,12 @@ def _timed_backward(me, fn):
     return run
 
 
-def _shard_used(name: str) -> None:
+def _shard_used(name: str, me=None) -> None:
+    exe = me() if me is not None else None
+    fix = getattr(exe, "shard_used_hint", None) or (
+        "Use it inside a module's forward, or keep it gathered: put it in the root unit (units=...) or "
+        "plan.with_reshard_after_forward({unit: False})")
     raise RuntimeShardingError(
         f"shardplan: the local shard of parameter {name!r} received a gradient: it was used outside the forward of "
         f"its unit, where the modules hold local shards (after the unit's forward under optim_grads_params, or "
-        f"outside a training step). Its gradient would be wrong. Use it inside a module's forward, or keep it "
-        f"gathered: put it in the root unit (units=...) or plan.with_reshard_after_forward({{unit: False}})")
+        f"outside a training step). Its gradient would be wrong. {fix}")
