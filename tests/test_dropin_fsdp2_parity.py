@@ -472,6 +472,11 @@ def _errors_worker(rank, world):
         msgs["to_empty"] = "no error"
     except sp.ShardingError as exc:
         msgs["to_empty"] = str(exc)
+    half = Net()
+    for b in half.blocks:
+        sp.fully_shard(b, mp_policy=sp.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    sp.fully_shard(half)  # FSDP2's default policy here: the root computes in fp32, the blocks in bf16
+    catch("policies", lambda: half(d[0][0]))
     import copy
     catch("deepcopy", lambda: copy.deepcopy(m))
     fresh = _wrap("sp", Net())
@@ -506,6 +511,7 @@ def test_refusals_name_the_call():
         assert "copy.deepcopy of a fully_shard module" in msgs["deepcopy"] and msgs["twin"] is True, msgs
         assert "fully_shard(<the module holding it>, reshard_after_forward=False)" in msgs["refused"], msgs["refused"]
         assert msgs["same"] and msgs["params"], msgs
+        assert "one mixed-precision policy per plan" in msgs["policies"] and "'<root>'" in msgs["policies"], msgs
 
 
 def _worker(rank, world, names):

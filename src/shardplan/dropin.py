@@ -305,12 +305,18 @@ def _ensure_compiled(module: nn.Module) -> None:
 def _compile_root(root: nn.Module) -> None:
     opts = root.__dict__[_MARK]
     marked = [(name, m) for name, m in root.named_modules() if name and _MARK in m.__dict__]
-    policies = {(getattr(o, "param_dtype", None), getattr(o, "reduce_dtype", None))
-                for o in [opts["mp_policy"]] + [m.__dict__[_MARK]["mp_policy"] for _, m in marked] if o is not None}
-    if len(policies) > 1:
-        raise ShardingError(f"fully_shard: shardplan runs one mixed-precision policy per plan; the calls under this "
-                            f"root use {sorted(map(str, policies))}. Give every call the same mp_policy")
-    compute, reduce = policies.pop() if policies else (None, None)
+    # a call without mp_policy has FSDP2's default policy (no mixed precision): its module computes in fp32
+    by_policy: dict = {}
+    for name, o in [("<root>", opts["mp_policy"])] + [(n, m.__dict__[_MARK]["mp_policy"]) for n, m in marked]:
+        key = (getattr(o, "param_dtype", None), getattr(o, "reduce_dtype", None))
+        by_policy.setdefault(key, []).append(name)
+    if len(by_policy) > 1:
+        said = "; ".join(f"param_dtype={k[0]}, reduce_dtype={k[1]} for {v[:3]}{' ...' if len(v) > 3 else ''}"
+                         for k, v in by_policy.items())
+        raise ShardingError(f"fully_shard: shardplan runs one mixed-precision policy per plan, but the calls under this "
+                            f"root differ ({said}; a call without mp_policy is FSDP2's default, no mixed precision). "
+                            f"Give every fully_shard call the same mp_policy")
+    compute, reduce = next(iter(by_policy))
     orders = {o for o in [opts.get("order")] + [m.__dict__[_MARK].get("order") for _, m in marked] if o is not None}
     if len(orders) > 1:
         raise ShardingError(f"fully_shard: the calls under this root ask for order={sorted(orders)}; a plan has one "
