@@ -477,6 +477,10 @@ def _errors_worker(rank, world):
         sp.fully_shard(b, mp_policy=sp.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     sp.fully_shard(half)  # FSDP2's default policy here: the root computes in fp32, the blocks in bf16
     catch("policies", lambda: half(d[0][0]))
+    placed = Net()
+    sp.fully_shard(placed.blocks[0], shard_placement_fn=lambda p: None)
+    sp.fully_shard(placed)
+    catch("placement", placed.parameters)  # the plan compiles at the first use
     import copy
     catch("deepcopy", lambda: copy.deepcopy(m))
     fresh = _wrap("sp", Net())
@@ -512,6 +516,7 @@ def test_refusals_name_the_call():
         assert "fully_shard(<the module holding it>, reshard_after_forward=False)" in msgs["refused"], msgs["refused"]
         assert msgs["same"] and msgs["params"], msgs
         assert "one mixed-precision policy per plan" in msgs["policies"] and "'<root>'" in msgs["policies"], msgs
+        assert "shard_placement_fn of the calls on ['blocks.0']" in msgs["placement"], msgs["placement"]
 
 
 def _worker(rank, world, names):

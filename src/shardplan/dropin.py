@@ -317,6 +317,13 @@ def _compile_root(root: nn.Module) -> None:
                             f"root differ ({said}; a call without mp_policy is FSDP2's default, no mixed precision). "
                             f"Give every fully_shard call the same mp_policy")
     compute, reduce = next(iter(by_policy))
+    for arg in ("mesh", "shard_placement_fn"):  # the root's is the plan's: another on an inner call would be ignored
+        same = (lambda a, b: _mesh_from(a, "dp") == _mesh_from(b, "dp")) if arg == "mesh" else (lambda a, b: a is b)
+        other = [n for n, m in marked if not same(m.__dict__[_MARK][arg], opts[arg])]
+        if other:
+            raise ShardingError(f"fully_shard: {arg} of the calls on {other[:3]} differs from the root's; shardplan "
+                                f"compiles one plan over one mesh with one placement function. Pass the same {arg} "
+                                f"to every fully_shard call")
     orders = {o for o in [opts.get("order")] + [m.__dict__[_MARK].get("order") for _, m in marked] if o is not None}
     if len(orders) > 1:
         raise ShardingError(f"fully_shard: the calls under this root ask for order={sorted(orders)}; a plan has one "
