@@ -145,6 +145,7 @@ class ShardPlanModule:
         """FSDP2's switch for gradient accumulation: ``False`` skips the reductions (``shardplan.no_sync``).
         shardplan switches the whole model at once: the modules' flags must agree by the root's next forward
         (on the root with ``recurse=True``, or on every module), else that forward raises."""
+        _SYNC_SET[0] = True
         for m in _marked(self, recurse):
             m.__dict__[_MARK]["sync"] = bool(requires_gradient_sync)
         root = self.__dict__[_MARK].get("root")
@@ -232,7 +233,12 @@ def _marked(module: nn.Module, recurse: bool) -> list:
     return [m for m in module.modules() if _MARK in m.__dict__]
 
 
+_SYNC_SET = [False]  # set_requires_gradient_sync was called: the root's forwards check the flags agree
+
+
 def _check_sync_flags(root: nn.Module) -> None:
+    if not _SYNC_SET[0]:
+        return
     flags = {}
     for name, m in root.named_modules():
         if _MARK in m.__dict__:
