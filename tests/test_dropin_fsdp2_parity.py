@@ -434,6 +434,7 @@ def _errors_worker(rank, world):
         b.set_requires_gradient_sync(True, recurse=False)
     m.set_requires_gradient_sync(True, recurse=False)
     catch("sync_all", lambda: F.mse_loss(m(d[0][0]), d[0][1]).backward())
+    catch("norm_order", lambda: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0, norm_type=-float("inf")))
 
     def two_forwards():
         (m(d[1][0]).sum() + m(d[2][0]).sum()).backward()
@@ -505,6 +506,7 @@ def test_refusals_name_the_call():
         for key in ("sync_child", "sync_norecurse"):
             assert "set_requires_gradient_sync" in msgs[key] and "on the root" in msgs[key], msgs[key]
         assert msgs["sync_all"] == "no error", msgs["sync_all"]
+        assert "norm_type=-inf is not supported" in msgs["norm_order"], msgs["norm_order"]
         for key in ("two_forwards", "generate_twice"):
             assert "fully_shard(model, order='dynamic')" in msgs[key], msgs[key]
         assert "ignored_params=<2 parameters>" in msgs["ignored"] and "tensor(" not in msgs["ignored"], msgs["ignored"]

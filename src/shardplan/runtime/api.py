@@ -216,6 +216,9 @@ def _sharded_total_norm(exe, grads: list, names: list, norm_type: float, error_i
         raise RuntimeShardingError("torch.nn.utils.clip_grad_norm_ on a model whose optimizer is offloaded: the host "
                                    "copies of the gradients must be scaled too; use shardplan.clip_grad_norm_(model, "
                                    "max_norm)")
+    if not (norm_type > 0):  # -inf, 0 and negative orders have no sum of powers over the ranks' pieces
+        raise RuntimeShardingError(f"torch.nn.utils.clip_grad_norm_ / get_total_norm over a sharded model's gradients: "
+                                   f"norm_type={norm_type} is not supported; use a positive order or inf")
     dev, world = exe.device, exe.groups.world
     if norm_type == math.inf:
         total = torch.zeros((), device=dev)
