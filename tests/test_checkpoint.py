@@ -10,6 +10,7 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint  # noqa: F401 - used as torch.distributed.checkpoint.save below
 
 import shardplan as sp
 from distributed import run

@@ -32,8 +32,8 @@ _LAZY = {
     **dict.fromkeys(("functional_call", "grad", "value_and_grad"), "runtime.functional"),
     **dict.fromkeys(("assemble", "shard_tree", "unshard_tree"), "tree"),
     "clip_by_global_norm": "optim",
-    **dict.fromkeys(("MixedPrecisionPolicy", "fully_shard", "fully_shard_model", "fully_shard_optimizer", "plan_of"),
-                    "dropin"),
+    **dict.fromkeys(("MixedPrecisionPolicy", "fully_shard", "fully_shard_model", "fully_shard_optimizer", "plan_of",
+                     "register_fsdp_forward_method"), "dropin"),
     "run_main": "entry",
     **dict.fromkeys(("offload_optimizer", "OffloadAdamW"), "runtime.offload_optim"),
     **dict.fromkeys(("rehearse", "Rehearsal"), "rehearsal"),
@@ -70,6 +70,6 @@ __all__ = [
     "compile_units", "checkpoint", "state_dict", "load_state_dict", "full_state_dict", "load_full_state_dict",
     "shard_tree", "unshard_tree", "assemble", "functional_call", "value_and_grad", "grad", "optim",
     "clip_by_global_norm", "auto_rules", "fully_shard", "MixedPrecisionPolicy", "fully_shard_model",
-    "fully_shard_optimizer", "plan_of", "run_main", "metrics", "offload_optimizer", "OffloadAdamW",
+    "fully_shard_optimizer", "register_fsdp_forward_method", "plan_of", "run_main", "metrics", "offload_optimizer", "OffloadAdamW",
     "rehearse", "Rehearsal", "RehearsalError",
 ]

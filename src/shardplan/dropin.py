@@ -4,7 +4,7 @@ ordinary :class:`Plan` (``shardplan.plan_of(model)``), which prints, dry-runs an
 
 >>> from shardplan import fully_shard, MixedPrecisionPolicy            # was: torch.distributed.fsdp
 >>> for block in model.layers: fully_shard(block, mp_policy=mp)
->>> fully_shard(model, mp_policy=mp)                                    # the root call compiles one plan
+>>> fully_shard(model, mp_policy=mp)                                    # one plan, compiled at first use
 
 >>> from shardplan import fully_shard_model, fully_shard_optimizer     # was: megatron_fsdp
 >>> model = fully_shard_model(model, fsdp_unit_modules=[Block], zero_dp_strategy=3)
@@ -33,13 +33,20 @@ _MARK = "_shardplan_fully_shard"
 
 def plan_of(module: nn.Module) -> Plan:
     """The plan a sharded module runs (whichever entry point sharded it)."""
+    _ensure_compiled(module)
     return engine_of(module).plan
+
+
+def _brief(value) -> str:
+    if isinstance(value, (set, list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+        return f"<{len(value)} parameters>"
+    return repr(value)
 
 
 def _unsupported(where: str, **given) -> None:
     for name, (value, ok) in given.items():
         if not ok(value):
-            raise ShardingError(f"{where}: {name}={value!r} is not supported by shardplan (it would be ignored); "
+            raise ShardingError(f"{where}: {name}={_brief(value)} is not supported by shardplan (it would be ignored); "
                                 f"leave it at its default or remove it")
 
 
@@ -86,7 +93,9 @@ class MixedPrecisionPolicy:
 
 class ShardPlanModule:
     """Mixed into the class of a module ``fully_shard`` was called on (as FSDP2 does): the first use of
-    its parameters or forward compiles the plan if no call on an ancestor did."""
+    its parameters or forward compiles the plan if no call on an ancestor did. It has FSDP2's ``FSDPModule``
+    methods: each is honoured, or is a scheduling hint the plan's schedule already decides (accepted, the
+    numbers cannot change), or raises a :class:`ShardingError` naming itself and what to do instead."""
 
     def parameters(self, recurse: bool = True):
         _ensure_compiled(self)
@@ -96,14 +105,183 @@ class ShardPlanModule:
         _ensure_compiled(self)
         return super().named_parameters(*args, **kwargs)
 
+    def _apply(self, fn, recurse: bool = True):
+        # .to()/.cuda()/.to_empty() compile first, so the sharded module's guard answers them (a meta model is
+        # materialised by the plan; .to_empty() after fully_shard raises naming that), as before the first use
+        if _MARK in self.__dict__ and not _COMPILING[0] and self.__dict__[_MARK].get("root") is None:
+            _ensure_compiled(self)
+            if "_apply" in self.__dict__:
+                return self.__dict__["_apply"](fn, recurse)
+        return super()._apply(fn, recurse)
+
+    def __deepcopy__(self, memo):
+        opts = self.__dict__[_MARK]
+        if not _COMPILING[0] and (opts.get("root") is not None or "_shardplan" in self.__dict__):
+            raise ShardingError("copy.deepcopy of a fully_shard module is not supported (FSDP2 refuses it too): its "
+                                "parameters are this rank's shards, run by the model's plan and process groups. Build "
+                                "another model and load the weights into it: set_model_state_dict(copy, "
+                                "get_model_state_dict(model)) (torch.distributed.checkpoint.state_dict)")
+        import copy
+        new = type(self).__new__(type(self))  # before the plan compiles: an ordinary copy, marks included
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return new
+
+    def state_dict(self, *args, **kwargs):
+        _ensure_compiled(self)
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        _ensure_compiled(self)
+        return super().load_state_dict(*args, **kwargs)
+
     def __call__(self, *args, **kwargs):
         _ensure_compiled(self)
+        if self.__dict__[_MARK].get("root") is self:
+            _check_sync_flags(self)
         return super().__call__(*args, **kwargs)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """FSDP2's switch for gradient accumulation: ``False`` skips the reductions (``shardplan.no_sync``)."""
-        root = self.__dict__[_MARK].get("root") or self
-        engine_of(root).sync = bool(requires_gradient_sync)
+        """FSDP2's switch for gradient accumulation: ``False`` skips the reductions (``shardplan.no_sync``).
+        shardplan switches the whole model at once: the modules' flags must agree by the root's next forward
+        (on the root with ``recurse=True``, or on every module), else that forward raises."""
+        _SYNC_SET[0] = True
+        for m in _marked(self, recurse):
+            m.__dict__[_MARK]["sync"] = bool(requires_gradient_sync)
+        root = self.__dict__[_MARK].get("root")
+        if root is not None:
+            flags = {m.__dict__[_MARK].get("sync", True) for m in _marked(root, True)}
+            if len(flags) == 1:
+                engine_of(root).sync = flags.pop()
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP's all-reduce over replicas: ``True`` (the default) only; skipping it would leave each replica's
+        gradients partial at the next ``optimizer.step()``."""
+        if requires_all_reduce is not True:
+            raise ShardingError("FSDPModule.set_requires_all_reduce(False) is not supported by shardplan: gradients "
+                                "are reduced over every data-parallel rank at once. For accumulation use "
+                                "set_requires_gradient_sync(False) on the root")
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Before the plan compiles (the root's ``fully_shard`` call, or the first forward), as the argument of
+        ``fully_shard``; afterwards only the value the plan already has."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ShardingError(f"FSDPModule.set_reshard_after_forward({reshard_after_forward!r}): shardplan takes "
+                                f"True or False")
+        root = self.__dict__[_MARK].get("root")
+        mods = _marked(self, recurse)
+        if root is None:
+            for m in mods:
+                m.__dict__[_MARK]["reshard_after_forward"] = reshard_after_forward
+            return
+        plan = engine_of(root).plan
+        names = {id(m): n for n, m in root.named_modules()}
+        differ = [names[id(m)] for m in mods if m is not root and names[id(m)] in {u.name for u in plan.units}
+                  and plan.unit(names[id(m)]).reshard_after_forward != reshard_after_forward]
+        if differ:
+            raise ShardingError(f"FSDPModule.set_reshard_after_forward({reshard_after_forward}) after the plan was "
+                                f"compiled (units {differ}): shardplan fixes it in the plan. Pass "
+                                f"fully_shard(module, reshard_after_forward={reshard_after_forward}) instead")
+
+    def unshard(self, async_op: bool = False):
+        raise ShardingError("FSDPModule.unshard() is not supported by shardplan: each unit is gathered by the plan's "
+                            "schedule at its forward (and prefetched by it), and the modules hold local shards "
+                            "outside it. Remove the call; for prefetching see shardplan.plan_of(model); for the full "
+                            "parameters use torch.distributed.checkpoint.state_dict.get_model_state_dict(model, "
+                            "options=StateDictOptions(full_state_dict=True))")
+
+    def reshard(self) -> None:
+        raise ShardingError("FSDPModule.reshard() is not supported by shardplan: the plan's schedule frees each "
+                            "unit after its forward and backward. Remove the call (and the unshard() it pairs with)")
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """FSDP2's default, the data-parallel world size (a mean), only."""
+        _check_divide(self, factor, "set_gradient_divide_factor")
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        _check_divide(self, factor, "set_reduce_scatter_divide_factor")
+
+    # scheduling hints: the plan's schedule decides gathers, frees and prefetches; the numbers are the same
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted: the end of each backward is found by the runtime; gradients are the same."""
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Accepted: the plan frees each unit after its backward (memory only; gradients are the same)."""
+
+    def set_modules_to_forward_prefetch(self, modules) -> None:
+        """Accepted: the plan's schedule prefetches (``shardplan.plan_of(model)`` shows it)."""
+
+    def set_modules_to_backward_prefetch(self, modules) -> None:
+        """Accepted: the plan's schedule prefetches (``shardplan.plan_of(model)`` shows it)."""
+
+    def set_post_optim_event(self, event) -> None:
+        """Accepted: the next forward's gathers follow the optimizer step on the current stream."""
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Accepted: shardplan gathers a unit for backward whenever its backward needs the parameters."""
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted: the reduction gives the mean either way (sum then divide, or ``ReduceOp.AVG``)."""
+
+    def reset_iter_state(self) -> None:
+        """Accepted: a forward that raised is abandoned at the next forward."""
+
+
+def _marked(module: nn.Module, recurse: bool) -> list:
+    if not recurse:
+        return [module]
+    return [m for m in module.modules() if _MARK in m.__dict__]
+
+
+_SYNC_SET = [False]  # set_requires_gradient_sync was called: the root's forwards check the flags agree
+
+
+def _check_sync_flags(root: nn.Module) -> None:
+    if not _SYNC_SET[0]:
+        return
+    flags = {}
+    for name, m in root.named_modules():
+        if _MARK in m.__dict__:
+            flags.setdefault(m.__dict__[_MARK].get("sync", True), []).append(name or "<root>")
+    if len(flags) > 1:
+        raise ShardingError(f"set_requires_gradient_sync: shardplan synchronises the gradients of the whole model at "
+                            f"once, but modules {flags[False][:5]} have requires_gradient_sync=False and "
+                            f"{flags[True][:5]} True. Call model.set_requires_gradient_sync(flag) on the root "
+                            f"(recurse=True)")
+
+
+def _check_divide(module: nn.Module, factor: float, where: str) -> None:
+    root = module.__dict__[_MARK].get("root")
+    if root is None:
+        _ensure_compiled(module)
+        root = module.__dict__[_MARK].get("root") or module
+    want = engine_of(root).plan.mesh.size  # fully_shard's mesh is all data parallel (HSDP: replicate x shard)
+    if float(factor) != float(want):
+        raise ShardingError(f"FSDPModule.{where}({factor}) is not supported by shardplan: gradients are averaged over "
+                            f"the {want} data-parallel ranks (FSDP2's default factor, {want}). Scale the loss by "
+                            f"{want}/{factor} instead")
+
+
+def _unsupported_method(name: str):
+    def method(self, *args, **kwargs):
+        raise ShardingError(f"FSDPModule.{name}() is not supported by shardplan's fully_shard: its collectives are "
+                            f"the plan's (shardplan.plan_of(model) shows them). Remove the call")
+    method.__name__ = name
+    return method
+
+
+def _fill_fsdp_module_api() -> None:
+    """Every other public method of torch's ``FSDPModule`` raises naming itself, not ``AttributeError``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return
+    for name in dir(FSDPModule):
+        if not name.startswith("_") and callable(getattr(FSDPModule, name)) and not hasattr(ShardPlanModule, name):
+            setattr(ShardPlanModule, name, _unsupported_method(name))
+
+
+_fill_fsdp_module_api()
 
 
 _CLASSES: dict[type, type] = {}
@@ -123,25 +301,47 @@ def _ensure_compiled(module: nn.Module) -> None:
     opts = module.__dict__.get(_MARK)
     if _COMPILING[0] or opts is None or opts.get("root") is not None or "_shardplan" in module.__dict__:
         return
-    _compile_root(module)
+    while opts.get("owner") is not None:  # see [Note: the plan compiles at first use]
+        module = opts["owner"]
+        opts = module.__dict__[_MARK]
+    if opts.get("root") is None and "_shardplan" not in module.__dict__:
+        _compile_root(module)
 
 
 def _compile_root(root: nn.Module) -> None:
     opts = root.__dict__[_MARK]
     marked = [(name, m) for name, m in root.named_modules() if name and _MARK in m.__dict__]
-    policies = {(getattr(o, "param_dtype", None), getattr(o, "reduce_dtype", None))
-                for o in [opts["mp_policy"]] + [m.__dict__[_MARK]["mp_policy"] for _, m in marked] if o is not None}
-    if len(policies) > 1:
-        raise ShardingError(f"fully_shard: shardplan runs one mixed-precision policy per plan; the calls under this "
-                            f"root use {sorted(map(str, policies))}. Give every call the same mp_policy")
-    compute, reduce = policies.pop() if policies else (None, None)
+    # a call without mp_policy has FSDP2's default policy (no mixed precision): its module computes in fp32
+    by_policy: dict = {}
+    for name, o in [("<root>", opts["mp_policy"])] + [(n, m.__dict__[_MARK]["mp_policy"]) for n, m in marked]:
+        key = (getattr(o, "param_dtype", None), getattr(o, "reduce_dtype", None))
+        by_policy.setdefault(key, []).append(name)
+    if len(by_policy) > 1:
+        said = "; ".join(f"param_dtype={k[0]}, reduce_dtype={k[1]} for {v[:3]}{' ...' if len(v) > 3 else ''}"
+                         for k, v in by_policy.items())
+        raise ShardingError(f"fully_shard: shardplan runs one mixed-precision policy per plan, but the calls under this "
+                            f"root differ ({said}; a call without mp_policy is FSDP2's default, no mixed precision). "
+                            f"Give every fully_shard call the same mp_policy")
+    compute, reduce = next(iter(by_policy))
+    for arg in ("mesh", "shard_placement_fn"):  # the root's is the plan's: another on an inner call would be ignored
+        same = (lambda a, b: _mesh_from(a, "dp") == _mesh_from(b, "dp")) if arg == "mesh" else (lambda a, b: a is b)
+        other = [n for n, m in marked if not same(m.__dict__[_MARK][arg], opts[arg])]
+        if other:
+            raise ShardingError(f"fully_shard: {arg} of the calls on {other[:3]} differs from the root's; shardplan "
+                                f"compiles one plan over one mesh with one placement function. Pass the same {arg} "
+                                f"to every fully_shard call")
+    orders = {o for o in [opts.get("order")] + [m.__dict__[_MARK].get("order") for _, m in marked] if o is not None}
+    if len(orders) > 1:
+        raise ShardingError(f"fully_shard: the calls under this root ask for order={sorted(orders)}; a plan has one "
+                            f"order: give every call the same (or only the root's call)")
+    order = orders.pop() if orders else "static"
     mesh = _mesh_from(opts["mesh"], "dp")
     axis = "shard" if "shard" in mesh.axis_names else mesh.axis_names[-1]
     _COMPILING[0] = True
     try:
         p = make_plan(root, _dim0_rules(axis, opts["shard_placement_fn"]), mesh, strategy="optim_grads_params",
                       units=[re.escape(name) for name, _ in marked], compute_dtype=compute, reduce_dtype=reduce,
-                      min_unit_bytes=0, layout="chunked")  # FSDP2's torch.chunk shards: DTensor state dicts
+                      min_unit_bytes=0, layout="chunked", order=order)  # torch.chunk shards: DTensor state dicts
         flags = {u.name: root.get_submodule(u.name).__dict__[_MARK]["reshard_after_forward"]
                  for u in p.units[1:] if u.name in dict(marked)}
         if any(f is False for f in flags.values()):
@@ -149,24 +349,115 @@ def _compile_root(root: nn.Module) -> None:
         shard(root, p)
     finally:
         _COMPILING[0] = False
+    eng = engine_of(root)
+    eng.fsdp2_optimizer_state = True  # optimizers over it give DTensor states, as FSDP2's do
+    eng.fsdp2_inputs = True  # inputs cast at every marked module, through dataclasses etc., as FSDP2 casts them
+    eng.shard_used_hint = ("Use it inside its module's forward, or keep that module gathered from its forward to "
+                           "its backward: fully_shard(<the module holding it>, reshard_after_forward=False), then "
+                           "read it after that module's forward (or do not fully_shard that module: its parameters "
+                           "join the enclosing one's)")
+    eng.cursor.fix_hint = ("A unit that runs more than once per step (two forwards then one backward, a generate "
+                           "loop with gradients) or in a data-dependent order needs fully_shard(model, "
+                           "order='dynamic') (shardplan's argument, on the root's call: units stay gathered until "
+                           "the forward ends); FSDP2 re-gathers such units instead")
+    _watch_optimizers()
     opts["root"] = root
     for _, m in marked:
         m.__dict__[_MARK]["root"] = root
+    flags = {m.__dict__[_MARK].get("sync", True) for m in _marked(root, True)}
+    if len(flags) == 1:  # set_requires_gradient_sync called before the plan compiled
+        eng.sync = flags.pop()
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """FSDP2's ``register_fsdp_forward_method``: ``module.<method_name>(...)`` gathers and frees like
+    ``module(...)`` (shardplan's forward hooks of ``module`` run around it), for methods such as ``generate``
+    that call ``self.forward`` directly. A module ``fully_shard`` was not called on: nothing to do, as in torch.
+
+    >>> fully_shard(model); register_fsdp_forward_method(model, "generate")
+
+    torch's own function does the same for a shardplan module once shardplan is imported (it would do nothing,
+    and ``generate`` would compute with the local shards)."""
+    if not isinstance(module, ShardPlanModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module)} does not have a method {method_name}")
+    orig = getattr(module, method_name)
+
+    def wrapped(self, *args, **kwargs):
+        _ensure_compiled(self)
+        root = self.__dict__[_MARK].get("root") or self
+        if root is self:
+            _check_sync_flags(self)
+        ids = {h.id for h in engine_of(root).handles}
+        pre = [(k, h) for k, h in self._forward_pre_hooks.items() if k in ids]
+        post = [h for k, h in self._forward_hooks.items() if k in ids]
+        for k, hook in pre:
+            if k in self._forward_pre_hooks_with_kwargs:
+                res = hook(self, args, kwargs)
+                if res is not None:
+                    args, kwargs = res
+            else:
+                res = hook(self, args)
+                if res is not None:
+                    args = res if isinstance(res, tuple) else (res,)
+        out = orig(*args, **kwargs)
+        for hook in post:
+            res = hook(self, args, out)
+            if res is not None:
+                out = res
+        return out
+
+    setattr(module, method_name, wrapped.__get__(module, type(module)))
+
+
+def _route_torch_register() -> None:
+    """[Note: torch's register_fsdp_forward_method] It returns at once for a module that is not torch's
+    ``FSDPModule``, so on a shardplan module the method would run with the local shards (a shape error, or
+    silently wrong numbers for a method that only reduces a parameter). Its code is swapped for a call of
+    shardplan's, which hands any other module back to torch's original: names bound before shardplan was
+    imported are covered too."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fully_shard as T
+    except ImportError:  # pragma: no cover
+        return
+    fn = getattr(T, "register_fsdp_forward_method", None)
+    if fn is None or "_shardplan_register" in T.__dict__ or fn.__code__.co_freevars or fn.__code__.co_argcount != 2:
+        return
+    import types
+    original = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+    def route(module, method_name):
+        if isinstance(module, ShardPlanModule):
+            return register_fsdp_forward_method(module, method_name)
+        return original(module, method_name)
+
+    T.__dict__["_shardplan_register"] = route
+
+    def routed(module, method_name):  # the code torch's function now runs, in torch's module
+        return _shardplan_register(module, method_name)  # noqa: F821 - a global of torch's module
+
+    fn.__code__ = routed.__code__
 
 
 def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = True,
                 shard_placement_fn: Optional[Callable] = None, mp_policy: Optional[Any] = None,
-                offload_policy: Optional[Any] = None, ignored_params: Optional[set] = None) -> nn.Module:
+                offload_policy: Optional[Any] = None, ignored_params: Optional[set] = None,
+                order: Optional[str] = None) -> nn.Module:
     """FSDP2's ``fully_shard``, built on one shardplan plan: call it on each block, then on the root.
 
     >>> for block in model.layers: fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     >>> fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     >>> optimizer = torch.optim.AdamW(model.parameters())     # local shards, as with FSDP2's DTensors
 
-    Each call marks a unit; the call on a module that contains marked ones (or the first use of a lone
-    marked module's parameters) compiles the plan: every parameter sharded on dim 0 (or the dim
+    Each call marks a unit (a list of modules: one unit each); the first use of any of them (forward,
+    ``parameters()``, ``state_dict()``) compiles the plan of the outermost marked module, as FSDP2 finds its
+    root at the first forward, so calls nest to any depth: every parameter sharded on dim 0 (or the dim
     ``shard_placement_fn`` picks, ``torch.chunk`` pieces as FSDP2 makes) over the mesh (a 2-D ``DeviceMesh`` is HSDP: replicate, shard),
-    ZeRO-3, each unit resharded after forward unless its call said ``False``. The module's class gains
+    ZeRO-3, each unit resharded after forward unless its call said ``False``. ``order="dynamic"`` (shardplan's
+    own argument, on any call) is for models that run a unit more than once per step or in a data-dependent
+    order (two forwards, then one backward; a ``generate`` loop with gradients): the plan keeps units gathered
+    until the forward ends instead of raising. The module's class gains
     FSDP2's ``set_requires_gradient_sync``. ``model.state_dict()`` gives DTensors, as FSDP2's does, so
     ``torch.distributed.checkpoint`` and ``get_model_state_dict``/``set_model_state_dict`` work unchanged.
     """
@@ -177,14 +468,93 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     if mp_policy is not None:
         _unsupported("fully_shard(mp_policy)", output_dtype=(getattr(mp_policy, "output_dtype", None), lambda v: v is None),
                      cast_forward_inputs=(getattr(mp_policy, "cast_forward_inputs", True), lambda v: v is True))
+    if isinstance(module, (list, tuple)):  # FSDP2's group of modules: one unit each here (the same numbers)
+        for m in module:
+            fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                        shard_placement_fn=shard_placement_fn, mp_policy=mp_policy, offload_policy=offload_policy,
+                        order=order)
+        return module
     if "_shardplan" in module.__dict__:
         raise ShardingError("fully_shard: this module is already sharded (its plan was compiled)")
+    _refuse_compiled_inside(module)
     module.__dict__[_MARK] = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-                                  shard_placement_fn=shard_placement_fn, root=None)
+                                  shard_placement_fn=shard_placement_fn, root=None, order=order, owner=None)
     _swap_class(module)
-    if any(_MARK in m.__dict__ for name, m in module.named_modules() if name):
-        _compile_root(module)
+    # [Note: the plan compiles at first use] FSDP2 finds its root at the first forward, so fully_shard may
+    # nest to any depth (experts, then blocks, then the model). The outermost call so far owns every marked
+    # module inside it; the first use of any of them (forward, parameters(), state_dict(), ...) compiles
+    # the owner's plan.
+    for name, m in module.named_modules():
+        if name and _MARK in m.__dict__:
+            m.__dict__[_MARK]["owner"] = module
     return module
+
+
+def _refuse_compiled_inside(module: nn.Module) -> None:
+    inner = [name for name, m in module.named_modules()
+             if name and (m.__dict__.get(_MARK, {}).get("root") is not None or "_shardplan" in m.__dict__)]
+    if inner:
+        raise ShardingError(f"fully_shard: submodule {inner[0]!r} already runs its own plan (it was used, or "
+                            f"sharded, before this call, which made it a root); shardplan compiles one plan per "
+                            f"root at the first use. Call fully_shard on every module, innermost first and the "
+                            f"root last, before using any of them")
+
+
+_WATCHING = [False]
+
+
+def _watch_optimizers() -> None:
+    if not _WATCHING[0]:
+        from torch.optim import optimizer as O
+        handle = O.register_optimizer_step_pre_hook(_dtensor_optimizer_state)
+        hooks = getattr(O, "_global_optimizer_pre_hooks", None)
+        if hasattr(hooks, "move_to_end"):  # before shardplan's check of the states' shapes (runtime/identity.py)
+            hooks.move_to_end(handle.id, last=False)
+        _WATCHING[0] = True
+
+
+def _dtensor_optimizer_state(opt: torch.optim.Optimizer, args, kwargs) -> None:
+    """Optimizer step pre-hook (once per optimizer): one that steps a ``fully_shard`` model's parameters gives
+    its states as DTensors from ``state_dict()`` and takes them back in ``load_state_dict``, as FSDP2's does.
+
+    [Note: FSDP2's optimizer states are DTensors] Without this an optimizer's moments are this rank's shards
+    as plain tensors under the parameters' names: ``get_optimizer_state_dict(full_state_dict=True)`` would
+    return one rank's shard as the "full" state, and ``dcp.save`` would keep one rank's copy for every rank
+    (plain tensors are taken as replicated): silently wrong. Installed at the first step, which
+    ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` run on an optimizer without state."""
+    if "_shardplan_dtensor_state" in opt.__dict__:
+        return
+    params = [p for g in opt.param_groups for p in g["params"]]
+    engines = {id(e): e for e in (getattr(p, "_shardplan_engine", lambda: None)() for p in params) if e is not None}
+    ours = [e for e in engines.values() if getattr(e, "fsdp2_optimizer_state", False)]
+    opt.__dict__["_shardplan_dtensor_state"] = False
+    if not ours:
+        return
+    if len(engines) > 1 or any(getattr(p, "_shardplan_engine", None) is None for p in params):
+        def refuse(*_):  # training is right; only its state dict could not be: refuse that, not the step
+            raise ShardingError("optimizer.state_dict() / load_state_dict(): this optimizer holds parameters of a "
+                                "shardplan fully_shard model and other parameters (or another model's); their states "
+                                "cannot be given as FSDP2's DTensors. Build one optimizer per fully_shard model, on "
+                                "model.parameters()")
+        opt.register_state_dict_pre_hook(refuse)
+        opt.register_load_state_dict_pre_hook(refuse)
+        return
+    from .runtime import state_dict as SD
+    SD.install_optimizer(opt, ours[0])
+    opt.__dict__["_shardplan_dtensor_state"] = True
+    _local_states(opt, ours[0])
+
+
+def _local_states(opt: torch.optim.Optimizer, eng) -> None:
+    """DTensor states a never-stepped optimizer was given by ``load_state_dict`` before its hooks existed (FSDP2's
+    or shardplan's ``optimizer.state_dict()``, loaded directly): this rank's pieces, as the hook would have."""
+    from torch.distributed.tensor import DTensor
+    names = {id(lp): n for n, lp in eng.local_params().items()}
+    for p, st in opt.state.items():
+        for k, v in list(st.items()):
+            if isinstance(v, DTensor):
+                local = eng.state_dict_hooks.local_value(names[id(p)], f"state.{names[id(p)]}.{k}", v, p)
+                st[k] = torch.zeros_like(p) if local.numel() == 0 else local.clone()
 
 
 # -- Megatron-FSDP --------------------------------------------------------------------------------------------
@@ -340,6 +710,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
 
     optimizer.step = step.__get__(optimizer)
     optimizer.zero_grad = zero_grad.__get__(optimizer)
+    optimizer.__dict__["_shardplan_dtensor_state"] = preproc_state_dict_for_dcp_ckpt
     if preproc_state_dict_for_dcp_ckpt:
         from .runtime import state_dict as SD
         SD.install_optimizer(optimizer, eng)
@@ -358,3 +729,6 @@ def _check_finite(eng, params) -> None:
         local = [names.get(id(p), "?") for p in params if p.grad is not None and not p.grad.isfinite().all()]
         raise FloatingPointError(f"fully_shard_optimizer: non-finite gradients (check_for_nan_in_grad=True); "
                                  f"on this rank: {local[:5] or 'none (another rank)'}")
+
+
+_route_torch_register()

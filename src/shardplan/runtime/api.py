@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import weakref
 from typing import Callable, Optional
@@ -110,6 +111,8 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     offload.attach(exe)  # CPU offload: host master shards and optimizer state (None without it)
     for lp in face.by_index.values():
         lp._shardplan_engine = weakref.ref(exe)  # who steps it (fully_shard_optimizer checks)
+    _LIVE.add(exe)
+    _patch_torch_norms()  # torch.nn.utils.clip_grad_norm_ on the local shards: the global norm, as with DTensors
     meshes = rt.meshes
     exe.handles = install(module, exe, rt.modules_of) + TP.install_styles(module, plan, meshes, exe)
     exe.handles += SD.install(module, exe, meshes)  # model.state_dict() in DTensors, as FSDP2 gives it
@@ -178,6 +181,91 @@ def compile_units(module: nn.Module, **compile_kwargs) -> nn.Module:
             m = module.get_submodule(path)  # a container without a forward: the submodules it is run through
             m.forward = torch.compile(m.forward, **compile_kwargs)
     return module
+
+
+# -- torch's own gradient norm over local shards --------------------------------------------------------
+
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()  # the executors of every sharded module alive
+_TORCH_NORM: list = []  # torch.nn.utils' get_total_norm, before it was wrapped
+
+
+def _owners(tensors: list) -> Optional[tuple]:
+    """``(executor, [parameter name per tensor])`` when every tensor is the gradient of one sharded model's
+    local shard; ``None`` when none is; raises when some are (or they span several models)."""
+    owner = {}
+    for exe in list(_LIVE):
+        for name, lp in exe.local_params().items():
+            if lp.grad is not None:
+                owner[id(lp.grad)] = (exe, name)
+    found = [owner.get(id(t)) for t in tensors]
+    if not any(found):
+        return None
+    engines = {id(f[0]) for f in found if f is not None}
+    if None in found or len(engines) > 1:
+        raise RuntimeShardingError(
+            "torch.nn.utils.clip_grad_norm_ / get_total_norm: the gradients given mix local shards of a shardplan-"
+            "sharded model with other tensors (or with another sharded model's); their norm would be neither this "
+            "rank's nor the global one. Clip each sharded model on its own: shardplan.clip_grad_norm_(model, "
+            "max_norm) or torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)")
+    return found[0][0], [f[1] for f in found]
+
+
+def _sharded_total_norm(exe, grads: list, names: list, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
+    """The norm of the full gradients whose local shards are ``grads``, over every rank (each element once)."""
+    if getattr(exe, "offload", None) is not None:
+        raise RuntimeShardingError("torch.nn.utils.clip_grad_norm_ on a model whose optimizer is offloaded: the host "
+                                   "copies of the gradients must be scaled too; use shardplan.clip_grad_norm_(model, "
+                                   "max_norm)")
+    if not (norm_type > 0):  # -inf, 0 and negative orders have no sum of powers over the ranks' pieces
+        raise RuntimeShardingError(f"torch.nn.utils.clip_grad_norm_ / get_total_norm over a sharded model's gradients: "
+                                   f"norm_type={norm_type} is not supported; use a positive order or inf")
+    dev, world = exe.device, exe.groups.world
+    if norm_type == math.inf:
+        total = torch.zeros((), device=dev)
+        for g in grads:
+            if g.numel():
+                total = torch.maximum(total, g.detach().abs().max().float())
+        C.all_reduce(total, world, async_op=False, op=dist.ReduceOp.MAX)
+    else:
+        acc = torch.zeros((), dtype=torch.float64 if dev.type == "cpu" else torch.float32, device=dev)
+        for g, n in zip(grads, names):
+            if g.numel():
+                part = torch.linalg.vector_norm(g.detach(), norm_type).to(acc.dtype).pow(norm_type)
+                acc = acc + part / exe.plan.replicas(n)  # an element held by `replicas` ranks counts once
+        C.all_reduce(acc, world, async_op=False, op=dist.ReduceOp.SUM)
+        total = acc.pow(1.0 / norm_type)
+    total = total.to(grads[0].dtype if grads and grads[0].is_floating_point() else torch.float32)
+    if error_if_nonfinite and not torch.isfinite(total).item():
+        raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
+                           f"cannot be clipped. To disable this error and scale the gradients by the non-finite norm "
+                           f"anyway, set `error_if_nonfinite=False`")
+    return total
+
+
+def _patch_torch_norms() -> None:
+    """[Note: torch's clip_grad_norm_ on local shards] A shardplan model's parameters are this rank's shards as
+    plain tensors, not FSDP2's DTensors, so torch's ``clip_grad_norm_(model.parameters(), ...)`` (and
+    torchtitan's ``get_total_norm(grads)``) would return this rank's norm and clip each rank's shards by a
+    different factor: silently wrong. Wrapped once: given local shards' gradients, it returns the global norm
+    (one collective: every rank must call it, as with DTensors); any other tensors go to torch unchanged."""
+    if _TORCH_NORM:
+        return
+    from torch.nn.utils import clip_grad as CG
+    orig = CG._get_total_norm
+    _TORCH_NORM.append(orig)
+
+    @functools.wraps(orig)
+    def get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        found = _owners(ts) if _LIVE else None
+        if found is None:
+            return orig(ts, norm_type, error_if_nonfinite, foreach)
+        return _sharded_total_norm(found[0], ts, found[1], float(norm_type), error_if_nonfinite)
+
+    CG._get_total_norm = get_total_norm  # what clip_grad_norm_ calls
+    torch.nn.utils.get_total_norm = get_total_norm
+    if hasattr(CG, "get_total_norm"):
+        CG.get_total_norm = get_total_norm
 
 
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, foreach: Optional[bool] = None) -> torch.Tensor:

@@ -83,8 +83,11 @@ class Cursor:
         pos = self.bwd if backward else self.fwd
         expected = steps[pos].name if pos < len(steps) else "the end of this pass"
         unit = event[event.index("(") + 1:-1]
-        return (f"shardplan: {event} arrived but the plan already freed unit {unit!r}: the model ran it again or out of "
-                f"plan order (the schedule expected {expected} next). Units that run in a data-dependent order or "
-                f"more than once per step need plan(..., order='dynamic') (keeps units gathered until the forward "
-                f"ends) or plan.with_reshard_after_forward({{{unit!r}: False}}); a fixed order other than module "
-                f"registration needs plan(..., trace=(args, kwargs)) or other units=")
+        head = (f"shardplan: {event} arrived but the plan already freed unit {unit!r}: the model ran it again or out "
+                f"of plan order (the schedule expected {expected} next). ")
+        if getattr(self, "fix_hint", None):  # the drop-in's spelling of the fix
+            return head + self.fix_hint
+        return head + (f"Units that run in a data-dependent order or "
+                       f"more than once per step need plan(..., order='dynamic') (keeps units gathered until the forward "
+                       f"ends) or plan.with_reshard_after_forward({{{unit!r}: False}}); a fixed order other than module "
+                       f"registration needs plan(..., trace=(args, kwargs)) or other units=")

@@ -91,6 +91,8 @@ class Executor:
                         (COPY_D2H, GRADS): self._offload_copy, (COPY_H2D, PARAMS): self._offload_copy,
                         (OPTIM_STEP, PARAMS): self._offload_copy,  # [offload hook]
                         (ALL_REDUCE, SCALES): self._scales}
+        self.replay_forward = False  # a no-grad forward ran after a forward whose backward is pending
+        self.fsdp2_inputs = False  # the drop-in fully_shard: cast inputs at every unit, as FSDP2 (hooks.py)
         self.offload = None  # [offload hook] runtime/offload.py's OffloadState, set by shard() for offloading plans
 
     @property
@@ -124,6 +126,12 @@ class Executor:
 
     # -- events: forward -----------------------------------------------------------------------------
     def before_forward(self) -> None:
+        # [Note: a no-grad forward before the pending backward] (an evaluation between loss = model(x) and
+        # loss.backward(), as FSDP2 allows): it releases what the pending graph's backward reads (the root
+        # unit's gathered storage, which autograd saved). The backward, if it comes, replays the forward's
+        # gathers first (begin_backward); a forward with gradients instead supersedes the pending graph.
+        grad = torch.is_grad_enabled()
+        self.replay_forward = not grad and (self.awaiting_backward or self.replay_forward)
         if self.in_backward or self.awaiting_backward or self.cursor.mid_forward:
             self._abandon()
         self.cursor.reset()
@@ -173,6 +181,13 @@ class Executor:
             return
         self.in_backward = True
         self.awaiting_backward = False
+        if self.replay_forward:  # see [Note: a no-grad forward before the pending backward]
+            self.replay_forward = False
+            self.cursor.reset()
+            for u in self.unit_list:
+                u.start_forward()
+            for step in self.cursor.forward_to(len(self.cursor.program.forward) - 1):
+                self._run_step(step, grad=True)
         for u in self.unit_list:
             u.start_pass()
         me = weakref.ref(self)

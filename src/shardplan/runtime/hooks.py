@@ -26,10 +26,16 @@ from .executor import Executor, in_backward_pass
 from .unit import UnitRuntime
 
 
-def cast_inputs(args, kwargs, dtype_name):
+def cast_inputs(args, kwargs, dtype_name, fsdp2: bool = False):
     if dtype_name is None:
         return args, kwargs
     target = to_torch(dtype_name)
+    if fsdp2:  # the drop-in fully_shard: FSDP2's own traversal (dataclasses, namedtuples, OrderedDicts, sets)
+        from torch.distributed.utils import _apply_to_tensors
+
+        def cast_fp(x):
+            return x.to(target) if x.is_floating_point() and x.dtype != target else x
+        return _apply_to_tensors(cast_fp, args), _apply_to_tensors(cast_fp, kwargs)
 
     def cast(x):
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != target:
@@ -111,7 +117,7 @@ def module_hooks(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn
     def root_pre(_m, args, kwargs):
         exe.before_forward()
         inputs.clear()
-        args, kwargs = cast_inputs(args, kwargs, exe.plan.compute_dtype)
+        args, kwargs = cast_inputs(args, kwargs, exe.plan.compute_dtype, exe.fsdp2_inputs)
         note_inputs(ROOT, args, kwargs)
         exe.pre_forward(ROOT)
         return args, kwargs
@@ -130,8 +136,11 @@ def module_hooks(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn
 
         @timed
         def pre(_m, args, kwargs, _name=name):
+            if exe.fsdp2_inputs:  # FSDP2 casts every fully_shard module's inputs, not only the root's
+                args, kwargs = cast_inputs(args, kwargs, exe.plan.compute_dtype, True)
             note_inputs(_name, args, kwargs)
             exe.pre_forward(_name)
+            return (args, kwargs) if exe.fsdp2_inputs else None
 
         @timed
         def pre_inner(_m, _args, _name=name):  # a later module of a merged unit: its inputs come from inside
@@ -187,7 +196,7 @@ def _hook_params(exe: Executor, u: UnitRuntime) -> None:
             # weak references: a hook lives in C++, where the garbage collector cannot see the cycle
             # parameter -> hook -> executor -> parameter, so strong ones would leak the model
             fp.register_post_accumulate_grad_hook(arrived(idx))
-            lp.register_post_accumulate_grad_hook(lambda _p, _name=info.name: _shard_used(_name))
+            lp.register_post_accumulate_grad_hook(lambda _p, _name=info.name: _shard_used(_name, me))
 
 
 def _timed_backward(me, fn):
@@ -205,9 +214,12 @@ def _timed_backward(me, fn):
     return run
 
 
-def _shard_used(name: str) -> None:
+def _shard_used(name: str, me=None) -> None:
+    exe = me() if me is not None else None
+    fix = getattr(exe, "shard_used_hint", None) or (
+        "Use it inside a module's forward, or keep it gathered: put it in the root unit (units=...) or "
+        "plan.with_reshard_after_forward({unit: False})")
     raise RuntimeShardingError(
         f"shardplan: the local shard of parameter {name!r} received a gradient: it was used outside the forward of "
         f"its unit, where the modules hold local shards (after the unit's forward under optim_grads_params, or "
-        f"outside a training step). Its gradient would be wrong. Use it inside a module's forward, or keep it "
-        f"gathered: put it in the root unit (units=...) or plan.with_reshard_after_forward({{unit: False}})")
+        f"outside a training step). Its gradient would be wrong. {fix}")
