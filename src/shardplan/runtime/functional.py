@@ -40,7 +40,7 @@ class FunctionalRuntime:
 
     def __init__(self, module: nn.Module, plan: Plan, timeout_s: float, problems: Sequence[str] = ()):
         from . import tensor_parallel as TP
-        rt = build(module, plan, timeout_s=timeout_s, problems=problems)
+        rt = build(module, plan, timeout_s=timeout_s, problems=problems, face="shardplan.functional_call()")
         self.meshes = rt.meshes
         self.inputs_checked = not self.meshes  # tensor parallelism: the first call checks its inputs
         self.modules_of = rt.modules_of
@@ -138,7 +138,8 @@ def functional_call(module: nn.Module, plan: Plan, local_params, args=(), kwargs
 def value_and_grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool = False):
     """Like ``jax.value_and_grad``: ``(loss, grads) = sp.value_and_grad(loss_fn, plan)(local, batch)``.
 
-    ``fn(params, ...)`` calls :func:`functional_call` with ``params`` (argument ``argnums``) and returns a
+    ``fn(params, ...)`` calls :func:`functional_call` with ``params`` (argument ``argnums``; once, or several
+    times under a plan with ``order='dynamic'``) and returns a
     scalar loss (or ``(loss, aux)`` with ``has_aux``). ``grads`` has the structure of ``params`` and holds
     each local shard's reduced gradient; a parameter the step did not use gets zeros, not a missing
     entry. The caller's tree is not modified.
@@ -164,8 +165,15 @@ def value_and_grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool 
         finally:
             _SESSION.current, _SESSION.sources = prev
         if len({id(rt) for rt in runtimes}) != 1:
-            raise ShardingError(f"value_and_grad: fn must call shardplan.functional_call exactly once with the plan "
-                                f"(it called it {len(runtimes)} times)")
+            raise ShardingError(f"value_and_grad: fn must call shardplan.functional_call with the plan, one module "
+                                f"(it called it {len(runtimes)} times, on {len({id(rt) for rt in runtimes})} runtimes)")
+        if len(runtimes) > 1 and plan.order != "dynamic":
+            # [Note: several calls per backward] a static plan reduces each unit's gradient once per backward,
+            # after its single forward: a second call's backward would reach units already reduced
+            raise ShardingError(f"value_and_grad: fn called shardplan.functional_call {len(runtimes)} times; a plan "
+                                f"with order='static' runs each unit once per step. Call value_and_grad once per "
+                                f"micro-batch and add the gradient trees (JAX-style accumulation), or plan with "
+                                f"order='dynamic' to call the module several times in one fn")
         rt = runtimes[0]
         want = [t for t in fresh if t.requires_grad]
         if isinstance(loss, torch.Tensor) and loss.requires_grad and want:
