@@ -112,3 +112,29 @@ def test_value_and_grad_of_a_fn_calling_the_module_twice():
             assert isinstance(out[key], float) and out[key] <= 1e-6, (key, out[key])
         assert "functional_call() failed on rank(s)" in out["other plan"] and "has shape" in out["other plan"], \
             out["other plan"]
+
+
+def _tree_misfit_worker(rank, world, path):
+    def tree_of(h):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, h), nn.ReLU(), nn.Linear(h, 4))
+        plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), min_unit_bytes=0)
+        local = sp.shard_tree(dict(model.named_parameters()), plan)
+        return plan, {"params": local, "opt": sp.optim.adamw().init(local)}
+    plan, tree = tree_of(8)
+    sp.checkpoint.save_tree(path, plan, tree, step=3)
+    other_plan, other = tree_of(6)
+    try:
+        sp.checkpoint.load_tree(path, other_plan, other)
+        return "no error"
+    except Exception as exc:  # noqa: BLE001 - DCP's own CheckpointException is a BaseException: not caught here
+        return f"{type(exc).__name__}: {exc}"
+
+
+@pytest.mark.timeout(120)
+def test_load_tree_of_another_models_checkpoint_names_the_leaves(tmp_path):
+    """A template whose leaves have the saved names but other shapes reached DCP, which raised its own
+    CheckpointException (a BaseException: `except Exception` does not catch it) from inside the load."""
+    for msg in run(_tree_misfit_worker, 2, str(tmp_path / "tree"), timeout=100):
+        assert msg.startswith("CheckpointError") and "params.0.weight: the checkpoint has (8, 4), the template (6, 4)" in msg \
+            and "opt.exp_avg.2.weight" in msg and "nothing was loaded" in msg, msg

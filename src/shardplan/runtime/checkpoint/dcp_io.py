@@ -211,6 +211,10 @@ def load_tree(path: str, plan, template, *, timeout_s: float = 300.0):
     missing = [p for p in paths if f"tree.{p}" not in meta]
     if missing:
         raise CheckpointError(diagnose.tree_misfit(path, missing, meta, checkpoint_info(path)))
+    with quiet_sharded_tensor():  # ShardedTensor.size() warns too
+        shapes = diagnose.differences({f"tree.{k}": v for k, v in sd.items()}, meta).shapes
+    if shapes:  # DCP would raise its own CheckpointException (a BaseException) from inside the load
+        raise CheckpointError(diagnose.tree_shapes(path, shapes, checkpoint_info(path)))
     full = {"tree": sd, "extra": {"step": torch.tensor(0)}}
     _dcp_load(full, path)
     leaves = []
