@@ -138,3 +138,86 @@ def test_load_tree_of_another_models_checkpoint_names_the_leaves(tmp_path):
     for msg in run(_tree_misfit_worker, 2, str(tmp_path / "tree"), timeout=100):
         assert msg.startswith("CheckpointError") and "params.0.weight: the checkpoint has (8, 4), the template (6, 4)" in msg \
             and "opt.exp_avg.2.weight" in msg and "nothing was loaded" in msg, msg
+
+
+class Odd(nn.Module):
+    """Shapes rules rarely see: dims of 7 and 3 over 2-4 ranks, a 1-element, a 0-d and a zero-size parameter."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(7, 7), nn.Linear(7, 3)
+        self.one = nn.Parameter(torch.tensor([0.7]))
+        self.empty = nn.Parameter(torch.zeros(0, 5))
+        self.scalar = nn.Parameter(torch.tensor(1.1))
+        self.wide = nn.Parameter(torch.randn(3, 7) * 0.3)
+        self.blk = nn.ModuleList([nn.Linear(7, 7) for _ in range(2)])
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x)) * self.one + self.empty.sum()
+        for b in self.blk:
+            h = h + torch.tanh(b(h))
+        h = h * self.scalar
+        return (self.b(h) + h @ self.wide.T).square().mean()
+
+
+ODD_RULES = {  # dim 1 of every matrix (7 over the ranks), or dim 0 in torch.chunk pieces
+    "dim1": lambda ax: [(r"scalar", sp.P()), (r".*\.weight|wide|empty", sp.P(None, ax)), (r".*", sp.P(ax))],
+    "chunked": lambda ax: [(r"scalar", sp.P()), (r".*", sp.P(ax))],
+}
+
+
+def _odd_worker(rank, world, cases):
+    g = torch.Generator().manual_seed(3)
+    data = [torch.randn(8, 7, generator=g) for _ in range(3)]
+    ref = Odd()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
+    for x in data:
+        ref(x).backward()
+        opt.step()
+        opt.zero_grad()
+    want = {n: p.detach() for n, p in ref.named_parameters()}
+    out = []
+    for rules, mesh, strategy, face in cases:
+        mesh = sp.Mesh(**mesh)
+        ax = "shard" if "shard" in mesh.axis_names else "dp"
+        model = Odd()
+        plan = sp.plan(model, ODD_RULES[rules](ax), mesh, strategy=strategy, units=[r"blk\.\d+"], min_unit_bytes=0,
+                       layout="chunked" if rules == "chunked" else "auto")
+        d, i = plan.data_size, plan.data_index(rank)
+        if face == "module":
+            sp.shard(model, plan)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
+            for x in data:
+                model(x.chunk(d)[i]).backward()
+                opt.step()
+                opt.zero_grad()
+            full = sp.full_state_dict(model)
+            if rank:
+                continue
+        else:
+            local = sp.shard_tree(dict(model.named_parameters()), plan)
+            opt = sp.optim.adamw(lr=1e-2, weight_decay=0.1, eps=1e-6)
+            state = opt.init(local)
+            vg = sp.value_and_grad(lambda p, x: sp.functional_call(model, plan, p, (x,)), plan)
+            for x in data:
+                _, grads = vg(local, x.chunk(d)[i])
+                local, state = opt.update(grads, state, local)
+            full = sp.unshard_tree(local, plan)
+        out.append(((rules, strategy, face), max((full[n] - want[n]).abs().max().item() if want[n].numel() else 0.0
+                                                  for n in want)))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.filterwarnings("ignore::shardplan.PlanWarning")
+def test_odd_shapes_train_like_one_process_on_four_ranks():
+    """Dims of 7 over 4 ranks, parameters smaller than the world, a 1-element, a 0-d and a zero-size parameter,
+    on dp=4 and HSDP, both faces: the zero-size one made the one-call gradient landing raise (_chunk_cat expects
+    non-empty tensor); every case trains as one process does (fp32, 1e-5)."""
+    cases = [(r, m, s, f) for r in ODD_RULES for m in ({"dp": 4}, {"replica": 2, "shard": 2})
+             for s in ("optim", "optim_grads_params") for f in ("module", "functional")]
+    for rank_results in run(_odd_worker, 4, cases, timeout=280):
+        for case, diff in rank_results:
+            assert diff <= 1e-5, (case, diff)
