@@ -221,3 +221,16 @@ def test_odd_shapes_train_like_one_process_on_four_ranks():
     for rank_results in run(_odd_worker, 4, cases, timeout=280):
         for case, diff in rank_results:
             assert diff <= 1e-5, (case, diff)
+
+
+def test_a_rule_for_a_tied_alias_says_why_it_is_unused():
+    """A rule written for the tied name (an LM head tied to the embedding) warned 'matches no parameter; check its
+    regex', which it does match: it now names the tie and the rule the parameter takes."""
+    tied = nn.ModuleDict({"emb": nn.Embedding(8, 4), "head": nn.Linear(4, 8, bias=False)})
+    tied.head.weight = tied.emb.weight
+    with pytest.warns(sp.UnusedRuleWarning, match=r"matches only 'head.weight', which is tied to 'emb.weight'.*"
+                                                  r"takes rule #1 .*write the rule for 'emb.weight'"):
+        plan = sp.plan(tied, [(r"head\.weight", sp.P(None, "dp")), (r".*", sp.P("dp"))], sp.Mesh(dp=2))
+    assert plan.param("emb.weight").spec == sp.P("dp")
+    with pytest.warns(sp.UnusedRuleWarning, match="matches no parameter"):
+        sp.plan(tied, [(r"nothing", sp.P()), (r".*", sp.P("dp"))], sp.Mesh(dp=2))
