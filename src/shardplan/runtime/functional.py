@@ -59,6 +59,7 @@ class FunctionalRuntime:
         slots = rt.slots
         self.face.slots = {u.name: [list(slots[m.name]) for b in u.buffers for m in b.members] for u in units}
         self.originals = [(m, attr, m._parameters[attr]) for places in slots.values() for m, attr in places]
+        self.face.originals = self.originals
         self.checked: set = set()
         self.hooks: Optional[list] = None  # the module hooks' entries (hooks.register), made at the first call
         if self.meshes:
@@ -131,8 +132,7 @@ def functional_call(module: nn.Module, plan: Plan, local_params, args=(), kwargs
     finally:
         for h in handles:
             h.remove()
-        for m, attr, p in rt.originals:
-            m._parameters[attr] = p
+        rt.face.restore()
 
 
 def value_and_grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool = False):
