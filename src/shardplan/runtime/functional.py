@@ -64,6 +64,16 @@ class FunctionalRuntime:
         self.hooks: Optional[list] = None  # the module hooks' entries (hooks.register), made at the first call
         if self.meshes:
             TP.align_generators(plan, rt.groups.world, rt.device)
+        # [Note: expert and context parallelism] as under shard(): expert modules find their ep group, and
+        # attention() gathers keys and values over cp (process-wide, see context_parallel). Without them a cp
+        # plan attended over each rank's chunks only (wrong losses, silently) and an ep plan's experts saw
+        # global expert indices. (The cp module hooks only attribute recorded ops: not kept, so the module
+        # keeps no hooks between calls; record_ops of a functional cp step lacks the K/V ops.)
+        from . import context_parallel as CP
+        from . import expert_parallel as EP
+        EP.install(module, plan, rt.groups, self.exe)
+        for h in CP.install(plan, rt.groups, module, self.exe):
+            h.remove()
 
     def leaves_of(self, local_params) -> dict[str, torch.Tensor]:
         paths, leaves, spec = leaves_with_paths(local_params)
