@@ -97,6 +97,11 @@ def _twice_worker(rank, world):
         out["other plan"] = "no error"
     except sp.ShardingError as exc:
         out["other plan"] = str(exc)
+    # a gradient tree holding a tied parameter under both its names (one tensor): its norm counts once
+    tied = torch.ones(plan.local_shape("emb.weight", rank))
+    _, one = sp.clip_by_global_norm({"emb.weight": tied}, 1.0, plan)
+    _, both = sp.clip_by_global_norm({"emb.weight": tied, "head.weight": tied}, 1.0, plan)
+    out["clip"] = (one.item(), both.item())
     return out
 
 
@@ -110,6 +115,7 @@ def test_value_and_grad_of_a_fn_calling_the_module_twice():
             assert "2 times" in out[key] and "order='dynamic'" in out[key] and "add the gradient trees" in out[key], out[key]
         for key in (("optim_grads", "dynamic"), ("optim_grads_params", "dynamic")):
             assert isinstance(out[key], float) and out[key] <= 1e-6, (key, out[key])
+        assert out["clip"][0] == out["clip"][1] == pytest.approx((37 * 13) ** 0.5), out["clip"]
         assert "functional_call() failed on rank(s)" in out["other plan"] and "has shape" in out["other plan"], \
             out["other plan"]
 
