@@ -97,6 +97,16 @@ def _twice_worker(rank, world):
         out["other plan"] = "no error"
     except sp.ShardingError as exc:
         out["other plan"] = str(exc)
+    # JAX-shaped mistakes get shardplan's message, not a TypeError from inside
+    call = lambda p, a, b: sp.functional_call(model, plan, p, (a, b))  # noqa: E731
+    local = sp.shard_tree(dict(model.named_parameters()), plan)
+    for key, f in (("aux", lambda: sp.value_and_grad(call, plan, has_aux=True)(local, x, y)),
+                   ("vector", lambda: sp.value_and_grad(lambda p, a, b: call(p, a, b) * torch.ones(2), plan)(local, x, y))):
+        try:
+            f()
+            out[key] = "no error"
+        except sp.ShardingError as exc:
+            out[key] = str(exc)
     # a gradient tree holding a tied parameter under both its names (one tensor): its norm counts once
     tied = torch.ones(plan.local_shape("emb.weight", rank))
     _, one = sp.clip_by_global_norm({"emb.weight": tied}, 1.0, plan)
@@ -115,6 +125,7 @@ def test_value_and_grad_of_a_fn_calling_the_module_twice():
             assert "2 times" in out[key] and "order='dynamic'" in out[key] and "add the gradient trees" in out[key], out[key]
         for key in (("optim_grads", "dynamic"), ("optim_grads_params", "dynamic")):
             assert isinstance(out[key], float) and out[key] <= 1e-6, (key, out[key])
+        assert "must return (loss, aux)" in out["aux"] and "scalar loss" in out["vector"], (out["aux"], out["vector"])
         assert out["clip"][0] == out["clip"][1] == pytest.approx((37 * 13) ** 0.5), out["clip"]
         assert "functional_call() failed on rank(s)" in out["other plan"] and "has shape" in out["other plan"], \
             out["other plan"]
@@ -375,3 +386,8 @@ def test_functional_face_runs_context_and_expert_parallel_plans():
     for out in run(_cp_ep_functional_worker, 2, timeout=180):
         for what, (loss_diff, param_diff) in out.items():
             assert loss_diff <= 1e-5 and param_diff <= 1e-5, (what, loss_diff, param_diff)
+
+
+def test_value_and_grad_refuses_several_argnums():
+    with pytest.raises(sp.ShardingError, match="argnums must be one int"):
+        sp.value_and_grad(lambda p: p, sp.plan({"w": torch.zeros(2)}, [(r".*", sp.P())], sp.Mesh(dp=1)), argnums=(0, 1))

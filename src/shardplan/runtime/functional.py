@@ -154,6 +154,9 @@ def value_and_grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool 
     each local shard's reduced gradient; a parameter the step did not use gets zeros, not a missing
     entry. The caller's tree is not modified.
     """
+    if not isinstance(argnums, int) or isinstance(argnums, bool):
+        raise ShardingError(f"value_and_grad: argnums must be one int (the position of the local-parameter tree), got "
+                            f"{argnums!r}; pass the trees to differentiate as one pytree (e.g. a dict of them)")
     trained: dict = {}  # tree structure -> which leaves the plan trains
 
     def wrapped(*args, **kwargs):
@@ -170,7 +173,13 @@ def value_and_grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool 
         _SESSION.current, _SESSION.sources = [], dict(zip(paths, leaves))
         try:
             out = fn(*call, **kwargs)
+            if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise ShardingError(f"value_and_grad(has_aux=True): fn must return (loss, aux), got "
+                                    f"{type(out).__name__}")
             loss, aux = out if has_aux else (out, None)
+            if isinstance(loss, torch.Tensor) and loss.numel() != 1:
+                raise ShardingError(f"value_and_grad: fn must return a scalar loss, got a tensor of shape "
+                                    f"{tuple(loss.shape)} (reduce it, e.g. .mean() or .sum())")
             runtimes = _SESSION.current
         finally:
             _SESSION.current, _SESSION.sources = prev
