@@ -335,6 +335,20 @@ def _cp_ep_functional_worker(rank, world):
     out = {}
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(0, 256, (4, 32), generator=g) for _ in range(2)]
+    # one module under an ep plan and a plain dp plan in turn: each call must route as its own plan says
+    model, ref = moe.build("tiny").init_weights(0), moe.build("tiny").init_weights(0)
+    x, y = data[0], torch.roll(data[0], -1, 1)
+    ref(x, y).backward()
+    worst = 0.0
+    for plan in [sp.plan(model, moe.rules_for(sp.Mesh(ep=world)), sp.Mesh(ep=world), units=[r"layers\.\d+"]),
+                 sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[r"layers\.\d+"])] * 2:
+        local = sp.shard_tree(dict(ref.named_parameters()), plan)
+        d, i = plan.data_size, plan.data_index(rank)
+        _, grads = sp.value_and_grad(lambda p, a, b: sp.functional_call(model, plan, p, (a, b)), plan)(
+            local, x.chunk(d)[i], y.chunk(d)[i])
+        want = sp.shard_tree({n: p.grad for n, p in ref.named_parameters()}, plan, rank=rank)
+        worst = max([worst] + [(grads[n] - want[n]).abs().max().item() for n in grads if grads[n].numel()])
+    out["ep and dp plans in turn"] = (0.0, worst)
     for what in ("ep", "cp"):  # ep first: a cp plan makes every later attention() in the process context-parallel
         if what == "cp":
             mesh = sp.Mesh(cp=world)

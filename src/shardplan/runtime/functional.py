@@ -30,6 +30,7 @@ from .buffers import free_storage
 from .builder import build, functional_runtimes
 from .executor import Executor
 from .faces import TreeFace
+from .expert_parallel import ATTR as EP_ATTR
 from .hooks import module_hooks, register
 
 _SESSION = threading.local()
@@ -72,8 +73,35 @@ class FunctionalRuntime:
         from . import context_parallel as CP
         from . import expert_parallel as EP
         EP.install(module, plan, rt.groups, self.exe)
+        # (put in place again at every call: one module may be called under plans of other meshes in turn)
+        self.experts = [(weakref.ref(m), m.__dict__[EP.ATTR]) for m in
+                        (module.get_submodule(e.path) for e in plan.expert_modules) if EP.ATTR in m.__dict__]
+        self.context = None
         for h in CP.install(plan, rt.groups, module, self.exe):
             h.remove()
+        if CP.CONTEXT_AXIS in plan.mesh.axis_names and CP._ACTIVE is not None and CP._ACTIVE.engine is not None \
+                and CP._ACTIVE.engine() is self.exe:
+            self.context = CP._ACTIVE
+
+    def install_parallel_groups(self, others) -> None:
+        """This plan's expert groups on the expert modules and its context group as the process's; those of
+        the module's other functional runtimes (``others``: other plans of it) taken away."""
+        from . import context_parallel as CP
+        for rt in others:
+            if rt is self:
+                continue
+            for ref, _ in rt.experts:
+                m = ref()
+                if m is not None:
+                    m.__dict__.pop(EP_ATTR, None)
+            if rt.context is not None and CP._ACTIVE is rt.context:
+                CP._ACTIVE = None
+        for ref, group in self.experts:
+            m = ref()
+            if m is not None:
+                m.__dict__[EP_ATTR] = group
+        if self.context is not None:
+            CP._ACTIVE = self.context
 
     def leaves_of(self, local_params) -> dict[str, torch.Tensor]:
         paths, leaves, spec = leaves_with_paths(local_params)
@@ -119,6 +147,9 @@ def functional_call(module: nn.Module, plan: Plan, local_params, args=(), kwargs
     if not isinstance(args, tuple):
         args = (args,)
     rt = runtime_of(module, plan, timeout_s, local_params)
+    runtimes = functional_runtimes(module)
+    if len(runtimes) > 1 or rt.experts or rt.context is not None:  # (one plan of no ep or cp: nothing to do)
+        rt.install_parallel_groups(runtimes.values())
     leaves = rt.leaves_of(local_params)
     session = getattr(_SESSION, "current", None)
     sources = getattr(_SESSION, "sources", None) if session is not None else None
