@@ -405,3 +405,40 @@ def test_functional_face_runs_context_and_expert_parallel_plans():
 def test_value_and_grad_refuses_several_argnums():
     with pytest.raises(sp.ShardingError, match="argnums must be one int"):
         sp.value_and_grad(lambda p: p, sp.plan({"w": torch.zeros(2)}, [(r".*", sp.P())], sp.Mesh(dp=1)), argnums=(0, 1))
+
+
+def _failing_sync_save_worker(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+    model = nn.Linear(4, 6)
+    plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), min_unit_bytes=0)
+    local = sp.shard_tree(dict(model.named_parameters()), plan)
+    sp.checkpoint.save_tree(path, plan, {"params": local}, step=1)
+    real = dcp.FileSystemWriter.write_data
+
+    def write_data(self, plan_, planner):
+        if torch.distributed.get_rank() == 1:
+            raise OSError("disk full (simulated)")
+        return real(self, plan_, planner)
+    dcp.FileSystemWriter.write_data = write_data
+    try:
+        sp.checkpoint.save_tree(path, plan, {"params": {k: v + 1 for k, v in local.items()}}, step=2)
+        err = "no error"
+    except Exception as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException: it would escape this
+        err = f"{type(exc).__name__}: {exc}"
+    finally:
+        dcp.FileSystemWriter.write_data = real
+    tree, step = sp.checkpoint.load_tree(path, plan, {"params": {k: torch.zeros_like(v) for k, v in local.items()}})
+    return err, step, all(torch.equal(tree["params"][k], local[k]) for k in local)
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_synchronous_save_raises_checkpoint_error_and_keeps_the_previous(tmp_path):
+    """A rank failing inside DCP's write raised torch's CheckpointException (a BaseException, one traceback per
+    rank) from save / save_tree and left the temporary directory behind."""
+    import glob
+    path = str(tmp_path / "tree")
+    for err, step, same in run(_failing_sync_save_worker, 2, path, timeout=100):
+        assert err.startswith("CheckpointError") and "rank(s) [1]" in err and "disk full (simulated)" in err \
+            and "previous checkpoint" in err, err
+        assert step == 1 and same
+    assert not glob.glob(path + ".tmp-*")
