@@ -97,6 +97,15 @@ def _twice_worker(rank, world):
         out["other plan"] = "no error"
     except sp.ShardingError as exc:
         out["other plan"] = str(exc)
+    # a tree holding the tied parameter under its other name only ('head.weight' for 'emb.weight'): KeyError once
+    named = dict(model.named_parameters())
+    named["head.weight"] = named.pop("emb.weight")
+    _, g = sp.value_and_grad(lambda p, a, b: sp.functional_call(model, plan, p, (a, b)), plan)(
+        sp.shard_tree(named, plan), x, y)
+    want = sp.shard_tree({n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in ref.named_parameters()},
+                         plan, rank=rank)
+    want["head.weight"] = want.pop("emb.weight")
+    out["alias tree"] = max((g[n] - want[n]).abs().max().item() for n in g if g[n].numel())
     # JAX-shaped mistakes get shardplan's message, not a TypeError from inside
     call = lambda p, a, b: sp.functional_call(model, plan, p, (a, b))  # noqa: E731
     local = sp.shard_tree(dict(model.named_parameters()), plan)
@@ -126,6 +135,7 @@ def test_value_and_grad_of_a_fn_calling_the_module_twice():
         for key in (("optim_grads", "dynamic"), ("optim_grads_params", "dynamic")):
             assert isinstance(out[key], float) and out[key] <= 1e-6, (key, out[key])
         assert "must return (loss, aux)" in out["aux"] and "scalar loss" in out["vector"], (out["aux"], out["vector"])
+        assert out["alias tree"] <= 1e-6, out["alias tree"]
         assert out["clip"][0] == out["clip"][1] == pytest.approx((37 * 13) ** 0.5), out["clip"]
         assert "functional_call() failed on rank(s)" in out["other plan"] and "has shape" in out["other plan"], \
             out["other plan"]

@@ -110,7 +110,18 @@ class FunctionalRuntime:
             check_tree(self.exe.plan, paths, leaves, rank=self.rank, what="local_params")
             if key is not None:
                 self.checked.add(key)
-        return dict(zip(paths, leaves))
+        return dict(zip(_plan_names(self.exe.plan, paths), leaves))
+
+
+def _plan_names(plan: Plan, paths: list[str]) -> list[str]:
+    """Each leaf's plan name: a tied parameter's leaf found only under another of its names (``head.weight`` for
+    ``emb.weight``) answers for it. (With both names in the tree, the other stays itself: it gets zeros.)"""
+    given = set(paths)
+    out = []
+    for p in paths:
+        name = plan.param(p).name if p in plan else p
+        out.append(name if name == p or name not in given else p)
+    return out
 
 
 def runtime_of(module: nn.Module, plan: Plan, timeout_s: float = 300.0, local_params=None) -> FunctionalRuntime:
@@ -201,7 +212,8 @@ def value_and_grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool 
         tree = dict(zip(paths, fresh)) if spec is None else optree.tree_unflatten(spec, fresh)
         call = args[:argnums] + (tree,) + args[argnums + 1:]
         prev = getattr(_SESSION, "current", None), getattr(_SESSION, "sources", None)
-        _SESSION.current, _SESSION.sources = [], dict(zip(paths, leaves))
+        names = _plan_names(plan, paths)
+        _SESSION.current, _SESSION.sources = [], dict(zip(names, leaves))
         try:
             out = fn(*call, **kwargs)
             if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
@@ -230,7 +242,7 @@ def value_and_grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool 
             torch.autograd.grad(loss, want, allow_unused=True)  # drives backward; the executor fills the grads
         got, rt.face.grads = rt.face.grads, {}
         grads = [torch.zeros_like(l) if g is None else g if g.dtype == l.dtype else g.to(l.dtype)
-                 for g, l in zip(map(got.get, paths), leaves)]
+                 for g, l in zip(map(got.get, names), leaves)]
         gtree = dict(zip(paths, grads)) if spec is None else optree.tree_unflatten(spec, grads)
         value = loss.detach() if isinstance(loss, torch.Tensor) else loss
         return ((value, aux), gtree) if has_aux else (value, gtree)
