@@ -183,9 +183,12 @@ def clip_by_global_norm(grads, max_norm: float, plan) -> tuple[Any, torch.Tensor
     paths, leaves, spec = leaves_with_paths(grads)
     dev = leaves[0].device if leaves else torch.device("cpu")
     acc = torch.zeros((), dtype=torch.float64 if dev.type == "cpu" else torch.float32, device=dev)
+    counted: set = set()  # a tied parameter's gradient under both its names is one gradient: counted once
     for path, g in zip(paths, leaves):
-        if not g.numel():
+        name = plan.param(path).name if path in plan else path
+        if not g.numel() or name in counted:
             continue
+        counted.add(name)
         acc = acc + torch.linalg.vector_norm(g, 2).to(acc.dtype) ** 2 / plan.replicas(path)
     C.all_reduce(acc, C.world(), async_op=False, op=torch.distributed.ReduceOp.SUM)
     norm = acc.sqrt().float()

@@ -208,8 +208,9 @@ def _shape(leaf) -> Optional[tuple[int, ...]]:
     return tuple(shape) if shape is not None else None
 
 
-def match_leaves(rules: Rules, paths, leaves, *, mesh=None, warn_unused: bool = True):
-    """[(spec, rule)] for each (path, leaf); raises on unmatched leaves, warns on unused rules."""
+def match_leaves(rules: Rules, paths, leaves, *, mesh=None, warn_unused: bool = True, aliases=None):
+    """[(spec, rule)] for each (path, leaf); raises on unmatched leaves, warns on unused rules. ``aliases``
+    (``{alias: path}``, tied parameters' other names) lets that warning say when a rule matches only them."""
     out, used, unmatched = [], set(), []
     checked: set = set()
     axes = mesh.axis_names if mesh is not None else None
@@ -236,6 +237,15 @@ def match_leaves(rules: Rules, paths, leaves, *, mesh=None, warn_unused: bool = 
     if warn_unused:
         for r in rules.rules:
             if r.index not in used:
+                tied = [(a, n) for a, n in (aliases or {}).items() if re.fullmatch(r.pattern, a)]
+                if tied:  # [Note: a tied parameter is matched by its first name only, so a rule for the other is unused]
+                    a, n = tied[0]
+                    found = rules.find(n)
+                    warnings.warn(f"rule {r.describe()} matches only {a!r}, which is tied to {n!r}: a tied parameter "
+                                  f"is matched by its first name, so {n!r} takes rule "
+                                  f"{found.describe() if found else '(none)'} and this rule is not used; write the "
+                                  f"rule for {n!r}", UnusedRuleWarning, stacklevel=3)
+                    continue
                 warnings.warn(f"rule {r.describe()} matches no parameter; check its regex, or whether an earlier rule "
                               f"already takes its parameters", UnusedRuleWarning, stacklevel=3)
     return out

@@ -192,7 +192,8 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
                            f"others, units=() for one root unit")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        matched = match_leaves(rules, [i.name for i in infos], leaves, mesh=mesh)
+        matched = match_leaves(rules, [i.name for i in infos], leaves, mesh=mesh,
+                               aliases={a: i.name for i in infos for a in i.aliases})
         owner, unit_order, notes = assign_units(infos, candidates, tuple(units),
                                                 module_classes(module) if module is not None else None)
         if module is not None:

@@ -116,11 +116,11 @@ class Runtime:
 
 
 def build(module: nn.Module, plan: Plan, *, timeout_s: float = 300.0, problems: Sequence[str] = (),
-          check_values: bool = False) -> Runtime:
+          check_values: bool = False, face: str = "shardplan.shard()") -> Runtime:
     """Start-up checks on every rank (``problems`` found by the caller join them), then the device, the
     process groups and the tensor-parallel meshes. No buffers yet: see :meth:`Runtime.make_units`."""
     world, rank = world_and_rank()
-    slots = startup(module, plan, world, rank, timeout_s, list(problems), check_values=check_values)
+    slots = startup(module, plan, world, rank, timeout_s, list(problems), check_values=check_values, face=face)
     device, meta = device_for(module, dist.get_backend())
     groups = groups_for(plan, timeout_s)
     meshes = TP.device_meshes(plan, device) if TP.active_modules(plan) else {}

@@ -192,6 +192,7 @@ class Executor:
             u.start_pass()
         me = weakref.ref(self)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: me() and me().end_backward())
+        self.face.backward_begins()
         self._advance_backward(0)  # begin_backward: the root's gradients may arrive from now on
 
     def pre_backward(self, name: str) -> None:

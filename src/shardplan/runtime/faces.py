@@ -39,6 +39,7 @@ class Face(Protocol):
     def deliver(self, b: BufferState, result: torch.Tensor) -> None: ...            # the reduced local gradient
     def unused(self, indices: list[int]) -> None: ...            # parameters no rank used this window
     def window_ended(self) -> None: ...
+    def backward_begins(self) -> None: ...                       # the first event of a backward pass
     def shard_version(self) -> int: ...                          # changes when the shards were written
     def local_params(self) -> dict: ...                          # plan name -> this rank's shard
 
@@ -86,6 +87,9 @@ class ModuleFace:
 
     def window_ended(self) -> None:
         self.created.clear()
+
+    def backward_begins(self) -> None:
+        return None  # the module hooks bind a recomputed unit's parameters (they stay registered)
 
     def shard_version(self) -> int:
         return sum(lp._version for lp in self.by_index.values())
@@ -138,6 +142,8 @@ class TreeFace:
         self.dsts: dict[int, list] = {}    # buffer -> slices of its gathered buffer the leaves are copied into
         self.fulls: dict[str, list] = {}   # unit -> its parameters' aliases over the gathered storage (made once)
         self.autograd_grads = True         # this call's local gradients go to autograd too (see load())
+        self.originals: list = []          # (module, attribute, the module's own parameter), put back after a call
+        self.bound_in_backward = False     # the module holds the call's full parameters for a backward (see below)
 
     # -- loading the caller's tree ---------------------------------------------------------------------
     def load(self, leaves: dict[str, torch.Tensor], sources: Optional[dict] = None) -> bool:
@@ -233,6 +239,39 @@ class TreeFace:
 
     def unbind(self, u: UnitRuntime) -> None:
         return None  # the call restores the module's own parameters when it returns
+
+    def backward_begins(self) -> None:
+        """[Note: recompute in backward] Activation checkpointing (``torch.utils.checkpoint``, non-reentrant)
+        runs a region's forward again inside backward and reads the parameters from the module. The call put
+        the module's own parameters back when it returned, so the recompute used those: the module's initial
+        weights, a wrong gradient without a word from the second step on. For the backward, the module holds
+        the call's full parameters again (handles on the gathered storage, which the executor re-gathers
+        before a unit's backward under ZeRO-3) and gets its own back when the backward ends. (Tensor-parallel
+        modules' styles are installed for the call only, so a recomputed one still fails, loudly, in torch.)"""
+        exe = self.exe()
+        if self.bound_in_backward or exe is None or not self.leaves or not self.originals:
+            return
+        self.bound_in_backward = True
+        for u in exe.unit_list:
+            places_of = self.slots.get(u.name)
+            if places_of is None:
+                continue
+            names = [m.name for b in u.buffers for m in b.members]
+            for name, places, t in zip(names, places_of, self.full_tensors(u)):
+                # requires_grad as in the forward: the recompute must save the tensors the forward saved
+                t.requires_grad_(self.leaves[name].requires_grad)
+                wrap = self.wrappers.get(name)
+                t = wrap(t) if wrap is not None else t
+                for m, attr in places:
+                    m._parameters[attr] = t
+        me = weakref.ref(self)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: me() and me().restore())
+
+    def restore(self) -> None:
+        """The module's own parameters back in place (after a call, and after a backward)."""
+        for m, attr, p in self.originals:
+            m._parameters[attr] = p
+        self.bound_in_backward = False
 
     def full_tensors(self, u: UnitRuntime) -> list[torch.Tensor]:
         """Tensors over the unit's gathered storage, each with a version counter of its own: the re-gather in

@@ -30,6 +30,7 @@ from .buffers import free_storage
 from .builder import build, functional_runtimes
 from .executor import Executor
 from .faces import TreeFace
+from .expert_parallel import ATTR as EP_ATTR
 from .hooks import module_hooks, register
 
 _SESSION = threading.local()
@@ -40,7 +41,7 @@ class FunctionalRuntime:
 
     def __init__(self, module: nn.Module, plan: Plan, timeout_s: float, problems: Sequence[str] = ()):
         from . import tensor_parallel as TP
-        rt = build(module, plan, timeout_s=timeout_s, problems=problems)
+        rt = build(module, plan, timeout_s=timeout_s, problems=problems, face="shardplan.functional_call()")
         self.meshes = rt.meshes
         self.inputs_checked = not self.meshes  # tensor parallelism: the first call checks its inputs
         self.modules_of = rt.modules_of
@@ -59,10 +60,48 @@ class FunctionalRuntime:
         slots = rt.slots
         self.face.slots = {u.name: [list(slots[m.name]) for b in u.buffers for m in b.members] for u in units}
         self.originals = [(m, attr, m._parameters[attr]) for places in slots.values() for m, attr in places]
+        self.face.originals = self.originals
         self.checked: set = set()
         self.hooks: Optional[list] = None  # the module hooks' entries (hooks.register), made at the first call
         if self.meshes:
             TP.align_generators(plan, rt.groups.world, rt.device)
+        # [Note: expert and context parallelism] as under shard(): expert modules find their ep group, and
+        # attention() gathers keys and values over cp (process-wide, see context_parallel). Without them a cp
+        # plan attended over each rank's chunks only (wrong losses, silently) and an ep plan's experts saw
+        # global expert indices. (The cp module hooks only attribute recorded ops: not kept, so the module
+        # keeps no hooks between calls; record_ops of a functional cp step lacks the K/V ops.)
+        from . import context_parallel as CP
+        from . import expert_parallel as EP
+        EP.install(module, plan, rt.groups, self.exe)
+        # (put in place again at every call: one module may be called under plans of other meshes in turn)
+        self.experts = [(weakref.ref(m), m.__dict__[EP.ATTR]) for m in
+                        (module.get_submodule(e.path) for e in plan.expert_modules) if EP.ATTR in m.__dict__]
+        self.context = None
+        for h in CP.install(plan, rt.groups, module, self.exe):
+            h.remove()
+        if CP.CONTEXT_AXIS in plan.mesh.axis_names and CP._ACTIVE is not None and CP._ACTIVE.engine is not None \
+                and CP._ACTIVE.engine() is self.exe:
+            self.context = CP._ACTIVE
+
+    def install_parallel_groups(self, others) -> None:
+        """This plan's expert groups on the expert modules and its context group as the process's; those of
+        the module's other functional runtimes (``others``: other plans of it) taken away."""
+        from . import context_parallel as CP
+        for rt in others:
+            if rt is self:
+                continue
+            for ref, _ in rt.experts:
+                m = ref()
+                if m is not None:
+                    m.__dict__.pop(EP_ATTR, None)
+            if rt.context is not None and CP._ACTIVE is rt.context:
+                CP._ACTIVE = None
+        for ref, group in self.experts:
+            m = ref()
+            if m is not None:
+                m.__dict__[EP_ATTR] = group
+        if self.context is not None:
+            CP._ACTIVE = self.context
 
     def leaves_of(self, local_params) -> dict[str, torch.Tensor]:
         paths, leaves, spec = leaves_with_paths(local_params)
@@ -71,7 +110,18 @@ class FunctionalRuntime:
             check_tree(self.exe.plan, paths, leaves, rank=self.rank, what="local_params")
             if key is not None:
                 self.checked.add(key)
-        return dict(zip(paths, leaves))
+        return dict(zip(_plan_names(self.exe.plan, paths), leaves))
+
+
+def _plan_names(plan: Plan, paths: list[str]) -> list[str]:
+    """Each leaf's plan name: a tied parameter's leaf found only under another of its names (``head.weight`` for
+    ``emb.weight``) answers for it. (With both names in the tree, the other stays itself: it gets zeros.)"""
+    given = set(paths)
+    out = []
+    for p in paths:
+        name = plan.param(p).name if p in plan else p
+        out.append(name if name == p or name not in given else p)
+    return out
 
 
 def runtime_of(module: nn.Module, plan: Plan, timeout_s: float = 300.0, local_params=None) -> FunctionalRuntime:
@@ -108,6 +158,9 @@ def functional_call(module: nn.Module, plan: Plan, local_params, args=(), kwargs
     if not isinstance(args, tuple):
         args = (args,)
     rt = runtime_of(module, plan, timeout_s, local_params)
+    runtimes = functional_runtimes(module)
+    if len(runtimes) > 1 or rt.experts or rt.context is not None:  # (one plan of no ep or cp: nothing to do)
+        rt.install_parallel_groups(runtimes.values())
     leaves = rt.leaves_of(local_params)
     session = getattr(_SESSION, "current", None)
     sources = getattr(_SESSION, "sources", None) if session is not None else None
@@ -131,18 +184,21 @@ def functional_call(module: nn.Module, plan: Plan, local_params, args=(), kwargs
     finally:
         for h in handles:
             h.remove()
-        for m, attr, p in rt.originals:
-            m._parameters[attr] = p
+        rt.face.restore()
 
 
 def value_and_grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool = False):
     """Like ``jax.value_and_grad``: ``(loss, grads) = sp.value_and_grad(loss_fn, plan)(local, batch)``.
 
-    ``fn(params, ...)`` calls :func:`functional_call` with ``params`` (argument ``argnums``) and returns a
+    ``fn(params, ...)`` calls :func:`functional_call` with ``params`` (argument ``argnums``; once, or several
+    times under a plan with ``order='dynamic'``) and returns a
     scalar loss (or ``(loss, aux)`` with ``has_aux``). ``grads`` has the structure of ``params`` and holds
     each local shard's reduced gradient; a parameter the step did not use gets zeros, not a missing
     entry. The caller's tree is not modified.
     """
+    if not isinstance(argnums, int) or isinstance(argnums, bool):
+        raise ShardingError(f"value_and_grad: argnums must be one int (the position of the local-parameter tree), got "
+                            f"{argnums!r}; pass the trees to differentiate as one pytree (e.g. a dict of them)")
     trained: dict = {}  # tree structure -> which leaves the plan trains
 
     def wrapped(*args, **kwargs):
@@ -156,23 +212,37 @@ def value_and_grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool 
         tree = dict(zip(paths, fresh)) if spec is None else optree.tree_unflatten(spec, fresh)
         call = args[:argnums] + (tree,) + args[argnums + 1:]
         prev = getattr(_SESSION, "current", None), getattr(_SESSION, "sources", None)
-        _SESSION.current, _SESSION.sources = [], dict(zip(paths, leaves))
+        names = _plan_names(plan, paths)
+        _SESSION.current, _SESSION.sources = [], dict(zip(names, leaves))
         try:
             out = fn(*call, **kwargs)
+            if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise ShardingError(f"value_and_grad(has_aux=True): fn must return (loss, aux), got "
+                                    f"{type(out).__name__}")
             loss, aux = out if has_aux else (out, None)
+            if isinstance(loss, torch.Tensor) and loss.numel() != 1:
+                raise ShardingError(f"value_and_grad: fn must return a scalar loss, got a tensor of shape "
+                                    f"{tuple(loss.shape)} (reduce it, e.g. .mean() or .sum())")
             runtimes = _SESSION.current
         finally:
             _SESSION.current, _SESSION.sources = prev
         if len({id(rt) for rt in runtimes}) != 1:
-            raise ShardingError(f"value_and_grad: fn must call shardplan.functional_call exactly once with the plan "
-                                f"(it called it {len(runtimes)} times)")
+            raise ShardingError(f"value_and_grad: fn must call shardplan.functional_call with the plan, one module "
+                                f"(it called it {len(runtimes)} times, on {len({id(rt) for rt in runtimes})} runtimes)")
+        if len(runtimes) > 1 and plan.order != "dynamic":
+            # [Note: several calls per backward] a static plan reduces each unit's gradient once per backward,
+            # after its single forward: a second call's backward would reach units already reduced
+            raise ShardingError(f"value_and_grad: fn called shardplan.functional_call {len(runtimes)} times; a plan "
+                                f"with order='static' runs each unit once per step. Call value_and_grad once per "
+                                f"micro-batch and add the gradient trees (JAX-style accumulation), or plan with "
+                                f"order='dynamic' to call the module several times in one fn")
         rt = runtimes[0]
         want = [t for t in fresh if t.requires_grad]
         if isinstance(loss, torch.Tensor) and loss.requires_grad and want:
             torch.autograd.grad(loss, want, allow_unused=True)  # drives backward; the executor fills the grads
         got, rt.face.grads = rt.face.grads, {}
         grads = [torch.zeros_like(l) if g is None else g if g.dtype == l.dtype else g.to(l.dtype)
-                 for g, l in zip(map(got.get, paths), leaves)]
+                 for g, l in zip(map(got.get, names), leaves)]
         gtree = dict(zip(paths, grads)) if spec is None else optree.tree_unflatten(spec, grads)
         value = loss.detach() if isinstance(loss, torch.Tensor) else loss
         return ((value, aux), gtree) if has_aux else (value, gtree)

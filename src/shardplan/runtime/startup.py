@@ -106,7 +106,7 @@ def differing(plan: Plan, reports: list[dict]) -> Optional[str]:
 
 
 def startup(module: nn.Module, plan: Plan, world: int, rank: int, timeout_s: float, problems: Optional[list] = None,
-             check_values: bool = False) -> Slots:
+             check_values: bool = False, face: str = "shardplan.shard()") -> Slots:
     """Local checks on every rank, then one bounded exchange of their findings and plans: a problem on any
     rank raises on every rank, naming it, before the first collective. ``check_values``: the parameters'
     values must agree across ranks too (a cheap fingerprint)."""
@@ -136,7 +136,7 @@ def startup(module: nn.Module, plan: Plan, world: int, rank: int, timeout_s: flo
     failed = [r for r in reports if r["problems"]]
     if failed:
         detail = "\n".join(f"rank {r['rank']}: " + "\n".join(r["problems"]) for r in failed)
-        raise RuntimeShardingError(f"shardplan.shard() failed on rank(s) {[r['rank'] for r in failed]}:\n{detail}")
+        raise RuntimeShardingError(f"{face} failed on rank(s) {[r['rank'] for r in failed]}:\n{detail}")
     prints: dict[str, list[int]] = {}
     for r in reports:
         prints.setdefault(r["fingerprint"], []).append(r["rank"])

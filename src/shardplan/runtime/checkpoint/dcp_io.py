@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 import torch.nn as nn
 
 from ...errors import CheckpointError
@@ -29,14 +30,30 @@ from .values import init_optimizer_state, local_of, quiet_sharded_tensor, state_
 
 # -- writing and reading a directory --------------------------------------------------------------------
 
+def _dcp_failure(exc: BaseException, what: str, path: str) -> CheckpointError:
+    """DCP's own ``CheckpointException`` (a ``BaseException``: ``except Exception`` misses it, and its message is
+    a traceback per rank) as shardplan's error, naming the ranks and the first cause."""
+    failures = getattr(exc, "failures", None) or {}
+    first = next(iter(failures.values()), None)
+    first = first[0] if isinstance(first, tuple) and first else first  # (exception, its stack)
+    cause = f"{type(first).__name__}: {first}" if first is not None else str(exc)[:500]
+    return CheckpointError(f"{what} {path} failed on rank(s) {sorted(failures) or '?'}: {cause}")
+
+
 def _dcp_save(sd: dict, path: str) -> None:
-    with quiet_sharded_tensor():
-        dcp.save(sd, checkpoint_id=path)
+    try:
+        with quiet_sharded_tensor():
+            dcp.save(sd, checkpoint_id=path)
+    except CheckpointException as exc:
+        raise _dcp_failure(exc, "writing checkpoint files into", path) from exc
 
 
 def _dcp_load(sd: dict, path: str) -> None:
-    with quiet_sharded_tensor():
-        dcp.load(sd, checkpoint_id=path)
+    try:
+        with quiet_sharded_tensor():
+            dcp.load(sd, checkpoint_id=path)
+    except CheckpointException as exc:
+        raise _dcp_failure(exc, "loading checkpoint", path) from exc
 
 
 def _metadata(path: str) -> dict:
@@ -55,7 +72,13 @@ def publish_atomic(sd: dict, path: str, world, rank: int, marker: Optional[dict]
     previous checkpoint at ``path`` loadable, and a directory with the marker is a finished checkpoint."""
     _settle(raise_unobserved=True)
     tmp = C.broadcast_str(f"{path.rstrip('/')}.tmp-{uuid.uuid4().hex[:8]}", world)
-    _dcp_save(sd, tmp)
+    try:
+        _dcp_save(sd, tmp)
+    except CheckpointError as exc:  # every rank gets DCP's gathered failure: the same error everywhere
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"{exc}; nothing was published: the previous checkpoint at {path}, if any, is "
+                              f"intact") from exc.__cause__
     C.barrier(world)
     if rank == 0:
         publish_directory(tmp, path, {**(marker or {}), "world_size": world.size, "time": time.time()})
@@ -211,6 +234,10 @@ def load_tree(path: str, plan, template, *, timeout_s: float = 300.0):
     missing = [p for p in paths if f"tree.{p}" not in meta]
     if missing:
         raise CheckpointError(diagnose.tree_misfit(path, missing, meta, checkpoint_info(path)))
+    with quiet_sharded_tensor():  # ShardedTensor.size() warns too
+        shapes = diagnose.differences({f"tree.{k}": v for k, v in sd.items()}, meta).shapes
+    if shapes:  # DCP would raise its own CheckpointException (a BaseException) from inside the load
+        raise CheckpointError(diagnose.tree_shapes(path, shapes, checkpoint_info(path)))
     full = {"tree": sd, "extra": {"step": torch.tensor(0)}}
     _dcp_load(full, path)
     leaves = []

@@ -235,6 +235,16 @@ def tree_misfit(path: str, missing: list[str], meta: dict, info: Optional[dict])
             f"structure (the same keys, e.g. {{'params': ..., 'opt': ...}})")
 
 
+def tree_shapes(path: str, shapes: list[tuple[str, tuple, tuple]], info: Optional[dict]) -> str:
+    """The message of ``load_tree`` when template leaves have other global shapes than the saved ones."""
+    rows = "\n".join(f"  {k[5:]}: the checkpoint has {tuple(have)}, the template {tuple(want)}"
+                      for k, have, want in shapes[:40])
+    more = f"\n  ... and {len(shapes) - 40} more" if len(shapes) > 40 else ""
+    return (f"checkpoint {path}: {len(shapes)} leaves of the template have other (global) shapes than the saved "
+            f"ones, so it was saved from another model:\n{rows}{more}\nbuild the template (shard_tree and "
+            f"opt.init) from the model the checkpoint was saved from; nothing was loaded")
+
+
 def full_misfit(full: dict, param_names: list[str], aliases: dict, buffers: Iterable[str],
                 shapes: dict[str, tuple], strict: bool) -> str:
     """Rank 0's description of how a full state dict does not fit the plan, and how to fix it (``""``: it fits)."""
