@@ -1,4 +1,4 @@
-"""Probe: checkpoints across worlds, meshes, ZeRO levels, optimizers; PYTHONPATH=src:tests python probes/p_ckpt.py"""
+"""Probe: checkpoints across worlds, meshes, ZeRO levels, optimizers; PYTHONPATH=src:tests python benchmarks/runs/faces_probes/p_ckpt.py"""
 import os, sys, tempfile, traceback, time
 import torch, torch.distributed as dist
 import shardplan as sp

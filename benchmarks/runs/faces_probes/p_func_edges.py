@@ -1,4 +1,4 @@
-"""Probe: functional face misuse / edge patterns. PYTHONPATH=src:tests python probes/p_func_edges.py WORLD"""
+"""Probe: functional face misuse / edge patterns. PYTHONPATH=src:tests python benchmarks/runs/faces_probes/p_func_edges.py WORLD"""
 import sys, traceback
 import optree, torch
 import shardplan as sp

@@ -1,4 +1,4 @@
-"""Probe: functional face vs single-process reference. Run: cd /work/faces && PYTHONPATH=src:tests python probes/p_functional.py"""
+"""Probe: functional face vs single-process reference. Run: PYTHONPATH=src:tests python benchmarks/runs/faces_probes/p_functional.py"""
 import sys, copy, traceback
 import optree, torch, torch.nn.functional as F
 import shardplan as sp

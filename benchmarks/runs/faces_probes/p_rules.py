@@ -1,4 +1,4 @@
-"""Probe: odd shapes under rules on 4 ranks, both faces, vs one process. PYTHONPATH=src:tests python probes/p_rules.py"""
+"""Probe: odd shapes under rules on 4 ranks, both faces, vs one process. PYTHONPATH=src:tests python benchmarks/runs/faces_probes/p_rules.py"""
 import sys, traceback, warnings
 import torch, torch.nn as nn, torch.nn.functional as F
 import shardplan as sp

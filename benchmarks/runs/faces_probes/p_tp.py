@@ -1,4 +1,4 @@
-"""Probe: tensor parallelism (both faces) vs one process. PYTHONPATH=src:tests python probes/p_tp.py WORLD [case...]"""
+"""Probe: tensor parallelism (both faces) vs one process. PYTHONPATH=src:tests python benchmarks/runs/faces_probes/p_tp.py WORLD [case...]"""
 import sys, traceback
 import optree, torch, torch.nn as nn, torch.nn.functional as F
 import shardplan as sp
