@@ -86,3 +86,48 @@ def test_a_module_registered_twice_trains_like_unsharded():
         assert losses == pytest.approx(ref_losses, rel=1e-5), face
         for n, p in ref.named_parameters():
             assert torch.allclose(full[n], p.detach(), atol=1e-6), (face, n)
+
+
+class NaiveExperts(nn.Module):
+    """Stacked experts whose forward indexes them by global expert id (as Hugging Face MoE modules do), without
+    shardplan.expert_parallel.dispatch: split over ep, each rank would silently use its own experts in place of
+    the ones routed to."""
+
+    def __init__(self, num_experts=4, d=8):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w = nn.Parameter(torch.randn(num_experts, d, d))
+
+    def forward(self, x, ids):
+        return torch.stack([x[i] @ self.w[int(e)] for i, e in enumerate(ids)])
+
+
+class NaiveMoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 8)
+        self.experts = NaiveExperts()
+
+    def forward(self, x):
+        ids = torch.zeros(x.shape[0], dtype=torch.long)  # every token to expert 0 (held by ep rank 0 only)
+        return self.experts(self.inp(x), ids).pow(2).mean()
+
+
+def _ep_worker(rank, world):
+    model = NaiveMoE()
+    plan = sp.plan(model, [(r"experts\.w", sp.P("ep", None, None)), (r".*", sp.P())], sp.Mesh(ep=world),
+                   units=(), min_unit_bytes=0)
+    assert [m.path for m in plan.expert_modules] == ["experts"]
+    sp.shard(model, plan)
+    try:
+        model(torch.randn(4, 8))
+    except sp.RuntimeShardingError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_experts_split_over_ep_without_dispatch_are_refused():
+    for msg in run(_ep_worker, 2, timeout=100):
+        assert msg is not None and "'experts'" in msg and "dispatch" in msg and "P('dp', None, None)" in msg
