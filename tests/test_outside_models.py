@@ -131,3 +131,76 @@ def _ep_worker(rank, world):
 def test_experts_split_over_ep_without_dispatch_are_refused():
     for msg in run(_ep_worker, 2, timeout=100):
         assert msg is not None and "'experts'" in msg and "dispatch" in msg and "P('dp', None, None)" in msg
+
+
+class ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Conv2d(3 if i == 0 else 4, 4, 3, padding=1, bias=False),
+                                                   nn.BatchNorm2d(4), nn.ReLU()) for i in range(2)])
+        self.head = nn.Linear(4 * 4 * 4, 3)
+
+    def forward(self, x, y):
+        for b in self.blocks:
+            x = b(x)
+        return F.cross_entropy(self.head(x.flatten(1)), y)
+
+
+def _bn_worker(rank, world, path, phase, saved=None):
+    model = ConvBN()
+    sp.shard(model, sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[r"blocks\.\d+"], min_unit_bytes=0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if phase == "save":
+        g = torch.Generator().manual_seed(rank)  # every rank its own batches: its own running statistics
+        for _ in range(2):
+            model(torch.randn(2, 3, 4, 4, generator=g), torch.randint(0, 3, (2,), generator=g)).backward()
+            opt.step()
+            opt.zero_grad()
+        sp.checkpoint.save(path, model, opt, step=2)
+        return {k: v.clone() for k, v in model.named_buffers()}
+    with pytest.warns(UserWarning, match="older shardplan") if phase == "old" else _nothing():
+        sp.checkpoint.load(path, model, opt)
+    sd = sp.state_dict(model)
+    return {k: v.clone() for k, v in model.named_buffers()}, sorted(k for k in sd["model"] if "running" in k)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_checkpoints_hold_buffers(tmp_path):
+    """BatchNorm running statistics were not in sp.checkpoint / sp.state_dict: a resumed run silently went on
+    with freshly initialised statistics. They are saved (rank 0's, as shard() and full_state_dict use) and loaded
+    on every rank, at any world size; a checkpoint without them loads with a warning."""
+    path = str(tmp_path / "ck")
+    saved = run(_bn_worker, 2, path, "save", timeout=120)
+    assert not torch.equal(saved[0]["blocks.0.1.running_mean"], saved[1]["blocks.0.1.running_mean"])
+    for world in (2, 4):
+        for bufs, keys in run(_bn_worker, world, path, "load", timeout=120):
+            assert keys == ["blocks.0.1.running_mean", "blocks.0.1.running_var", "blocks.1.1.running_mean",
+                            "blocks.1.1.running_var"]
+            for k, v in bufs.items():
+                assert torch.equal(v, saved[0][k]), k
+    # a checkpoint written without buffers (older shardplan): loads, warns, buffers keep their values
+    import shutil
+    import torch.distributed.checkpoint as dcp  # noqa: F401
+    old = str(tmp_path / "old")
+    shutil.copytree(path, old)
+    from torch.distributed.checkpoint import FileSystemReader
+    meta = FileSystemReader(old).read_metadata()
+    for k in [k for k in meta.state_dict_metadata if "running" in k or "num_batches" in k]:
+        del meta.state_dict_metadata[k]
+    import pickle
+    with open(f"{old}/.metadata", "wb") as f:
+        pickle.dump(meta, f)
+    fresh = ConvBN()
+    for bufs, _ in run(_bn_worker, 2, old, "old", timeout=120):
+        for k, v in bufs.items():
+            assert torch.equal(v, dict(fresh.named_buffers())[k]), k
