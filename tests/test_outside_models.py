@@ -204,3 +204,38 @@ def test_checkpoints_hold_buffers(tmp_path):
     for bufs, _ in run(_bn_worker, 2, old, "old", timeout=120):
         for k, v in bufs.items():
             assert torch.equal(v, dict(fresh.named_buffers())[k]), k
+
+
+def _data_assign_worker(rank, world):
+    out = {}
+    for strategy in ("optim_grads", "optim_grads_params"):
+        model = Reused()
+        sp.shard(model, sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[r"layers\.\d+"],
+                                min_unit_bytes=0, strategy=strategy, layout="chunked"))
+        ids = _batches()[0][rank * 2:(rank + 1) * 2]
+        model(ids).backward()
+        with torch.no_grad():
+            for p in model.parameters():  # in place: fine
+                p.sub_(0.1 * p.grad)
+                p.grad = None
+        model(ids).backward()
+        with torch.no_grad():
+            for p in model.parameters():  # replaces the tensors: refused (every rank holds a piece of each)
+                p.data = p.data - 0.1 * p.grad
+                p.grad = None
+        try:
+            model(ids)
+            out[strategy] = None
+        except sp.RuntimeShardingError as exc:
+            out[strategy] = str(exc)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_replacing_a_parameters_data_is_refused():
+    """``p.data = new`` after shard() left the shard the runtime gathers from unchanged: training went on with
+    the old values (0.6% loss difference after 3 SGD steps on GPT-2, every strategy). Now the next forward
+    raises, naming the parameter and the in-place way."""
+    for out in run(_data_assign_worker, 2, timeout=100):
+        for strategy, msg in out.items():
+            assert msg is not None and "'emb.weight'" in msg and "p.copy_(new)" in msg, strategy
