@@ -22,14 +22,15 @@ sys.path.insert(0, "examples")
 import gpt  # noqa: E402
 
 
-def _model(fs: bool, world: int):
+def _model(how: str, world: int):
     model = gpt.build("tiny").init_weights(0)
-    if fs:
+    if how == "fully_shard":
         for b in model.layers:
             sp.fully_shard(b)
         sp.fully_shard(model)
-    else:
-        sp.shard(model, sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[r"layers\.\d+"]))
+    else:  # "chunked": DTensor-describable shards; "auto": the contiguous dim-0 packing, which is not
+        sp.shard(model, sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[r"layers\.\d+"],
+                                layout=how))
     return model
 
 
@@ -47,12 +48,16 @@ def _train(model, opt, rank, steps, seed=1):
 
 
 def _worker(rank, world, path):
+    return {how: _roundtrip(rank, world, f"{path}-{how}", how) for how in ("chunked", "fully_shard")} | _refused(rank, world)
+
+
+def _roundtrip(rank, world, path, how):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict, get_state_dict,
                                                          set_state_dict)
     from torch.distributed.tensor import DTensor
     out = {}
-    model = _model(True, world)
+    model = _model(how, world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     _train(model, opt, rank, 2)
     saved = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()}
@@ -64,7 +69,7 @@ def _worker(rank, world, path):
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
     after = _train(model, opt, rank, 2, seed=2)
 
-    model2 = _model(True, world)
+    model2 = _model(how, world)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
     msd2, osd2 = get_state_dict(model2, opt2)
     sd = {"model": msd2, "optim": osd2}
@@ -76,9 +81,14 @@ def _worker(rank, world, path):
     full = get_optimizer_state_dict(model2, opt2, options=StateDictOptions(full_state_dict=True))
     shapes = dict(model2.state_dict())
     out["full_shapes"] = all(tuple(st["exp_avg"].shape) == tuple(shapes[n].shape) for n, st in full["state"].items())
+    return out
 
+
+def _refused(rank, world):
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    out = {}
     # a layout DTensors cannot describe (sp.shard's contiguous dim-0 packing): refused, naming the way out
-    model3 = _model(False, world)
+    model3 = _model("auto", world)
     opt3 = torch.optim.AdamW(model3.parameters(), lr=1e-3)
     _train(model3, opt3, rank, 1)
     try:
@@ -93,9 +103,11 @@ def _worker(rank, world, path):
 @pytest.mark.timeout(300)
 def test_torch_get_set_state_dict_with_a_plain_optimizer(tmp_path):
     for out in run(_worker, 2, str(tmp_path / "ck"), timeout=240):
-        assert out["dtensor_states"] and out["plain_outside"]
-        assert out["moments_equal"], "each rank must get back its own moments"
-        assert out["resumed_equal"]
-        assert out["full_shapes"]
+        for how in ("chunked", "fully_shard"):
+            assert out[how]["dtensor_states"], how
+            assert out[how]["moments_equal"], f"{how}: each rank must get back its own moments"
+            assert out[how]["resumed_equal"], how
+            assert out[how]["full_shapes"], how
+        assert out["chunked"]["plain_outside"]  # opt.state_dict() elsewhere: torch's own local shards
         assert out["refused"] is not None and "DTensor" in out["refused"] and "shardplan.checkpoint.save" in out["refused"]
         assert out["plain_ok"]
