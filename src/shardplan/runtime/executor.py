@@ -135,6 +135,11 @@ class Executor:
         if self.in_backward or self.awaiting_backward or self.cursor.mid_forward:
             self._abandon()
         self.cursor.reset()
+        if getattr(self.face, "owns_locals", False) and self.offload is None:
+            from .seams import replaced_local
+            why = replaced_local(self.buffer.values())
+            if why:
+                raise RuntimeShardingError(why)
         for u in self.unit_list:
             u.start_forward()
         if self.regathers and not self.stale and self._versions() != self.versions:

@@ -37,6 +37,7 @@ from ..plan.kinds import ALL_TO_ALL, MODULE_BACKWARD, MODULE_FORWARD, RECOMPUTE
 from . import collectives as C
 
 ATTR = "_shardplan_experts"
+_DISPATCHED = "_shardplan_dispatched"  # set by dispatch() during the module's forward (see _guard)
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,7 @@ def dispatch(module: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor) -> Ro
         even, extra = divmod(n * k, num)
         return Routed(rows, [even + (e < extra) for e in range(num)], order, (n, k))
     counts = torch.bincount(flat, minlength=num)
+    module.__dict__[_DISPATCHED] = True
     eg = group_of(module)
     if eg is None or eg.group.pg is None:  # experts all local (a real group of one: SHARDPLAN_SINGLETON_GROUPS=1)
         return Routed(rows, counts.tolist(), order, (n, k))
@@ -177,4 +179,39 @@ def install(module: nn.Module, plan, groups, exe=None) -> None:
                 if len(found) == 2:
                     ops[(which, phase)] = found[i]
         mod = module.get_submodule(m.path)
-        mod.__dict__[ATTR] = ExpertGroup(groups.axis(m.axis), m.num_experts, ops, engine)
+        eg = mod.__dict__[ATTR] = ExpertGroup(groups.axis(m.axis), m.num_experts, ops, engine)
+        if eg.group.size > 1:
+            _guard(mod, m.path, m.axis, eg)
+
+
+def _guard(mod: nn.Module, path: str, axis: str, eg: ExpertGroup) -> None:
+    """Refuse a forward of an expert module split over ``ep`` that never calls :func:`dispatch`: it would
+    compute with this rank's ``num_experts / ep`` experts as if they were all of them (a Hugging Face MoE
+    module's own forward indexes its stacked weights by global expert id): a crash deep inside the model,
+    or, where the ids happen to fit, silently another expert's weights."""
+    if getattr(mod.forward, "_shardplan_ep_guard", False):
+        return
+    inner = mod.forward
+
+    def why() -> str:
+        return (f"expert module {path!r} ({type(mod).__name__}) has its {eg.num_experts} experts split over "
+                f"{axis!r} ({eg.local_experts} per rank), but its forward ran without calling "
+                f"shardplan.expert_parallel.dispatch: it would compute with this rank's experts as if they were all "
+                f"of them (Hugging Face MoE modules' own forwards do). Fix: keep {axis!r} out of dim 0 of its "
+                f"weights' specs (e.g. P('dp', None, None): experts gathered like any parameter), or make its "
+                f"forward call sp.expert_parallel.dispatch / combine (docs/expert_parallel.md)")
+
+    def forward(*args, **kwargs):
+        mod.__dict__[_DISPATCHED] = False
+        try:
+            out = inner(*args, **kwargs)
+        except Exception as exc:
+            if not mod.__dict__.get(_DISPATCHED):
+                raise RuntimeShardingError(why()) from exc
+            raise
+        if not mod.__dict__.get(_DISPATCHED):
+            raise RuntimeShardingError(why())
+        return out
+
+    forward._shardplan_ep_guard = True
+    mod.forward = forward

@@ -46,6 +46,7 @@ class Face(Protocol):
 
 class ModuleFace:
     stale_after_sync = True  # the optimizer steps the registered shards in place after a synced backward
+    owns_locals = True       # the local parameters are views of the shards: checked before each forward
 
     def __init__(self, slots: dict[str, list]):
         self.slots = slots  # unit name -> [(module, attribute, local param, full param)]

@@ -89,3 +89,25 @@ def check_optimizer(opt: torch.optim.Optimizer, args, kwargs) -> None:
                         f"the optimizer after shardplan.shard(), or load its state with shardplan.checkpoint.load / "
                         f"shardplan.load_state_dict, which reshard it")
     _checked[opt] = _generation[0]
+    _install_dcp_hooks(opt)
+
+
+def _install_dcp_hooks(opt: torch.optim.Optimizer) -> None:
+    """A plain torch optimizer over one sharded model's local shards gets the hooks that make torch's
+    ``get_state_dict`` / ``get_optimizer_state_dict`` give its states as DTensors (runtime/state_dict.py)."""
+    if getattr(opt, "_shardplan_dcp_hooks", False) or getattr(opt, "_shardplan_offload", False):
+        return
+    engines = set()
+    for group in opt.param_groups:
+        for p in group["params"]:
+            ref = p.__dict__.get("_shardplan_engine")
+            eng = ref() if ref is not None else None
+            if eng is None or getattr(eng, "state_dict_hooks", None) is None:
+                return  # not (only) a sharded model's shards: torch's own state dict
+            engines.add(eng)
+    if len(engines) == 1:
+        from .state_dict import install_torch_dcp_optimizer
+        eng = engines.pop()
+        if eng.plan.offload:
+            return
+        install_torch_dcp_optimizer(opt, eng)

@@ -63,6 +63,27 @@ def guard_apply(module: nn.Module) -> None:
     module.__dict__["_apply"] = types.MethodType(_guarded_apply, module)
 
 
+def replaced_local(buffers) -> Optional[str]:
+    """Why the next forward would not see a local parameter's values (its tensor was replaced, so it no
+    longer lives in the shard the runtime gathers from), or ``None``. Checked once per step (a pointer
+    comparison per parameter): ``p.data = new`` after ``shard()`` otherwise trains on the old values, silently."""
+    for b in buffers:
+        shard = b.shard
+        if shard is None or getattr(b, "tw", None):
+            continue
+        base, off0 = shard.untyped_storage().data_ptr(), shard.storage_offset()
+        for m in b.members:
+            lp = m.local
+            if lp.numel() == 0:
+                continue
+            if lp.untyped_storage().data_ptr() != base or lp.storage_offset() != off0 + m.shard.start:
+                return (f"parameter {m.info.name!r} is no longer this rank's shard that shardplan gathers from: its "
+                        f"tensor was replaced after shardplan.shard (`p.data = new`, or a .to()/.half()/.cuda() on a "
+                        f"child module), so the next forward would use its old values. Write parameters in place "
+                        f"(`p.copy_(new)` or `p.data.copy_(new)` under torch.no_grad()); for dtypes, {FIX}")
+    return None
+
+
 def detached_local(buffer) -> Optional[str]:
     """Why a local parameter of ``buffer`` (a BufferState) no longer lives in its shard, or ``None``: the
     cheap diagnosis when handing out its gradient failed (a child module's ``.to()`` after sharding)."""

@@ -33,7 +33,7 @@ def check_module(module: nn.Module, plan: Plan) -> tuple[Slots, list[str]]:
     problems = []
     by_id: dict[int, str] = {}
     tied: dict[int, tuple] = {}  # id(tensor) -> (its plan value, every module name it is registered at)
-    mods = dict(module.named_modules())
+    mods = dict(module.named_modules(remove_duplicate=False))  # a module registered twice: both of its names
     for name, p in module.named_parameters(remove_duplicate=False):
         canonical = by_id.setdefault(id(p), name)
         owner, _, attr = name.rpartition(".")

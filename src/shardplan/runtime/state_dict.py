@@ -273,6 +273,61 @@ def install(module: nn.Module, exe, meshes: Optional[dict] = None) -> list:
     return exe.state_dict_hooks.install(module)
 
 
+_TORCH_DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
+
+
+def _called_by_torch_dcp() -> bool:
+    """Whether torch's ``get_state_dict`` / ``get_optimizer_state_dict`` / ``set_*`` (module
+    ``torch.distributed.checkpoint.state_dict``) is on the call stack."""
+    import sys
+    f = sys._getframe(1)
+    for _ in range(40):
+        if f is None:
+            return False
+        if f.f_globals.get("__name__") == _TORCH_DCP_STATE_DICT:
+            return True
+        f = f.f_back
+    return False
+
+
+def install_torch_dcp_optimizer(optimizer: torch.optim.Optimizer, exe) -> list:
+    """For a plain torch optimizer over a sharded model's local shards: inside torch's
+    ``get_state_dict`` / ``get_optimizer_state_dict`` (and ``set_*``), give and take its sharded states as
+    DTensors, as FSDP2's optimizers have them; ``optimizer.state_dict()`` called elsewhere stays torch's own
+    (this rank's local shards).
+
+    [Note: without this, torch's helpers hand DCP plain tensors that differ per rank; DCP takes a plain
+    tensor for a replicated value and keeps one rank's copy, so a load at the same world size gives every
+    rank rank 0's moments, silently (and ``full_state_dict=True`` returns local shards as if full). Where
+    the plan's layout cannot be described by DTensors, the helpers raise instead.]
+    """
+    if getattr(optimizer, "_shardplan_dcp_hooks", False):
+        return []
+    optimizer._shardplan_dcp_hooks = True
+    hooks = exe.state_dict_hooks
+    if hooks.bad is not None:
+        def refuse(_opt, sd):
+            if _called_by_torch_dcp():
+                why = hooks.layout[hooks.bad][1]
+                raise CheckpointError(
+                    f"get_optimizer_state_dict / get_state_dict: the optimizer's states of parameter {hooks.bad!r} "
+                    f"cannot be given as DTensors ({why}), and as plain tensors DCP would keep one rank's copy. "
+                    f"To checkpoint this model, {_WAYS_OUT}")
+            return sd
+        return [optimizer.register_state_dict_post_hook(refuse)]
+    pre, post, load = _optimizer_hooks(optimizer, exe)
+
+    def pre_dcp(opt):
+        if _called_by_torch_dcp():
+            pre(opt)
+
+    def post_dcp(opt, sd):
+        return post(opt, sd) if _called_by_torch_dcp() else sd
+    # loading takes DTensors, full tensors and local shards alike: always on
+    return [optimizer.register_state_dict_pre_hook(pre_dcp), optimizer.register_state_dict_post_hook(post_dcp),
+            optimizer.register_load_state_dict_pre_hook(load)]
+
+
 def install_optimizer(optimizer: torch.optim.Optimizer, exe) -> list:
     """Make ``optimizer.state_dict()`` give its sharded states as DTensors, as ``model.state_dict()`` gives the
     parameters (so ``dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()})`` reshards),
@@ -283,6 +338,15 @@ def install_optimizer(optimizer: torch.optim.Optimizer, exe) -> list:
     A never-stepped optimizer gets its state first (a zero-lr step, counters put back), so that a state dict
     built to load into has tensors for DCP to fill.
     """
+    optimizer._shardplan_dcp_hooks = True  # the automatic hooks for torch's helpers (above) are not needed
+    init_state, to_dtensors, from_dtensors = _optimizer_hooks(optimizer, exe)
+    return [optimizer.register_state_dict_pre_hook(init_state),
+            optimizer.register_state_dict_post_hook(to_dtensors),
+            optimizer.register_load_state_dict_pre_hook(from_dtensors)]
+
+
+def _optimizer_hooks(optimizer: torch.optim.Optimizer, exe):
+    """(state_dict pre-hook, state_dict post-hook, load_state_dict pre-hook) converting sharded states."""
     from .checkpoint.values import init_optimizer_state
     hooks = exe.state_dict_hooks
     plan = exe.plan
@@ -329,9 +393,7 @@ def install_optimizer(optimizer: torch.optim.Optimizer, exe) -> list:
             if wrapper is not None:
                 opt.step = wrapper
 
-    return [optimizer.register_state_dict_pre_hook(init_state),
-            optimizer.register_state_dict_post_hook(to_dtensors),
-            optimizer.register_load_state_dict_pre_hook(from_dtensors)]
+    return init_state, to_dtensors, from_dtensors
 
 
 def _sharded_state(v, shapes: tuple) -> bool:

@@ -25,7 +25,8 @@ from .. import collectives as C
 from ..builder import engine_of
 from . import diagnose
 from .diagnose import MARKER
-from .values import init_optimizer_state, local_of, quiet_sharded_tensor, state_dict, load_state_dict, tree_state_dict
+from .values import (init_optimizer_state, load_state_dict, local_of, model_buffers, quiet_sharded_tensor, state_dict,
+                     tree_state_dict)
 
 
 # -- writing and reading a directory --------------------------------------------------------------------
@@ -156,6 +157,11 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
         init_optimizer_state(optimizer)
     sd = state_dict(model, optimizer)
     sd["extra"] = {"step": torch.tensor(0)}
+    old = [n for n in model_buffers(model) if f"model.{n}" not in meta]
+    if old:  # saved before checkpoints held buffers: those keep their values, said once
+        warnings.warn(f"checkpoint {path} has no entry for {len(old)} buffers of the model ({', '.join(old[:5])}"
+                      f"{', ...' if len(old) > 5 else ''}): written by an older shardplan; they keep their current values")
+        sd["model"] = {k: v for k, v in sd["model"].items() if k not in set(old)}
     with quiet_sharded_tensor():  # ShardedTensor.size() warns too
         found = diagnose.differences(_flatten(sd), meta, _aliases(model))
     if found.problems and strict:

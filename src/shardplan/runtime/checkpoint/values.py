@@ -139,6 +139,23 @@ def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
             st["step"] = type(step)(0)
 
 
+def model_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The persistent buffers ``model.state_dict()`` holds (not on the meta device), by name."""
+    from .full import _persistent_buffers
+    return {n: b for n, b in _persistent_buffers(model).items() if b.device.type != "meta"}
+
+
+def _rank0_copies(bufs: dict, world) -> dict:
+    from .. import collectives as C
+    out = {}
+    for n, b in bufs.items():
+        t = b.detach().clone()
+        if world is not None and world.size > 1:
+            C.broadcast(t, 0, world)
+        out[n] = t
+    return out
+
+
 def state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, init_optimizer: bool = True) -> dict:
     """``{"model": {fqn: value}, "optimizer": {"state": {fqn: {...}}, "param_groups": [...]}}`` for DCP.
 
@@ -156,6 +173,10 @@ def state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
         return sharded_value(eng.plan, eng.groups, eng.rank, n, t)
 
     sd: dict[str, Any] = {"model": {n: value(n, eng.local_value(n, lp)) for n, lp in locals_.items()}}
+    # persistent buffers (BatchNorm's running statistics): plain tensors, replicated, so rank 0's values (what
+    # shard() broadcast at start-up and full_state_dict exports; DCP saves one rank's copy of a plain tensor,
+    # so every rank hands it the same one); load_state_dict copies what DCP loads into every rank's buffers
+    sd["model"].update(_rank0_copies(model_buffers(model), eng.groups.world))
     if optimizer is not None:
         if init_optimizer:
             init_optimizer_state(optimizer)
@@ -188,8 +209,9 @@ def load_state_dict(model: nn.Module, state: dict, optimizer: Optional[torch.opt
     eng = engine_of(model)
     locals_ = eng.local_params()
     msd = state.get("model", {})
+    bufs = model_buffers(model)
     missing = [n for n in locals_ if n not in msd]
-    unexpected = [n for n in msd if n not in locals_]
+    unexpected = [n for n in msd if n not in locals_ and n not in bufs]
     if strict and (missing or unexpected):
         raise CheckpointError(f"state dict does not fit the model: missing {missing[:20]}, unexpected {unexpected[:20]}; "
                               f"pass strict=False to load the rest")
@@ -200,6 +222,10 @@ def load_state_dict(model: nn.Module, state: dict, optimizer: Optional[torch.opt
                 v = local_of(msd[n])
                 if v is not None and v.data_ptr() != lp.data_ptr():
                     lp.copy_(v)
+        for n, buf in bufs.items():
+            v = local_of(msd.get(n))
+            if isinstance(v, torch.Tensor) and v.data_ptr() != buf.data_ptr():
+                buf.copy_(v)
         if optimizer is not None and "optimizer" in state:
             _load_optimizer(optimizer, state["optimizer"], locals_)
     eng.mark_shards_changed()
