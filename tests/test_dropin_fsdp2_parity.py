@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from torch.distributed.fsdp import register_fsdp_forward_method  # bound before shardplan's drop-in is imported
+from torch.nn.utils import get_total_norm as early_total_norm  # bound before shardplan routes torch's norm
 
 import shardplan as sp
 from distributed import run
@@ -122,6 +123,7 @@ def c_clip_grad_norm(kind, rank, world):
         out.append(_full(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05, norm_type=norm_type)))
         grads = [p.grad for p in m.parameters() if p.grad is not None]  # torchtitan's spelling
         out.append(_full(torch.nn.utils.get_total_norm(grads, 2.0)))
+        out.append(_full(early_total_norm(grads, 2.0)))  # a name bound before the first shard(): global too
         opt.step()
         opt.zero_grad()
     return dict(norms=out, p=_params(m))

@@ -132,3 +132,29 @@ def test_a_gradient_of_another_size_is_refused_not_landed():
     grads[-1] = torch.ones(grads[-1].numel() + 1)
     with pytest.raises(RuntimeError):
         b.land_grads(0, list(enumerate(grads)))
+
+
+def test_a_scalar_parameter_lands_through_its_view():
+    """_chunk_cat refuses a 0-d tensor (in a backward hook the error took the process down): a buffer holding
+    a scalar parameter (a learnt temperature) is not landed in one call, and its gradients are right."""
+    import torch
+    import torch.nn as nn
+    from shardplan.runtime.buffers import BufferState
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.temp = nn.Parameter(torch.tensor(2.0))
+
+        def forward(self, x):
+            return self.fc(x) * self.temp
+
+    plan = sp.plan(Scaled(), [(r"temp", sp.P()), (r".*", sp.P("dp"))], sp.Mesh(dp=2), min_unit_bytes=0)
+    states = [BufferState(plan, bp, 0, torch.device("cpu")) for bp in plan.buffers if bp.requires_grad]
+    b = next(s for s in states if any(m.info.shape == () for m in s.members))
+    assert not b.tiled
+    grads = [torch.full(m.info.shape, float(i + 1)) for i, m in enumerate(b.members)]
+    b.land_grads(0, list(enumerate(grads)))
+    for m, g in zip(b.members, grads):
+        assert torch.equal(b.flat[m.whole], g.reshape(-1))

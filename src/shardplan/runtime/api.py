@@ -220,21 +220,24 @@ def _sharded_total_norm(exe, grads: list, names: list, norm_type: float, error_i
         raise RuntimeShardingError(f"torch.nn.utils.clip_grad_norm_ / get_total_norm over a sharded model's gradients: "
                                    f"norm_type={norm_type} is not supported; use a positive order or inf")
     dev, world = exe.device, exe.groups.world
+    held = [(g.detach(), n) for g, n in zip(grads, names) if g.numel()]
+    # one foreach norm, as torch's own (a per-tensor loop costs a handful of kernels per parameter and step)
+    norms = torch._foreach_norm([g for g, _ in held], norm_type) if held else []
     if norm_type == math.inf:
         total = torch.zeros((), device=dev)
-        for g in grads:
-            if g.numel():
-                total = torch.maximum(total, g.detach().abs().max().float())
+        if norms:
+            total = torch.maximum(total, torch.stack([t.float() for t in norms]).max())
         C.all_reduce(total, world, async_op=False, op=dist.ReduceOp.MAX)
     else:
         acc = torch.zeros((), dtype=torch.float64 if dev.type == "cpu" else torch.float32, device=dev)
-        for g, n in zip(grads, names):
-            if g.numel():
-                part = torch.linalg.vector_norm(g.detach(), norm_type).to(acc.dtype).pow(norm_type)
-                acc = acc + part / exe.plan.replicas(n)  # an element held by `replicas` ranks counts once
+        if norms:  # an element held by `replicas` ranks counts once
+            weights = torch.tensor([1.0 / exe.plan.replicas(n) for _, n in held], dtype=acc.dtype, device=dev)
+            acc = acc + (torch.stack([t.to(acc.dtype) for t in norms]).pow(norm_type) * weights).sum()
         C.all_reduce(acc, world, async_op=False, op=dist.ReduceOp.SUM)
         total = acc.pow(1.0 / norm_type)
-    total = total.to(grads[0].dtype if grads and grads[0].is_floating_point() else torch.float32)
+    # torch's dtype: that of the per-tensor norms stacked (promoted over the gradients' dtypes)
+    floats = {g.dtype for g in grads if g.is_floating_point()}
+    total = total.to(functools.reduce(torch.promote_types, floats) if floats else torch.float32)
     if error_if_nonfinite and not torch.isfinite(total).item():
         raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
                            f"cannot be clipped. To disable this error and scale the gradients by the non-finite norm "
@@ -246,22 +249,42 @@ def _patch_torch_norms() -> None:
     """[Note: torch's clip_grad_norm_ on local shards] A shardplan model's parameters are this rank's shards as
     plain tensors, not FSDP2's DTensors, so torch's ``clip_grad_norm_(model.parameters(), ...)`` (and
     torchtitan's ``get_total_norm(grads)``) would return this rank's norm and clip each rank's shards by a
-    different factor: silently wrong. Wrapped once: given local shards' gradients, it returns the global norm
-    (one collective: every rank must call it, as with DTensors); any other tensors go to torch unchanged."""
+    different factor: silently wrong. Routed once: given local shards' gradients, it returns the global norm
+    (one collective: every rank must call it, as with DTensors); any other tensors go to torch unchanged.
+
+    The code of torch's function is swapped (as for ``register_fsdp_forward_method``, see dropin.py), not
+    only the module attributes: a name bound before the first ``shard()`` (``from torch.nn.utils import
+    get_total_norm`` at the top of a training script) is the same function object, and it would otherwise
+    keep returning this rank's norm."""
     if _TORCH_NORM:
         return
+    import types
     from torch.nn.utils import clip_grad as CG
-    orig = CG._get_total_norm
+    public = CG._get_total_norm  # torch's @_no_grad wrapper (every name torch exports is this object)
+    inner = getattr(public, "__wrapped__", None)
+    if isinstance(inner, types.FunctionType) and not inner.__code__.co_freevars and \
+            "_shardplan_total_norm" not in inner.__globals__:
+        orig = types.FunctionType(inner.__code__, inner.__globals__, inner.__name__, inner.__defaults__)
+    else:  # another torch layout: the module attributes only (names bound earlier keep torch's own)
+        inner, orig = None, public
     _TORCH_NORM.append(orig)
 
-    @functools.wraps(orig)
-    def get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    def total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
         ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         found = _owners(ts) if _LIVE else None
         if found is None:
             return orig(ts, norm_type, error_if_nonfinite, foreach)
         return _sharded_total_norm(found[0], ts, found[1], float(norm_type), error_if_nonfinite)
 
+    if inner is not None:
+        inner.__globals__["_shardplan_total_norm"] = total_norm
+
+        def routed(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):  # runs in torch's module
+            return _shardplan_total_norm(tensors, norm_type, error_if_nonfinite, foreach)  # noqa: F821
+
+        inner.__code__ = routed.__code__
+        return
+    get_total_norm = functools.wraps(public)(total_norm)
     CG._get_total_norm = get_total_norm  # what clip_grad_norm_ calls
     torch.nn.utils.get_total_norm = get_total_norm
     if hasattr(CG, "get_total_norm"):

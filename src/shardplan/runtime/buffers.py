@@ -127,6 +127,8 @@ class BufferState:
         # [Note: landing in one call] when the members tile the flat gradient in order (no padding between
         # them), a full landing is one ``_chunk_cat`` into it: no per-parameter views to make (they are made
         # only for the paths that need them, see ``_views``)
+        # (``_chunk_cat`` refuses a 0-d or an empty tensor: a scalar parameter, such as a learnt temperature,
+        # or an empty one keeps its buffer on the per-view path)
         ends = [(m.whole.start, m.whole.stop) for m in self.members]
         self.tiled = bool(ends) and not self.gappy and ends[0][0] == 0 and ends[-1][1] == bp.grad_numel and \
             all(a[1] == b[0] for a, b in zip(ends, ends[1:])) and \
