@@ -422,7 +422,7 @@ def _route_torch_register() -> None:
     except ImportError:  # pragma: no cover
         return
     fn = getattr(T, "register_fsdp_forward_method", None)
-    if fn is None or "_shardplan_register" in T.__dict__ or fn.__code__.co_freevars or fn.__code__.co_argcount != 2:
+    if fn is None or "_shardplan_register" in fn.__globals__ or fn.__code__.co_freevars or fn.__code__.co_argcount != 2:
         return
     import types
     original = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
@@ -432,7 +432,7 @@ def _route_torch_register() -> None:
             return register_fsdp_forward_method(module, method_name)
         return original(module, method_name)
 
-    T.__dict__["_shardplan_register"] = route
+    fn.__globals__["_shardplan_register"] = route  # where the swapped code looks it up (its defining module)
 
     def routed(module, method_name):  # the code torch's function now runs, in torch's module
         return _shardplan_register(module, method_name)  # noqa: F821 - a global of torch's module

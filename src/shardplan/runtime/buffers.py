@@ -127,14 +127,12 @@ class BufferState:
         # [Note: landing in one call] when the members tile the flat gradient in order (no padding between
         # them), a full landing is one ``_chunk_cat`` into it: no per-parameter views to make (they are made
         # only for the paths that need them, see ``_views``)
-        # (``_chunk_cat`` refuses a 0-d or an empty tensor: a scalar parameter, such as a learnt temperature,
-        # or an empty one keeps its buffer on the per-view path)
         ends = [(m.whole.start, m.whole.stop) for m in self.members]
         self.tiled = bool(ends) and not self.gappy and ends[0][0] == 0 and ends[-1][1] == bp.grad_numel and \
             all(a[1] == b[0] for a, b in zip(ends, ends[1:])) and \
             all(len(m.info.shape) and m.info.numel for m in self.members)  # _chunk_cat wants a non-empty dim 0:
         # a 0-d gradient crashes it (torch 2.13: one alone segfaults, several raise) and a zero-size one raises,
-        # so a buffer holding a scalar or an empty parameter lands per view
+        # so a buffer holding a scalar (a learnt temperature) or an empty parameter lands per view
         self.viewed = False  # the members' ``view`` (and ``gap_views``) are over the current ``flat``
         self.gap_views: list = []
         if self.packed is not None:
