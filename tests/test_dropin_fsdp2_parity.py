@@ -436,6 +436,9 @@ def _errors_worker(rank, world):
         b.set_requires_gradient_sync(True, recurse=False)
     m.set_requires_gradient_sync(True, recurse=False)
     catch("sync_all", lambda: F.mse_loss(m(d[0][0]), d[0][1]).backward())
+    m.blocks[1].set_requires_gradient_sync(False)  # after a forward whose check passed: checked again
+    catch("sync_child_later", lambda: m(d[0][0]))
+    m.blocks[1].set_requires_gradient_sync(True)
     catch("norm_order", lambda: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0, norm_type=-float("inf")))
 
     def two_forwards():
@@ -505,7 +508,7 @@ def test_refusals_name_the_call():
             assert "is not supported by shardplan" in msgs[key] and key.split("_")[0] in msgs[key], (key, msgs[key])
         assert "set_gradient_divide_factor(1.0)" in msgs["divide"] and msgs["divide_world"] == "no error", msgs
         assert "fully_shard(module, reshard_after_forward=False)" in msgs["raf_after"], msgs["raf_after"]
-        for key in ("sync_child", "sync_norecurse"):
+        for key in ("sync_child", "sync_norecurse", "sync_child_later"):
             assert "set_requires_gradient_sync" in msgs[key] and "on the root" in msgs[key], msgs[key]
         assert msgs["sync_all"] == "no error", msgs["sync_all"]
         assert "norm_type=-inf is not supported" in msgs["norm_order"], msgs["norm_order"]

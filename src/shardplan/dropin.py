@@ -146,11 +146,13 @@ class ShardPlanModule:
         shardplan switches the whole model at once: the modules' flags must agree by the root's next forward
         (on the root with ``recurse=True``, or on every module), else that forward raises."""
         _SYNC_SET[0] = True
-        for m in _marked(self, recurse):
-            m.__dict__[_MARK]["sync"] = bool(requires_gradient_sync)
         root = self.__dict__[_MARK].get("root")
+        mods = [m for _, m in _marked_of_root(root)] if root is self and recurse else _marked(self, recurse)
+        for m in mods:
+            m.__dict__[_MARK]["sync"] = bool(requires_gradient_sync)
         if root is not None:
-            flags = {m.__dict__[_MARK].get("sync", True) for m in _marked(root, True)}
+            root.__dict__[_MARK]["sync_checked"] = False  # the root's next forward checks the flags agree
+            flags = {m.__dict__[_MARK].get("sync", True) for _, m in _marked_of_root(root)}
             if len(flags) == 1:
                 engine_of(root).sync = flags.pop()
 
@@ -236,13 +238,25 @@ def _marked(module: nn.Module, recurse: bool) -> list:
 _SYNC_SET = [False]  # set_requires_gradient_sync was called: the root's forwards check the flags agree
 
 
+def _marked_of_root(root: nn.Module) -> list:
+    """``(name, module)`` of every marked module under a compiled root, walked once (the structure is fixed
+    once the plan compiled): torchtitan calls ``set_requires_gradient_sync`` at every micro-step."""
+    got = root.__dict__[_MARK].get("marked_modules")
+    if got is None:
+        got = root.__dict__[_MARK]["marked_modules"] = [(name or "<root>", m) for name, m in root.named_modules()
+                                                        if _MARK in m.__dict__]
+    return got
+
+
 def _check_sync_flags(root: nn.Module) -> None:
-    if not _SYNC_SET[0]:
+    """At the root's forward: the modules' gradient-sync flags agree (checked again only after a change)."""
+    if not _SYNC_SET[0] or root.__dict__[_MARK].get("sync_checked"):
         return
     flags = {}
-    for name, m in root.named_modules():
-        if _MARK in m.__dict__:
-            flags.setdefault(m.__dict__[_MARK].get("sync", True), []).append(name or "<root>")
+    for name, m in _marked_of_root(root):
+        flags.setdefault(m.__dict__[_MARK].get("sync", True), []).append(name)
+    if len(flags) <= 1:
+        root.__dict__[_MARK]["sync_checked"] = True
     if len(flags) > 1:
         raise ShardingError(f"set_requires_gradient_sync: shardplan synchronises the gradients of the whole model at "
                             f"once, but modules {flags[False][:5]} have requires_gradient_sync=False and "
