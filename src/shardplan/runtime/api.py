@@ -219,22 +219,8 @@ def _sharded_total_norm(exe, grads: list, names: list, norm_type: float, error_i
     if not (norm_type > 0):  # -inf, 0 and negative orders have no sum of powers over the ranks' pieces
         raise RuntimeShardingError(f"torch.nn.utils.clip_grad_norm_ / get_total_norm over a sharded model's gradients: "
                                    f"norm_type={norm_type} is not supported; use a positive order or inf")
-    dev, world = exe.device, exe.groups.world
     held = [(g.detach(), n) for g, n in zip(grads, names) if g.numel()]
-    # one foreach norm, as torch's own (a per-tensor loop costs a handful of kernels per parameter and step)
-    norms = torch._foreach_norm([g for g, _ in held], norm_type) if held else []
-    if norm_type == math.inf:
-        total = torch.zeros((), device=dev)
-        if norms:
-            total = torch.maximum(total, torch.stack([t.float() for t in norms]).max())
-        C.all_reduce(total, world, async_op=False, op=dist.ReduceOp.MAX)
-    else:
-        acc = torch.zeros((), dtype=torch.float64 if dev.type == "cpu" else torch.float32, device=dev)
-        if norms:  # an element held by `replicas` ranks counts once
-            weights = torch.tensor([1.0 / exe.plan.replicas(n) for _, n in held], dtype=acc.dtype, device=dev)
-            acc = acc + (torch.stack([t.to(acc.dtype) for t in norms]).pow(norm_type) * weights).sum()
-        C.all_reduce(acc, world, async_op=False, op=dist.ReduceOp.SUM)
-        total = acc.pow(1.0 / norm_type)
+    total = _global_norm(exe, [held] if held else [], norm_type)
     # torch's dtype: that of the per-tensor norms stacked (promoted over the gradients' dtypes)
     floats = {g.dtype for g in grads if g.is_floating_point()}
     total = total.to(functools.reduce(torch.promote_types, floats) if floats else torch.float32)
@@ -243,6 +229,31 @@ def _sharded_total_norm(exe, grads: list, names: list, norm_type: float, error_i
                            f"cannot be clipped. To disable this error and scale the gradients by the non-finite norm "
                            f"anyway, set `error_if_nonfinite=False`")
     return total
+
+
+def _global_norm(eng, groups: list, norm_type: float, foreach: Optional[bool] = None) -> torch.Tensor:
+    """The norm over every rank of the full gradients whose local pieces are in ``groups`` (lists of
+    ``(gradient, parameter name)``, each a buffer's): each element counts once, however many ranks hold it.
+    One collective: every rank calls it."""
+    dev, world = eng.device, eng.groups.world
+    if norm_type == math.inf:
+        total = torch.zeros((), device=dev)
+        for held in groups:
+            norms = torch._foreach_norm([g for g, _ in held], norm_type)
+            total = torch.maximum(total, torch.stack([t.float() for t in norms]).max())
+        C.all_reduce(total, world, async_op=False, op=dist.ReduceOp.MAX)
+        return total
+    acc = torch.zeros((), dtype=torch.float64 if dev.type == "cpu" else torch.float32, device=dev)
+    for held in groups:
+        gs = [g for g, _ in held]
+        norms = torch._foreach_norm(gs, norm_type) if foreach is not False else \
+            [torch.linalg.vector_norm(g, norm_type) for g in gs]
+        # each element is held by `replicas` ranks (copies across data replicas and compute axes that
+        # replicate it): count it once
+        weights = torch.tensor([1.0 / eng.plan.replicas(n) for _, n in held], dtype=acc.dtype, device=dev)
+        acc = acc + (torch.stack([t.to(acc.dtype) for t in norms]).pow(norm_type) * weights).sum()
+    C.all_reduce(acc, world, async_op=False, op=dist.ReduceOp.SUM)
+    return acc.pow(1.0 / norm_type)
 
 
 def _patch_torch_norms() -> None:
@@ -300,33 +311,11 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
     if getattr(eng, "offload", None) is not None:  # host steps that already used the gradients: refuse
         eng.offload.check_clip()
     norm_type = float(norm_type)
-    dev = eng.device
-    world = eng.groups.world
-    grads: list[torch.Tensor] = []
-    if norm_type == math.inf:
-        local = torch.zeros((), device=dev)
-        for b in eng.buffer.values():
-            for lp in (m.local for m in b.members):
-                if lp.grad is not None and lp.grad.numel():
-                    local = torch.maximum(local, lp.grad.detach().abs().max().float())
-                    grads.append(lp.grad)
-        total = local.clone()
-        C.all_reduce(total, world, async_op=False, op=dist.ReduceOp.MAX)
-    else:
-        acc = torch.zeros((), dtype=torch.float64 if dev.type == "cpu" else torch.float32, device=dev)
-        for b in eng.buffer.values():
-            held = [(m.local.grad, m.name) for m in b.members if m.local.grad is not None and m.local.grad.numel()]
-            if not held:
-                continue
-            gs = [g for g, _ in held]
-            grads += gs
-            norms = torch._foreach_norm(gs, norm_type) if foreach is not False else [torch.linalg.vector_norm(g, norm_type) for g in gs]
-            # each element is held by `replicas` ranks (copies across data replicas and compute axes that
-            # replicate it): count it once
-            weights = torch.tensor([1.0 / eng.plan.replicas(n) for _, n in held], dtype=acc.dtype, device=dev)
-            acc = acc + (torch.stack([n.to(acc.dtype) for n in norms]).pow(norm_type) * weights).sum()
-        C.all_reduce(acc, world, async_op=False, op=dist.ReduceOp.SUM)
-        total = acc.pow(1.0 / norm_type)
+    groups = [[(m.local.grad, m.name) for m in b.members if m.local.grad is not None and m.local.grad.numel()]
+              for b in eng.buffer.values()]
+    groups = [g for g in groups if g]
+    grads = [g for group in groups for g, _ in group]
+    total = _global_norm(eng, groups, norm_type, foreach)
     total = total.float()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     if grads:
