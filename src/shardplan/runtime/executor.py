@@ -43,6 +43,7 @@ from .comm import CommEngine
 from .cursor import Cursor, Facts
 from .faces import Face
 from .grads import GradTracker
+from .seams import replaced_local
 from .unit import Grads, Params, PendingReduce, PendingUsed, UnitRuntime
 
 
@@ -136,7 +137,6 @@ class Executor:
             self._abandon()
         self.cursor.reset()
         if getattr(self.face, "owns_locals", False) and self.offload is None:
-            from .seams import replaced_local
             why = replaced_local(self.buffer.values())
             if why:
                 raise RuntimeShardingError(why)

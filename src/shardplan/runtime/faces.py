@@ -232,6 +232,10 @@ class TreeFace:
             fulls = _UnitGather.apply(self, u, *needs)
         else:
             fulls = self.full_tensors(u)
+        self._place(u, names, fulls)
+
+    def _place(self, u: UnitRuntime, names: list[str], fulls) -> None:
+        """Put each full tensor of ``u`` (tensor parallelism: its DTensor) where the modules read it."""
         for name, places, t in zip(names, self.slots[u.name], fulls):
             wrap = self.wrappers.get(name)
             t = wrap(t) if wrap is not None else t  # differentiable: the gradient reaches the unit's backward
@@ -254,17 +258,14 @@ class TreeFace:
             return
         self.bound_in_backward = True
         for u in exe.unit_list:
-            places_of = self.slots.get(u.name)
-            if places_of is None:
+            if u.name not in self.slots:
                 continue
             names = [m.name for b in u.buffers for m in b.members]
-            for name, places, t in zip(names, places_of, self.full_tensors(u)):
+            fulls = self.full_tensors(u)
+            for name, t in zip(names, fulls):
                 # requires_grad as in the forward: the recompute must save the tensors the forward saved
                 t.requires_grad_(self.leaves[name].requires_grad)
-                wrap = self.wrappers.get(name)
-                t = wrap(t) if wrap is not None else t
-                for m, attr in places:
-                    m._parameters[attr] = t
+            self._place(u, names, fulls)
         me = weakref.ref(self)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: me() and me().restore())
 

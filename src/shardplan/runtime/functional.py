@@ -26,11 +26,11 @@ from ..errors import ShardingError
 from ..plan import Plan
 from ..rules import leaves_with_paths
 from ..tree import check_tree
+from . import expert_parallel as EP
 from .buffers import free_storage
 from .builder import build, functional_runtimes
 from .executor import Executor
 from .faces import TreeFace
-from .expert_parallel import ATTR as EP_ATTR
 from .hooks import module_hooks, register
 
 _SESSION = threading.local()
@@ -71,7 +71,6 @@ class FunctionalRuntime:
         # global expert indices. (The cp module hooks only attribute recorded ops: not kept, so the module
         # keeps no hooks between calls; record_ops of a functional cp step lacks the K/V ops.)
         from . import context_parallel as CP
-        from . import expert_parallel as EP
         EP.install(module, plan, rt.groups, self.exe)
         # (put in place again at every call: one module may be called under plans of other meshes in turn)
         self.experts = [(weakref.ref(m), m.__dict__[EP.ATTR]) for m in
@@ -93,13 +92,13 @@ class FunctionalRuntime:
             for ref, _ in rt.experts:
                 m = ref()
                 if m is not None:
-                    m.__dict__.pop(EP_ATTR, None)
+                    m.__dict__.pop(EP.ATTR, None)
             if rt.context is not None and CP._ACTIVE is rt.context:
                 CP._ACTIVE = None
         for ref, group in self.experts:
             m = ref()
             if m is not None:
-                m.__dict__[EP_ATTR] = group
+                m.__dict__[EP.ATTR] = group
         if self.context is not None:
             CP._ACTIVE = self.context
 
