@@ -161,7 +161,8 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     if old:  # saved before checkpoints held buffers: those keep their values, said once
         warnings.warn(f"checkpoint {path} has no entry for {len(old)} buffers of the model ({', '.join(old[:5])}"
                       f"{', ...' if len(old) > 5 else ''}): written by an older shardplan; they keep their current values")
-        sd["model"] = {k: v for k, v in sd["model"].items() if k not in set(old)}
+        old_set = set(old)
+        sd["model"] = {k: v for k, v in sd["model"].items() if k not in old_set}
     with quiet_sharded_tensor():  # ShardedTensor.size() warns too
         found = diagnose.differences(_flatten(sd), meta, _aliases(model))
     if found.problems and strict:
