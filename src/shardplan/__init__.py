@@ -13,7 +13,7 @@ that ``import shardplan`` and the ``shardplan`` command start at once.
 import importlib as _importlib
 from importlib.util import find_spec as _find_spec
 
-from .errors import (CheckpointError, CollectiveError, FP8UnavailableError, ForecastError, MeshError, PlanError, PlanWarning, RuleError,
+from .errors import (CaptureError, CheckpointError, CollectiveError, FP8UnavailableError, ForecastError, MeshError, PlanError, PlanWarning, RuleError,
                      RehearsalError, RuntimeShardingError, ShardingError, SpecError, UnmatchedParametersError,
                      UnusedRuleWarning)
 from .mesh import Mesh
@@ -35,6 +35,7 @@ _LAZY = {
     **dict.fromkeys(("MixedPrecisionPolicy", "fully_shard", "fully_shard_model", "fully_shard_optimizer", "plan_of",
                      "register_fsdp_forward_method"), "dropin"),
     "run_main": "entry",
+    **dict.fromkeys(("capture", "CapturedStep"), "runtime.capture"),
     **dict.fromkeys(("offload_optimizer", "OffloadAdamW"), "runtime.offload_optim"),
     **dict.fromkeys(("rehearse", "Rehearsal"), "rehearsal"),
 }
@@ -71,5 +72,5 @@ __all__ = [
     "shard_tree", "unshard_tree", "assemble", "functional_call", "value_and_grad", "grad", "optim",
     "clip_by_global_norm", "auto_rules", "fully_shard", "MixedPrecisionPolicy", "fully_shard_model",
     "fully_shard_optimizer", "register_fsdp_forward_method", "plan_of", "run_main", "metrics", "offload_optimizer", "OffloadAdamW",
-    "rehearse", "Rehearsal", "RehearsalError",
+    "rehearse", "Rehearsal", "RehearsalError", "capture", "CaptureError",
 ]

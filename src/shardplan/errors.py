@@ -39,6 +39,10 @@ class CollectiveError(RuntimeError):
     """A collective of the schedule failed or timed out; the message names the op."""
 
 
+class CaptureError(ShardingError):
+    """A training step cannot be captured and replayed (``shardplan.capture``); the message says why and the fix."""
+
+
 class CheckpointError(ShardingError):
     """A checkpoint does not fit the model it is loaded into."""
 

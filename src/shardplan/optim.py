@@ -79,20 +79,70 @@ def _masked(update_some):
     return run
 
 
+def _step_tensor(leaves, capturable) -> torch.Tensor:
+    """The step count: on the host, or on the parameters' device for a captured step (``capturable``)."""
+    dev = leaves[0].device if leaves else torch.device("cpu")
+    on_device = bool(capturable)
+    return torch.zeros((), dtype=torch.float32, device=dev if on_device else "cpu")
+
+
+def _device_step(step: torch.Tensor) -> bool:
+    return step.device.type != "cpu" or getattr(step, "_shardplan_capturable", False)
+
+
 def adamw(lr: LearningRate = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-          weight_decay: float = 1e-2, mask: Callable[[str], bool] = None) -> Optimizer:
+          weight_decay: float = 1e-2, mask: Callable[[str], bool] = None, capturable: bool = False) -> Optimizer:
     """AdamW (decoupled weight decay), as ``torch.optim.AdamW``. State: ``{"step", "exp_avg", "exp_avg_sq"}``.
 
     ``lr`` is a number or a schedule (``sp.optim.warmup_cosine(...)``): update ``t`` (from 0) uses ``lr(t)``.
     ``mask(path) -> bool`` picks the leaves to train (``trainable(plan)``: those that require grad); the
-    others keep their values, as torch's optimizers skip parameters without gradients.
+    others keep their values, as torch's optimizers skip parameters without gradients. ``capturable``: the
+    step count lives on the parameters' device and the update reads nothing on the host, so the step can be
+    captured (``sp.capture``). The two paths compute the same formula with the same scalars; on the CPU they
+    agree bit for bit, on a GPU to the last bit of fp32 rounding (the fused addcdiv is split in two).
+
+    >>> opt = sp.optim.adamw(lr=sp.optim.warmup_cosine(3e-4, warmup=100, total=10_000), weight_decay=0.1)
     """
     b1, b2 = betas
 
     def init(params):
         leaves, spec = _flat(params, "params")
         zeros = lambda: optree.tree_unflatten(spec, [torch.zeros_like(p) for p in leaves])
-        return {"step": torch.tensor(0.0), "exp_avg": zeros(), "exp_avg_sq": zeros()}
+        step = _step_tensor(leaves, capturable)
+        if capturable and step.device.type == "cpu":
+            step._shardplan_capturable = True  # the device path on the CPU (tests, backend="eager")
+        return {"step": step, "exp_avg": zeros(), "exp_avg_sq": zeros()}
+
+    def step_device(p, g, m, v, t, donate=False):
+        # [Note: the update without a host read] the same arithmetic as step_some, its scalars as 0-d tensors
+        # computed in float64 on the device from the step tensor, cast to the parameters' dtype where Python's
+        # floats would be: every kernel sees the same scalar values, so the results are bit-identical
+        lr_t = value_at(lr, t - 1)
+        tt = t.to(torch.float64)
+        bc1, bc2 = 1 - b1 ** tt, 1 - b2 ** tt
+        dt = p[0].dtype if p else torch.float32
+        decay = (1 - lr_t * weight_decay).to(dt)
+        if donate:
+            torch._foreach_mul_(p, decay)
+            torch._foreach_lerp_(m, g, 1 - b1)
+            torch._foreach_mul_(v, b2)
+        else:
+            p = torch._foreach_mul(p, decay)
+            m = torch._foreach_lerp(m, g, 1 - b1)
+            v = torch._foreach_mul(v, b2)
+        torch._foreach_addcmul_(v, g, g, value=1 - b2)
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_div_(denom, bc2.sqrt().to(dt))
+        torch._foreach_add_(denom, eps)
+        scale = (-lr_t / bc1).to(dt)
+        if p and p[0].device.type == "cpu":  # addcdiv's own order of operations on each device
+            upd = torch._foreach_mul(m, scale)
+            torch._foreach_div_(upd, denom)
+        else:
+            upd = torch._foreach_div(m, denom)
+            torch._foreach_mul_(upd, scale)
+        torch._foreach_add_(p, upd)
+        return p, m, v
 
     def step_some(p, g, m, v, t, donate=False):
         # one new tensor per output (params, moments) plus one temporary; then in place on those only.
@@ -119,10 +169,22 @@ def adamw(lr: LearningRate = 1e-3, betas: tuple[float, float] = (0.9, 0.999), ep
         g, _ = _flat(grads, "grads", spec)
         m, _ = _flat(state["exp_avg"], "exp_avg", spec)
         v, _ = _flat(state["exp_avg_sq"], "exp_avg_sq", spec)
-        step = state["step"] + 1
-        t = float(step)
+        old = state["step"]
+        on_device = _device_step(old)
+        if donate and on_device:
+            step = old.add_(1)  # in place: a captured step's count advances every replay
+        else:
+            step = old + 1
+            if on_device and old.device.type == "cpu":
+                step._shardplan_capturable = True
+        run = step_device if on_device else step_some
+        if not on_device and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            from .errors import CaptureError
+            raise CaptureError("sp.optim.adamw: the step count is read on the host, which a captured step cannot do; "
+                               "build the optimizer with sp.optim.adamw(..., capturable=True)")
+        t = step if on_device else float(step)
         with torch.no_grad():
-            p, m, v = _masked(lambda p_, g_, m_, v_: step_some(p_, g_, m_, v_, t, donate))(
+            p, m, v = _masked(lambda p_, g_, m_, v_: run(p_, g_, m_, v_, t, donate))(
                 [p, g, m, v], _selected(params, mask))
         rebuild = lambda xs: optree.tree_unflatten(spec, xs)
         return rebuild(p), {"step": step, "exp_avg": rebuild(m), "exp_avg_sq": rebuild(v)}

@@ -41,7 +41,7 @@ def constant(value: float) -> Schedule:
     >>> sp.optim.constant(1e-3)(123)   # 0.001
     """
     value = float(value)
-    return lambda step: value
+    return lambda step: _f64(value, step) if isinstance(step, torch.Tensor) else value
 
 
 def linear(init: float, end: float, steps: int, begin: int = 0) -> Schedule:
@@ -53,6 +53,8 @@ def linear(init: float, end: float, steps: int, begin: int = 0) -> Schedule:
     init, end, steps, begin = float(init), float(end), _steps("steps", steps), _steps("begin", begin)
 
     def sched(step: int) -> float:
+        if isinstance(step, torch.Tensor):  # on the device: a captured step (shardplan.capture)
+            return _linear_t(step, init, end, steps, begin)
         if steps == 0:
             return end if step >= begin else init
         done = min(max(step - begin, 0), steps)
@@ -77,6 +79,8 @@ def cosine_decay(init: float, steps: int, end: float = 0.0) -> Schedule:
     init, end, steps = float(init), float(end), _steps("steps", steps)
 
     def sched(step: int) -> float:
+        if isinstance(step, torch.Tensor):
+            return _cosine_t(step, init, end, steps)
         if steps == 0:
             return end if step > 0 else init
         done = min(max(step, 0), steps)
@@ -98,6 +102,11 @@ def join(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
     _check(boundaries == sorted(boundaries), f"join: boundaries must be increasing, got {boundaries}")
 
     def sched(step: int) -> float:
+        if isinstance(step, torch.Tensor):  # every piece evaluated, the one in force selected: no host read
+            out = _f64(schedules[0](step), step)
+            for b, piece in zip(boundaries, schedules[1:]):
+                out = torch.where(step >= b, _f64(piece(step - b), step), out)
+            return out
         start, i = 0, 0
         while i < len(boundaries) and step >= boundaries[i]:
             start, i = boundaries[i], i + 1
@@ -138,8 +147,39 @@ def by_name(name: str, peak: float, *, warmup: int = 0, total: int = 0, end: flo
 
 
 def value_at(lr: LearningRate, step: int) -> float:
-    """The learning rate at ``step`` of a number (constant) or a schedule."""
+    """The learning rate at ``step`` of a number (constant) or a schedule. ``step`` a tensor: the learning rate as a
+    float64 tensor on its device, computed there (no host read: what a captured step needs)."""
+    if isinstance(step, torch.Tensor):
+        return _f64(lr(step) if callable(lr) else float(lr), step)
     return float(lr(step)) if callable(lr) else float(lr)
+
+
+# [Note: schedules on the device] a captured step (shardplan.capture) keeps its step count in a device tensor
+# and evaluates the schedule there every replay. The tensor forms compute in float64, as Python's floats do,
+# with the same formulas and the same exact ends, so a schedule gives the same learning rate on both paths
+# (to the last bit of the float64 formula; tests/test_capture.py compares them).
+def _f64(x, like: torch.Tensor) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.to(torch.float64)
+    return torch.full((), float(x), dtype=torch.float64, device=like.device)
+
+
+def _linear_t(step: torch.Tensor, init: float, end: float, steps: int, begin: int) -> torch.Tensor:
+    t = step.to(torch.float64)
+    if steps == 0:
+        return torch.where(t >= begin, _f64(end, t), _f64(init, t))
+    done = (t - begin).clamp(0, steps)
+    mid = init + (end - init) * (done / steps)
+    return torch.where(done == 0, _f64(init, t), torch.where(done == steps, _f64(end, t), mid))
+
+
+def _cosine_t(step: torch.Tensor, init: float, end: float, steps: int) -> torch.Tensor:
+    t = step.to(torch.float64)
+    if steps == 0:
+        return torch.where(t > 0, _f64(end, t), _f64(init, t))
+    done = t.clamp(0, steps)
+    mid = end + (init - end) * 0.5 * (1.0 + torch.cos(math.pi * done / steps))
+    return torch.where(done == 0, _f64(init, t), torch.where(done == steps, _f64(end, t), mid))
 
 
 class ScheduleLR(torch.optim.lr_scheduler.LRScheduler):
@@ -172,7 +212,10 @@ class ScheduleLR(torch.optim.lr_scheduler.LRScheduler):
 
     def _apply(self) -> None:
         for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
-            group["lr"] = lr
+            if isinstance(group["lr"], torch.Tensor):  # a captured step reads this tensor: update it in place
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def state_dict(self) -> dict:

@@ -19,7 +19,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 from ..errors import PlanError
 from ..mesh import Mesh
 from ..units import ROOT
-from . import accounting, geometry, render, serialize
+from . import accounting, capture, geometry, render, serialize
 from . import schedule as S
 from . import context_parallel as CPX
 from . import expert_parallel as EP
@@ -278,6 +278,21 @@ class Plan:
     def schedule_edited(self) -> bool:
         """Whether the schedule is not the one the planner builds from the plan's options (:meth:`with_schedule`)."""
         return self.schedule != self._built_schedule
+
+    @cached_property
+    def capture_blockers(self) -> tuple:
+        """What keeps this plan's training step from being captured and replayed (``shardplan.capture``), each a
+        :class:`~shardplan.plan.capture.Blocker` (``code``, ``reason``, ``fix``); empty when it can be.
+
+        >>> [b.code for b in plan.with_order("dynamic").capture_blockers]
+        ['dynamic_order']
+        """
+        return capture.blockers(self)
+
+    @property
+    def capturable(self) -> bool:
+        """Whether ``shardplan.capture`` can replay this plan's step (no :attr:`capture_blockers`)."""
+        return not self.capture_blockers
 
     def with_prefetch(self, prefetch: int) -> "Plan":
         """The same plan gathering ``prefetch`` units ahead (forward and backward).

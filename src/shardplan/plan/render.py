@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from .. import layout as L
 from ..dtypes import itemsize
 from .accounting import coverage
+from .capture import describe as describe_capture
 from .offload import HOST_GBPS, host_step_bytes
 from .kinds import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COPY_D2H, COPY_H2D, FREE, OPTIM_STEP, PARAMS, PREPARE,
                     REDUCE_SCATTER, SCALES, WAIT)
@@ -148,6 +149,7 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
                    f"is split {plan.data_size} ways over {', '.join(plan.data_axes)}")
         out += render_tp(plan)
     out.append(f"schedule: {len(plan.schedule)} ops ({sum(o.is_collective for o in plan.schedule)} collectives)")
+    out.append(describe_capture(plan))
     if plan.notes:
         out.append("")
         out.append("planner's choices:")

@@ -38,6 +38,7 @@ from ..plan import Plan
 from ..plan.schedule import (ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, COPY_D2H, COPY_H2D, FREE, GRADS, OPTIM_STEP, PARAMS,
                              POST_BACKWARD, POST_FORWARD, PRE_FORWARD, PREPARE, REDUCE_SCATTER, ROOT, SCALES, STALE, USED, WAIT,
                              Op, Step)
+from . import capture as CAP
 from . import collectives as C
 from .comm import CommEngine
 from .cursor import Cursor, Facts
@@ -131,6 +132,8 @@ class Executor:
         # loss.backward(), as FSDP2 allows): it releases what the pending graph's backward reads (the root
         # unit's gathered storage, which autograd saved). The backward, if it comes, replays the forward's
         # gathers first (begin_backward); a forward with gradients instead supersedes the pending graph.
+        if CAP._ACTIVE is not None:  # under shardplan.capture: refuse what cannot be captured, before any op
+            CAP.note_forward(self)
         grad = torch.is_grad_enabled()
         self.replay_forward = not grad and (self.awaiting_backward or self.replay_forward)
         if self.in_backward or self.awaiting_backward or self.cursor.mid_forward:
@@ -382,7 +385,10 @@ class Executor:
         rec = self.grads.pending_used
         self.comm.wait(rec.work, op)
         self.grads.pending_used = None
-        self.face.unused([i for i, f in enumerate(rec.flags.tolist()) if not f])
+        unused = [i for i, f in enumerate(rec.flags.tolist()) if not f]
+        if CAP._ACTIVE is not None:
+            CAP.note_unused(self, unused)
+        self.face.unused(unused)
 
     def _offload_copy(self, op: Op) -> None:
         """[offload hook] copy_d2h / copy_h2d / optim_step: CPU offload's ops (runtime/offload.py)."""

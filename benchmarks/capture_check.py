@@ -1,0 +1,304 @@
+"""GPU checks and timings of ``shardplan.capture`` (one GPU, NCCL world 1): replayed steps against eager steps,
+bit for bit, then step times of eager and captured systems side by side.
+
+    NCCL_NVLS_ENABLE=0 python benchmarks/capture_check.py --parity --out capture_parity.json
+    NCCL_NVLS_ENABLE=0 python benchmarks/capture_check.py --time --config tiny200 --batch 1 --seq 128 --out t.json
+
+Parity: every case trains the same GPT from the same weights on the same batches, once eagerly and once through
+``sp.capture`` (2 eager warm-up steps, the capture, replays), with AdamW(capturable=True), a warm-up + cosine
+schedule through ``sp.optim.as_lr_scheduler`` (a tensor lr updated in place), clipping and, where said, two
+accumulated micro-batches; the losses of every step and the final parameters must be equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+sys.path.insert(0, os.path.join(HERE, "..", "src"))
+import gpt  # noqa: E402
+
+import shardplan as sp  # noqa: E402
+
+
+def start():
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29561")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+
+
+def build(config, dev, seed=0):
+    with torch.device("meta"):
+        model = gpt.build(config)
+    model.to_empty(device=dev)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0, 0.02, generator=g)
+    return model
+
+
+def data(config, batch, seq, n, dev, micro=1):
+    g = torch.Generator().manual_seed(123)
+    V = gpt.CONFIGS[config].vocab
+    out = []
+    for _ in range(n):
+        t = torch.randint(0, V, (micro, batch, seq + 1), generator=g)
+        out.append((t[..., :-1].to(dev), t[..., 1:].to(dev)))
+    return out
+
+
+def system(face, config, dev, dtype, act_ckpt=False, units=r"layers\.\d+", min_unit_bytes=None):
+    """``(step_fn(x, y) -> loss, params_fn() -> {name: tensor})``: one training step of ``face``."""
+    model = build(config, dev)
+    dt = torch.bfloat16 if dtype == "bf16" else None
+    red = torch.float32 if dt else None
+    if act_ckpt:
+        from torch.utils.checkpoint import checkpoint
+        for layer in model.layers:
+            layer.forward = lambda *a, _f=layer.forward: checkpoint(_f, *a, use_reentrant=False)
+    sched = sp.optim.warmup_cosine(1e-3, warmup=5, total=40, end=1e-4)
+    if face in ("shard", "fully_shard", "unsharded"):
+        if face == "shard":
+            plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=1), units=[units], compute_dtype=dt,
+                           reduce_dtype=red, min_unit_bytes=min_unit_bytes)
+            sp.shard(model, plan)
+        elif face == "fully_shard":
+            mp = sp.MixedPrecisionPolicy(param_dtype=dt, reduce_dtype=red) if dt else sp.MixedPrecisionPolicy()
+            for layer in model.layers:
+                sp.fully_shard(layer, mp_policy=mp)
+            sp.fully_shard(model, mp_policy=mp)
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device=dev), capturable=True,
+                                foreach=True, weight_decay=0.1)
+        lr_sched = sp.optim.as_lr_scheduler(opt, sched)
+        ctx = (lambda: torch.autocast("cuda", dtype=dt, cache_enabled=False)) if (dt and face == "unsharded") else None
+
+        def step(x, y):
+            for i in range(x.shape[0]):  # micro-batches: gradients accumulate, synchronised on the last
+                last = i == x.shape[0] - 1
+                sync = sp.no_sync(model) if (not last and face == "shard") else _null()
+                with sync, (ctx() if ctx else _null()):
+                    loss = model(x[i], y[i]) / x.shape[0]
+                loss.backward()
+            if face == "shard":
+                sp.clip_grad_norm_(model, 1.0)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        def after():
+            lr_sched.step()
+
+        def params():
+            if face == "unsharded":
+                return {n: p.detach().clone() for n, p in model.named_parameters()}
+            return {n: p.detach().clone() for n, p in sp.full_state_dict(model, cpu=False).items()}
+        return step, after, params, model
+    if face == "functional":
+        plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=1), units=[units], compute_dtype=dt, reduce_dtype=red,
+                       min_unit_bytes=min_unit_bytes)
+        params = sp.shard_tree(dict(model.named_parameters()), plan)
+        opt = sp.optim.adamw(lr=sched, weight_decay=0.1, mask=sp.optim.trainable(plan), capturable=True)
+        state = opt.init(params)
+        vg = sp.value_and_grad(lambda p, x, y: sp.functional_call(model, plan, p, (x, y)), plan)
+        box = {"params": params, "state": state}
+
+        def fstep(params, state, x, y):
+            loss, grads = vg(params, x[0], y[0])
+            grads, _ = sp.clip_by_global_norm(grads, 1.0, plan)
+            params, state = opt.update(grads, state, params, donate=True)
+            return params, state, loss.detach()
+
+        def step(x, y):
+            return fstep(box["params"], box["state"], x, y)
+
+        def params_fn():
+            return {n: p.detach().clone() for n, p in box["params"].items()}
+        return (fstep, box), None, params_fn, model
+    raise SystemExit(face)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def train(face, config, dev, dtype, batches, captured, **kw):
+    step, after, params, _ = system(face, config, dev, dtype, **kw)
+    losses = []
+    if face == "functional":
+        fstep, box = step
+        f = sp.capture(fstep, donate_argnums=(0, 1)) if captured else fstep
+        for x, y in batches:
+            box["params"], box["state"], loss = f(box["params"], box["state"], x, y)
+            losses.append(loss.float().item())
+    else:
+        f = sp.capture(step) if captured else step
+        for x, y in batches:
+            loss = f(x, y)
+            losses.append(loss.float().item())
+            after()
+    torch.cuda.synchronize()
+    return losses, params(), (f.replays if captured else 0)
+
+
+def parity(args, dev):
+    cases = []
+    for face in ("shard", "fully_shard", "functional", "unsharded"):
+        for dtype in ("fp32", "bf16"):
+            cases.append(dict(face=face, dtype=dtype, micro=1))
+    cases += [dict(face="shard", dtype="bf16", micro=2), dict(face="shard", dtype="bf16", micro=1, act_ckpt=True),
+              dict(face="shard", dtype="fp32", micro=1, singleton=True)]
+    out = []
+    for c in cases:
+        os.environ["SHARDPLAN_SINGLETON_GROUPS"] = "1" if c.get("singleton") else "0"
+        rec = dict(c, config=args.config)
+        try:
+            batches = data(args.config, args.batch, args.seq, args.steps, dev, c["micro"])
+            kw = dict(act_ckpt=c.get("act_ckpt", False))
+            le, pe, _ = train(c["face"], args.config, dev, c["dtype"], batches, False, **kw)
+            lc, pc, replays = train(c["face"], args.config, dev, c["dtype"], batches, True, **kw)
+            rec.update(losses_equal=le == lc, params_equal=all(torch.equal(pe[n], pc[n]) for n in pe),
+                       max_param_diff=max(float((pe[n].float() - pc[n].float()).abs().max()) for n in pe),
+                       first_losses=le[:3], last_loss_eager=le[-1], last_loss_captured=lc[-1], replays=replays)
+        except Exception as exc:  # noqa: BLE001
+            rec["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+            rec["traceback"] = traceback.format_exc()[-3000:]
+        print(json.dumps({k: v for k, v in rec.items() if k != "traceback"}), flush=True)
+        if "traceback" in rec:
+            print(rec["traceback"], flush=True)
+        out.append(rec)
+        torch.cuda.empty_cache()
+    return out
+
+
+def timing(args, dev):
+    out = {}
+    systems = args.systems.split(",")
+    for name in systems:
+        os.environ["SHARDPLAN_SINGLETON_GROUPS"] = "0"
+        face, _, mode = name.partition("_")
+        captured = mode == "captured"
+        try:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            batches = data(args.config, args.batch, args.seq, 1, dev)
+            x, y = batches[0]
+            if face == "fsdp2":
+                from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+                model = build(args.config, dev)
+                dt = torch.bfloat16 if args.dtype == "bf16" else None
+                mp = MixedPrecisionPolicy(param_dtype=dt, reduce_dtype=torch.float32) if dt else MixedPrecisionPolicy()
+                if mode == "compile":
+                    for layer in model.layers:
+                        layer.compile()
+                for layer in model.layers:
+                    fully_shard(layer, mp_policy=mp)
+                fully_shard(model, mp_policy=mp)
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+
+                def f(x, y):
+                    loss = model(x[0], y[0])
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    return loss.detach()
+            elif face == "functional":
+                (fstep, box), _, _, _ = system(face, args.config, dev, args.dtype)
+                g = sp.capture(fstep, donate_argnums=(0, 1)) if captured else fstep
+
+                def f(x, y, g=g, box=box):
+                    box["params"], box["state"], loss = g(box["params"], box["state"], x, y)
+                    return loss
+            else:
+                step, _, _, _ = system(face, args.config, dev, args.dtype)
+                f = sp.capture(step) if captured else step
+            for _ in range(args.warmup):
+                f(x, y)
+            torch.cuda.synchronize()
+            times, cpu = [], []
+            for _ in range(args.rounds):
+                torch.cuda.synchronize()
+                t0, c0 = time.perf_counter(), time.thread_time()
+                for _ in range(args.steps):
+                    f(x, y)
+                c1 = time.thread_time()
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t0) / args.steps)
+                cpu.append((c1 - c0) / args.steps)
+            out[name] = dict(step_ms=1e3 * statistics.median(times), host_cpu_ms=1e3 * statistics.median(cpu),
+                             peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+                             peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30)
+            if captured:
+                out[name]["replay_host_us"] = 1e6 * getattr(f, "host_seconds", 0) / max(getattr(f, "replays", 1), 1)
+        except Exception as exc:  # noqa: BLE001
+            out[name] = dict(error=f"{type(exc).__name__}: {exc}"[:1500], traceback=traceback.format_exc()[-2500:])
+        print(name, json.dumps({k: v for k, v in out[name].items() if k != "traceback"}), flush=True)
+        if "traceback" in out[name]:
+            print(out[name]["traceback"], flush=True)
+        for k in list(locals()):
+            if k in ("model", "opt", "f", "g", "step"):
+                del locals()[k]
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()
+    base = out.get("unsharded", {}).get("step_ms")
+    for k, v in out.items():
+        if base and "step_ms" in v:
+            v["x_unsharded"] = v["step_ms"] / base
+        if out.get("fsdp2", {}).get("step_ms") and "step_ms" in v:
+            v["x_fsdp2"] = v["step_ms"] / out["fsdp2"]["step_ms"]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parity", action="store_true")
+    ap.add_argument("--time", action="store_true")
+    ap.add_argument("--config", default="small")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--systems", default="unsharded,unsharded_captured,shard,shard_captured,functional,"
+                                         "functional_captured,fsdp2")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    start()
+    dev = torch.device("cuda", 0)
+    result = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, args=vars(args))
+    if args.parity:
+        result["parity"] = parity(args, dev)
+    if args.time:
+        result["timing"] = timing(args, dev)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

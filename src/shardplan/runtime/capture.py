@@ -1,0 +1,355 @@
+"""``shardplan.capture``: a whole training step captured once and replayed, as JAX's ``jit``.
+
+>>> step = sp.capture(train_step)          # train_step(batch...) -> loss: forward, backward, clip, opt.step()
+>>> for x, y in data:
+...     loss = step(x, y)                 # warm-up calls run eagerly; then one capture; then replays
+
+The first ``warmup`` calls for a batch signature run ``fn`` eagerly (they are real training steps: the
+optimizer's state is created, kernels are chosen). The next call captures ``fn`` into a CUDA graph (every op
+of every sharded model's schedule, on its streams, the loss, the backward, the optimizer) and replays it; every
+later call with the same signature copies the batch into the graph's static inputs and replays, running no
+Python per unit. Nothing falls back silently: a plan that cannot be captured (``plan.capture_blockers``), a
+step that reads the host, or a step that uses other parameters from one warm-up step to the next raises
+:class:`~shardplan.errors.CaptureError` naming why and the fix.
+
+What changes between steps must live on the device: torch optimizers with ``capturable=True`` and a tensor
+``lr`` (``sp.optim.as_lr_scheduler`` and torch's schedulers update it in place), ``sp.optim`` optimizers keep
+their step count on the parameters' device and evaluate schedules there.
+
+Outputs are the graph's own tensors, overwritten by the next replay (clone what you keep), as
+``torch.cuda.make_graphed_callables``' are. Arguments in ``donate_argnums`` become the graph's inputs
+themselves (no copy: a functional step that returns them updated in place, ``opt.update(..., donate=True)``,
+needs no copy per step); the others are copied into static buffers before each replay, skipped when the
+caller passes the buffer itself back. ``backend="eager"`` runs every call eagerly with the same checks and
+buffers (CPU, debugging): it is never chosen for you.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import optree
+import torch
+
+from ..errors import CaptureError
+
+RECAPTURE, ERROR = "recapture", "error"
+BACKENDS = ("cuda_graph", "eager")
+
+
+class Phase(enum.Enum):
+    """Where one batch signature stands."""
+
+    WARMUP = "warmup"        # calls run eagerly; parameters used are compared call to call
+    CAPTURED = "captured"    # a graph exists; calls replay it
+    STALE = "stale"          # something the graph read was replaced (an optimizer's state loaded): capture again
+
+
+@dataclass
+class _Session:
+    """What one eager or capturing call of a captured step saw: the executors that ran, their unused parameters."""
+
+    executors: list = field(default_factory=list)       # weak references, in first-seen order
+    unused: dict = field(default_factory=dict)           # id(executor) -> tuple of unused parameter indices
+    optimizers: list = field(default_factory=list)       # weak references to torch optimizers that stepped
+
+    def saw(self, exe) -> None:
+        if not any(r() is exe for r in self.executors):
+            self.executors.append(weakref.ref(exe))
+
+
+_ACTIVE: Optional[_Session] = None  # the session of the captured call running now (None: plain eager code)
+
+
+def note_forward(exe) -> None:
+    """The executor's ``before_forward``, under a captured step: refuse a plan or runtime that cannot be captured
+    (before any op of the step runs)."""
+    s = _ACTIVE
+    if s is None or any(r() is exe for r in s.executors):
+        return
+    s.saw(exe)
+    bs = list(exe.plan.capture_blockers)
+    if getattr(exe, "offload", None) is not None and not any(b.code == "offload" for b in bs):
+        bs.append("offload: host steps of the optimizer")
+    if bs:
+        raise CaptureError("shardplan.capture: this step cannot be captured: " + "; ".join(str(b) for b in bs)
+                           + ". Run it eagerly (call the step function itself), or change the plan as said")
+
+
+def note_unused(exe, unused: Sequence[int]) -> None:
+    """The executor's used-parameter exchange finished: record which parameters no rank used this pass."""
+    s = _ACTIVE
+    if s is not None:
+        note_forward(exe)
+        s.unused[id(exe)] = s.unused.get(id(exe), ()) + tuple(unused)
+
+
+def _optimizer_stepped(opt, _args, _kwargs) -> None:
+    s = _ACTIVE
+    if s is not None and not any(r() is opt for r in s.optimizers):
+        s.optimizers.append(weakref.ref(opt))
+
+
+_STEP_HOOK = None
+
+
+def _watch_optimizers() -> None:
+    """One global optimizer-step hook (torch's extension point), installed once: which optimizers a step uses."""
+    global _STEP_HOOK
+    if _STEP_HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        _STEP_HOOK = register_optimizer_step_pre_hook(_optimizer_stepped)
+
+
+@dataclass
+class _Graph:
+    """One captured signature: its graph, static inputs and outputs."""
+
+    phase: Phase
+    calls: int = 0                                   # eager calls so far (warm-up)
+    graph: Any = None
+    pool: Any = None
+    statics: list = field(default_factory=list)      # the graph's tensor inputs, in leaf order
+    out: Any = None                                  # the graph's outputs (a tree)
+    unused: Optional[dict] = None                    # executor id -> unused indices, the same in every call
+    executors: list = field(default_factory=list)
+    optimizers: list = field(default_factory=list)
+    replays: int = 0
+    static_args: Any = None                          # backend="eager": the (args, kwargs) over the static inputs
+    grads_at_start: list = field(default_factory=list)
+
+
+class CapturedStep:
+    """A step function captured once and replayed; built by :func:`capture`."""
+
+    def __init__(self, fn: Callable, *, warmup: int = 2, donate_argnums: Sequence[int] = (),
+                 on_new_shape: str = RECAPTURE, backend: str = "cuda_graph"):
+        if not callable(fn):
+            raise CaptureError(f"shardplan.capture: expected the step function, got {type(fn).__name__}")
+        if backend not in BACKENDS:
+            raise CaptureError(f"shardplan.capture: backend={backend!r}; choose one of {', '.join(BACKENDS)}")
+        if on_new_shape not in (RECAPTURE, ERROR):
+            raise CaptureError(f"shardplan.capture: on_new_shape={on_new_shape!r}; choose 'recapture' (capture the new "
+                               f"signature too) or 'error'")
+        if not isinstance(warmup, int) or warmup < 1:
+            raise CaptureError(f"shardplan.capture: warmup={warmup!r}; at least one eager step must run before the "
+                               f"capture (it creates the optimizer's state)")
+        self.fn, self.warmup, self.backend, self.on_new_shape = fn, warmup, backend, on_new_shape
+        self.donate = frozenset(donate_argnums)
+        self.graphs: dict = {}
+        self.host_seconds = 0.0       # host time spent in replays (copies of the inputs and the launch)
+        self.replays = 0
+        _watch_optimizers()
+
+    # -- signatures --------------------------------------------------------------------------------------
+    def _signature(self, args, kwargs):
+        leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+        key = []
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                key.append(("T", tuple(x.shape), x.dtype, x.device, x.requires_grad))
+            else:
+                try:
+                    hash(x)
+                    key.append(("V", type(x), x))
+                except TypeError:
+                    key.append(("id", id(x)))
+        return (spec, tuple(key)), leaves, spec
+
+    def _donated(self, args, kwargs) -> set:
+        """The leaf indices that belong to donated positional arguments."""
+        if not self.donate:
+            return set()
+        out, k = set(), 0
+        for i, a in enumerate(args):
+            n = len(optree.tree_leaves(a, none_is_leaf=True))
+            if i in self.donate:
+                out.update(range(k, k + n))
+            k += n
+        return out
+
+    # -- calls -------------------------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        global _ACTIVE
+        key, leaves, spec = self._signature(args, kwargs)
+        g = self.graphs.get(key)
+        if g is None:
+            if self.graphs and self.on_new_shape == ERROR:
+                raise CaptureError(f"shardplan.capture: a call with a new signature (shapes, dtypes or other "
+                                   f"arguments) and on_new_shape='error'; captured: {len(self.graphs)} signature(s). "
+                                   f"Pad batches to one shape, or capture with on_new_shape='recapture'")
+            g = self.graphs[key] = _Graph(Phase.WARMUP)
+        if g.phase is Phase.CAPTURED:
+            return self._replay(g, leaves)
+        if g.phase is Phase.WARMUP and g.calls < self.warmup:
+            return self._eager(g, args, kwargs)
+        return self._capture(g, leaves, spec)
+
+    def _run(self, g: _Graph, args, kwargs, *, capturing: bool):
+        """``fn`` under a session; the session's findings checked against the earlier calls'."""
+        global _ACTIVE
+        if _ACTIVE is not None:
+            raise CaptureError("shardplan.capture: a captured step called inside another captured step; capture the "
+                               "outer step only")
+        s = _ACTIVE = _Session()
+        try:
+            out = self.fn(*args, **kwargs)
+        finally:
+            _ACTIVE = None
+        self._agree(g, s, capturing)
+        return out
+
+    def _agree(self, g: _Graph, s: _Session, capturing: bool) -> None:
+        # [Note: the used-parameter exchange under capture] (plan/capture.py): the set is replayed, so every
+        # warm-up call and the capture must agree on it
+        if g.unused is None:
+            g.unused = dict(s.unused)
+        elif g.unused != s.unused:
+            exes = {id(r()): r() for r in s.executors if r() is not None}
+            diff = []
+            for k in set(g.unused) | set(s.unused):
+                a, b = set(g.unused.get(k, ())), set(s.unused.get(k, ()))
+                exe = exes.get(k)
+                names = [exe.plan.params[i].name if exe is not None else str(i) for i in sorted(a ^ b)]
+                diff += names
+            raise CaptureError(f"shardplan.capture: the parameters that get a gradient changed from one step to the "
+                               f"next ({', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''}): a captured step "
+                               f"replays one set. Run this step eagerly (and plan it with order='dynamic' if units are "
+                               f"skipped)")
+        g.executors = [r for r in s.executors]
+        for r in s.optimizers:
+            if not any(o() is r() for o in g.optimizers):
+                g.optimizers.append(r)
+
+    def _eager(self, g: _Graph, args, kwargs):
+        g.calls += 1
+        if self.backend == "eager" or not torch.cuda.is_available():
+            return self._run(g, args, kwargs, capturing=False)
+        # torch's advice for capture: warm up on a side stream (lazy initialisation stays off the capture stream)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            out = self._run(g, args, kwargs, capturing=False)
+        torch.cuda.current_stream().wait_stream(side)
+        return out
+
+    def _capture(self, g: _Graph, leaves: list, spec):
+        donated = self._donated(*optree.tree_unflatten(spec, leaves)) if self.donate else set()
+        statics = []
+        for i, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor) and i not in donated:
+                statics.append(x.detach().clone().requires_grad_(x.requires_grad))
+            else:
+                statics.append(x)
+        args, kwargs = optree.tree_unflatten(spec, statics)
+        self._check_fresh_grads(g)
+        if self.backend == "eager":
+            out = self._run(g, args, kwargs, capturing=True)
+            g.statics, g.static_args, g.out, g.phase = statics, (args, kwargs), out, Phase.CAPTURED
+            g.replays += 1
+            return out
+        if not torch.cuda.is_available():
+            raise CaptureError("shardplan.capture: CUDA graphs need a GPU, and none is available; run the step "
+                               "eagerly, or pass backend='eager' to check the step's capture rules on the CPU")
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        pool = torch.cuda.graph_pool_handle()
+        try:
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._run(g, args, kwargs, capturing=True)
+        except CaptureError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised with what to change
+            raise CaptureError(f"shardplan.capture: capturing the step failed: {type(exc).__name__}: {exc}. A captured "
+                               f"step must not read device values on the host (.item(), .tolist(), printing a CUDA "
+                               f"tensor, error_if_nonfinite=True) nor use optimizers without capturable=True "
+                               f"(torch.optim.AdamW(..., capturable=True), a tensor lr)") from exc
+        g.graph, g.pool, g.statics, g.out, g.phase = graph, pool, statics, out, Phase.CAPTURED
+        for r in g.optimizers:
+            opt = r()
+            if opt is not None:  # loading a state dict replaces the state tensors the graph reads: capture again
+                opt.register_load_state_dict_post_hook(lambda _o, _g=g: setattr(_g, "phase", Phase.STALE))
+        graph.replay()
+        g.replays += 1
+        return out
+
+    def _replay(self, g: _Graph, leaves: list):
+        t = time.perf_counter()
+        self._check_shards(g)
+        self._check_grads_before_replay(g)
+        with torch.no_grad():
+            for x, s in zip(leaves, g.statics):
+                if isinstance(x, torch.Tensor) and x is not s:
+                    s.copy_(x)
+        if g.graph is None:  # backend="eager": the same static buffers, run again
+            g.out = self._run(g, *g.static_args, capturing=True)
+        else:
+            g.graph.replay()
+        g.replays += 1
+        self.replays += 1
+        self.host_seconds += time.perf_counter() - t
+        return g.out
+
+    # -- what must hold between replays --------------------------------------------------------------------
+    def _local_params(self, g: _Graph) -> list:
+        out = []
+        for r in g.executors:
+            exe = r()
+            if exe is not None and getattr(exe.face, "owns_locals", False):
+                out += list(exe.local_params().values())
+        return out
+
+    # [Note: gradients at the start of a replay] autograd adds a gradient to a .grad that exists and assigns one
+    # where .grad is None; the capture records whichever happened then, and every replay repeats it. A parameter
+    # without a gradient when the step was captured must be without one at every replay (zeroed with
+    # set_to_none, inside the step or between calls), or the eager step would add where the replay assigns.
+    def _check_fresh_grads(self, g: _Graph) -> None:
+        g.grads_at_start = [p for p in self._local_params(g) if p.grad is None]
+
+    def _check_grads_before_replay(self, g: _Graph) -> None:
+        if any(p.grad is not None for p in g.grads_at_start):
+            raise CaptureError("shardplan.capture: parameters have gradients in .grad that they did not have when the "
+                               "step was captured: eagerly this step would add to them, the replay would not. Zero "
+                               "them inside the step (optimizer.zero_grad() after optimizer.step()) or between calls")
+
+    def _check_shards(self, g: _Graph) -> None:
+        from .seams import replaced_local
+        for r in g.executors:
+            exe = r()
+            if exe is not None and getattr(exe.face, "owns_locals", False):
+                why = replaced_local(exe.buffer.values())
+                if why:
+                    raise CaptureError(f"{why} (the captured step reads the shards it was captured with: "
+                                       f"capture again after replacing parameters)")
+
+    def reset(self) -> None:
+        """Drop every captured graph: the next calls warm up and capture again (after loading a checkpoint whose
+        optimizer state replaced the captured one, say)."""
+        self.graphs.clear()
+
+
+def capture(fn: Optional[Callable] = None, *, warmup: int = 2, donate_argnums: Sequence[int] = (),
+            on_new_shape: str = RECAPTURE, backend: str = "cuda_graph"):
+    """Capture a training step once and replay it (a CUDA graph of everything the step runs on the device).
+
+    >>> opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-4, device="cuda"), capturable=True)
+    >>> @sp.capture
+    ... def step(x, y):
+    ...     loss = model(x, y); loss.backward()
+    ...     sp.clip_grad_norm_(model, 1.0); opt.step(); opt.zero_grad()
+    ...     return loss
+    >>> for x, y in data: loss = step(x, y)
+
+    ``warmup``: eager calls per signature before the capture. ``donate_argnums``: positional arguments whose
+    tensors become the graph's inputs themselves (a functional step's params and optimizer state).
+    ``on_new_shape``: ``"recapture"`` (warm up and capture each new batch signature) or ``"error"``.
+    ``backend="eager"``: run eagerly with the same checks (CPU, debugging).
+    """
+    def wrap(f):
+        return CapturedStep(f, warmup=warmup, donate_argnums=donate_argnums, on_new_shape=on_new_shape,
+                            backend=backend)
+    return wrap if fn is None else wrap(fn)

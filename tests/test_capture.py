@@ -1,0 +1,303 @@
+"""shardplan.capture, the parts that need no GPU: what a plan says about capture, the captured step's rules
+(checked with backend="eager", which runs the same bookkeeping without a CUDA graph), the device-tensor
+hyper-parameters (schedules on tensors, a tensor lr updated in place, sp.optim's device step) and their parity
+with the eager path. The CUDA-graph replays themselves are checked by benchmarks/capture_check.py on a GPU
+(docs/capture.md says where the figures are)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import pytest
+import torch
+import torch.nn as nn
+
+import shardplan as sp
+from distributed import run
+from models import Toy, batches, toy_rules
+
+
+def _seq():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 16)), nn.Linear(16, 1))
+
+
+# -- what the plan says ---------------------------------------------------------------------------------------
+
+def test_a_static_plan_is_capturable_and_print_says_so():
+    plan = sp.plan(_seq(), [(".*", sp.P("dp"))], sp.Mesh(dp=2), units=[r"2"], min_unit_bytes=0)
+    assert plan.capturable and plan.capture_blockers == ()
+    assert "capture: yes" in str(plan)
+
+
+@pytest.mark.parametrize("change, code", [
+    (lambda m, p: p.with_order("dynamic"), "dynamic_order"),
+    (lambda m, p: sp.plan(m, [(".*", sp.P("dp"))], sp.Mesh(dp=2), offload="optimizer"), "offload"),
+    (lambda m, p: sp.plan(m, [(".*", sp.P("dp"))], sp.Mesh(dp=2), gather_dtype="int8", min_unit_bytes=0),
+     "non_finite_check"),
+    (lambda m, p: _edited(p), "edited_schedule"),
+])
+def test_what_blocks_capture_is_named_with_its_fix(change, code):
+    m = _seq()
+    plan = change(m, sp.plan(m, [(".*", sp.P("dp"))], sp.Mesh(dp=2), units=[r"0", r"2"], min_unit_bytes=0))
+    codes = [b.code for b in plan.capture_blockers]
+    assert code in codes and not plan.capturable
+    b = next(b for b in plan.capture_blockers if b.code == code)
+    assert b.reason and b.fix
+    assert f"capture: no ({code}" in str(plan) or f"; {code}:" in str(plan)
+
+
+def _edited(plan):
+    """The planner's schedule with unit ``2`` gathered where it computes instead of prefetched: valid, but edited."""
+    ops = list(plan.schedule)
+    moved = ops.pop(next(i for i, o in enumerate(ops) if o.kind == "all_gather" and o.unit == "2"
+                         and o.event == "pre_forward"))
+    w = next(i for i, o in enumerate(ops) if o.kind == "wait" and o.unit == "2" and o.event == "pre_forward")
+    return plan.with_schedule(ops[:w] + [dataclasses.replace(moved, at="2", prefetch=False)] + ops[w:])
+
+
+def test_expert_parallel_plans_are_not_capturable():
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import moe
+    mesh = sp.Mesh(dp=2, ep=2)
+    plan = sp.plan(moe.build("tiny"), moe.rules_for(mesh), mesh, units=moe.UNITS, min_unit_bytes=0)
+    b = next(b for b in plan.capture_blockers if b.code == "expert_parallel")
+    assert "split sizes" in b.reason and "eagerly" in b.fix
+
+
+# -- the captured step's rules, on the CPU (backend="eager") -----------------------------------------------
+
+def _capture_worker(rank, world, case):
+    data = batches(6, seed=rank + 1)
+    out = {}
+    for mode in ("eager", "captured"):
+        model = Toy()
+        order = "dynamic" if case == "dynamic" else "static"
+        plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=[r"blocks\.\d+"], min_unit_bytes=0, order=order)
+        sp.shard(model, plan)
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2), weight_decay=0.1)
+        sched = sp.optim.as_lr_scheduler(opt, sp.optim.warmup_cosine(1e-2, warmup=2, total=6))
+
+        def step(x, y):
+            loss = model(x, y)
+            loss.backward()
+            sp.clip_grad_norm_(model, 0.5)
+            opt.step()
+            if case != "grads_left":
+                opt.zero_grad()
+            return loss.detach()
+
+        f = sp.capture(step, backend="eager") if mode == "captured" else step
+        losses = []
+        try:
+            for i, (x, y) in enumerate(data):
+                if case == "grads_left" and i == 2:
+                    opt.zero_grad()  # once, before the capture: later steps add to what the step leaves
+                losses.append(float(f(x, y)))
+                sched.step()
+        except sp.CaptureError as exc:
+            return {"error": str(exc), "steps": len(losses)}
+        out[mode] = (losses, {k: v.clone() for k, v in sp.full_state_dict(model).items()},
+                     getattr(f, "replays", 0))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_captured_step_equals_the_eager_step_bit_for_bit(world):
+    for r in run(_capture_worker, world, "plain", timeout=200):
+        (le, pe, _), (lc, pc, replays) = r["eager"], r["captured"]
+        assert le == lc
+        assert all(torch.equal(pe[k], pc[k]) for k in pe)
+        assert replays == 3  # 2 warm-up steps, the capture (which runs the step too), then 3 replays
+
+
+@pytest.mark.slow
+def test_capture_refuses_a_dynamic_plan_before_the_first_op_and_a_step_that_leaves_gradients():
+    got = run(_capture_worker, 2, "dynamic", timeout=200)
+    for r in got:
+        assert r["steps"] == 0 and "dynamic_order" in r["error"] and "order='static'" in r["error"]
+    for r in run(_capture_worker, 2, "grads_left", timeout=200):
+        assert r["steps"] == 3 and "zero_grad" in r["error"]  # the capture ran; its first replay refused
+
+
+class _Skips(nn.Module):
+    """The middle layer runs every other call: its parameters get no gradient in the others."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.a(x)
+        if self.calls % 2:
+            h = h + self.b(h)
+        return self.c(h).sum()
+
+
+def _used_worker(rank, world):
+    model = _Skips()
+    plan = sp.plan(model, [(".*", sp.P("dp"))], sp.Mesh(dp=world), units=[], min_unit_bytes=0)
+    sp.shard(model, plan)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        loss = model(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    f = sp.capture(step, backend="eager", warmup=2)
+    try:
+        for _ in range(3):
+            f(torch.randn(2, 4))
+    except sp.CaptureError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.slow
+def test_capture_refuses_a_step_whose_used_parameters_change():
+    for msg in run(_used_worker, 2, timeout=120):
+        assert msg is not None and "b.weight" in msg and "changed from one step to the next" in msg
+
+
+def test_capture_without_a_gpu_refuses_and_names_the_eager_backend():
+    f = sp.capture(lambda x: x * 2, warmup=1)
+    f(torch.ones(2))  # the warm-up call runs eagerly
+    if torch.cuda.is_available():  # pragma: no cover - the CPU suite
+        pytest.skip("a GPU is here: the capture would run")
+    with pytest.raises(sp.CaptureError, match="backend='eager'"):
+        f(torch.ones(2))
+
+
+def test_capture_arguments_are_checked():
+    with pytest.raises(sp.CaptureError, match="warmup"):
+        sp.capture(lambda: 0, warmup=0)
+    with pytest.raises(sp.CaptureError, match="on_new_shape"):
+        sp.capture(lambda: 0, on_new_shape="sometimes")
+    with pytest.raises(sp.CaptureError, match="backend"):
+        sp.capture(lambda: 0, backend="xla")
+
+
+def test_static_inputs_new_shapes_and_donation():
+    seen = []
+
+    def fn(x, scale=1.0):
+        seen.append(x)
+        return x * scale
+
+    f = sp.capture(fn, backend="eager", warmup=1)
+    a = torch.ones(3)
+    f(a)  # warm-up: the caller's tensor itself
+    assert seen[-1] is a
+    out = f(torch.full((3,), 2.0))  # the capture: a static copy
+    static = seen[-1]
+    assert static is not a and torch.equal(out, torch.full((3,), 2.0))
+    out = f(torch.full((3,), 5.0))  # a replay: copied into the same static buffer
+    assert seen[-1] is static and torch.equal(static, torch.full((3,), 5.0))
+    f(torch.ones(4))  # a new shape: warmed up and captured apart (on_new_shape="recapture")
+    assert len(f.graphs) == 2
+    g = sp.capture(fn, backend="eager", warmup=1, on_new_shape="error")
+    g(torch.ones(3))
+    with pytest.raises(sp.CaptureError, match="new signature"):
+        g(torch.ones(3), scale=2.0)  # another non-tensor argument is a new signature too
+    d = sp.capture(fn, backend="eager", warmup=1, donate_argnums=(0,))
+    d(torch.ones(3))
+    mine = torch.ones(3)
+    d(mine)
+    assert seen[-1] is mine  # donated: the graph's input is the caller's tensor itself
+
+
+def _functional_worker(rank, world):
+    data = batches(5, seed=rank + 1)
+    out = []
+    for captured in (False, True):
+        model = Toy()
+        plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=[r"blocks\.\d+"], min_unit_bytes=0)
+        params = sp.shard_tree(dict(model.named_parameters()), plan)
+        opt = sp.optim.adamw(lr=sp.optim.warmup_cosine(1e-2, 2, 5), weight_decay=0.1, mask=sp.optim.trainable(plan),
+                             capturable=True)
+        state = opt.init(params)
+        vg = sp.value_and_grad(lambda p, x, y: sp.functional_call(model, plan, p, (x, y)), plan)
+
+        def step(params, state, x, y):
+            loss, grads = vg(params, x, y)
+            grads, _ = sp.clip_by_global_norm(grads, 0.5, plan)
+            params, state = opt.update(grads, state, params, donate=True)
+            return params, state, loss.detach()
+
+        f = sp.capture(step, backend="eager", donate_argnums=(0, 1)) if captured else step
+        losses = []
+        for x, y in data:
+            params, state, loss = f(params, state, x, y)
+            losses.append(float(loss))
+        out.append((losses, {k: v.clone() for k, v in params.items()}, float(state["step"])))
+    return out
+
+
+@pytest.mark.slow
+def test_the_functional_face_captured_equals_eager():
+    for (le, pe, se), (lc, pc, sc) in run(_functional_worker, 2, timeout=200):
+        assert le == lc and se == sc == 5.0
+        assert all(torch.equal(pe[k], pc[k]) for k in pe)
+
+
+# -- the hyper-parameters that change between steps live on the device ------------------------------------
+
+SCHEDULES = [
+    sp.optim.warmup_cosine(3e-4, warmup=10, total=100, end=3e-5),
+    sp.optim.linear(1.0, 0.0, steps=7, begin=2),
+    sp.optim.linear(1.0, 0.5, steps=0, begin=3),
+    sp.optim.constant(2e-3),
+    sp.optim.cosine_decay(1.0, steps=0),
+    sp.optim.cosine_decay(1.0, steps=30, end=0.1),
+    sp.optim.join([sp.optim.constant(1.0), sp.optim.linear_warmup(2.0, 5), sp.optim.constant(0.5)], [3, 20]),
+]
+
+
+@pytest.mark.parametrize("k", range(len(SCHEDULES)))
+def test_schedules_on_a_step_tensor_equal_the_python_values_bit_for_bit(k):
+    sched = SCHEDULES[k]
+    for t in range(-2, 130):
+        on_device = sched(torch.tensor(t))
+        assert isinstance(on_device, torch.Tensor) and on_device.dtype == torch.float64
+        assert float(on_device) == sched(t), (k, t)
+
+
+def test_as_lr_scheduler_updates_a_tensor_lr_in_place():
+    w = nn.Parameter(torch.ones(2))
+    lr = torch.tensor(0.0)
+    opt = torch.optim.SGD([w], lr=lr)
+    sched = sp.optim.warmup_cosine(1.0, warmup=4, total=10)
+    s = sp.optim.as_lr_scheduler(opt, sched)
+    for t in range(12):
+        assert opt.param_groups[0]["lr"] is lr  # the tensor a captured step reads
+        assert float(lr) == pytest.approx(sched(t), abs=1e-7)
+        opt.step()
+        s.step()
+
+
+@pytest.mark.parametrize("lr", [1e-2, sp.optim.warmup_cosine(1e-2, 3, 10, 1e-3)])
+@pytest.mark.parametrize("donate", [False, True])
+def test_adamw_on_a_step_tensor_equals_the_host_path_bit_for_bit(lr, donate):
+    torch.manual_seed(0)
+    start = {"a": torch.randn(10, 3), "b": torch.randn(7)}
+    res = []
+    for capturable in (False, True):
+        opt = sp.optim.adamw(lr=lr, weight_decay=0.1, capturable=capturable)
+        p = {k: v.clone() for k, v in start.items()}
+        st = opt.init(p)
+        assert isinstance(st["step"], torch.Tensor)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(12):
+            p, st = opt.update({k: torch.randn(v.shape, generator=g) for k, v in p.items()}, st, p, donate=donate)
+        res.append((p, float(st["step"])))
+    (p0, s0), (p1, s1) = res
+    assert s0 == s1 == 12.0
+    assert all(torch.equal(p0[k], p1[k]) for k in p0)
