@@ -64,7 +64,7 @@ def data(config, batch, seq, n, dev, micro=1):
     return out
 
 
-def system(face, config, dev, dtype, act_ckpt=False, units=r"layers\.\d+", min_unit_bytes=None):
+def system(face, config, dev, dtype, act_ckpt=False, units=r"layers\.\d+", min_unit_bytes=None, start=0):
     """``(step_fn(x, y) -> loss, params_fn() -> {name: tensor})``: one training step of ``face``."""
     model = build(config, dev)
     dt = torch.bfloat16 if dtype == "bf16" else None
@@ -86,7 +86,7 @@ def system(face, config, dev, dtype, act_ckpt=False, units=r"layers\.\d+", min_u
             sp.fully_shard(model, mp_policy=mp)
         opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device=dev), capturable=True,
                                 foreach=True, weight_decay=0.1)
-        lr_sched = sp.optim.as_lr_scheduler(opt, sched)
+        lr_sched = sp.optim.as_lr_scheduler(opt, sched, step=start)
         ctx = (lambda: torch.autocast("cuda", dtype=dt, cache_enabled=False)) if (dt and face == "unsharded") else None
 
         def step(x, y):
@@ -103,6 +103,7 @@ def system(face, config, dev, dtype, act_ckpt=False, units=r"layers\.\d+", min_u
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss.detach()
+        step.opt = opt
 
         def after():
             lr_sched.step()
@@ -144,9 +145,14 @@ class _null:
         return False
 
 
-def train(face, config, dev, dtype, batches, captured, **kw):
-    step, after, params, _ = system(face, config, dev, dtype, **kw)
+def train(face, config, dev, dtype, batches, captured, evals=False, save=None, load=None, **kw):
+    """Losses, final parameters and replays of ``batches`` trained eagerly or captured; ``evals``: a no-grad
+    forward after every step (its loss recorded too); ``save``/``load``: a checkpoint after the last step / before
+    the first (module faces)."""
+    step, after, params, model = system(face, config, dev, dtype, **kw)
     losses = []
+    if load:
+        _load(load, model, step)
     if face == "functional":
         fstep, box = step
         f = sp.capture(fstep, donate_argnums=(0, 1)) if captured else fstep
@@ -159,8 +165,17 @@ def train(face, config, dev, dtype, batches, captured, **kw):
             loss = f(x, y)
             losses.append(loss.float().item())
             after()
+            if evals:
+                with torch.no_grad():
+                    losses.append(model(x[0], y[0]).float().item())
+        if save:
+            sp.checkpoint.save(save, model, step.opt, step=len(batches))
     torch.cuda.synchronize()
     return losses, params(), (f.replays if captured else 0)
+
+
+def _load(path, model, step):
+    sp.checkpoint.load(path, model, step.opt)
 
 
 def parity(args, dev):
@@ -170,15 +185,31 @@ def parity(args, dev):
             cases.append(dict(face=face, dtype=dtype, micro=1))
     cases += [dict(face="shard", dtype="bf16", micro=2), dict(face="shard", dtype="bf16", micro=1, act_ckpt=True),
               dict(face="shard", dtype="fp32", micro=1, singleton=True)]
+    cases += [dict(face="shard", dtype="bf16", micro=1, evals=True), dict(face="shard", dtype="fp32", micro=1, resume=True)]
     out = []
     for c in cases:
         os.environ["SHARDPLAN_SINGLETON_GROUPS"] = "1" if c.get("singleton") else "0"
         rec = dict(c, config=args.config)
         try:
             batches = data(args.config, args.batch, args.seq, args.steps, dev, c["micro"])
-            kw = dict(act_ckpt=c.get("act_ckpt", False))
-            le, pe, _ = train(c["face"], args.config, dev, c["dtype"], batches, False, **kw)
-            lc, pc, replays = train(c["face"], args.config, dev, c["dtype"], batches, True, **kw)
+            kw = dict(act_ckpt=c.get("act_ckpt", False), evals=c.get("evals", False))
+            if c.get("resume"):  # a checkpoint written between replays resumes eagerly, and the other way round
+                import tempfile
+                d = tempfile.mkdtemp()
+                half = len(batches) // 2
+                le, pe, _ = train(c["face"], args.config, dev, c["dtype"], batches, False, **kw)
+                lc, _, _ = train(c["face"], args.config, dev, c["dtype"], batches[:half], True, save=f"{d}/c", **kw)
+                l2, pc, _ = train(c["face"], args.config, dev, c["dtype"], batches[half:], False, load=f"{d}/c",
+                                  start=half, **kw)
+                l3, _, _ = train(c["face"], args.config, dev, c["dtype"], batches[:half], False, save=f"{d}/e", **kw)
+                l4, p4, replays = train(c["face"], args.config, dev, c["dtype"], batches[half:], True, load=f"{d}/e",
+                                        start=half, **kw)
+                rec["eager_resumes_captured"] = (lc + l2 == le) and all(torch.equal(pe[n], pc[n]) for n in pe)
+                rec["captured_resumes_eager"] = (l3 + l4 == le) and all(torch.equal(pe[n], p4[n]) for n in pe)
+                lc, pc = lc + l2, pc
+            else:
+                le, pe, _ = train(c["face"], args.config, dev, c["dtype"], batches, False, **kw)
+                lc, pc, replays = train(c["face"], args.config, dev, c["dtype"], batches, True, **kw)
             rec.update(losses_equal=le == lc, params_equal=all(torch.equal(pe[n], pc[n]) for n in pe),
                        max_param_diff=max(float((pe[n].float() - pc[n].float()).abs().max()) for n in pe),
                        first_losses=le[:3], last_loss_eager=le[-1], last_loss_captured=lc[-1], replays=replays)

@@ -231,6 +231,17 @@ def _sharded_total_norm(exe, grads: list, names: list, norm_type: float, error_i
     return total
 
 
+def _norm_weights(eng, names: tuple, dtype, dev) -> torch.Tensor:
+    """``1 / replicas`` per parameter, on the device: made once per group of names (a host-to-device copy per step
+    would also stop a captured step, shardplan.capture, which cannot copy from pageable host memory)."""
+    cache = eng.__dict__.setdefault("_norm_weights", {})
+    key = (names, dtype, dev)
+    w = cache.get(key)
+    if w is None:
+        w = cache[key] = torch.tensor([1.0 / eng.plan.replicas(n) for n in names], dtype=dtype, device=dev)
+    return w
+
+
 def _global_norm(eng, groups: list, norm_type: float, foreach: Optional[bool] = None) -> torch.Tensor:
     """The norm over every rank of the full gradients whose local pieces are in ``groups`` (lists of
     ``(gradient, parameter name)``, each a buffer's): each element counts once, however many ranks hold it.
@@ -250,7 +261,7 @@ def _global_norm(eng, groups: list, norm_type: float, foreach: Optional[bool] = 
             [torch.linalg.vector_norm(g, norm_type) for g in gs]
         # each element is held by `replicas` ranks (copies across data replicas and compute axes that
         # replicate it): count it once
-        weights = torch.tensor([1.0 / eng.plan.replicas(n) for _, n in held], dtype=acc.dtype, device=dev)
+        weights = _norm_weights(eng, tuple(n for _, n in held), acc.dtype, dev)
         acc = acc + (torch.stack([t.to(acc.dtype) for t in norms]).pow(norm_type) * weights).sum()
     C.all_reduce(acc, world, async_op=False, op=dist.ReduceOp.SUM)
     return acc.pow(1.0 / norm_type)
