@@ -156,6 +156,11 @@ class _AfterStep:
 
 
 def make_system(name, args, dev, world):
+    if name.endswith("_captured"):  # the same system, its whole step captured once and replayed (sp.capture)
+        return captured_system(name[:-len("_captured")], args, dev, world)
+    if name == "fsdp2_compile":  # FSDP2 with each block compiled: the best eager FSDP2 a user would run
+        args = argparse.Namespace(**{**vars(args), "compile": True})
+        name = "fsdp2"
     model = build_model(args, dev)
     dt = torch.bfloat16 if args.dtype == "bf16" else None
     info = {}
@@ -293,6 +298,72 @@ def make_system(name, args, dev, world):
     raise SystemExit(f"unknown system {name}")
 
 
+class CapturedSystem:
+    """A captured step (``sp.capture``) behind train_step's loop: calling it runs the whole step (forward, backward,
+    clipping off, optimizer) as one replay; ``backward``, ``step`` and ``zero_grad`` are inside it."""
+
+    class _Loss:
+        def __init__(self, value):
+            self.value = value
+
+        def backward(self):
+            pass
+
+        def detach(self):
+            return self.value
+
+    def __init__(self, step, parameters):
+        self.step_fn, self.parameters = step, parameters
+
+    def __call__(self, x, y):
+        return self._Loss(self.step_fn(x, y))
+
+    def step(self):
+        pass
+
+    def zero_grad(self, set_to_none=True):
+        pass
+
+
+def captured_system(base, args, dev, world):
+    """``base`` (unsharded, shardplan, functional) with its optimizer capturable and its step captured."""
+    if dev.type != "cuda":
+        raise SkippedSystem(f"{base}_captured: CUDA graphs need a GPU")
+    model, opt, ctx, info = make_system(base, args, dev, world)
+    lr = torch.tensor(1e-4, device=dev)  # a device tensor: a schedule would update it in place between replays
+    if base == "functional":
+        system = model
+        system.opt = sp.optim.adamw(lr=1e-4, mask=sp.optim.trainable(system.plan), capturable=True)
+        system.state = system.opt.init(system.params)
+
+        def fstep(params, state, x, y):
+            loss, grads = system.vg(params, x, y)
+            params, state = system.opt.update(grads, state, params, donate=True)
+            return params, state, loss.detach()
+        captured = sp.capture(fstep, donate_argnums=(0, 1))
+
+        def step(x, y):
+            system.params, system.state, loss = captured(system.params, system.state, x, y)
+            return loss
+        return CapturedSystem(step, system.parameters), CapturedSystem(None, None), None, info
+    if base not in ("unsharded", "shardplan"):
+        raise SystemExit(f"no captured variant of {base}")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True, capturable=True)
+    if ctx is not None:  # autocast's weight-cast cache cannot live across replays
+        dt = torch.bfloat16
+        ctx = lambda: torch.autocast(dev.type, dtype=dt, cache_enabled=False)  # noqa: E731
+
+    def step(x, y):
+        with (ctx() if ctx else _null()):
+            loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    captured = sp.capture(step)
+    return CapturedSystem(captured, model.parameters), CapturedSystem(None, None), None, info
+
+
 def batches(args, dev, index, size, n):
     """Slice ``index`` of ``size`` of every global batch (a rank's data index, not its rank, under TP)."""
     g = torch.Generator().manual_seed(123)
@@ -358,7 +429,7 @@ def run_steps(model, opt, ctx, data, dev, breakdown=False):
     times, losses, parts = [], [], []
     for x, y in data:
         sync(dev)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         with (ctx() if ctx else _null()):
             loss = model(x, y)
         sync(dev) if breakdown else None
@@ -368,10 +439,11 @@ def run_steps(model, opt, ctx, data, dev, breakdown=False):
         t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        c3 = time.thread_time()  # the host's CPU time issuing the step (before waiting for the device)
         sync(dev)
         t3 = time.perf_counter()
         times.append(t3 - t0)
-        parts.append((t1 - t0, t2 - t1, t3 - t2))
+        parts.append((t1 - t0, t2 - t1, t3 - t2, c3 - c0))
         losses.append(loss.detach().float().item())
     # the world mean: every system's losses cover the whole batch (TP ranks of one data slice agree)
     mean = torch.tensor(losses, dtype=torch.float64, device=dev)
@@ -561,6 +633,8 @@ def main():
             entry["forward_ms"] = 1000 * statistics.median(p[0] for p in res["parts"])
             entry["backward_ms"] = 1000 * statistics.median(p[1] for p in res["parts"])
             entry["optimizer_ms"] = 1000 * statistics.median(p[2] for p in res["parts"])
+        if res["parts"]:  # the host's CPU time per step (thread time until the step is issued)
+            entry["host_cpu_ms"] = 1000 * statistics.median(p[3] for p in res["parts"])
         for k in ("comm_bytes", "plan_peak", "planned_memory", "hook_us_per_unit", "forward_hook_us_per_unit",
                   "backward_hook_us_per_unit", "forward_hook_us_per_block", "units", "notes", "data_size",
                   "offload", "offload_fraction", "host_copy_bytes", "host_rss_bytes", "host_rss_end_bytes",
