@@ -64,7 +64,8 @@ def data(config, batch, seq, n, dev, micro=1):
     return out
 
 
-def system(face, config, dev, dtype, act_ckpt=False, units=r"layers\.\d+", min_unit_bytes=None, start=0):
+def system(face, config, dev, dtype, act_ckpt=False, units=r"layers\.\d+", min_unit_bytes=None, start=0, gather=None,
+           fp8=False):
     """``(step_fn(x, y) -> loss, params_fn() -> {name: tensor})``: one training step of ``face``."""
     model = build(config, dev)
     dt = torch.bfloat16 if dtype == "bf16" else None
@@ -77,7 +78,8 @@ def system(face, config, dev, dtype, act_ckpt=False, units=r"layers\.\d+", min_u
     if face in ("shard", "fully_shard", "unsharded"):
         if face == "shard":
             plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=1), units=[units], compute_dtype=dt,
-                           reduce_dtype=red, min_unit_bytes=min_unit_bytes)
+                           reduce_dtype=red, min_unit_bytes=min_unit_bytes, gather_dtype=gather,
+                           fp8="torchao" if fp8 else None)
             sp.shard(model, plan)
         elif face == "fully_shard":
             mp = sp.MixedPrecisionPolicy(param_dtype=dt, reduce_dtype=red) if dt else sp.MixedPrecisionPolicy()
@@ -185,14 +187,33 @@ def parity(args, dev):
             cases.append(dict(face=face, dtype=dtype, micro=1))
     cases += [dict(face="shard", dtype="bf16", micro=2), dict(face="shard", dtype="bf16", micro=1, act_ckpt=True),
               dict(face="shard", dtype="fp32", micro=1, singleton=True)]
-    cases += [dict(face="shard", dtype="bf16", micro=1, evals=True), dict(face="shard", dtype="fp32", micro=1, resume=True)]
+    cases += [dict(face="shard", dtype="bf16", micro=1, evals=True), dict(face="shard", dtype="fp32", micro=1, resume=True),
+              dict(face="shard", dtype="bf16", micro=1, gather="int8"), dict(face="shard", dtype="bf16", micro=1, fp8=True),
+              dict(face="shard", dtype="bf16", micro=1, gather="int8", nan=True)]
     out = []
     for c in cases:
         os.environ["SHARDPLAN_SINGLETON_GROUPS"] = "1" if c.get("singleton") else "0"
         rec = dict(c, config=args.config)
         try:
             batches = data(args.config, args.batch, args.seq, args.steps, dev, c["micro"])
-            kw = dict(act_ckpt=c.get("act_ckpt", False), evals=c.get("evals", False))
+            kw = dict(act_ckpt=c.get("act_ckpt", False), evals=c.get("evals", False), gather=c.get("gather"),
+                      fp8=c.get("fp8", False))
+            if c.get("nan"):  # a NaN put in a weight between replays: a later call raises naming it
+                step, after, params, model = system(c["face"], args.config, dev, c["dtype"], gather=c["gather"])
+                f = sp.capture(step)
+                rec["steps_before_error"] = 0
+                try:
+                    for i, (x, y) in enumerate(batches):
+                        if i == 5:
+                            with torch.no_grad():
+                                next(iter(model.parameters())).view(-1)[0] = float("nan")
+                        f(x, y)
+                        rec["steps_before_error"] = i + 1
+                except sp.ShardingError as exc:
+                    rec["error_raised"] = str(exc)[:300]
+                out.append(rec)
+                print(json.dumps(rec), flush=True)
+                continue
             if c.get("resume"):  # a checkpoint written between replays resumes eagerly, and the other way round
                 import tempfile
                 d = tempfile.mkdtemp()

@@ -21,6 +21,7 @@ from ..errors import RuntimeShardingError
 from ..lowp import BLOCK
 from ..plan import BufferPlan, Plan
 from ..plan.values import ParamPlan, Piece
+from . import capture as CAP
 
 
 _chunk_cat = getattr(torch, "_chunk_cat", None)  # (torch >= 2.4, FSDP2's copy-in; else the per-parameter views)
@@ -231,7 +232,10 @@ class BufferState:
         parameter: at once on the host, at the buffer's next gather on a GPU ([Note: the non-finite check
         without a host sync]; the all-reduced absmax is the same on every rank, so every rank raises there)."""
         with torch.no_grad():
-            if self.defer_check:
+            if self.defer_check and CAP.capturing():  # [Note: the non-finite check in a captured step]
+                from .quantize import first_non_finite_index
+                CAP.note_check(self, "tw", first_non_finite_index(amax))
+            elif self.defer_check:
                 self.check_pending()
                 from .quantize import first_non_finite
                 self.pending_tw = first_non_finite(amax)
@@ -298,12 +302,19 @@ class BufferState:
     def _dequantize(self) -> None:
         from .quantize import bad_blocks, dequantize_into, first_bad_block
         segments = self.bp.group_size if self.sharded else 1
+        # [Note: the non-finite check in a captured step] (shardplan.capture) the check cannot read the host inside
+        # the graph: the index is left in a device tensor the graph rewrites at every replay, and the captured
+        # step copies every such index back after the replay and raises at its next call (one step later, as
+        # the eager check raises at the buffer's next gather), naming the parameter as the eager check does.
         # [Note: the non-finite check without a host sync] on the host (CPU tensors) the scales are checked at
         # once. On a GPU, reading a flag back per gather would stall the host behind every gather: the first
         # non-finite block's index is copied back without blocking and checked at this buffer's next gather
         # (its weights are NaN meanwhile: the dequantized block is). Every rank checks the same gathered scales
         # at the same op, so every rank raises together.
-        if self.defer_check:
+        if self.defer_check and CAP.capturing():  # [Note: the non-finite check in a captured step]
+            from .quantize import first_bad_block_index
+            CAP.note_check(self, "block", first_bad_block_index(self.wire, self.S, segments))
+        elif self.defer_check:
             self.check_pending()
             self.pending_check = first_bad_block(self.wire, self.S, segments)
         else:
@@ -332,15 +343,21 @@ class BufferState:
     def check_pending(self) -> None:
         """Raise for a non-finite block (or a float8 weight's absmax) an earlier (deferred) check found."""
         tw, self.pending_tw = self.pending_tw, None
-        if tw is not None and _first_index(tw) >= 0:
-            raise RuntimeShardingError(self._tw_non_finite([self.members[_first_index(tw)].name]))
+        if tw is not None:
+            self.raise_non_finite("tw", _first_index(tw))
         pending, self.pending_check = self.pending_check, None
-        if pending is None:
+        if pending is not None:
+            self.raise_non_finite("block", _first_index(pending))
+
+    def raise_non_finite(self, kind: str, k: int) -> None:
+        """Raise for index ``k`` (>= 0) a non-finite check found: a float8 weight (``"tw"``: a member's index) or a
+        block of the gathered scales (``"block"``: segment * blocks + block); nothing for -1."""
+        if k < 0:
             return
-        k = _first_index(pending)
-        if k >= 0:
-            nb = -(-self.S // BLOCK)
-            raise RuntimeShardingError(self._non_finite(k // nb, (k % nb) * BLOCK))
+        if kind == "tw":
+            raise RuntimeShardingError(self._tw_non_finite([self.members[k].name]))
+        nb = -(-self.S // BLOCK)
+        raise RuntimeShardingError(self._non_finite(k // nb, (k % nb) * BLOCK))
 
     def _non_finite(self, segment: int, start: int) -> str:
         """The error for a NaN/inf in ``segment``'s shard at ``start`` (a block of it): names the parameter."""

@@ -56,6 +56,8 @@ class _Session:
     executors: list = field(default_factory=list)       # weak references, in first-seen order
     unused: dict = field(default_factory=dict)           # id(executor) -> tuple of unused parameter indices
     optimizers: list = field(default_factory=list)       # weak references to torch optimizers that stepped
+    capturing: bool = False                              # a CUDA graph is being captured
+    checks: list = field(default_factory=list)           # (buffer, kind, device index): non-finite checks to read
 
     def saw(self, exe) -> None:
         if not any(r() is exe for r in self.executors):
@@ -78,6 +80,18 @@ def note_forward(exe) -> None:
     if bs:
         raise CaptureError("shardplan.capture: this step cannot be captured: " + "; ".join(str(b) for b in bs)
                            + ". Run it eagerly (call the step function itself), or change the plan as said")
+
+
+def capturing() -> bool:
+    """Whether a CUDA graph of a captured step is being recorded now (host reads must wait for the replay)."""
+    s = _ACTIVE
+    return s is not None and s.capturing
+
+
+def note_check(buffer, kind: str, index: torch.Tensor) -> None:
+    """A buffer's non-finite check inside the capture: ``index`` (a device tensor, -1 when all is finite) is read
+    after each replay ([Note: the non-finite check in a captured step], runtime/buffers.py)."""
+    _ACTIVE.checks.append((buffer, kind, index))
 
 
 def note_unused(exe, unused: Sequence[int]) -> None:
@@ -121,6 +135,8 @@ class _Graph:
     replays: int = 0
     static_args: Any = None                          # backend="eager": the (args, kwargs) over the static inputs
     grads_at_start: list = field(default_factory=list)
+    checks: list = field(default_factory=list)       # (buffer, kind, device index) written by every replay
+    checked: Any = None                              # (pinned host indices, event) of the last replay's checks
 
 
 class CapturedStep:
@@ -195,12 +211,14 @@ class CapturedStep:
         if _ACTIVE is not None:
             raise CaptureError("shardplan.capture: a captured step called inside another captured step; capture the "
                                "outer step only")
-        s = _ACTIVE = _Session()
+        s = _ACTIVE = _Session(capturing=capturing and self.backend == "cuda_graph")
         try:
             out = self.fn(*args, **kwargs)
         finally:
             _ACTIVE = None
         self._agree(g, s, capturing)
+        if s.capturing:
+            g.checks = s.checks
         return out
 
     def _agree(self, g: _Graph, s: _Session, capturing: bool) -> None:
@@ -274,11 +292,13 @@ class CapturedStep:
             if opt is not None:  # loading a state dict replaces the state tensors the graph reads: capture again
                 opt.register_load_state_dict_post_hook(lambda _o, _g=g: setattr(_g, "phase", Phase.STALE))
         graph.replay()
+        self._copy_checks(g)
         g.replays += 1
         return out
 
     def _replay(self, g: _Graph, leaves: list):
         t = time.perf_counter()
+        self._read_checks(g)
         self._check_shards(g)
         self._check_grads_before_replay(g)
         with torch.no_grad():
@@ -289,6 +309,7 @@ class CapturedStep:
             g.out = self._run(g, *g.static_args, capturing=True)
         else:
             g.graph.replay()
+            self._copy_checks(g)
         g.replays += 1
         self.replays += 1
         self.host_seconds += time.perf_counter() - t
@@ -325,6 +346,33 @@ class CapturedStep:
                 if why:
                     raise CaptureError(f"{why} (the captured step reads the shards it was captured with: "
                                        f"capture again after replacing parameters)")
+
+    def _copy_checks(self, g: _Graph) -> None:
+        """After a replay: the non-finite checks' indices to pinned host memory, without waiting."""
+        if not g.checks:
+            return
+        idx = torch.stack([i.to(torch.int64) for _, _, i in g.checks])
+        host = torch.empty(idx.shape, dtype=torch.int64, pin_memory=True)
+        host.copy_(idx, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        g.checked = (host, ev)
+
+    def _read_checks(self, g: _Graph) -> None:
+        """Raise for what the last replay's non-finite checks found (the step before this call), naming the
+        parameter as the eager check does."""
+        if g.checked is None:
+            return
+        host, ev = g.checked
+        g.checked = None
+        ev.synchronize()
+        for (buffer, kind, _), k in zip(g.checks, host.tolist()):
+            buffer.raise_non_finite(kind, k)
+
+    def check(self) -> None:
+        """Raise now for a NaN or inf the last replay's checks found (each call does this for the step before it)."""
+        for g in self.graphs.values():
+            self._read_checks(g)
 
     def reset(self) -> None:
         """Drop every captured graph: the next calls warm up and capture again (after loading a checkpoint whose

@@ -94,13 +94,24 @@ def first_bad_block(wire: torch.Tensor, S: int, segments: int):
     return first_non_finite(wire.view(segments, S + 4 * nb)[:, S:].reshape(-1).clone().view(torch.float32))
 
 
-def first_non_finite(x: torch.Tensor):
-    """``(index, event)``: the index of the first non-finite element of ``x`` (1-D), or -1, in host memory once
-    ``event`` completes (``None``: already there). Issues no host synchronisation."""
+def first_non_finite_index(x: torch.Tensor) -> torch.Tensor:
+    """The index of the first non-finite element of ``x`` (1-D), or -1, as a 0-d tensor on ``x``'s device."""
     bad = ~torch.isfinite(x)
     ar = torch.arange(bad.numel(), device=bad.device)
     index = torch.where(bad, ar, torch.full_like(ar, bad.numel())).min()
-    index = torch.where(index == bad.numel(), torch.full_like(index, -1), index)
+    return torch.where(index == bad.numel(), torch.full_like(index, -1), index)
+
+
+def first_bad_block_index(wire: torch.Tensor, S: int, segments: int) -> torch.Tensor:
+    """:func:`first_bad_block`'s index on the device (a captured step reads it after the replay)."""
+    nb = lowp.scale_count(S)
+    return first_non_finite_index(wire.view(segments, S + 4 * nb)[:, S:].reshape(-1).clone().view(torch.float32))
+
+
+def first_non_finite(x: torch.Tensor):
+    """``(index, event)``: the index of the first non-finite element of ``x`` (1-D), or -1, in host memory once
+    ``event`` completes (``None``: already there). Issues no host synchronisation."""
+    index = first_non_finite_index(x)
     if x.device.type != "cuda":
         return index, None
     host = torch.empty((), dtype=index.dtype, pin_memory=True)
