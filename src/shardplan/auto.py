@@ -164,8 +164,8 @@ def _check_experts_divide(name: str, path: str, n: int, mesh: Mesh) -> None:
     size = mesh.axis_size("ep")
     if n % size:
         fits = [s for s in range(1, n + 1) if n % s == 0]
-        raise SpecError(f"auto_rules: parameter {name!r} stacks the {n} experts of module {path!r}, which do not divide "
-                        f"over expert axis 'ep' of size {size}; use an ep size in {fits} (e.g. Mesh(dp=..., "
+        raise SpecError(f"auto_rules: parameter {name!r} stacks the {n} experts of module {path!r}, which do not "
+                        f"divide over expert axis 'ep' of size {size}; use an ep size in {fits} (e.g. Mesh(dp=..., "
                         f"ep={max(s for s in fits if s <= size)})), or name no 'ep' axis in the mesh")
 
 

@@ -5,7 +5,8 @@ token traffic (all-to-all) that implies. Pure functions; the runtime moves the t
 An *expert module* stacks its experts' weights on dim 0 (``[num_experts, ...]`` matrices) and says how many
 it has in an integer attribute ``num_experts`` (torchtitan's ``GroupedExperts``, Hugging Face's
 ``MixtralExperts`` / Qwen-MoE / DeepSeek-V3 experts, examples/moe.py); a router, with ``num_experts`` and an
-``[num_experts, hidden]`` weight, is not one (:func:`expert_count`). A rule whose spec puts the expert axis first in dim 0 of such a weight,
+``[num_experts, hidden]`` weight, is not one (:func:`expert_count`). A rule whose spec puts the expert axis
+first in dim 0 of such a weight,
 
 >>> rules = [(r".*experts\\.w\\d", P(("ep", "dp"), None, None)), (r".*", P(("dp", "ep")))]
 
