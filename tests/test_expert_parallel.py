@@ -210,3 +210,180 @@ def test_cp_ep_overhead_benchmark_runs_tiny(tmp_path):
     assert set(d["models"]) == {"gpt", "moe"} and all(m["losses_agree"] for m in d["models"].values())
     assert set(d["models"]["gpt"]["ratios"]) == {"cp1/plain", "cp1_forced/plain_forced"}
     assert set(d["models"]["moe"]["ratios"]) == {"ep1/plain", "ep1_forced/plain_forced"}
+
+
+# -- Hugging Face MoE models: routers are dense, experts split over ep (issue 36) ----------------------------
+
+HF_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+
+
+def _hf_moe(kind, experts=4, hidden=64, seed=0):
+    """A tiny Hugging Face MoE causal LM of ``kind`` (built from a config, nothing downloads), its matrices drawn
+    from ``seed`` (routers too: some initialise them to zeros, which ties every routing decision)."""
+    transformers = pytest.importorskip("transformers")
+    base = dict(vocab_size=97, hidden_size=hidden, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2)
+    torch.manual_seed(seed)
+    if kind == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**base, num_local_experts=experts))
+    elif kind == "qwen2_moe":
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **base, num_experts=experts, moe_intermediate_size=32, shared_expert_intermediate_size=32))
+    elif kind == "qwen3_moe":
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**base, num_experts=experts,
+                                                                             moe_intermediate_size=32))
+    else:
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            **base, n_routed_experts=experts, moe_intermediate_size=32, n_group=1, topk_group=1,
+            first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=16))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+def _routers(model):
+    return [n for n, m in model.named_modules() if n.endswith("mlp.gate") and hasattr(m, "num_experts")]
+
+
+@pytest.mark.parametrize("kind", HF_MOE)
+def test_hf_routers_are_dense_and_the_documented_rules_plan(kind):
+    """Issue 36: MixtralTopKRouter & co. (num_experts, an [E, H] weight) were taken for expert modules: the
+    documented dense rule P(("dp", "ep")) was refused for them with a fix that then failed at run time."""
+    model = _hf_moe(kind)
+    routers = _routers(model)
+    assert len(routers) == 2
+    mesh = sp.Mesh(dp=2, ep=2)
+    rules = [(r".*experts\.(gate_up|down)_proj", sp.P(("ep", "dp"))), (r".*", sp.P(("dp", "ep")))]
+    plan = sp.plan(model, rules, mesh)
+    assert [m.path for m in plan.expert_modules] == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    for r in routers:
+        w = plan.param(r + ".weight")
+        assert w.compute is None and w.shape == w.global_shape == (4, 64)      # dense: whole on every rank
+        assert plan.buffers[w.buffer].axes == ("dp", "ep")                   # ZeRO over dp x ep, reduced over both
+    up = plan.param("model.layers.0.mlp.experts.gate_up_proj")
+    assert up.global_shape == (4, 64, 64) and up.shape == (2, 64, 64) and up.tp_axis == "ep"
+    # the router may be replicated too, or carry ep first in its spec: for it ep is a data axis either way
+    for spec in (sp.P(), sp.P(("ep", "dp"))):
+        alt = sp.plan(model, [(r".*mlp\.gate\.weight", spec)] + rules, mesh)
+        assert [m.path for m in alt.expert_modules] == [m.path for m in plan.expert_modules]
+        assert alt.param(routers[0] + ".weight").compute is None
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_hf_experts_that_do_not_divide_over_ep_say_so(kind):
+    """ep=3 with 8 experts: the experts do not divide (it used to suggest swapping the router's axes)."""
+    model = _hf_moe(kind, experts=8)
+    rules = [(r".*experts\.(gate_up|down)_proj", sp.P(("ep", "dp"))), (r".*", sp.P(("dp", "ep")))]
+    with pytest.raises(sp.SpecError, match=r"experts\.gate_up_proj.*8 experts, which do not divide over expert axis "
+                                           r"'ep' of size 3.*\[1, 2, 4, 8\]") as exc:
+        sp.plan(model, rules, sp.Mesh(dp=2, ep=3))
+    assert "must come first" not in str(exc.value) and "mlp.gate'" not in str(exc.value)
+    with pytest.raises(sp.SpecError, match=r"auto_rules.*experts\.gate_up_proj.*8 experts.*do not divide.*size 3"
+                                           r".*\[1, 2, 4, 8\]"):
+        sp.auto_rules(model, sp.Mesh(dp=2, ep=3), min_shard_bytes=0)
+
+
+def test_hf_auto_rules_keep_a_1_mib_router_dense():
+    """auto_rules split routers over ep on their own once they reached min_shard_bytes (1 MiB: 64 experts x
+    4096 hidden in fp32), which made the CLI write unrunnable plans for such configs."""
+    with torch.device("meta"):
+        model = _hf_moe("qwen3_moe", experts=64, hidden=4096)
+    mesh = sp.Mesh(dp=2, ep=2)
+    rules = sp.auto_rules(model, mesh)
+    specs = sp.match(rules, model, mesh=mesh)
+    for r in _routers(model):
+        assert model.get_submodule(r).weight.numel() * 4 == 2 ** 20                 # at the threshold: sharded
+        assert specs[r + ".weight"] == sp.P(("dp", "ep"))                           # ... as a dense parameter
+    assert specs["model.layers.0.mlp.experts.gate_up_proj"] == sp.P(("ep", "dp"))
+    plan = sp.plan(model, rules, mesh)
+    assert [m.path for m in plan.expert_modules] == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    assert plan.param("model.layers.0.mlp.gate.weight").compute is None
+
+
+def test_hf_expert_all_to_all_bytes_count_the_experts_only():
+    """Traced, the routers' calls were counted as all-to-alls too (1.5x the bytes at top-2). Hand count: 2 layers
+    x 4 all-to-alls x 32 tokens x top-2 x 64 wide x bf16, half of it leaves the rank (ep=2)."""
+    model = _hf_moe("mixtral")
+    x = torch.randint(0, 97, (2, 16))
+    rules = [(r".*experts\.(gate_up|down)_proj", sp.P(("ep", "dp"))), (r".*", sp.P(("dp", "ep")))]
+    plan = sp.plan(model, rules, sp.Mesh(dp=2, ep=2), trace=(x,), compute_dtype="bf16")
+    assert plan.comm_bytes()["expert_parallel"] == 2 * 4 * 32 * 2 * 64 * 2 // 2
+    a2a = [o for o in plan.ops() if o.kind == "all_to_all"]
+    assert len(a2a) == 8 and {o.at for o in a2a} == {f"model.layers.{i}.mlp.experts" for i in range(2)}
+
+
+def _hf_auto_step(rank, world, kinds, meshes):
+    """Each model on each mesh under auto_rules (a small min_shard_bytes, so that routers and experts both
+    cross it, as they do at the default 1 MiB on real configs): two SGD steps, the losses and the full
+    parameters against one process's; the ops recorded against the plan's."""
+    import copy
+    out = []
+    for kind in kinds:
+        for text in meshes:
+            mesh = sp.Mesh.parse(text)
+            model = _hf_moe(kind)
+            ref = copy.deepcopy(model)
+            rules = sp.auto_rules(model, mesh, min_shard_bytes=1024)
+            plan = sp.plan(model, rules, mesh, min_unit_bytes=0)
+            routers = {r + ".weight": (rules.find(r + ".weight").spec != sp.P(), plan.param(r + ".weight").compute)
+                       for r in _routers(model)}   # [Note: a P does not survive pickling: plain values back]
+            sp.shard(model, plan)
+            opt = torch.optim.SGD(model.parameters(), lr=0.5)
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+            g = torch.Generator().manual_seed(1)
+            losses, ref_losses = [], []
+            for _ in range(2):
+                x = torch.randint(0, 97, (8, 12), generator=g)
+                xs = x.chunk(plan.data_size)[plan.data_index(rank)]
+                loss = model(input_ids=xs, labels=xs).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                t = loss.detach().clone()
+                torch.distributed.all_reduce(t)
+                losses.append(t.item() / world)
+                r = ref(input_ids=x, labels=x).loss
+                r.backward()
+                ref_opt.step()
+                ref_opt.zero_grad()
+                ref_losses.append(r.item())
+            with sp.record_ops(model) as ops:
+                model(input_ids=xs, labels=xs).loss.backward()
+            recorded = (ops == list(plan.ops()), sum(o.kind == "all_to_all" for o in ops))
+            full = sp.full_state_dict(model)
+            diff = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()) if rank == 0 \
+                else 0.0
+            experts = [m.path for m in plan.expert_modules]
+            out.append((kind, text, losses, ref_losses, diff, recorded, routers, experts))
+    return out
+
+
+def _check_hf_auto(results):
+    for kind, text, losses, ref_losses, diff, (same, n), routers, experts in results:
+        where = (kind, text)
+        assert experts == [f"model.layers.{i}.mlp.experts" for i in range(2)], where
+        assert routers and all(sharded and compute is None for sharded, compute in routers.values()), where
+        assert losses == pytest.approx(ref_losses, abs=1e-5), where
+        assert diff < 1e-5, where
+        assert same and n == 2 * 4, where     # 2 layers x (dispatch, combine) x (forward, backward)
+
+
+@pytest.mark.timeout(400)
+def test_hf_auto_rules_train_at_dp2_ep2_like_one_process():
+    """Mixtral and Qwen3-MoE under auto_rules on Mesh(dp=2, ep=2): the routers sharded as dense parameters, the
+    experts split over ep, Hugging Face's experts modules dispatching their tokens; the same losses and
+    parameters as one process after two SGD steps."""
+    for results in run(_hf_auto_step, 4, ["mixtral", "qwen3_moe"], ["dp=2,ep=2"], timeout=380):
+        _check_hf_auto(results)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_hf_auto_rules_train_at_ep2_like_one_process():
+    """Qwen2-MoE (a shared expert and its gate beside the routed ones) and DeepSeek-V3 (grouped routing, an
+    fp32 router with a correction bias) at 2 ranks."""
+    for results in run(_hf_auto_step, 2, ["qwen2_moe", "deepseek_v3"], ["ep=2"], timeout=380):
+        _check_hf_auto(results)

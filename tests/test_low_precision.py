@@ -4,6 +4,7 @@ and the runtime on real gloo groups (bytes sent, memory, NaN refusal, training p
 from __future__ import annotations
 
 import math
+import re
 import sys
 
 import pytest
@@ -86,6 +87,16 @@ def test_refused_combinations_name_the_fix(kw, match):
 def test_integer_compute_or_reduce_dtypes_are_refused(kw):
     """A cast of the parameters or gradients to an integer type would be a silent wrong number."""
     with pytest.raises(sp.PlanError, match="not a floating dtype"):
+        _plan(gather=None, **kw)
+
+
+@pytest.mark.parametrize("kw,fix", [(dict(reduce_dtype="float8_e5m2"), "reduce_dtype='int8'"),
+                                    (dict(reduce_dtype=torch.float8_e4m3fn), "reduce_dtype='int8'"),
+                                    (dict(compute_dtype="float8_e4m3fn"), "fp8='torchao'")])
+def test_float8_compute_or_reduce_dtypes_are_refused_at_plan_time(kw, fix):
+    """Issue 36: reduce_dtype='float8_e5m2' was planned, and the first backward failed on every rank with a
+    CollectiveError blaming mismatched schedules (no collective sums float8). Refused when planning, with the fix."""
+    with pytest.raises(sp.PlanError, match=r"is not supported.*" + re.escape(fix)):
         _plan(gather=None, **kw)
 
 

@@ -11,6 +11,7 @@ import math
 import re
 from typing import Optional, Sequence
 
+from .errors import SpecError
 from .mesh import Mesh
 from .rules import Rules, regex_list_source
 from .spec import P
@@ -145,16 +146,27 @@ def _best_dim(shape: tuple[int, ...], parts: int) -> tuple[int, str]:
 
 
 def _expert_counts(module, mesh: Mesh, axes) -> dict[str, int]:
-    """{module path: num_experts} of the expert modules whose experts divide over the mesh's ``ep`` axis
-    (when ``ep`` is one of ``axes``): their stacked weights are split by expert (expert parallelism)."""
+    """{module path: num_experts} of the expert modules (stacked per-expert matrices, not routers:
+    :func:`shardplan.plan.expert_parallel.expert_count`) when ``ep`` is one of ``axes``: their stacked
+    weights are split by expert (expert parallelism)."""
+    from .plan.expert_parallel import expert_count
     if module is None or "ep" not in axes:
         return {}
     out = {}
     for path, mod in module.named_modules():
-        n = getattr(mod, "num_experts", None)
-        if isinstance(n, int) and not isinstance(n, bool) and n > 0 and n % mesh.axis_size("ep") == 0:
+        n = expert_count(mod)
+        if n is not None:
             out[path] = n
     return out
+
+
+def _check_experts_divide(name: str, path: str, n: int, mesh: Mesh) -> None:
+    size = mesh.axis_size("ep")
+    if n % size:
+        fits = [s for s in range(1, n + 1) if n % s == 0]
+        raise SpecError(f"auto_rules: parameter {name!r} stacks the {n} experts of module {path!r}, which do not "
+                        f"divide over expert axis 'ep' of size {size}; use an ep size in {fits} (e.g. Mesh(dp=..., "
+                        f"ep={max(s for s in fits if s <= size)})), or name no 'ep' axis in the mesh")
 
 
 def _expert_spec(shape: tuple[int, ...], mesh: Mesh, axes) -> P:
@@ -206,7 +218,9 @@ def auto_rules(model_or_tree, mesh: Mesh, *, min_shard_bytes: int = 2 ** 20,
         if not info.shape or nbytes < min_shard_bytes:
             named.append((info.name, P()))
             continue
-        if experts.get(info.name.rpartition(".")[0]) == info.shape[0]:
+        path = info.name.rpartition(".")[0]
+        if experts.get(path) == info.shape[0]:
+            _check_experts_divide(info.name, path, info.shape[0], mesh)
             named.append((info.name, _expert_spec(info.shape, mesh, axes)))
             continue
         d, reason = _best_dim(info.shape, parts)

@@ -172,6 +172,16 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
             hint = (" or 'int8' (a quantized reduction); quantized gathers: gather_dtype='int8'"
                     if what == "reduce_dtype" else "")
             raise PlanError(f"{what}={name!r} is not a floating dtype; use e.g. 'bfloat16' or 'float32'{hint}")
+        if name is not None and not (what == "reduce_dtype" and reduce_quant) and itemsize(name) < 2:
+            # [Note: sub-16-bit floats] a float8 reduction would sum float8 values on the wire (gloo and NCCL have no
+            # float8 sum: the first backward fails on every rank), and float8 compute needs scaled matmuls
+            hint = ("a quantized reduction: reduce_dtype='int8' (block-scaled, summed in fp32), or 'bfloat16'"
+                    if what == "reduce_dtype" else
+                    "FP8 compute: fp8='torchao' (float8 matmuls with scales); float8 gathers: "
+                    "gather_dtype='float8_e4m3fn'; or compute_dtype='bfloat16'")
+            raise PlanError(f"{what}={name!r} is not supported: shardplan has no {name} "
+                            f"{'gradient reduction' if what == 'reduce_dtype' else 'compute'} "
+                            f"(docs/low_precision.md, 'Not yet'); use {hint}")
     compute_axes = tp.as_compute_axes(compute_axes, mesh)
     gather_option = lowp.as_option(gather_dtype)
     fp8_option = F8.as_option(fp8)

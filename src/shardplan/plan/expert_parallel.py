@@ -2,9 +2,11 @@
 token traffic (all-to-all) that implies. Pure functions; the runtime moves the tokens
 (:mod:`shardplan.runtime.expert_parallel`).
 
-An *expert module* stacks its experts' weights on dim 0 and says how many it has in an integer attribute
-``num_experts`` (torchtitan's ``GroupedExperts``, Hugging Face's ``MixtralExperts`` / Qwen-MoE experts,
-examples/moe.py). A rule whose spec puts the expert axis first in dim 0 of such a weight,
+An *expert module* stacks its experts' weights on dim 0 (``[num_experts, ...]`` matrices) and says how many
+it has in an integer attribute ``num_experts`` (torchtitan's ``GroupedExperts``, Hugging Face's
+``MixtralExperts`` / Qwen-MoE / DeepSeek-V3 experts, examples/moe.py); a router, with ``num_experts`` and an
+``[num_experts, hidden]`` weight, is not one (:func:`expert_count`). A rule whose spec puts the expert axis
+first in dim 0 of such a weight,
 
 >>> rules = [(r".*experts\\.w\\d", P(("ep", "dp"), None, None)), (r".*", P(("dp", "ep")))]
 
@@ -82,6 +84,26 @@ def _num_experts(mod) -> Optional[int]:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
+def expert_count(mod) -> Optional[int]:
+    """``num_experts`` of an *expert module*: an integer ``num_experts`` and at least one parameter of its own
+    that stacks one matrix per expert (``[num_experts, ...]``, 3 or more dimensions), which tokens are
+    dispatched to. ``None`` for anything else.
+
+    [Note: routers are dense] A router also says ``num_experts`` and holds an ``[num_experts, hidden]`` weight
+    (Hugging Face's ``MixtralTopKRouter``, ``Qwen2MoeTopKRouter``, ``Qwen3MoeTopKRouter``,
+    ``DeepseekV3TopkRouter``), but every token multiplies all of its rows (one logit per expert): it is a
+    dense parameter, replicated or ZeRO-sharded like a Linear's weight, and the expert axis is a data axis for
+    it. Splitting it by expert would give each rank the logits of its own experts only. Per-expert biases
+    (``[num_experts, out]``) of an expert module are expert weights with the matrices they belong to."""
+    n = _num_experts(mod)
+    if n is None:
+        return None
+    for p in mod.parameters(recurse=False):
+        if p.dim() >= 3 and p.shape[0] == n:
+            return n
+    return None
+
+
 def resolve(module, names_specs: list[tuple[Any, P, str]], axes: tuple[str, ...], mesh: Mesh
             ) -> tuple[dict[str, Compute], tuple[ExpertModule, ...]]:
     """Per expert-sharded parameter its ``Compute`` (dim 0 over the expert axis), and the expert modules.
@@ -97,7 +119,7 @@ def resolve(module, names_specs: list[tuple[Any, P, str]], axes: tuple[str, ...]
     for info, spec, rule in names_specs:
         dims = [d for d in range(len(spec)) if axis in spec.dim_axes(d)]
         path, _, attr = info.name.rpartition(".")
-        n = _num_experts(mods.get(path))
+        n = expert_count(mods[path]) if path in mods else None
         expert = n is not None and len(info.shape) >= 1 and info.shape[0] == n
         where = f"parameter {info.name!r} (shape {tuple(info.shape)}, spec {spec!r}, rule {rule})"
         if expert:
@@ -128,7 +150,7 @@ def resolve(module, names_specs: list[tuple[Any, P, str]], axes: tuple[str, ...]
             raise SpecError(f"module {path!r} stacks experts in {sorted(split)} split over {axis!r} and in {rest} not: "
                             f"its experts must be split alike; give {rest} a spec with {axis!r} first in dimension 0")
         if split:
-            experts.append(ExpertModule(path, axis, mesh.axis_size(axis), _num_experts(mods[path])))
+            experts.append(ExpertModule(path, axis, mesh.axis_size(axis), expert_count(mods[path])))
     return out, tuple(experts)
 
 

@@ -181,7 +181,51 @@ def install(module: nn.Module, plan, groups, exe=None) -> None:
         mod = module.get_submodule(m.path)
         eg = mod.__dict__[ATTR] = ExpertGroup(groups.axis(m.axis), m.num_experts, ops, engine)
         if eg.group.size > 1:
+            if is_hf_experts(mod) and not getattr(mod.forward, "_shardplan_ep_guard", False):
+                _hf_dispatching(mod)
             _guard(mod, m.path, m.axis, eg)
+
+
+def is_hf_experts(mod: nn.Module) -> bool:
+    """A Hugging Face experts module (transformers 5's ``@use_experts_implementation`` classes:
+    ``MixtralExperts``, ``Qwen2MoeExperts``, ``Qwen3MoeExperts``, ``DeepseekV3Experts``, ...): stacked
+    ``gate_up_proj`` (or ``up_proj``) ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]``, called as
+    ``experts(hidden_states [N, H], top_k_index [N, k], top_k_weights [N, k]) -> [N, H]``."""
+    return (type(mod).__module__.startswith("transformers.") and callable(getattr(mod, "_apply_gate", None))
+            and all(hasattr(mod, a) for a in ("has_gate", "has_bias", "is_transposed", "down_proj")))
+
+
+def _hf_linear(mod: nn.Module, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
+    w = getattr(mod, name)[e]
+    b = getattr(mod, name + "_bias")[e] if mod.has_bias else None
+    if mod.is_transposed:   # [in, out]
+        return x @ w + b if b is not None else x @ w
+    return torch.nn.functional.linear(x, w, b)
+
+
+def _hf_dispatching(mod: nn.Module) -> None:
+    """Give a Hugging Face experts module split over ``ep`` a forward that computes what its own does (the
+    eager loop: each expert's gated MLP on its tokens, weighted by the router's ``top_k_weights``, summed over
+    the top-k) with its tokens sent to the ranks holding their experts: :func:`dispatch`, this rank's
+    experts over the rows it received, :func:`combine`. [Note: its own forward indexes the stacked weights
+    by global expert id, and this rank holds ``num_experts / ep`` of them; Hugging Face's own expert
+    parallelism (``_is_expert_parallel``, DTensor tensor-parallel plans) is not used. Local experts run one
+    after another (the ``eager`` implementation's order of work), whatever ``config._experts_implementation``
+    says.]"""
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        routed = dispatch(mod, hidden_states, top_k_index)
+        outs = []
+        for e, rows in enumerate(routed.tokens.split(routed.counts)):
+            h = _hf_linear(mod, rows, "gate_up_proj" if mod.has_gate else "up_proj", e)
+            h = mod._apply_gate(h) if mod.has_gate else mod.act_fn(h)
+            h = _hf_linear(mod, h, "down_proj", e)
+            if getattr(mod, "has_post_expert_norm", False):
+                h = mod.post_expert_norm(h)
+            outs.append(h)
+        y = combine(routed, torch.cat(outs))                                    # [N, k, H]
+        return (y * top_k_weights.unsqueeze(-1)).sum(1).to(hidden_states.dtype)
+
+    mod.forward = forward
 
 
 def _guard(mod: nn.Module, path: str, axis: str, eg: ExpertGroup) -> None:
@@ -197,7 +241,7 @@ def _guard(mod: nn.Module, path: str, axis: str, eg: ExpertGroup) -> None:
         return (f"expert module {path!r} ({type(mod).__name__}) has its {eg.num_experts} experts split over "
                 f"{axis!r} ({eg.local_experts} per rank), but its forward ran without calling "
                 f"shardplan.expert_parallel.dispatch: it would compute with this rank's experts as if they were all "
-                f"of them (Hugging Face MoE modules' own forwards do). Fix: keep {axis!r} out of dim 0 of its "
+                f"of them. Fix: keep {axis!r} out of dim 0 of its "
                 f"weights' specs (e.g. P('dp', None, None): experts gathered like any parameter), or make its "
                 f"forward call sp.expert_parallel.dispatch / combine (docs/expert_parallel.md)")
 
