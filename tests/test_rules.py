@@ -120,3 +120,11 @@ def test_match_speed_path_is_correct_with_groups():
     assert rules.find("a.3").index == 0 and rules.find("b.x").index == 1 and rules.find("c").index == 2
     back = Rules([(r"(a)\1", P()), (r".*", P("dp"))])  # backreference: falls back to one regex per rule
     assert back.find("aa").index == 0 and back.find("ab").index == 1
+
+
+def test_specs_survive_pickle_and_copy():
+    import copy
+    import pickle
+    for spec in (sp.P(), sp.P("dp"), sp.P(("dp", "ep")), sp.P(None, ("tp", "dp"), "cp")):
+        assert pickle.loads(pickle.dumps(spec)) == spec
+        assert copy.deepcopy(spec) == spec

@@ -54,6 +54,9 @@ class P(tuple):
     def __repr__(self) -> str:
         return "P(" + ", ".join(map(repr, self)) + ")"
 
+    def __getnewargs__(self) -> tuple:  # pickle and copy rebuild P(*entries), not P(entries)
+        return tuple(self)
+
     def __eq__(self, other) -> bool:  # P("dp") == P("dp", None) because both normalise alike
         return isinstance(other, P) and tuple.__eq__(self, other)
 
