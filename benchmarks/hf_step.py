@@ -3,6 +3,7 @@
 
     python benchmarks/hf_step.py --batch 4 --seq 2048 --out hf_llama.json          # one GPU
     python benchmarks/hf_step.py --tiny --steps 2 --rounds 1                        # CPU, a smoke run
+    python benchmarks/hf_step.py --systems unsharded,unsharded_captured,shardplan,shardplan_captured,fsdp2,fsdp2_compile
 
 Each system builds the model from the same seed, wraps every decoder layer as a unit (shardplan:
 ``units=[r"model\\.layers\\.\\d+"]``; FSDP2: ``fully_shard`` per layer, then the root), trains with bf16
@@ -44,39 +45,61 @@ def build(args, dev):
 
 
 def make(name, args, dev, world):
+    """``(step(x) -> loss, info)``: one training step of system ``name`` (``*_captured``: the step captured once
+    with ``sp.capture`` and replayed, over a capturable AdamW; ``unsharded``: the model alone, under autocast)."""
+    base, _, mode = name.partition("_")
+    captured = mode == "captured"
     model = build(args, dev)
     dt = torch.bfloat16 if args.dtype == "bf16" else None
     info = {}
-    if name == "shardplan":
+    ctx = contextlib.nullcontext
+    if base == "shardplan":
         plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[r"model\.layers\.\d+"],
                        compute_dtype=dt, reduce_dtype=torch.float32 if dt else None)
         sp.shard(model, plan)
         info.update(units=len(plan.units), plan_peak=plan.memory().peak)
-    elif name == "fsdp2":
+    elif base == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=dt, reduce_dtype=torch.float32) if dt else MixedPrecisionPolicy()
+        if mode == "compile":  # each decoder layer compiled, before sharding (torchtitan's order)
+            for layer in model.model.layers:
+                layer.compile()
         for layer in model.model.layers:
             fully_shard(layer, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
+    elif base == "unsharded":
+        if world > 1:
+            raise SystemExit("unsharded runs at world 1 only")
+        if dt:  # autocast's cast cache cannot outlive a step that is replayed
+            ctx = lambda: torch.autocast(dev.type, dtype=dt, cache_enabled=not captured)  # noqa: E731
     else:
         raise SystemExit(f"unknown system {name}")
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True), info
+    if captured:
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-4, device=dev), foreach=True, capturable=True)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+
+    def step(x):
+        with ctx():
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return (sp.capture(step) if captured else step), info
 
 
-def run(model, opt, data, dev):
+def run(step, data, dev):
     times, losses = [], []
     for x in data:
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = step(x)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
-        losses.append(loss.detach().float().item())
+        losses.append(loss.float().item())
     return times, losses
 
 
@@ -110,8 +133,8 @@ def main():
                 torch.cuda.reset_peak_memory_stats()
             snap = cuda and args.snapshot and k == args.rounds - 1
             with _memsnap.recording() if snap else contextlib.nullcontext():
-                model, opt, info = make(s, args, dev, world)
-                times, losses = run(model, opt, data, dev)
+                step, info = make(s, args, dev, world)
+                times, losses = run(step, data, dev)
                 if snap:
                     res[s]["live_at_peak"] = _memsnap.live_at_peak(torch.cuda.memory._snapshot())
             r = res[s]
@@ -121,7 +144,7 @@ def main():
             if cuda:
                 r["peak"].append(torch.cuda.max_memory_allocated())
                 r["requested"].append(torch.cuda.memory_stats()["requested_bytes.all.peak"])
-            del model, opt
+            del step
     out = {"model": "HF LlamaForCausalLM, Llama-3.2-1B shapes" + (" (tiny)" if args.tiny else ""),
            "world": world, "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "torch": torch.__version__,
            "device": torch.cuda.get_device_name() if cuda else "cpu", "systems": {}}
@@ -130,6 +153,10 @@ def main():
                              "peak_gib": max(r["peak"]) / 2**30 if r["peak"] else None,
                              "peak_requested_gib": max(r["requested"]) / 2**30 if r["requested"] else None,
                              "losses": r["losses"], **{k: r[k] for k in ("units", "plan_peak", "live_at_peak") if k in r}}
+    for ref in ("fsdp2", "unsharded"):  # every system's step time against the references that ran
+        if ref in out["systems"]:
+            out[f"x_{ref}"] = {k: v["median_step_ms"] / out["systems"][ref]["median_step_ms"]
+                               for k, v in out["systems"].items()}
     if "shardplan" in res and "fsdp2" in res:
         a, b = out["systems"]["shardplan"], out["systems"]["fsdp2"]
         out["shardplan/fsdp2"] = {"step": a["median_step_ms"] / b["median_step_ms"],
