@@ -5,7 +5,10 @@ GPU behaviour is checked by benchmarks/gpu_check.py and the benchmarks, not here
 import os
 import sys
 
-os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# SHARDPLAN_TEST_GPU=1 keeps the GPU visible for the tests marked ``cuda`` (run on a GPU machine:
+# SHARDPLAN_TEST_GPU=1 python -m pytest -m cuda tests); every other test stays on the CPU either way.
+if os.environ.get("SHARDPLAN_TEST_GPU") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 # [Note: the checkout under test] The tests import this checkout's src/, even where another copy of
 # shardplan is installed (an editable install of another worktree, a wheel): sys.path for this process
