@@ -126,6 +126,7 @@ class FlowCheck(TorchFunctionMode):
         self.through_attention = through_attention
         self.marks = WeakIdKeyDictionary()
         self.stack: list[str] = [""]
+        self.live = True
 
     # -- marks ---------------------------------------------------------------------------------------------
     def mark(self, t, m: Optional[Mark]) -> None:
@@ -161,11 +162,14 @@ class FlowCheck(TorchFunctionMode):
 
         def enter(path):
             def hook(_m, _args):
-                self.stack.append(path)
+                if self.live:
+                    self.stack.append(path)
             return hook
 
         def leave(path):
             def hook(_m, args, out):
+                if not self.live:
+                    return
                 if self.stack and self.stack[-1] == path:
                     self.stack.pop()
                 if path in self.colwise or path in self.rowwise:
@@ -176,10 +180,7 @@ class FlowCheck(TorchFunctionMode):
                         if isinstance(t, torch.Tensor) and t.ndim:
                             self.mark(t, Mark(t.ndim - 1, path, axis, size))
                 if path == "" and root_output:
-                    try:
-                        self.check_output(out)
-                    except _Refused as exc:
-                        raise exc.error from None
+                    self.check_root_output(out)
             return hook
 
         for path, mod in model.named_modules():
@@ -197,6 +198,13 @@ class FlowCheck(TorchFunctionMode):
         for m in self.of(x):
             if m.source == SEQUENCE and m.dim < o.ndim - 1 and m.dim < x.ndim and o.shape[m.dim] == x.shape[m.dim]:
                 self.mark(o, m)
+
+    def check_root_output(self, out) -> None:
+        """No column-parallel piece may leave the model (raises the error itself)."""
+        try:
+            self.check_output(out)
+        except _Refused as exc:
+            raise exc.error from None
 
     def check_output(self, out) -> None:
         leaves = tree_leaves(out)
@@ -342,6 +350,20 @@ class FlowCheck(TorchFunctionMode):
                 self.refuse(m, "is normalised over its split dimension", name)
             for o in outs:
                 carry(o, m.dim if o.shape == x.shape else None)
+            return
+        if name == "multi_head_attention_forward":  # nn.MultiheadAttention: [seq, batch, embed] (or unbatched)
+            key = args[1] if len(args) > 1 else kwargs.get("key")
+            if x is key or x is (args[2] if len(args) > 2 else kwargs.get("value")):
+                if m.dim == 0:
+                    self.refuse(m, "holds the keys and values attended over", name,
+                                ATTENTION_FIX if seq else "")
+                if m.dim == x.ndim - 1:
+                    self.refuse(m, "is contracted (the embedding)", name)
+            elif x is args[0] and m.dim == x.ndim - 1:
+                self.refuse(m, "is contracted (the embedding)", name)
+            o = outs[0] if outs else None
+            if o is not None and x is args[0] and m.dim < x.ndim - 1:
+                carry(o, m.dim)
             return
         if name in _MATMUL or name in ("linear", "einsum", "scaled_dot_product_attention", "bilinear"):
             return self._contract(name, args, kwargs, outs, marked)

@@ -38,6 +38,10 @@ def install(module, plan, active_tp) -> list:
 
     @torch._dynamo.disable
     def before(_mod, args, kwargs):
+        if state.get("done"):  # (hooks are removed here, not while the module iterates over them)
+            for h in state.pop("hooks", []) + handles:
+                h.remove()
+            return None
         if state:
             return None
         g = active()
@@ -50,20 +54,18 @@ def install(module, plan, active_tp) -> list:
         return None
 
     @torch._dynamo.disable
-    def after(_mod, _args, _kwargs, _out):
+    def after(_mod, _args, _kwargs, out):
         mode = state.get("mode")
         if mode is None or state.get("done"):
             return None
         state["done"] = True
         mode.__exit__(None, None, None)
-        for h in state.pop("hooks"):
-            h.remove()
-        for h in handles:
-            h.remove()
+        mode.live = False  # its hooks stay until the next forward (removed there), doing nothing
+        mode.check_root_output(out)
         return None
 
-    # [Note: the root's output is checked by the mode's own root hook, registered after this one's entry;
-    # this exit hook is registered first so that it runs last, and always (a refusal raises mid-forward)]
+    # [Note: the exit hook runs always (a refusal raises mid-forward: always_call), and checks the root's output
+    # itself: the mode's own hooks, registered at the first forward, run after it]
     handles = [module.register_forward_pre_hook(before, with_kwargs=True, prepend=True),
                module.register_forward_hook(after, with_kwargs=True, always_call=True)]
     return handles
