@@ -81,6 +81,7 @@ _JOIN = {"cat", "concat", "concatenate", "stack"}
 _LOSS = {"cross_entropy", "nll_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits", "mse_loss",
          "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div", "poisson_nll_loss", "soft_margin_loss",
          "multilabel_soft_margin_loss", "multi_margin_loss", "gaussian_nll_loss"}
+_BEFORE = {"multi_head_attention_forward", "scaled_dot_product_attention"}
 _NORM = {"layer_norm", "rms_norm", "group_norm", "batch_norm", "instance_norm", "normalize", "local_response_norm"}
 
 
@@ -96,10 +97,15 @@ def _plain(t) -> bool:
 def reshaped(d: int, shape_in, shape_out) -> Optional[int]:
     """The dimension of a reshape's output holding the outermost part of input dimension ``d`` (a split
     keeps the outer factor split: whole heads; a merge keeps the merged dimension split)."""
+    if tuple(shape_in) == tuple(shape_out):
+        return d
     if math.prod(shape_in) != math.prod(shape_out):
         return None
     outer = math.prod(shape_in[d:])
-    for e in range(len(shape_out)):
+    for e in range(len(shape_out)):  # a split keeps its outer factor split (of size 1 too: one head per rank)
+        if math.prod(shape_out[e:]) == outer:
+            return e
+    for e in range(len(shape_out)):  # a merge: the merged dimension
         lo, hi = math.prod(shape_out[e + 1:]), math.prod(shape_out[e:])
         if lo < outer <= hi:
             return e
@@ -237,13 +243,16 @@ class FlowCheck(TorchFunctionMode):
     # -- the mode ------------------------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        name = getattr(func, "__name__", "") if self.marks else ""
+        marked = [(t, m) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) for m in self.of(t)] \
+            if name and name != "__get__" else []
+        if name in _BEFORE:  # refused before it runs (whatever it calls inside would refuse otherwise)
+            self._rules(name, args, kwargs, None, marked)
         out = func(*args, **kwargs)
-        if not self.marks:
-            return out
-        name = getattr(func, "__name__", "")
-        if name == "__get__" or name.startswith("_has") or name in ("size", "dim", "numel", "__len__", "__format__"):
-            return out
-        marked = [(t, m) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) for m in self.of(t)]
+        self._rules(name, args, kwargs, out, marked)
+        return out
+
+    def _rules(self, name, args, kwargs, out, marked) -> None:
         for pair in marked:
             try:
                 self.rule(name, args, kwargs, out, [pair])
@@ -251,7 +260,6 @@ class FlowCheck(TorchFunctionMode):
                 if isinstance(exc, _Refused):
                     raise exc.error from None
                 # an argument form the rules do not know: the mark is dropped rather than the step failed
-        return out
 
     def rule(self, name: str, args, kwargs, out, marked) -> None:
         seq = marked[0][1].source == SEQUENCE
@@ -273,6 +281,16 @@ class FlowCheck(TorchFunctionMode):
             if dim is not None:
                 self.mark(t, mark.at(dim))
 
+        if name in ("unsqueeze", "squeeze"):
+            for o in outs:
+                if name == "unsqueeze":
+                    k = _dim(int(dim_arg(1)), o.ndim)
+                    carry(o, m.dim + (k <= m.dim))
+                else:
+                    d = dim_arg(1)
+                    gone = [i for i in (dims_of(d, x.ndim) if d is not None else range(x.ndim)) if x.shape[i] == 1]
+                    carry(o, None if m.dim in gone else m.dim - sum(1 for i in gone if i < m.dim))
+            return
         if name in _CARRY:
             for o in outs:
                 if name in ("view", "reshape") and not seq:
