@@ -39,7 +39,7 @@ def install(module, plan, active_tp) -> list:
     @torch._dynamo.disable
     def before(_mod, args, kwargs):
         if state.get("done"):  # (hooks are removed here, not while the module iterates over them)
-            for h in state.pop("hooks", []) + handles:
+            for h in list(handles):
                 h.remove()
             return None
         if state:
@@ -49,6 +49,7 @@ def install(module, plan, active_tp) -> list:
                          g.size if check_cp and g is not None else 1)
         mode.mark_inputs(args, kwargs)
         state["hooks"] = mode.hooks(module)
+        handles.extend(state["hooks"])  # (the list returned: a caller that removes it removes these too)
         state["mode"] = mode
         mode.__enter__()
         return None
