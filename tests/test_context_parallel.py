@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import sys
 
 import pytest
@@ -211,3 +212,176 @@ def test_train_gpt_example_with_cp_equals_one_process(tmp_path):
     from example_runs import losses
     one = losses(tmp_path, 1, "examples/train_gpt.py", "--steps", "5")
     assert losses(tmp_path, 4, "examples/train_gpt.py", "--steps", "5", "--mesh", "dp=2,cp=2") == pytest.approx(one, abs=1e-5)
+
+
+# -- attention a cp plan cannot see, on models this project did not write ------------------------------------
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama(impl, seed=0):
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=72, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation=impl, use_cache=False)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+_LLAMA_RULES = [(r".*", sp.P(("dp", "cp")))]
+_LLAMA_UNITS = [r"model\.layers\.\d+"]
+
+
+def test_hf_attention_other_than_shardplan_cp_is_refused_at_plan_time():
+    x = torch.zeros(2, 8, dtype=torch.long)
+    pos = sp.context_parallel.positions(16, 2, 0)
+    for impl in ("eager", "sdpa"):
+        for trace in (None, ((), dict(input_ids=x, position_ids=pos[None]))):
+            with pytest.raises(sp.PlanError, match=rf"'<root>' \(LlamaForCausalLM\) attends with Hugging Face's "
+                                                   rf"attention '{impl}'.*attn_implementation='shardplan_cp'"):
+                sp.plan(_llama(impl), _LLAMA_RULES, sp.Mesh(dp=1, cp=2), units=_LLAMA_UNITS, trace=trace)
+        sp.plan(_llama(impl), _LLAMA_RULES, sp.Mesh(dp=2, cp=1), units=_LLAMA_UNITS)      # cp=1: nothing split
+    # a function of one's own under another name is refused too (it does not gather keys and values)
+    transformers.AttentionInterface.register("mine", transformers.AttentionInterface._global_mapping["sdpa"])
+    with pytest.raises(sp.PlanError, match=r"attention 'mine'"):
+        sp.plan(_llama("mine"), _LLAMA_RULES, sp.Mesh(dp=1, cp=2), units=_LLAMA_UNITS)
+    name = sp.context_parallel.hf_attention()
+    traced = sp.plan(_llama(name), _LLAMA_RULES, sp.Mesh(dp=1, cp=2), units=_LLAMA_UNITS, min_unit_bytes=0,
+                     trace=((), dict(input_ids=x, position_ids=pos[None])))
+    kv = [o for o in traced.ops() if o.in_module and o.axes == ("cp",)]
+    # per layer K and V of the 2 key/value heads gathered (not repeated to the 4 query heads first), 16 tokens wide 8
+    assert [o.at for o in kv[:2]] == ["model.layers.0.self_attn"] * 2 and {o.bytes for o in kv} == {2 * 2 * 16 * 8 * 4}
+    # Hugging Face's labels= shifts each rank's chunks by one, across the chunk boundaries: refused, naming the fix
+    with pytest.raises(sp.PlanError, match=r"pad in the root module.*shift_labels="):
+        sp.plan(_llama(name), _LLAMA_RULES, sp.Mesh(dp=1, cp=2), units=_LLAMA_UNITS,
+                trace=((), dict(input_ids=x, position_ids=pos[None], labels=x)))
+
+
+class _TorchEncoder(torch.nn.Module):
+    """torch's own attention (nn.TransformerEncoderLayer: matmul-softmax inside multi_head_attention_forward)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(50, 16)
+        self.layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.out = torch.nn.Linear(16, 50)
+
+    def forward(self, x):
+        return self.out(self.layer(self.emb(x)))
+
+
+class _EagerAttention(torch.nn.Module):
+    """Hand-written eager attention (what Hugging Face's 'eager' computes): matmul, softmax, matmul."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(50, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.emb(x)).chunk(3, -1)
+        w = torch.softmax(q @ k.transpose(-1, -2) / 4.0, dim=-1)
+        return w @ v
+
+
+def test_attention_the_plan_cannot_see_is_refused_at_plan_time():
+    x = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(sp.PlanError, match=r"multi_head_attention_forward in 'layer.self_attn' holds the keys.*"
+                                           r"sp.context_parallel.attention"):
+        sp.plan(_TorchEncoder(), [(r".*", sp.P("cp"))], sp.Mesh(cp=2), trace=x)
+    with pytest.raises(sp.PlanError, match=r"softmax in the root module.*sp.context_parallel.attention"):
+        sp.plan(_EagerAttention(), [(r".*", sp.P("cp"))], sp.Mesh(cp=2), trace=x)
+    sp.plan(_EagerAttention(), [(r".*", sp.P("dp"))], sp.Mesh(dp=2), trace=x)           # no cp: fine
+
+
+def _guarded_worker(rank, world):
+    """Untraced plans: what a cp plan cannot see is refused at the first step, on every rank."""
+    mesh = sp.Mesh(dp=world // 2, cp=2)
+    out = {}
+    x = torch.randint(0, 50, (world // 2 * 2, 16), generator=torch.Generator().manual_seed(0))
+    for label, model in (("encoder", _TorchEncoder()), ("eager", _EagerAttention())):
+        plan = sp.plan(model, [(r".*", sp.P(("dp", "cp")))], mesh)
+        sp.shard(model, plan)
+        xs, pos = sp.context_parallel.shard_batch(plan, rank, x)
+        try:
+            model(xs).sum().backward()
+            out[label] = "ran"
+        except sp.RuntimeShardingError as exc:
+            out[label] = str(exc)
+    name = sp.context_parallel.hf_attention()
+    model = _llama(name)
+    plan = sp.plan(model, _LLAMA_RULES, mesh, units=_LLAMA_UNITS)
+    model.set_attn_implementation("eager")          # switched after planning: shard() sees it
+    try:
+        sp.shard(model, plan)
+        out["switched"] = "ran"
+    except sp.RuntimeShardingError as exc:
+        out["switched"] = str(exc)
+    model = _llama(name)
+    sp.shard(model, sp.plan(model, _LLAMA_RULES, mesh, units=_LLAMA_UNITS))
+    ids = torch.randint(0, 97, (world // 2 * 2, 16), generator=torch.Generator().manual_seed(0))
+    xs, pos = sp.context_parallel.shard_batch(plan, rank, ids)
+    for label, kwargs in (("labels", dict(labels=xs, position_ids=pos[None])), ("no positions", {})):
+        try:
+            model(input_ids=xs, **kwargs)
+            out[label] = "ran"
+        except sp.RuntimeShardingError as exc:
+            out[label] = str(exc)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_attention_the_plan_cannot_see_is_refused_at_the_first_step():
+    for world in (2, 4):
+        for got in run(_guarded_worker, world):
+            assert re.search(r"multi_head_attention_forward in 'layer.self_attn'.*each rank holds 2 of 4 chunks",
+                             got["encoder"]), got["encoder"]
+            assert re.search(r"softmax in the root module.*sp.context_parallel.attention", got["eager"]), got["eager"]
+            assert re.search(r"attends with Hugging Face's attention 'eager'", got["switched"]), got["switched"]
+            assert re.search(r"pad in the root module.*shift_labels=", got["labels"]), got["labels"]
+            # (Hugging Face numbers the chunks 0..T/cp-1 itself when position_ids are left out)
+            assert re.search(r"got position_ids that are not this rank's positions", got["no positions"]), \
+                got["no positions"]
+
+
+def _hf_train(rank, world, text):
+    name = sp.context_parallel.hf_attention()
+    mesh = sp.Mesh.parse(text)
+    model, ref, sdpa = _llama(name), _llama("sdpa"), _llama("sdpa")
+    plan = sp.plan(model, _LLAMA_RULES, mesh, units=_LLAMA_UNITS, min_unit_bytes=0)
+    sp.shard(model, plan)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
+    g = torch.Generator().manual_seed(3)
+    losses, ref_losses = [], []
+    for _ in range(3):
+        ids = torch.randint(0, 97, (4, 16), generator=g)
+        y = torch.roll(ids, -1, 1)                          # shifted over the whole sequences, then sharded
+        xs, ys, pos = sp.context_parallel.shard_batch(plan, rank, ids, y)
+        loss = model(input_ids=xs, position_ids=pos[None], labels=ys, shift_labels=ys).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = sp.context_parallel.loss_mean(loss)
+        torch.distributed.all_reduce(t)
+        losses.append(t.item() / world)
+        with sp.context_parallel.disabled():               # Hugging Face's sdpa, plain, in the same process
+            r = ref(input_ids=ids, labels=y, shift_labels=y).loss
+        r.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(r.item())
+    # "shardplan_cp" outside context parallelism is Hugging Face's sdpa
+    with sp.context_parallel.disabled():
+        a = model_free = _llama(name)(input_ids=ids).logits
+        b = sdpa(input_ids=ids).logits
+    return losses, ref_losses, (a - b).abs().max().item(), model_free.shape
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_hf_llama_with_shardplan_cp_attention_equals_one_process():
+    for world, text in ((2, "dp=1,cp=2"), (4, "dp=2,cp=2")):
+        for losses, ref_losses, plain_diff, _ in run(_hf_train, world, text):
+            assert losses == pytest.approx(ref_losses, abs=1e-5), text
+            assert plain_diff == 0.0

@@ -190,6 +190,7 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
         lowp.refuse_reduce(level, offload, compute_axes, bool(expert_axes))
     rules = as_rules(rules)
     infos, leaves, candidates, module = collect_leaves(model_or_tree)
+    CPX.check_hf_attention(module, mesh)  # (untraced plans too: the attention's name is on the model)
     if not infos:
         raise PlanError("the model has no parameters to plan")
     found = find_units(module) if module is not None else []
@@ -333,6 +334,8 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
         traced = CPX.trace_calls(module, trace, itemsize(compute) if compute else None, mesh)
         context_calls = CPX.place(module, CPX.per_rank(traced, tp_modules, mesh), unit_plans)
         choices.append(CPX.calls_note(context_calls, mesh))
+    if trace is not None and module is not None:
+        CPX.check_flow(module, trace, mesh, tp_modules)  # what cp or a colwise output would compute per rank
     profile = None
     param_plans, units_ = tuple(params[i.name] for i in infos), tuple(unit_plans)
     if trace is not None:

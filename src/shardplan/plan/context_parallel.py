@@ -64,6 +64,48 @@ def _through_attention() -> bool:
     return False
 
 
+HF_ATTENTION = "shardplan_cp"  # runtime.context_parallel.HF_ATTENTION (the planner does not import the runtime)
+
+
+def check_hf_attention(model, mesh: Mesh, error=PlanError) -> None:
+    """Refuse a Hugging Face model (any module whose ``config`` names an ``_attn_implementation``) that
+    attends with anything but shardplan's ``"shardplan_cp"`` under ``cp > 1``: eager, sdpa, flash and flex
+    attention, and functions registered under other names, attend over this rank's chunks only. Untraced
+    plans included: the name is on the model."""
+    cp = axis_size(mesh)
+    if cp <= 1 or model is None or not hasattr(model, "named_modules"):
+        return
+    for path, mod in model.named_modules():
+        impl = getattr(getattr(mod, "config", None), "_attn_implementation", None)
+        if isinstance(impl, str) and impl != HF_ATTENTION:
+            raise error(
+                f"module {path or '<root>'!r} ({type(mod).__name__}) attends with Hugging Face's attention "
+                f"{impl!r}: under context parallelism (cp={cp}) each rank holds 2 of {2 * cp} chunks of every "
+                f"sequence, and {impl!r} would attend over those only (a wrong loss, silently). Fix: run "
+                f"sp.context_parallel.hf_attention() (it registers {HF_ATTENTION!r} with transformers' "
+                f"AttentionInterface) and build the model with attn_implementation={HF_ATTENTION!r} (or call "
+                f"model.set_attn_implementation({HF_ATTENTION!r})); pass position_ids from "
+                f"sp.context_parallel.shard_batch; or plan without the cp axis")
+
+
+def check_flow(model, trace, mesh: Mesh, tp_modules=(), error=PlanError) -> None:
+    """Run the traced forward once under :mod:`shardplan.flow`: refuse an operation that mixes the sequence
+    (``cp > 1``: eager attention's softmax over keys, a shift of the labels, ...) or a column-parallel
+    module's split features (a reduction over them, a read by anything but its row-parallel sibling)."""
+    from ..flow import check
+    from ..units import run_traced, trace_args
+    from .tensor_parallel import LINEAR
+    cp = axis_size(mesh)
+    colwise = {m.path: (m.axis, mesh.axis_size(m.axis)) for m in tp_modules
+               if m.style == "colwise" and mesh.axis_size(m.axis) > 1}
+    rowwise = {m.path: m.axis for m in tp_modules if m.style == "rowwise" and m.kind == LINEAR}
+    if cp <= 1 and not colwise:
+        return
+    args, kwargs = trace_args(trace)
+    check(model, args, kwargs, error, colwise, rowwise, cp, _through_attention,
+          run=lambda: run_traced(model, trace, {}, grad=False))
+
+
 def trace_calls(model, trace, itemsize: Optional[int], mesh: Mesh) -> tuple[AttentionCall, ...]:
     """Run the traced forward once and record every ``scaled_dot_product_attention`` call with the module
     that made it. Raises :class:`PlanError` (with ``cp > 1``) for a call context parallelism cannot run:

@@ -17,6 +17,7 @@ from ..plan import Plan
 from . import collectives as C
 from . import context_parallel as CP
 from . import expert_parallel as EP
+from . import flow_guard as FG
 from . import tensor_parallel as TP
 from . import state_dict as SD
 from .builder import ATTR as _ATTR, build, engine_of
@@ -118,6 +119,7 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     exe.handles += SD.install(module, exe, meshes)  # model.state_dict() in DTensors, as FSDP2 gives it
     EP.install(module, plan, rt.groups, exe)  # expert modules find their ep group (dispatch / combine)
     exe.handles += CP.install(plan, rt.groups, module, exe)  # context-parallel attention finds the cp group
+    exe.handles += FG.install(module, plan, TP.active_modules(plan))  # what cp or tp would compute per rank
     module.__dict__[_ATTR] = exe
     guard_apply(module)  # .to(bf16)/.half()/.cuda() from now on raise instead of detaching the shards
     if sync_buffers and rt.world > 1:

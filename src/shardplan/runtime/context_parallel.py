@@ -272,3 +272,87 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None,
         kpos = torch.cat([positions(seq, g.size, j, device=q.device) for j in range(g.size)])
         mask = kpos[None, :] <= qpos[:, None]
     return _sdpa()(q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale, **kwargs)
+
+
+# -- Hugging Face models ---------------------------------------------------------------------------------
+
+HF_ATTENTION = "shardplan_cp"  # the name shardplan's attention is registered under in Hugging Face's AttentionInterface
+
+# [Note: Hugging Face attention under cp. A transformers model picks its attention function by name
+# (config._attn_implementation) from AttentionInterface, which any library may extend. Under this name the
+# model's attention calls attention() above: keys and values gathered over cp, the causal mask of the
+# full-sequence positions. The name is not in AttentionMaskInterface, so transformers builds no mask for it
+# and passes the caller's 2-D attention_mask as is (its own masks, made from this rank's local positions,
+# would be wrong under cp). Outside context parallelism it is Hugging Face's sdpa function, and refuses what
+# sdpa would need a mask for (padding, packed position_ids), instead of attending without it.]
+
+_CHECKED = weakref.WeakValueDictionary()  # what was last found fine, by role (each layer gets the same tensors)
+
+
+def _checked(role: str, t: torch.Tensor) -> bool:
+    if _CHECKED.get(role) is t:
+        return True
+    _CHECKED[role] = t
+    return False
+
+
+def _hf_refuse(module, what: str, fix: str):
+    return RuntimeShardingError(f"Hugging Face attention {HF_ATTENTION!r} in {type(module).__name__} {what}; {fix}")
+
+
+def _hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
+                  **kwargs):
+    """The ``AttentionInterface`` function registered as ``"shardplan_cp"`` (:func:`hf_attention`)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    for key_name in ("sliding_window", "softcap", "s_aux", "sinks", "position_bias"):
+        if kwargs.get(key_name) is not None:
+            raise _hf_refuse(module, f"was given {key_name}={kwargs[key_name]!r}",
+                             "it runs plain causal (or full) attention only; train this model without the cp axis")
+    if attention_mask is not None and not (attention_mask.ndim == 2 and (_checked("mask", attention_mask)
+                                                                       or bool(attention_mask.all()))):
+        if attention_mask.ndim == 2:
+            _CHECKED.pop("mask", None)
+        raise _hf_refuse(module, f"got an attention_mask (shape {tuple(attention_mask.shape)}) that masks tokens",
+                         "context-parallel attention runs the causal mask of the full sequence only: train on unpadded "
+                         "(or packed-free) batches without attention_mask, or without the cp axis")
+    g = active()
+    position_ids = kwargs.get("position_ids")
+    if g is None and not tracing():
+        if position_ids is not None and not _checked("positions_plain", position_ids):
+            t = position_ids.shape[-1]
+            if not bool((position_ids == torch.arange(t, device=position_ids.device)).all()):
+                _CHECKED.pop("positions_plain", None)
+                raise _hf_refuse(module, "got position_ids other than 0..T-1 outside context parallelism (packed "
+                                 "sequences?)", "use attn_implementation='sdpa' for such batches")
+        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    if g is not None:
+        t = query.shape[-2]
+        if position_ids is None:
+            raise _hf_refuse(module, "got no position_ids under context parallelism",
+                             "pass position_ids=pos[None] (pos from sp.context_parallel.shard_batch): without them the "
+                             "model numbers each rank's chunks 0..T/cp-1")
+        if not _checked("positions", position_ids):
+            want = positions(t * g.size, g.size, g.group.rank, device=position_ids.device)
+            if position_ids.shape[-1] != t or not bool((position_ids == want).all()):
+                _CHECKED.pop("positions", None)
+                raise _hf_refuse(module, f"got position_ids that are not this rank's positions {want.tolist()[:8]}...",
+                                 "pass position_ids=pos[None] with pos from sp.context_parallel.shard_batch")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    extra = {"enable_gqa": True} if getattr(module, "num_key_value_groups", 1) > 1 else {}
+    out = attention(query, key, value, dropout_p=dropout, is_causal=bool(causal), scale=scaling, **extra)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def hf_attention() -> str:
+    """Register shardplan's context-parallel attention with Hugging Face's ``AttentionInterface`` and return
+    its name, ``"shardplan_cp"``: build the model with it (or switch a built one) to train it on a ``cp`` axis.
+
+    >>> cfg = transformers.LlamaConfig(..., attn_implementation=sp.context_parallel.hf_attention())
+    >>> model.set_attn_implementation(sp.context_parallel.hf_attention())   # or on a built model
+
+    Under a plan with cp > 1 it gathers keys and values over cp like :func:`attention` (pass
+    ``position_ids`` from :func:`shard_batch`; no padding mask); otherwise it is Hugging Face's ``"sdpa"``."""
+    from transformers import AttentionInterface
+    AttentionInterface.register(HF_ATTENTION, _hf_attention)
+    return HF_ATTENTION

@@ -170,6 +170,12 @@ def functional_call(module: nn.Module, plan: Plan, local_params, args=(), kwargs
     if rt.hooks is None:  # made once, registered for the call
         rt.hooks = module_hooks(module, rt.exe, rt.modules_of)
     handles = register(rt.hooks)
+    guard: list = []
+    if not getattr(rt, "flow_checked", False):  # the first call: what cp or a colwise output would compute per rank
+        from . import flow_guard as FG
+        from . import tensor_parallel as TP
+        guard = FG.install(module, plan, TP.active_modules(plan))
+        rt.flow_checked = True
     if rt.meshes:
         from . import tensor_parallel as TP
         handles += TP.install_styles(module, plan, rt.meshes, rt.exe)
@@ -181,7 +187,7 @@ def functional_call(module: nn.Module, plan: Plan, local_params, args=(), kwargs
             return torch.func.functional_call(module, dict(buffers), args, kwargs or {}, strict=False)
         return module(*args, **(kwargs or {}))  # the parameters are already the call's own (bound per unit)
     finally:
-        for h in handles:
+        for h in handles + guard:  # (guard: the check's hooks too, added during the call)
             h.remove()
         rt.face.restore()
 
