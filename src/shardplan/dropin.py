@@ -333,9 +333,11 @@ def _swap_class(module: nn.Module) -> None:
 
 
 def _ensure_compiled(module: nn.Module) -> None:
-    if _INIT_VIEWS and not _COMPILING[0]:  # the first use after to_empty: the modules get their shards back
-        _close_init_views()
     opts = module.__dict__.get(_MARK)
+    if _INIT_VIEWS[0] and opts is not None and not _COMPILING[0]:  # the first use after to_empty: the modules
+        root = opts.get("root")                                    # get their shards back
+        if root is not None and "init_views" in root.__dict__[_MARK]:
+            _close_init_view(root)
     if _COMPILING[0] or opts is None or opts.get("root") is not None or "_shardplan" in module.__dict__:
         return
     while opts.get("owner") is not None:  # see [Note: the plan compiles at first use]
@@ -455,7 +457,7 @@ def _empty_buffers(root: nn.Module, device: torch.device) -> None:
 # such DTensors, views of this rank's shards (the placements model.state_dict() gives), so that init writes
 # the shards exactly as it writes FSDP2's; the first use puts the local shards back. A DTensor an optimizer
 # was built on would train nothing: identity.check_optimizer refuses it at step().
-_INIT_VIEWS: list = []  # roots whose modules hold their init view
+_INIT_VIEWS = [0]  # how many roots' modules hold their init view (each root's list: its options' "init_views")
 
 
 def _open_init_view(root: nn.Module, eng) -> None:
@@ -474,24 +476,23 @@ def _open_init_view(root: nn.Module, eng) -> None:
             m._parameters[attr] = made[id(lp)]
             views.append((m, attr, made[id(lp)], lp))
     root.__dict__[_MARK]["init_views"] = views
-    _INIT_VIEWS.append(root)
+    _INIT_VIEWS[0] += 1
 
 
-def _close_init_views() -> None:
-    while _INIT_VIEWS:
-        root = _INIT_VIEWS.pop()
-        views = root.__dict__[_MARK].pop("init_views", [])
-        bad = [(m, attr) for m, attr, dt, lp in views if m._parameters.get(attr) is not dt
-               or (lp.numel() and dt._local_tensor.data_ptr() != lp.data_ptr())]
-        for m, attr, _, lp in views:
-            m._parameters[attr] = lp
-        if bad:
-            path = {id(m): n for n, m in root.named_modules()}
-            where = [f"{path.get(id(m), type(m).__name__)}.{attr}".lstrip(".") for m, attr in bad]
-            raise ShardingError(f"fully_shard: parameter(s) {where[:3]} were replaced between to_empty() and the "
-                                f"model's first use (an assignment module.weight = ..., or p.data = ...), so the "
-                                f"shards kept their uninitialised values. Initialise parameters in place (nn.init.*, "
-                                f"or p.copy_(value) under torch.no_grad()), as under FSDP2")
+def _close_init_view(root: nn.Module) -> None:
+    views = root.__dict__[_MARK].pop("init_views")
+    _INIT_VIEWS[0] -= 1
+    bad = [(m, attr) for m, attr, dt, lp in views if m._parameters.get(attr) is not dt
+           or (lp.numel() and dt._local_tensor.data_ptr() != lp.data_ptr())]
+    for m, attr, _, lp in views:
+        m._parameters[attr] = lp
+    if bad:
+        path = {id(m): n for n, m in root.named_modules()}
+        where = [f"{path.get(id(m), type(m).__name__)}.{attr}".lstrip(".") for m, attr in bad]
+        raise ShardingError(f"fully_shard: parameter(s) {where[:3]} were replaced between to_empty() and the "
+                            f"model's first use (an assignment module.weight = ..., or p.data = ...), so the "
+                            f"shards kept their uninitialised values. Initialise parameters in place (nn.init.*, "
+                            f"or p.copy_(value) under torch.no_grad()), as under FSDP2")
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
