@@ -26,7 +26,7 @@ from .mesh import Mesh
 from .plan import Plan, plan as make_plan
 from .plan.schedule import STRATEGIES
 from .runtime.api import engine_of, shard
-from .runtime.builder import FULLY_SHARD_MARK
+from .runtime.builder import FIRST_USE, FULLY_SHARD_MARK
 from .spec import P
 
 _MARK = FULLY_SHARD_MARK
@@ -345,6 +345,9 @@ def _ensure_compiled(module: nn.Module) -> None:
         opts = module.__dict__[_MARK]
     if opts.get("root") is None and "_shardplan" not in module.__dict__:
         _compile_root(module)
+
+
+FIRST_USE.append(_ensure_compiled)  # shardplan's functions (engine_of) on a fully_shard model are a first use
 
 
 def _compile_root(root: nn.Module, empty_on: Optional[torch.device] = None) -> None:

@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 ATTR = "_shardplan"  # module.__dict__ key of the executor shard() attaches
 FULLY_SHARD_MARK = "_shardplan_fully_shard"  # module.__dict__ key of fully_shard's options (dropin._MARK)
+FIRST_USE: list = []  # fully_shard's compile at first use, registered by dropin.py (which every mark comes from)
 _GROUPS: dict[str, tuple[object, C.Groups]] = {}
 FUNCTIONAL_ATTR = "_shardplan_functional"
 """module.__dict__ key of {plan fingerprint: the functional face's runtime of that pair} (runtime/functional.py).
@@ -76,8 +77,8 @@ def engine_of(module: nn.Module, plan: Optional[Plan] = None) -> "Executor":
         # [Note: a fully_shard model before its first use] its plan compiles at the first use (dropin.py); a
         # shardplan function (full_state_dict, checkpoint.save, ...) is a use, as FSDP2 allows them right after
         # fully_shard
-        from ..dropin import _ensure_compiled
-        _ensure_compiled(module)
+        for compile_plan in FIRST_USE:
+            compile_plan(module)
         eng = module.__dict__.get(ATTR)
         root = module.__dict__[FULLY_SHARD_MARK].get("root")
         if eng is None and root is not None and root is not module:
