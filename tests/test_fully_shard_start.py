@@ -286,6 +286,7 @@ def _start_errors(rank, world):
         m.init_weights()
     m(torch.zeros(1, 6, dtype=torch.long))
     catch("to_empty_after_use", lambda: m.to_empty(device="cpu"))
+    catch("inner_unit", lambda: sp.full_state_dict(m.layers["0"]))  # shardplan's functions take the root
     return out
 
 
@@ -300,6 +301,7 @@ def _check_torchtitan(results):
         assert "call to_empty(device=...) on the root model" in errors["block_to_empty"], errors
         assert "['output.weight']" in errors["replaced"] and "in place" in errors["replaced"], errors
         assert "to_empty" in errors["to_empty_after_use"] and "before" in errors["to_empty_after_use"], errors
+        assert "pass the root model" in errors["inner_unit"], errors
 
 
 @pytest.mark.timeout(240)
