@@ -353,8 +353,9 @@ def c_nested_and_grouped(kind, rank, world):
 
 
 def c_meta_init(kind, rank, world):
-    """torchtitan's start: fully_shard on the meta device, then the weights broadcast from rank 0 (FSDP2 needs
-    .to_empty() first; shardplan materialises the meta model itself and refuses .to_empty(), naming that)."""
+    """fully_shard on the meta device, then the weights broadcast from rank 0 (FSDP2 needs .to_empty() first;
+    shardplan takes it too, tests/test_fully_shard_start.py, or materialises the meta model itself at its first
+    use, each module by its reset_parameters(), as here)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     full = Net(seed=4).state_dict()
     with torch.device("meta"):
@@ -470,6 +471,7 @@ def _errors_worker(rank, world):
     with torch.device("meta"):
         meta = Net()
     _wrap("sp", meta)
+    meta.parameters()  # the first use materialises it (reset_parameters): to_empty comes too late now
 
     def to_empty():
         meta.to_empty(device="cpu")
@@ -518,7 +520,7 @@ def test_refusals_name_the_call():
         assert msgs["raf_before"] == [False, False, False], msgs["raf_before"]
         assert "one optimizer per fully_shard model" in msgs["mixed_state_dict"], msgs["mixed_state_dict"]
         assert "'blocks.0' already runs its own plan" in msgs["compiled_inside"], msgs["compiled_inside"]
-        assert "to_empty" in msgs["to_empty"] and "drop that call" in msgs["to_empty"], msgs["to_empty"]
+        assert "to_empty" in msgs["to_empty"] and "before the model's first use" in msgs["to_empty"], msgs["to_empty"]
         assert "copy.deepcopy of a fully_shard module" in msgs["deepcopy"] and msgs["twin"] is True, msgs
         assert "fully_shard(<the module holding it>, reshard_after_forward=False)" in msgs["refused"], msgs["refused"]
         assert msgs["same"] and msgs["params"], msgs

@@ -21,14 +21,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .errors import ShardingError
+from .errors import RuntimeShardingError, ShardingError
 from .mesh import Mesh
 from .plan import Plan, plan as make_plan
 from .plan.schedule import STRATEGIES
 from .runtime.api import engine_of, shard
+from .runtime.builder import FIRST_USE, FULLY_SHARD_MARK
 from .spec import P
 
-_MARK = "_shardplan_fully_shard"
+_MARK = FULLY_SHARD_MARK
 
 
 def plan_of(module: nn.Module) -> Plan:
@@ -113,6 +114,26 @@ class ShardPlanModule:
             if "_apply" in self.__dict__:
                 return self.__dict__["_apply"](fn, recurse)
         return super()._apply(fn, recurse)
+
+    def to_empty(self, *, device, recurse: bool = True):
+        """FSDP2's (torchtitan's) start-up: ``fully_shard`` the blocks, then the root, of a model built under
+        ``torch.device("meta")``, then ``model.to_empty(device=...)`` and the model's own initialisation
+        (``model.init_weights()``). Called on the root before its first use, it compiles the plan with this
+        rank's shards given storage on ``device`` and left uninitialised (no ``reset_parameters``), and the
+        modules hold FSDP2's DTensor parameters over those shards until the first use (see [Note: the init
+        view]), so the model's own init writes the values it writes under FSDP2."""
+        if _COMPILING[0] or _MARK not in self.__dict__ or "_shardplan" in self.__dict__ \
+                or self.__dict__[_MARK].get("root") is not None:
+            return super().to_empty(device=device, recurse=recurse)
+        owner = self
+        while owner.__dict__[_MARK].get("owner") is not None:
+            owner = owner.__dict__[_MARK]["owner"]
+        if owner is not self:
+            raise ShardingError(f"fully_shard: to_empty() on a {type(self).__name__} that another fully_shard call "
+                                f"encloses ({type(owner).__name__}); call to_empty(device=...) on the root model (the "
+                                f"module of the last fully_shard call), which gives every unit its storage")
+        _compile_root(self, empty_on=torch.device(device))
+        return self
 
     def __deepcopy__(self, memo):
         opts = self.__dict__[_MARK]
@@ -313,6 +334,10 @@ def _swap_class(module: nn.Module) -> None:
 
 def _ensure_compiled(module: nn.Module) -> None:
     opts = module.__dict__.get(_MARK)
+    if _INIT_VIEWS[0] and opts is not None and not _COMPILING[0]:  # the first use after to_empty: the modules
+        root = opts.get("root")                                    # get their shards back
+        if root is not None and "init_views" in root.__dict__[_MARK]:
+            _close_init_view(root)
     if _COMPILING[0] or opts is None or opts.get("root") is not None or "_shardplan" in module.__dict__:
         return
     while opts.get("owner") is not None:  # see [Note: the plan compiles at first use]
@@ -322,7 +347,12 @@ def _ensure_compiled(module: nn.Module) -> None:
         _compile_root(module)
 
 
-def _compile_root(root: nn.Module) -> None:
+FIRST_USE.append(_ensure_compiled)  # shardplan's functions (engine_of) on a fully_shard model are a first use
+
+
+def _compile_root(root: nn.Module, empty_on: Optional[torch.device] = None) -> None:
+    """Compile and shard ``root``'s plan. ``empty_on`` (``to_empty(device=...)`` before the first use): a meta
+    model's shards get storage on that device, uninitialised, and the init view opens."""
     opts = root.__dict__[_MARK]
     marked = [(name, m) for name, m in root.named_modules() if name and _MARK in m.__dict__]
     # a call without mp_policy has FSDP2's default policy (no mixed precision): its module computes in fp32
@@ -360,10 +390,24 @@ def _compile_root(root: nn.Module) -> None:
                  for u in p.units[1:] if u.name in dict(marked)}
         if any(f is False for f in flags.values()):
             p = p.with_reshard_after_forward(flags)
-        shard(root, p)
+        if empty_on is not None:
+            _check_empty_device(root, empty_on)
+        try:
+            shard(root, p, init_fn=_leave_uninitialised if empty_on is not None else None)
+        except RuntimeShardingError as exc:
+            if getattr(exc, "uninitialised", None) is None:
+                raise
+            kind, names = exc.uninitialised
+            raise ShardingError(
+                f"fully_shard: the model is on the meta device and {kind} (owning {names[:3]}) has no "
+                f"reset_parameters(), so its first use cannot initialise it. Use FSDP2's (torchtitan's) order: after "
+                f"the fully_shard calls, model.to_empty(device=...), then the model's own init (e.g. "
+                f"model.init_weights()), before the first use; or load weights with set_model_state_dict") from None
     finally:
         _COMPILING[0] = False
     eng = engine_of(root)
+    if empty_on is not None:
+        _empty_buffers(root, eng.device)
     eng.fsdp2_optimizer_state = True  # optimizers over it give DTensor states, as FSDP2's do
     eng.fsdp2_inputs = True  # inputs cast at every marked module, through dataclasses etc., as FSDP2 casts them
     eng.shard_used_hint = ("Use it inside its module's forward, or keep that module gathered from its forward to "
@@ -381,6 +425,77 @@ def _compile_root(root: nn.Module) -> None:
     flags = {m.__dict__[_MARK].get("sync", True) for m in _marked(root, True)}
     if len(flags) == 1:  # set_requires_gradient_sync called before the plan compiled
         eng.sync = flags.pop()
+    if empty_on is not None:
+        _open_init_view(root, eng)
+
+
+def _leave_uninitialised(module: nn.Module) -> None:
+    """``init_fn`` of ``to_empty``'s compile: storage only, as ``to_empty`` gives; the model's init follows."""
+
+
+def _check_empty_device(root: nn.Module, device: torch.device) -> None:
+    from .runtime.startup import device_for
+    if not dist.is_initialized():
+        return  # shard() raises naming the process group
+    have = device_for(root, dist.get_backend())[0]
+    if have.type != device.type or (device.index is not None and device.index != have.index):
+        raise ShardingError(f"fully_shard: to_empty(device={str(device)!r}), but this rank's shards live on {have} "
+                            f"(the process group's backend {dist.get_backend()!r} and the current device decide it); "
+                            f"pass device={str(have)!r}")
+
+
+def _empty_buffers(root: nn.Module, device: torch.device) -> None:
+    """Buffers still on the meta device get storage, as ``to_empty`` gives them (the model's init fills them)."""
+    for m in root.modules():
+        for k, b in m._buffers.items():
+            if b is not None and b.is_meta:
+                m._buffers[k] = torch.empty_like(b, device=device)
+
+
+# [Note: the init view]
+# FSDP2's parameters are DTensors, and a model's own init (torchtitan's init_weights, nn.init.*, a module's
+# reset_parameters) runs on them: shapes read as global (fan-in and fan-out as for the whole weight), random
+# ops through DTensor's RNG (on a GPU each shard draws its own part of one stream, not the same numbers on every
+# rank). From to_empty until the model's first use (forward, parameters(), state_dict(), ...) the modules hold
+# such DTensors, views of this rank's shards (the placements model.state_dict() gives), so that init writes
+# the shards exactly as it writes FSDP2's; the first use puts the local shards back. A DTensor an optimizer
+# was built on would train nothing: identity.check_optimizer refuses it at step().
+_INIT_VIEWS = [0]  # how many roots' modules hold their init view (each root's list: its options' "init_views")
+
+
+def _open_init_view(root: nn.Module, eng) -> None:
+    from .runtime.identity import _REPLACED
+    hooks = eng.state_dict_hooks
+    if hooks.bad is not None:  # (never with fully_shard's chunked layout)
+        return
+    made = {}
+    for name, lp in eng.local_params().items():
+        dt = nn.Parameter(hooks.value(name, lp), requires_grad=lp.requires_grad)
+        dt.__dict__[_REPLACED] = name
+        made[id(lp)] = dt
+    views = []
+    for slots in eng.face.slots.values():
+        for m, attr, lp, _ in slots:
+            m._parameters[attr] = made[id(lp)]
+            views.append((m, attr, made[id(lp)], lp))
+    root.__dict__[_MARK]["init_views"] = views
+    _INIT_VIEWS[0] += 1
+
+
+def _close_init_view(root: nn.Module) -> None:
+    views = root.__dict__[_MARK].pop("init_views")
+    _INIT_VIEWS[0] -= 1
+    bad = [(m, attr) for m, attr, dt, lp in views if m._parameters.get(attr) is not dt
+           or (lp.numel() and dt._local_tensor.data_ptr() != lp.data_ptr())]
+    for m, attr, _, lp in views:
+        m._parameters[attr] = lp
+    if bad:
+        path = {id(m): n for n, m in root.named_modules()}
+        where = [f"{path.get(id(m), type(m).__name__)}.{attr}".lstrip(".") for m, attr in bad]
+        raise ShardingError(f"fully_shard: parameter(s) {where[:3]} were replaced between to_empty() and the "
+                            f"model's first use (an assignment module.weight = ..., or p.data = ...), so the "
+                            f"shards kept their uninitialised values. Initialise parameters in place (nn.init.*, "
+                            f"or p.copy_(value) under torch.no_grad()), as under FSDP2")
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

@@ -36,6 +36,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .executor import Executor
 
 ATTR = "_shardplan"  # module.__dict__ key of the executor shard() attaches
+FULLY_SHARD_MARK = "_shardplan_fully_shard"  # module.__dict__ key of fully_shard's options (dropin._MARK)
+FIRST_USE: list = []  # fully_shard's compile at first use, registered by dropin.py (which every mark comes from)
 _GROUPS: dict[str, tuple[object, C.Groups]] = {}
 FUNCTIONAL_ATTR = "_shardplan_functional"
 """module.__dict__ key of {plan fingerprint: the functional face's runtime of that pair} (runtime/functional.py).
@@ -69,7 +71,20 @@ def engine_of(module: nn.Module, plan: Optional[Plan] = None) -> "Executor":
         if rt is None:
             raise RuntimeShardingError("functional_call has not run this module with this plan yet")
         return rt.exe
-    eng = unwrap_compiled(module).__dict__.get(ATTR)  # torch.compile(model): the module it wraps
+    module = unwrap_compiled(module)  # torch.compile(model): the module it wraps
+    eng = module.__dict__.get(ATTR)
+    if eng is None and FULLY_SHARD_MARK in module.__dict__:
+        # [Note: a fully_shard model before its first use] its plan compiles at the first use (dropin.py); a
+        # shardplan function (full_state_dict, checkpoint.save, ...) is a use, as FSDP2 allows them right after
+        # fully_shard
+        for compile_plan in FIRST_USE:
+            compile_plan(module)
+        eng = module.__dict__.get(ATTR)
+        root = module.__dict__[FULLY_SHARD_MARK].get("root")
+        if eng is None and root is not None and root is not module:
+            raise RuntimeShardingError(
+                f"this {type(module).__name__} is one fully_shard unit of a larger model, whose plan was compiled on "
+                f"its root ({type(root).__name__}); pass the root model (the last module fully_shard was called on)")
     if eng is None:
         raise RuntimeShardingError("this module is not sharded; call shardplan.shard(module, plan) first")
     return eng

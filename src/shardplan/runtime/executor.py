@@ -244,6 +244,23 @@ class Executor:
         if self.grads.arrived(u, index) and name != ROOT:
             self._complete(u)
 
+    def outside_grad(self, name: str, buffer: int, k: int, g: torch.Tensor) -> None:
+        """Member ``k`` of ``buffer`` (a replicated parameter of unit ``name``) got gradient ``g`` through its local
+        tensor, used outside the unit's forward (see [Note: a replicated parameter used outside its unit] in
+        hooks.py): added to its full parameter's gradient, which lands in the unit's reduction. After that
+        reduction it would be lost: raise, as for any late gradient."""
+        self.begin_backward()
+        u = self.units[name]
+        m = self.buffer[buffer].members[k]
+        self.grads.check_not_reduced(u, [m.name])
+        self.grads.used[m.index] = 1
+        fp = m.full
+        with torch.no_grad():
+            if fp.grad is None:  # a copy: ``g`` may be an expanded view (the gradient of a sum)
+                fp.grad = g.to(dtype=fp.dtype, memory_format=torch.contiguous_format, copy=True).view(fp.shape)
+            else:
+                fp.grad.add_(g.view(fp.shape))
+
     def expect_activation(self, name: str) -> None:
         """A tensor-parallel module of unit ``name`` will reduce its input's gradient in this backward."""
         self.units[name].awaiting += 1

@@ -5,8 +5,9 @@
 * each unit module's pre/post forward hooks: ``pre_forward(u)`` / ``post_forward(u)`` (a merged unit
   starts with its first module and ends with its last);
 * a hook on every output tensor of a unit: ``pre_backward(u)`` when its gradient arrives;
-* a post-accumulate-grad hook on every full parameter: ``on_grad``; one on every local shard raises,
-  since a gradient there means the shard was used where shardplan cannot see it.
+* a post-accumulate-grad hook on every full parameter: ``on_grad``; one on every sharded local shard raises,
+  since a gradient there means the shard was used where shardplan cannot see it; a replicated one's gradient
+  (its local tensor is the whole parameter) joins its unit's reduction (``outside_grad``).
 """
 
 from __future__ import annotations
@@ -188,15 +189,34 @@ def _hook_params(exe: Executor, u: UnitRuntime) -> None:
             e.backward_seconds += clock() - t
         return hook
 
+    def outside(buffer: int, k: int):  # (indices, not the member: it holds the parameter this hook lives on)
+        def hook(g):  # the gradient goes to the unit's reduction; the local .grad gets zeros (see the Note)
+            t = clock()
+            e = me()
+            e.outside_grad(unit_ref, buffer, k, g)
+            e.backward_seconds += clock() - t
+            return torch.zeros_like(g)
+        return hook
+
     for b in u.buffers:
-        for fp, lp, idx, info in ((m.full, m.local, m.index, m.info) for m in b.members):
+        whole = not b.sharded and not b.tw  # replicated: this rank's local tensor is the whole parameter
+        for k, m in enumerate(b.members):
+            fp, lp = m.full, m.local
             if not fp.requires_grad:
                 continue
             u.expected += 1
             # weak references: a hook lives in C++, where the garbage collector cannot see the cycle
             # parameter -> hook -> executor -> parameter, so strong ones would leak the model
-            fp.register_post_accumulate_grad_hook(arrived(idx))
-            lp.register_post_accumulate_grad_hook(lambda _p, _name=info.name: _shard_used(_name, me))
+            fp.register_post_accumulate_grad_hook(arrived(m.index))
+            if whole and m.wrap is None:
+                # [Note: a replicated parameter used outside its unit] (read by the root's forward after its
+                # block ran, where the module holds the local tensor): that tensor is the whole value, so its
+                # gradient is this rank's gradient of the parameter. The hook hands it to the unit's reduction
+                # (added to the full parameter's, averaged over the data-parallel ranks with it) and lets
+                # autograd accumulate zeros into the local .grad instead, which the reduced gradient then joins
+                lp.register_hook(outside(b.bp.index, k))
+            else:
+                lp.register_post_accumulate_grad_hook(lambda _p, _name=m.info.name: _shard_used(_name, me))
 
 
 def _timed_backward(me, fn):
@@ -222,4 +242,5 @@ def _shard_used(name: str, me=None) -> None:
     raise RuntimeShardingError(
         f"shardplan: the local shard of parameter {name!r} received a gradient: it was used outside the forward of "
         f"its unit, where the modules hold local shards (after the unit's forward under optim_grads_params, or "
-        f"outside a training step). Its gradient would be wrong. {fix}")
+        f"outside a training step). It is sharded (this rank holds part of it), so its gradient would be wrong. "
+        f"{fix}")

@@ -7,6 +7,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from ..errors import RuntimeShardingError
+
 
 def materialize_unit(owners: list[nn.Module], names: list[str], params_of: dict, init_fn: Optional[Callable],
                      device: torch.device) -> dict[str, torch.Tensor]:
@@ -27,7 +29,9 @@ def materialize_unit(owners: list[nn.Module], names: list[str], params_of: dict,
             elif hasattr(m, "reset_parameters"):
                 m.reset_parameters()
             else:
-                raise RuntimeError(
+                exc = RuntimeShardingError(
                     f"module {type(m).__name__} owns parameters {[n for n in names]} built on the meta device but has no "
                     f"reset_parameters(); pass shard(..., init_fn=fn) to initialise them")
+                exc.uninitialised = (type(m).__name__, list(names))  # (the fully_shard face names its own fix)
+                raise exc
     return {n: params_of[n]() for n in names}

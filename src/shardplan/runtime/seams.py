@@ -47,7 +47,9 @@ def _guarded_apply(self, fn, recurse: bool = True):
         if change:
             fix = FIX if "to_empty" not in change else (
                 "drop that call: shard() already gave meta parameters storage and initialised them "
-                "(shardplan.shard(..., init_fn=...), else each module's reset_parameters())")
+                "(shardplan.shard(..., init_fn=...), else each module's reset_parameters()). With fully_shard, "
+                "call model.to_empty(device=...) right after the fully_shard calls, before the model's first use "
+                "(forward, parameters(), state_dict()), then the model's own init (torchtitan's order)")
             raise RuntimeShardingError(
                 f"this module is sharded: converting its parameters ({name!r}: {change}) would detach them from "
                 f"shardplan's shard buffers and break training; {fix}")
