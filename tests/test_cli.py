@@ -157,7 +157,7 @@ def test_help_shows_defaults_and_examples_and_takes_no_abbreviations(tmp_path):
     assert out.returncode == 0
     text = " ".join(out.stdout.split())
     for needle in ("(default: 100.0)", "(default: 0)", "default: the rules file's OPTIONS, else optim_grads_params",
-                   "examples:", "shardplan plan examples/gpt.py:llama_70b", "--trace plan_trace.json"):
+                   "examples:", "shardplan plan shardplan.models.gpt:llama_70b", "--trace plan_trace.json"):
         assert needle in text, needle
     assert "(default: None)" not in text and "(default: False)" not in text
     out = cli("rules", "--help")
