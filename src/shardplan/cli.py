@@ -443,7 +443,7 @@ def run(args) -> str:
     from .auto import auto_rules
     from .mesh import Mesh
     from .plan import plan, strategy_level
-    from .plan.render import render, render_schedule
+    from .plan.render import nothing_sharded, render, render_schedule
     from .rules import explain
 
     file = load_rules_file(args.rules) if args.rules else None
@@ -485,6 +485,14 @@ def run(args) -> str:
         d["comm_bytes_per_step"] = p.comm_bytes(args.rank)
         return json.dumps(d, indent=1, sort_keys=True)
     out = render(p, rank=args.rank, max_rows=0 if args.summary else 100_000)
+    if file is None and nothing_sharded(p):  # why: the automatic rules' threshold, and how to shard anyway
+        from .dtypes import itemsize
+        from .plan.render import fmt_bytes
+        biggest = max((p_.numel * itemsize(p_.dtype) for p_ in p.params), default=0)
+        head, _, rest = out.partition("\n")
+        out = (f"{head}\n(no --rules, so shardplan.auto_rules chose the specs: it replicates every parameter under "
+               f"1 MiB, and this model's largest holds {fmt_bytes(biggest)}; pass --rules FILE, e.g. one written by "
+               f"`shardplan rules {args.target} --mesh {args.mesh} --min-shard-bytes 0`)\n{rest}")
     if args.schedule:
         out += "\n\nschedule:\n" + render_schedule(p)
     return out
