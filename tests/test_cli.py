@@ -157,7 +157,7 @@ def test_help_shows_defaults_and_examples_and_takes_no_abbreviations(tmp_path):
     assert out.returncode == 0
     text = " ".join(out.stdout.split())
     for needle in ("(default: 100.0)", "(default: 0)", "default: the rules file's OPTIONS, else optim_grads_params",
-                   "examples:", "shardplan plan examples/gpt.py:llama_70b", "--trace plan_trace.json"):
+                   "examples:", "shardplan plan shardplan.models.gpt:llama_70b", "--trace plan_trace.json"):
         assert needle in text, needle
     assert "(default: None)" not in text and "(default: False)" not in text
     out = cli("rules", "--help")
@@ -250,3 +250,119 @@ def test_unit_lists_sort_naturally_and_merging_is_described():
     text = " ".join(out.stdout.split())
     assert "merged 2 blocks into 1 unit of 2 blocks" in text and "target 16 MiB, more than all 2 blocks hold" in text
     assert "merged to at least" not in text
+
+
+# -- issue 39: snippets outside a checkout, and a newcomer's rough edges (items 1, 10-13) ----------------------
+
+def test_shipped_models_rules_and_configs_run_outside_a_checkout(tmp_path, monkeypatch):
+    """`shardplan.models` ships the example GPT, its rules and the Hugging Face configs: the --help examples
+    run from any directory (no examples/ there), and examples/*.py re-export the same objects."""
+    from shardplan.cli import bundled_hf_configs
+    monkeypatch.chdir(tmp_path)
+    out = cli("plan", "shardplan.models.gpt:tiny", "--mesh", "replica=2,shard=2",
+              "--rules", "shardplan.models.gpt_rules:HSDP_RULES", "--summary")
+    assert out.returncode == 0 and "Mesh(replica=2, shard=2)" in out.stdout, out.stderr
+    out = cli("plan", "hf:llama3_8b", "--mesh", "dp=8", "--summary")
+    assert out.returncode == 0 and "291 parameters" in out.stdout, out.stderr
+    assert bundled_hf_configs() == ["llama3_70b", "llama3_8b", "mixtral_8x7b", "qwen2_7b"]
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root))
+    try:
+        import examples.gpt
+        import examples.gpt_rules
+        import shardplan.models.gpt
+        import shardplan.models.gpt_rules
+    finally:
+        sys.path.pop(0)
+    assert examples.gpt.Block is shardplan.models.gpt.Block and examples.gpt.build is shardplan.models.gpt.build
+    assert examples.gpt_rules.HSDP_RULES is shardplan.models.gpt_rules.HSDP_RULES
+
+
+def test_hf_targets_folders_bad_json_and_typos(tmp_path):
+    """hf:DIR (a model folder), hf: JSON errors said in one line, misspelt functions and axes get a suggestion."""
+    folder = tmp_path / "my-llama"
+    folder.mkdir()
+    cfg = json.load(open(sp.models.__path__[0] + "/hf/llama3_8b.json"))
+    cfg.update(num_hidden_layers=2, architectures=["LlamaForCausalLM"], transformers_version="4.40.0")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    (folder / "generation_config.json").write_text("{}")
+    out = cli("plan", f"hf:{folder}", "--mesh", "dp=8", "--summary")
+    assert out.returncode == 0 and "model.layers.1" in out.stdout, out.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"model_type": "llama",}')
+    cases = {
+        ("plan", f"hf:{bad}", "--mesh", "dp=8"): ["is not valid JSON", "line 1"],
+        ("plan", f"hf:{tmp_path}", "--mesh", "dp=8"): ["holds no config.json"],
+        ("plan", "hf:llama3_8", "--mesh", "dp=8"): ["did you mean 'llama3_8b'?", "hf:mixtral_8x7b"],
+        ("plan", "shardplan.models.gpt:llama70b", "--mesh", "dp=8"): ["did you mean 'llama_70b'?", "'tiny'"],
+        ("plan", "shardplan.models.gpt:tiny", "--mesh", "dq=2", "--rules", "shardplan.models.gpt_rules"):
+            ["did you mean 'dq'?"],
+        ("plan", "shardplan.models.gpt:tiny", "--mesh", "dp=2,tp=2", "--compute-axes", "tq"): ["did you mean 'tp'?"],
+    }
+    for args, needles in cases.items():
+        out = cli(*args)
+        lines = [l for l in out.stderr.splitlines() if l.strip()]
+        assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("shardplan: error:"), (args, out.stderr)
+        for needle in needles:
+            assert needle in out.stderr, (args, needle, out.stderr)
+
+
+def test_missing_targets_are_said_before_torch_loads(tmp_path):
+    """A missing file or config is found without importing torch (3-4 s): the process never loads it."""
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    code = ("import sys; from shardplan.cli import main\n"
+            f"codes = [main(a) for a in (['plan', 'nowhere.py:fn', '--mesh', 'dp=2'], ['plan', 'hf:nowhere.json', "
+            f"'--mesh', 'dp=2'], ['plan', 'hf:{bad}', '--mesh', 'dp=2'], ['rules', 'nowhere.py:fn', '--mesh', 'dp=2'])]\n"
+            "print(codes, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[2, 2, 2, 2] False", out.stdout + out.stderr
+
+
+def test_nothing_sharded_is_said_with_the_reason():
+    out = cli("plan", "shardplan.models.gpt:tiny", "--mesh", "dp=8", "--summary")
+    head = out.stdout.splitlines()[:3]
+    assert out.returncode == 0 and "auto_rules" in head[1] and "1 MiB" in head[1] and "64.00 KiB" in head[1], head
+    assert head[2].startswith("nothing is sharded") and "as under no_shard" in head[2], head
+    out = cli("plan", "shardplan.models.gpt:tiny", "--mesh", "dp=8", "--rules", "shardplan.models.gpt_rules", "--summary")
+    assert out.returncode == 0 and "nothing is sharded" not in out.stdout and "auto_rules" not in out.stdout
+    import torch.nn as nn
+    plan = sp.plan(nn.Linear(8, 8), [(r".*", sp.P())], sp.Mesh(dp=4))
+    assert "nothing is sharded" in str(plan) and "P('dp')" in str(plan)
+    assert "nothing is sharded" not in str(sp.plan(nn.Linear(8, 8), [(r".*", sp.P())], sp.Mesh(dp=4), strategy=0))
+
+
+def test_optimizer_states_are_counted_in_the_parameters_dtype():
+    """torch's AdamW keeps bf16 states for bf16 parameters: the plan counts them so and suggests fp32 masters;
+    fp32 plans are unchanged (8 bytes per element, no warning)."""
+    import torch
+    import torch.nn as nn
+    rules, mesh = [(r".*", sp.P("dp"))], sp.Mesh(dp=4)
+    fp32 = sp.plan(nn.Linear(64, 64, bias=False), rules, mesh)
+    bf16 = sp.plan(nn.Linear(64, 64, bias=False).to(torch.bfloat16), rules, mesh)
+    masters = sp.plan(nn.Linear(64, 64, bias=False), rules, mesh, compute_dtype="bf16")
+    assert fp32.memory(0).optimizer == 64 * 64 // 4 * 2 * 4 == masters.memory(0).optimizer
+    assert bf16.memory(0).optimizer == 64 * 64 // 4 * 2 * 2
+    assert "(2 fp32 states)" in str(fp32) and "fp32 master" not in str(fp32) and "fp32 master" not in str(masters)
+    text = str(bf16)
+    assert "(2 bf16 states)" in text and "no fp32 master weights" in text and "--param-dtype fp32 --dtype bf16" in text
+    assert fp32.warnings == bf16.warnings == ()  # said in the table only: plan JSON and fingerprints keep their values
+
+
+def test_cli_output_is_shardplans_only(monkeypatch, caplog):
+    """The extras' log lines (torchao's "Failed to load ...so", torch's pytree deprecations) are not printed."""
+    import logging
+    import shardplan.hf as H
+    real = H.model_from_config
+
+    def noisy(*a, **k):
+        logging.getLogger("torchao").warning("Failed to load _C_mxfp8.so")
+        logging.getLogger("torch.utils._pytree").warning("register_constant() on Enum subclasses is deprecated")
+        return real(*a, **k)
+
+    monkeypatch.setattr(H, "model_from_config", noisy)
+    with caplog.at_level(logging.WARNING):
+        out = cli("plan", "hf:llama3_8b", "--mesh", "dp=8", "--summary")
+    assert out.returncode == 0 and out.stderr == "" and not caplog.records, (out.stderr, caplog.records)
+    assert logging.getLogger("torchao").isEnabledFor(logging.WARNING)  # restored after the command

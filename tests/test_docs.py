@@ -137,6 +137,20 @@ def test_every_python_block_runs_or_says_why():
             assert ranks_of(path) >= 2, f"{path.name} needs a process group: mark it <!-- docs-test: 2 ranks -->"
 
 
+def test_snippets_run_outside_a_checkout():
+    """A snippet pasted into one's own script runs after `pip install shardplan`: the pages import the example
+    models from the package (`shardplan.models`), never from the checkout's examples/ (issue 39 item 1)."""
+    for path in PAGES:
+        for code, _ in fenced(path, "python"):
+            assert not re.search(r"^\s*(from|import)\s+examples\b", code, re.M), f"{path.name}: {code[:200]}"
+        for block in blocks(path, "bash"):
+            for line in cli_lines(block):
+                assert "examples/" not in line and "examples." not in line, f"{path.name}: {line}"
+    from shardplan.cli import FORECAST_EXAMPLES, MAIN_EXAMPLES, PLAN_EXAMPLES, REHEARSE_EXAMPLES, RULES_EXAMPLES
+    for text in (MAIN_EXAMPLES, PLAN_EXAMPLES, RULES_EXAMPLES, FORECAST_EXAMPLES, REHEARSE_EXAMPLES):
+        assert "examples/" not in text and "examples." not in text.replace("examples:", ""), text
+
+
 def test_the_markers_are_parsed(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("<!-- docs-test: 2 ranks (gloo) -->\n\n```python\na = 1\n```\n\n<!-- no-test: needs CUDA here -->\n"

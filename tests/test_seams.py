@@ -273,3 +273,64 @@ def test_ranks_with_different_models_are_refused(world):
         assert out["nudged"] and "blocks.2.ln.weight" in out["nudged"] and "blocks.1.ln.weight" not in out["nudged"]
         losses, ref_losses = out["synced"]
         assert losses == pytest.approx(ref_losses, abs=1e-6)
+
+
+# -- FSDP2's gradient-sync switch and start-up broadcast on every face (issue 39 item 5) ----------------------
+
+def _accumulate(model, data, rank, world, switch):
+    """Two micro-batches per step (the first without gradient sync), one AdamW step; the parameters after it."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    per = data[0][0].shape[0] // world
+    for i, (x, y) in enumerate(data[:2]):
+        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        if switch:
+            model.set_requires_gradient_sync(i == 1)
+            model(x, y).backward()
+        else:
+            with sp.no_sync(model) if i == 0 else __import__("contextlib").nullcontext():
+                model(x, y).backward()
+    opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _sync_api_worker(rank, world):
+    from shardplan import fully_shard
+    data = batches(2)
+    plan = lambda m: sp.plan(m, toy_rules(), sp.Mesh(dp=world), units=[r"blocks\.\d+"], min_unit_bytes=0)
+    a, b = Toy(), Toy()
+    switched = _accumulate(sp.shard(a, plan(a)), data, rank, world, switch=True)
+    with_no_sync = _accumulate(sp.shard(b, plan(b)), data, rank, world, switch=False)
+    out = {"same_as_no_sync": all(torch.equal(p, q) for p, q in zip(switched, with_no_sync))}
+    c = Toy()
+    eng = sp.runtime.engine_of(sp.shard(c, plan(c)))
+    c.set_requires_gradient_sync(False)
+    out["off"] = eng.sync is False
+    c.set_requires_gradient_sync(True, recurse=False)
+    out["on"] = eng.sync is True
+    # fully_shard(sync_module_states=True): ranks built with different seeds train rank 0's model
+    ref = Toy(seed=0)
+    ref_losses = _toy_losses(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), data, 0, 1, False)
+    model = Toy(seed=rank)
+    for blk in model.blocks:
+        fully_shard(blk, sync_module_states=True)
+    fully_shard(model, sync_module_states=True)
+    out["synced"] = (_toy_losses(model, torch.optim.AdamW(model.parameters(), lr=1e-2), data, rank, world, True),
+                     ref_losses)
+    model = Toy(seed=rank)
+    fully_shard(model)
+    try:
+        model.parameters()
+        out["refused"] = None
+    except sp.RuntimeShardingError as exc:
+        out["refused"] = str(exc)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_shard_has_set_requires_gradient_sync_and_fully_shard_syncs_module_states():
+    for out in run(_sync_api_worker, 2):
+        assert out["same_as_no_sync"] and out["off"] and out["on"], out
+        losses, ref_losses = out["synced"]
+        assert losses == pytest.approx(ref_losses, abs=1e-6)
+        assert out["refused"] and "fully_shard(model, sync_module_states=True)" in out["refused"]

@@ -14,6 +14,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import sys
@@ -57,24 +58,78 @@ def _load_file(path: str, name: str):
     return mod
 
 
+def _split_target(target: str) -> tuple[str, str]:
+    """``(file or module, function)`` of a TARGET, checked without importing anything (a missing file is
+    said at once, not after torch loaded)."""
+    where, sep, fn = target.rpartition(":")
+    if not sep or not where or not fn:
+        raise CliError(f"TARGET {target!r} must be 'path/to/file.py:function', 'package.module:function' or "
+                       f"'hf:CONFIG' (e.g. shardplan.models.gpt:tiny, hf:llama3_8b)")
+    if where.endswith(".py") and not os.path.exists(where):
+        raise CliError(f"no such file: {where}")
+    return where, fn
+
+
+def _import_module(where: str):
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(where)
+    except ImportError as exc:
+        raise CliError(f"cannot import {where!r}: {exc}") from None
+
+
 def load_target(target: str):
     """``path/to/file.py:fn`` or ``package.module:fn`` -> the callable (module paths resolve from the
     working directory too, as ``python -m`` would)."""
-    where, sep, fn = target.rpartition(":")
-    if not sep or not where or not fn:
-        raise CliError(f"TARGET {target!r} must be 'path/to/file.py:function' or 'package.module:function'")
-    if where.endswith(".py"):
-        mod = _load_file(where, "_shardplan_target")
-    else:
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        try:
-            mod = importlib.import_module(where)
-        except ImportError as exc:
-            raise CliError(f"cannot import {where!r}: {exc}") from None
+    where, fn = _split_target(target)
+    mod = _load_file(where, "_shardplan_target") if where.endswith(".py") else _import_module(where)
     if not hasattr(mod, fn):
-        raise CliError(f"{where} has no function {fn!r}")
+        from .errors import did_you_mean
+        found = sorted(k for k, v in vars(mod).items()
+                       if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == mod.__name__)
+        raise CliError(f"{where} has no function {fn!r}{did_you_mean(fn, found)}; it defines {found[:20]}"
+                       f"{' ...' if len(found) > 20 else ''}")
     return getattr(mod, fn)
+
+
+_BUNDLED_HF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "hf")
+
+
+def bundled_hf_configs() -> list[str]:
+    """The names ``hf:NAME`` takes for the Hugging Face configs shipped in ``shardplan/models/hf``."""
+    return sorted(f[:-5] for f in os.listdir(_BUNDLED_HF) if f.endswith(".json")) if os.path.isdir(_BUNDLED_HF) else []
+
+
+def hf_config_path(spec: str) -> str:
+    """The ``config.json`` an ``hf:`` target names: a file, a model folder holding one (a local Hugging Face
+    checkpoint), or the name of a config shipped with shardplan (``hf:llama3_8b``); read and checked as JSON
+    here, before torch and transformers load."""
+    path = spec
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+        if not os.path.exists(path):
+            raise CliError(f"hf:{spec}: the folder holds no config.json (a Hugging Face model folder has one)")
+    elif not os.path.exists(path):
+        names = bundled_hf_configs()
+        if spec in names:
+            path = os.path.join(_BUNDLED_HF, spec + ".json")
+        else:
+            from .errors import did_you_mean
+            raise CliError(f"hf:{spec}: no such file or folder{did_you_mean(spec, names)}; give a config.json, a "
+                           f"Hugging Face model folder holding one, or a config shipped with shardplan: "
+                           f"{', '.join('hf:' + n for n in names)}")
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"hf:{spec}: cannot read {path}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise CliError(f"hf:{spec}: {path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
+                       f"a Hugging Face config.json is one JSON object") from None
+    if not isinstance(d, dict) or "model_type" not in d:
+        raise CliError(f"hf:{spec}: {path} has no \"model_type\"; it must be a Hugging Face config.json")
+    return path
 
 
 # the keywords of shardplan.plan a rules file's OPTIONS may set (rules, units and the mesh have names of their own)
@@ -107,11 +162,16 @@ def _split_spec(spec: str) -> tuple[str, str]:
     return spec, ""
 
 
+def _is_module_name(path: str) -> bool:
+    return not path.endswith(".py") and not os.path.exists(path) and re.fullmatch(r"[A-Za-z_][\w.]*", path) is not None
+
+
 def load_rules_file(spec: str) -> RulesFile:
-    """``RULES.py`` (its ``rules``) or ``RULES.py:NAME`` (its ``NAME``), with the file's units, mesh and options."""
+    """``RULES.py`` (its ``rules``) or ``RULES.py:NAME`` (its ``NAME``), with the file's units, mesh and options;
+    an importable module works as well as a file (``shardplan.models.gpt_rules:HSDP_RULES``)."""
     from .mesh import Mesh
     path, name = _split_spec(spec)
-    mod = _load_file(path, "_shardplan_rules")
+    mod = _import_module(path) if _is_module_name(path) else _load_file(path, "_shardplan_rules")
     name = name or "rules"
     if not hasattr(mod, name):
         found = [k for k, v in vars(mod).items() if isinstance(v, list) and not k.startswith("_")]
@@ -154,10 +214,10 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 MAIN_EXAMPLES = """\
 examples:
   # the table, memory per rank and bytes per step of a 70B model on 64 ranks
-  shardplan plan examples/gpt.py:llama_70b --mesh dp=64 --rules examples/gpt_rules.py --dtype bf16 --summary
+  shardplan plan shardplan.models.gpt:llama_70b --mesh dp=64 --rules shardplan.models.gpt_rules --dtype bf16 --summary
   # propose rules for a Hugging Face config (no weights), then plan with them
-  shardplan rules hf:examples/hf/mixtral_8x7b.json --mesh dp=8 > mixtral_rules.py
-  shardplan plan hf:examples/hf/mixtral_8x7b.json --mesh dp=8 --rules mixtral_rules.py --summary
+  shardplan rules hf:mixtral_8x7b --mesh dp=8 > mixtral_rules.py
+  shardplan plan hf:mixtral_8x7b --mesh dp=8 --rules mixtral_rules.py --summary
 
 Each command has its own help, with its options and more examples: shardplan plan --help.
 """
@@ -165,11 +225,11 @@ Each command has its own help, with its options and more examples: shardplan pla
 PLAN_EXAMPLES = """\
 examples:
   # a 70B model on 64 ranks with bf16 compute: memory per rank and bytes per step, no per-parameter table
-  shardplan plan examples/gpt.py:llama_70b --mesh dp=64 --rules examples/gpt_rules.py --dtype bf16 --summary
+  shardplan plan shardplan.models.gpt:llama_70b --mesh dp=64 --rules shardplan.models.gpt_rules --dtype bf16 --summary
   # HSDP with another rules list of the same file; the schedule as a Chrome trace (open in ui.perfetto.dev)
-  shardplan plan examples/gpt.py:tiny --mesh replica=2,shard=2 --rules examples/gpt_rules.py:HSDP_RULES --trace plan_trace.json
+  shardplan plan shardplan.models.gpt:tiny --mesh replica=2,shard=2 --rules shardplan.models.gpt_rules:HSDP_RULES --trace plan_trace.json
   # FSDP x tensor parallelism (the file's compute_axes); which rule takes one parameter, and why
-  shardplan plan examples/gpt.py:tiny --mesh dp=2,tp=2 --rules examples/gpt_rules_tp.py --explain layers.0.attention.wq.weight
+  shardplan plan shardplan.models.gpt:tiny --mesh dp=2,tp=2 --rules shardplan.models.gpt_rules_tp --explain layers.0.attention.wq.weight
 
 TARGET's function is called under torch.device("meta"): nothing is allocated, nothing runs. A rules file
 defines `rules` and may define UNITS, MESH, OPTIONS (keywords of shardplan.plan), compute_axes and styles,
@@ -179,27 +239,27 @@ as `shardplan rules` and plan.to_source() write them; flags given here override 
 FORECAST_EXAMPLES = """\
 examples:
   # a 70B model on 64 H100s (8 per node, 400 Gb/s InfiniBand), 4096 tokens per rank per step
-  shardplan forecast examples/gpt.py:llama_70b --mesh dp=64 --rules examples/gpt_rules.py --dtype bf16 --network h100-8x-ib400 --batch 1x4096
+  shardplan forecast shardplan.models.gpt:llama_70b --mesh dp=64 --rules shardplan.models.gpt_rules --dtype bf16 --network h100-8x-ib400 --batch 1x4096
   # the same at an achievable 400 TFLOP/s per GPU, as JSON, with the predicted timeline as a Chrome trace
-  shardplan forecast examples/gpt.py:llama_70b --mesh dp=64 --rules examples/gpt_rules.py --dtype bf16 --network h100-8x-ib400 --batch 1x4096 --tflops 400 --json --trace forecast_trace.json
+  shardplan forecast shardplan.models.gpt:llama_70b --mesh dp=64 --rules shardplan.models.gpt_rules --dtype bf16 --network h100-8x-ib400 --batch 1x4096 --tflops 400 --json --trace forecast_trace.json
 """
 
 REHEARSE_EXAMPLES = """\
 examples:
-  # rank 3 of a 64-rank plan, 2 steps of 2x32 tokens, on this machine's device (Llama-3 8B: examples/gpt.py:llama_8b,
+  # rank 3 of a 64-rank plan, 2 steps of 2x32 tokens, on this machine's device (Llama-3 8B: shardplan.models.gpt:llama_8b,
   # --dtype bf16 --batch 1x4096, on a GPU)
-  shardplan rehearse examples/gpt.py:tiny --mesh dp=64 --rules examples/gpt_rules.py --rank 3 --batch 2x32 --steps 2
+  shardplan rehearse shardplan.models.gpt:tiny --mesh dp=64 --rules shardplan.models.gpt_rules --rank 3 --batch 2x32 --steps 2
   # with activation checkpointing; the results as JSON for `shardplan forecast --compute rehearsal.json`
-  shardplan rehearse examples/gpt.py:tiny --mesh dp=8 --batch 2x32 --steps 2 --checkpoint --out rehearsal.json
+  shardplan rehearse shardplan.models.gpt:tiny --mesh dp=8 --batch 2x32 --steps 2 --checkpoint --out rehearsal.json
 """
 
 RULES_EXAMPLES = """\
 examples:
   # propose rules and units for a model; planning with the file gives the same plan as planning without it
-  shardplan rules examples/gpt.py:tiny --mesh dp=8 > tiny_rules.py
-  shardplan plan examples/gpt.py:tiny --mesh dp=8 --rules tiny_rules.py
+  shardplan rules shardplan.models.gpt:tiny --mesh dp=8 > tiny_rules.py
+  shardplan plan shardplan.models.gpt:tiny --mesh dp=8 --rules tiny_rules.py
   # HSDP: parameters sharded over "shard" (axes named like replica axes are left out); replicate below 16 MiB
-  shardplan rules hf:examples/hf/mixtral_8x7b.json --mesh replica=2,shard=8 --min-shard-bytes 16MiB
+  shardplan rules hf:mixtral_8x7b --mesh replica=2,shard=8 --min-shard-bytes 16MiB
 """
 
 
@@ -207,13 +267,16 @@ def plan_options_parser() -> argparse.ArgumentParser:
     """The options that say which plan to build (TARGET, mesh, rules, strategy, ...) and the plan views
     (--summary, --schedule, --json, --explain): ``shardplan plan`` and ``shardplan forecast`` share them."""
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    p.add_argument("target", help="path/to/file.py:fn or package.module:fn returning an nn.Module, or "
-                                  "hf:path/to/config.json (a Hugging Face model, built on the meta device)")
+    p.add_argument("target", help="path/to/file.py:fn or package.module:fn returning an nn.Module (e.g. "
+                                  "shardplan.models.gpt:tiny), or hf:CONFIG: a Hugging Face config.json, a model folder "
+                                  "holding one, or a shipped config (hf:llama3_8b, hf:llama3_70b, hf:mixtral_8x7b, "
+                                  "hf:qwen2_7b), built on the meta device without weights")
     p.add_argument("--mesh", default=None, metavar="AXES",
                    help="axes, e.g. dp=8 or replica=2,shard=4 (default: the rules file's MESH; one of the two is needed)")
     p.add_argument("--rules", default=None, metavar="FILE",
-                   help="a .py file defining `rules`, or FILE.py:NAME for another variable (default: "
-                        "shardplan.auto_rules of the model)")
+                   help="a .py file (or an importable module, e.g. shardplan.models.gpt_rules) defining `rules`, or "
+                        "FILE.py:NAME for another variable (default: shardplan.auto_rules of the model, which "
+                        "replicates parameters under 1 MiB)")
     p.add_argument("--strategy", default=None, metavar="NAME",
                    help="no_shard | optim | optim_grads | optim_grads_params (or 0..3) (default: the rules file's "
                         "OPTIONS, else optim_grads_params)")
@@ -291,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print proposed partition rules and units as a Python rules file, which\n"
                                    "`shardplan plan --rules FILE` reads back.",
                        epilog=RULES_EXAMPLES, formatter_class=_Formatter, allow_abbrev=False)
-    r.add_argument("target", help="path/to/file.py:fn, package.module:fn or hf:path/to/config.json")
+    r.add_argument("target", help="path/to/file.py:fn, package.module:fn or hf:CONFIG (a config.json, a model "
+                                  "folder, or a shipped config such as hf:llama3_8b)")
     r.add_argument("--mesh", required=True, metavar="AXES", help="axes, e.g. dp=8 or replica=2,shard=4")
     r.add_argument("--min-shard-bytes", type=parse_size, default="1MiB", metavar="SIZE",
                    help="replicate parameters below this size")
@@ -301,11 +365,14 @@ def build_parser() -> argparse.ArgumentParser:
 def build_model(target: str, param_dtype=None):
     """The module a TARGET names, on the meta device."""
     from .dtypes import import_torch
-    torch = import_torch()
     if target.startswith("hf:"):
+        config = hf_config_path(target[3:])  # checked before torch and transformers load
+        torch = import_torch()
         from .hf import model_from_config
-        model = model_from_config(target[3:])
+        model = model_from_config(config)
     else:
+        _split_target(target)  # a missing file is said before torch loads
+        torch = import_torch()
         builder = load_target(target)
         try:
             with torch.device("meta"):
@@ -376,7 +443,7 @@ def run(args) -> str:
     from .auto import auto_rules
     from .mesh import Mesh
     from .plan import plan, strategy_level
-    from .plan.render import render, render_schedule
+    from .plan.render import nothing_sharded, render, render_schedule
     from .rules import explain
 
     file = load_rules_file(args.rules) if args.rules else None
@@ -418,6 +485,14 @@ def run(args) -> str:
         d["comm_bytes_per_step"] = p.comm_bytes(args.rank)
         return json.dumps(d, indent=1, sort_keys=True)
     out = render(p, rank=args.rank, max_rows=0 if args.summary else 100_000)
+    if file is None and nothing_sharded(p):  # why: the automatic rules' threshold, and how to shard anyway
+        from .dtypes import itemsize
+        from .plan.render import fmt_bytes
+        biggest = max((p_.numel * itemsize(p_.dtype) for p_ in p.params), default=0)
+        head, _, rest = out.partition("\n")
+        out = (f"{head}\n(no --rules, so shardplan.auto_rules chose the specs: it replicates every parameter under "
+               f"1 MiB, and this model's largest holds {fmt_bytes(biggest)}; pass --rules FILE, e.g. one written by "
+               f"`shardplan rules {args.target} --mesh {args.mesh} --min-shard-bytes 0`)\n{rest}")
     if args.schedule:
         out += "\n\nschedule:\n" + render_schedule(p)
     return out
@@ -425,14 +500,20 @@ def run(args) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    # [Note: only shardplan speaks] the installed extras log while they load (torchao: "Failed to load
+    # _C_mxfp8...so" on a CPU build; torch's pytree: a deprecation of register_constant) and warn; the plan's
+    # own warnings are printed in its table, so the CLI's output is shardplan's messages only
+    logging.disable(logging.WARNING)
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the plan's own warnings are printed in its table
+            warnings.simplefilter("ignore")
             text = run(args)
     except (CliError, ShardingError) as exc:
         msg = str(exc).strip().replace("\n", " | ")
         print(f"shardplan: error: {msg}", file=sys.stderr)
         return 2
+    finally:
+        logging.disable(logging.NOTSET)
     print(text)
     return 0
 

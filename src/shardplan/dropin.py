@@ -392,8 +392,9 @@ def _compile_root(root: nn.Module, empty_on: Optional[torch.device] = None) -> N
             p = p.with_reshard_after_forward(flags)
         if empty_on is not None:
             _check_empty_device(root, empty_on)
+        sync = any(o.get("sync_module_states") for o in [opts] + [m.__dict__[_MARK] for _, m in marked])
         try:
-            shard(root, p, init_fn=_leave_uninitialised if empty_on is not None else None)
+            shard(root, p, init_fn=_leave_uninitialised if empty_on is not None else None, sync_module_states=sync)
         except RuntimeShardingError as exc:
             if getattr(exc, "uninitialised", None) is None:
                 raise
@@ -572,7 +573,7 @@ def _route_torch_register() -> None:
 def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = True,
                 shard_placement_fn: Optional[Callable] = None, mp_policy: Optional[Any] = None,
                 offload_policy: Optional[Any] = None, ignored_params: Optional[set] = None,
-                order: Optional[str] = None) -> nn.Module:
+                order: Optional[str] = None, sync_module_states: bool = False) -> nn.Module:
     """FSDP2's ``fully_shard``, built on one shardplan plan: call it on each block, then on the root.
 
     >>> for block in model.layers: fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
@@ -586,7 +587,9 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     ZeRO-3, each unit resharded after forward unless its call said ``False``. ``order="dynamic"`` (shardplan's
     own argument, on any call) is for models that run a unit more than once per step or in a data-dependent
     order (two forwards, then one backward; a ``generate`` loop with gradients): the plan keeps units gathered
-    until the forward ends instead of raising. The module's class gains
+    until the forward ends instead of raising. ``sync_module_states=True`` (shardplan's, FSDP1's name; on any
+    call) broadcasts rank 0's parameter and buffer values when the plan compiles, instead of refusing ranks
+    whose models hold different values (FSDP2 leaves that check to the user). The module's class gains
     FSDP2's ``set_requires_gradient_sync``. ``model.state_dict()`` gives DTensors, as FSDP2's does, so
     ``torch.distributed.checkpoint`` and ``get_model_state_dict``/``set_model_state_dict`` work unchanged.
     """
@@ -601,13 +604,14 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
         for m in module:
             fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward,
                         shard_placement_fn=shard_placement_fn, mp_policy=mp_policy, offload_policy=offload_policy,
-                        order=order)
+                        order=order, sync_module_states=sync_module_states)
         return module
     if "_shardplan" in module.__dict__:
         raise ShardingError("fully_shard: this module is already sharded (its plan was compiled)")
     _refuse_compiled_inside(module)
     module.__dict__[_MARK] = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-                                  shard_placement_fn=shard_placement_fn, root=None, order=order, owner=None)
+                                  shard_placement_fn=shard_placement_fn, root=None, order=order, owner=None,
+                                  sync_module_states=bool(sync_module_states))
     _swap_class(module)
     # [Note: the plan compiles at first use] FSDP2 finds its root at the first forward, so fully_shard may
     # nest to any depth (experts, then blocks, then the model). The outermost call so far owns every marked

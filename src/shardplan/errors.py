@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 
+def did_you_mean(word: str, options, *, prefix: str = " ") -> str:
+    """``" (did you mean 'dp'?)"``: the closest of ``options`` to a misspelt ``word``, or ``""`` when none is close."""
+    import difflib
+    word, options = str(word), [str(o) for o in options]
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    # short names (mesh axes: "dp" for "dq") are one letter apart at a ratio of 0.5: same first letter, same length
+    close = close or [o for o in options if o.lower() == word.lower() or (
+        len(o) == len(word) and o[:1] == word[:1] and sum(a != b for a, b in zip(o, word)) == 1)][:1]
+    return f"{prefix}(did you mean {close[0]!r}?)" if close else ""
+
+
 class ShardingError(ValueError):
     """Base class of every error shardplan raises on bad input."""
 

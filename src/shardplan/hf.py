@@ -1,6 +1,6 @@
 """Hugging Face models from a ``config.json`` alone, on the meta device: plan a 70B model on a laptop.
 
->>> model = shardplan.hf.model_from_config("examples/hf/llama3_70b.json")     # no weights, no memory
+>>> model = shardplan.hf.model_from_config("path/to/config.json")     # or a model folder; no weights, no memory
 >>> plan = sp.plan(model, sp.auto_rules(model, mesh), mesh, units=[shardplan.hf.block_class(model)])
 
 Needs the ``transformers`` package (``pip install shardplan[hf]``).
@@ -30,8 +30,12 @@ def model_from_config(path: str, *, dtype: Optional[torch.dtype] = None) -> nn.M
     if not os.path.exists(path):
         raise PlanError(f"no config file at {path!r}")
     with open(path) as f:
-        d = json.load(f)
-    if "model_type" not in d:
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); a Hugging "
+                            f"Face config.json is one JSON object") from None
+    if not isinstance(d, dict) or "model_type" not in d:
         raise PlanError(f"{path} has no model_type; it must be a Hugging Face config.json")
     cfg = transformers.AutoConfig.for_model(**d)
     import torch._dynamo  # noqa: F401  (transformers imports it lazily; torch 2.6 cannot import it under meta)

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
-from .errors import MeshError
+from .errors import MeshError, did_you_mean
 
 
 @dataclass(frozen=True, init=False)
@@ -52,7 +52,7 @@ class Mesh:
         shape = self.shape
         for a in names:
             if a not in shape:
-                raise MeshError(f"mesh has no axis {a!r}; its axes are {self.axis_names}")
+                raise MeshError(f"mesh has no axis {a!r}{did_you_mean(a, self.axis_names)}; its axes are {self.axis_names}")
         return math.prod(shape[a] for a in names)
 
     # -- ranks <-> coordinates ------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional, Union
 
-from .errors import SpecError
+from .errors import SpecError, did_you_mean
 
 Entry = Union[None, str, tuple[str, ...]]
 
@@ -129,8 +129,8 @@ class P(tuple):
                 f"shorten the spec (e.g. P() to replicate)")
         for a in self.axes:
             if a not in axes:
-                raise SpecError(f"{where}: spec {self!r} names axis {a!r}, which the mesh lacks (mesh axes: {axes}); "
-                                f"use one of {axes} or add the axis to the mesh")
+                raise SpecError(f"{where}: spec {self!r} names axis {a!r}{did_you_mean(a, axes)}, which the mesh lacks "
+                                f"(mesh axes: {axes}); use one of {axes} or add the axis to the mesh")
 
 
 def as_spec(value, *, where: str = "") -> P:

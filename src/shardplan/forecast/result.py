@@ -21,6 +21,11 @@ from .timeline import Span
 
 KIND_ORDER = ("all_gather", "reduce_scatter", "all_reduce")
 
+# printed beside the step time and MFU it predicts: the model has been checked against one GPU's compute
+# (docs/forecast.md), never against a multi-GPU run, and it leaves out what slows real runs (stragglers, NCCL's
+# contention with compute, the data loader); the Llama-3-8B check in docs/forecast.md came out 56% above torchtitan
+CAVEAT = "an upper bound, not calibrated against a multi-GPU run"
+
 
 @dataclass(frozen=True)
 class CollectiveForecast:
@@ -219,7 +224,7 @@ def render(f: Forecast) -> str:
     exposed = {k: v for k, v in f.exposed_by_kind().items() if v > 0}
     alone = f.comm_s()
     rows = [("step", _ms(f.step_s), f"{f.tokens_per_s:,.0f} tokens/s, {f.tokens_per_s_per_gpu:,.0f} per GPU"
-             + (f", MFU {100 * f.mfu:.1f}%" if f.mfu is not None else "")),
+             + (f", MFU {100 * f.mfu:.1f}% ({CAVEAT})" if f.mfu is not None else f" ({CAVEAT})")),
             ("  compute", _ms(f.compute_s), f"forward {_ms(f.forward_s)}, backward {_ms(f.backward_s)}, "
                                             f"optimizer {_ms(f.optimizer_s)}"),
             *([("    of which", "", f"matmuls {_ms(f.matmul_s)} at {cm.tflops:g} TFLOP/s, memory-bound "

@@ -12,6 +12,7 @@ import math
 from typing import TYPE_CHECKING, Sequence
 
 from .. import layout as L
+from ..dtypes import itemsize
 from ..units import natural_sorted
 from ..mesh import Mesh
 from . import tensor_parallel as tp
@@ -117,7 +118,7 @@ def memory(plan: "Plan", rank: int = 0, recompute: bool = False) -> dict:
     if plan.optimizer_states:
         for p in plan.params:
             if p.requires_grad and not plan.buffers[p.buffer].offload:  # offloaded: the state is on the host
-                optimizer += math.prod(plan.local_shape(p.name, rank)) * 4 * plan.optimizer_states
+                optimizer += math.prod(plan.local_shape(p.name, rank)) * state_itemsize(p) * plan.optimizer_states
     grads = sum(v for (k, _), v in live.items() if k in ("lgrad", "flat", "rin", "recv", "rout"))
     trainable: dict[int, int] = {}  # buffer index -> trainable parameters (each has a host step count)
     for p in plan.params:
@@ -128,6 +129,29 @@ def memory(plan: "Plan", rank: int = 0, recompute: bool = False) -> dict:
     return dict(params=params, grads=grads, optimizer=optimizer, gathered_peak=gathered_peak, peak=peak + optimizer,
                 host=host, host_peak=host, host_pinned=pinned, activations=act_at_peak if acts is not None else None, recompute=recompute,
                 states_peak=states_peak + optimizer)
+
+
+def state_itemsize(p: ParamPlan) -> int:
+    """Bytes per element of one optimizer state of ``p``: a torch optimizer (AdamW's ``exp_avg``, ``exp_avg_sq``)
+    keeps its states in the parameter's dtype, so fp32 parameters (fp32 master weights) get fp32 states and
+    bf16 parameters bf16 states."""
+    return itemsize(p.dtype)
+
+
+def optimizer_state_dtypes(plan: "Plan") -> list[str]:
+    """The dtypes the optimizer states of the plan's trainable parameters are kept in (their storage dtypes)."""
+    return sorted({p.dtype for p in plan.params if p.requires_grad})
+
+
+def low_precision_masters(plan: "Plan", rank: int = 0) -> tuple[int, int]:
+    """``(count, bytes on rank)`` of the trainable parameters stored in a 16-bit dtype: no fp32 master weights,
+    so the optimizer steps (and keeps its states) in 16 bits."""
+    n = size = 0
+    for p in plan.params:
+        if p.requires_grad and itemsize(p.dtype) == 2:
+            n += 1
+            size += math.prod(plan.local_shape(p.name, rank)) * itemsize(p.dtype)
+    return n, size
 
 
 def _apply(op, plan, per, live, lent, collected, put, forming: set) -> None:

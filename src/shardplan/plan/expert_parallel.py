@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from ..errors import PlanError, SpecError
+from ..errors import PlanError, SpecError, did_you_mean
 from ..mesh import Mesh
 from ..spec import P
 from .kinds import ACTIVATIONS, ALL_TO_ALL, MODULE_BACKWARD, MODULE_FORWARD
@@ -69,7 +69,7 @@ def as_expert_axes(expert_axes, mesh: Mesh, compute_axes: Sequence[str]) -> tupl
     axes = (expert_axes,) if isinstance(expert_axes, str) else tuple(expert_axes)
     for a in axes:
         if a not in mesh.axis_names:
-            raise PlanError(f"expert axis {a!r} is not an axis of {mesh!r}; name one of {mesh.axis_names} or add it "
+            raise PlanError(f"expert axis {a!r} is not an axis of {mesh!r}{did_you_mean(a, mesh.axis_names)}; name one of {mesh.axis_names} or add it "
                             f"to the mesh, e.g. Mesh(dp=2, {a}=2)")
         if a in compute_axes:
             raise PlanError(f"axis {a!r} is named both a compute (tensor-parallel) axis and an expert axis; "

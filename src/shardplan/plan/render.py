@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from .. import layout as L
 from ..dtypes import itemsize
-from .accounting import coverage
+from .accounting import coverage, low_precision_masters, optimizer_state_dtypes
 from .capture import describe as describe_capture
 from .offload import HOST_GBPS, host_step_bytes
 from .kinds import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COPY_D2H, COPY_H2D, FREE, OPTIM_STEP, PARAMS, PREPARE,
@@ -65,7 +65,7 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
                     + ((_shape(p.shape),) if tp else ()) + (_shape(local), p.unit, f"{math.prod(local) * itemsize(p.dtype):,}"))
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
     line = lambda r: "  ".join(c.ljust(w) if i < len(head) - 1 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-    out = [header(plan)]
+    out = [header(plan)] + [x for x in [nothing_sharded(plan)] if x]
     if rows:
         out += [line(head), line(tuple("-" * w for w in widths))] + [line(r) for r in rows]
     if len(plan.params) > max_rows and max_rows:
@@ -93,7 +93,7 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
     out.append("")
     where = "device memory" if plan.offload else "memory"
     out.append(f"{where} on rank {rank}: params {fmt_bytes(m.params)}, grads {fmt_bytes(m.grads)}, "
-               f"optimizer {fmt_bytes(m.optimizer)} ({plan.optimizer_states} fp32 states), "
+               f"optimizer {fmt_bytes(m.optimizer)} ({states_said(plan)}), "
                f"gathered peak {fmt_bytes(m.gathered_peak)}, peak {fmt_bytes(m.peak)} " + activations_note(plan, rank, m))
     c = plan.comm_bytes(rank)
     if plan.offload:
@@ -154,11 +154,47 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
         out.append("")
         out.append("planner's choices:")
         out += [f"  - {n}" for n in plan.notes]
-    if plan.warnings:
+    said = list(plan.warnings) + masters_warning(plan, rank)
+    if said:
         out.append("")
         out.append("warnings:")
-        out += [f"  - {w}" for w in plan.warnings]
+        out += [f"  - {w}" for w in said]
     return "\n".join(out)
+
+
+def states_said(plan: "Plan") -> str:
+    """``2 fp32 states``: how many optimizer states per parameter, in which dtype (the parameters' own: what a
+    torch optimizer keeps)."""
+    dtypes = optimizer_state_dtypes(plan) or ["float32"]
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
+    return f"{plan.optimizer_states} {'/'.join(short.get(d, d) for d in dtypes)} states"
+
+
+def nothing_sharded(plan: "Plan") -> str:
+    """A line for a plan whose strategy shards but whose specs shard nothing (every parameter ``P()``), or ``""``."""
+    from .kinds import Strategy
+    if plan.strategy == Strategy.NO_SHARD or plan.mesh.size == 1 or plan.compute_axes or plan.expert_modules:
+        return ""
+    if any(b.axes for b in plan.buffers):
+        return ""
+    return (f"nothing is sharded: every parameter's spec names no mesh axis (P(), replicated), so each of the "
+            f"{plan.mesh.size} ranks holds all parameters, gradients and optimizer states, as under no_shard: "
+            f"{plan.strategy} only all-reduces the gradients. Shard them with rules naming a mesh axis, e.g. "
+            f"[(r\".*\", P({plan.mesh.axis_names[0]!r}))]")
+
+
+def masters_warning(plan: "Plan", rank: int = 0) -> list[str]:
+    """The trainable parameters kept in 16 bits with no fp32 master copy: said with the fix (fp32 masters)."""
+    n, size = low_precision_masters(plan, rank)
+    if not n:
+        return []
+    dtypes = "/".join(sorted({p.dtype for p in plan.params if p.requires_grad and itemsize(p.dtype) == 2}))
+    return [f"{n} trainable parameter(s) ({fmt_bytes(size)} on rank {rank}) are stored in {dtypes} with no fp32 "
+            f"master weights: a torch optimizer keeps its states in {dtypes} too (counted so above) and rounds away "
+            f"updates below that dtype's precision (bf16: about 2^-8 of a weight). Keep fp32 masters and compute in {dtypes}: an fp32 model "
+            f"planned with compute_dtype=\"bf16\" (CLI: --param-dtype fp32 --dtype bf16; fully_shard: "
+            f"MixedPrecisionPolicy(param_dtype=torch.bfloat16) on an fp32 model; fully_shard_model: "
+            f"preserve_fp32_weights=True), at twice the parameter and optimizer-state bytes"]
 
 
 def render_tp(plan: "Plan") -> list[str]:

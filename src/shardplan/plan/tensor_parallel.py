@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
-from ..errors import PlanError, SpecError
+from ..errors import PlanError, SpecError, did_you_mean
 from ..mesh import Mesh
 from ..spec import P
 from ..units import ROOT
@@ -85,7 +85,7 @@ def as_compute_axes(compute_axes, mesh: Mesh) -> tuple[str, ...]:
     axes = (compute_axes,) if isinstance(compute_axes, str) else tuple(compute_axes or ())
     for a in axes:
         if a not in mesh.axis_names:
-            raise PlanError(f"compute axis {a!r} is not an axis of {mesh!r}; name one of {mesh.axis_names} or add it "
+            raise PlanError(f"compute axis {a!r} is not an axis of {mesh!r}{did_you_mean(a, mesh.axis_names)}; name one of {mesh.axis_names} or add it "
                             f"to the mesh, e.g. Mesh(dp=2, {a}=2)")
     if len(set(axes)) != len(axes):
         raise PlanError(f"compute_axes {axes} names an axis twice")

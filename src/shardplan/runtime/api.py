@@ -1,4 +1,5 @@
-"""The runtime's public functions: ``shard``, ``no_sync``, ``clip_grad_norm_``, ``record_ops``."""
+"""The runtime's public functions: ``shard``, ``no_sync``, ``set_requires_gradient_sync``, ``clip_grad_norm_``,
+``record_ops``."""
 
 from __future__ import annotations
 
@@ -121,6 +122,9 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     exe.handles += CP.install(plan, rt.groups, module, exe)  # context-parallel attention finds the cp group
     exe.handles += FG.install(module, plan, TP.active_modules(plan))  # what cp or tp would compute per rank
     module.__dict__[_ATTR] = exe
+    if not hasattr(type(module), "set_requires_gradient_sync"):  # fully_shard's modules have their own
+        # FSDP2's method on the sharded module, so code written for FSDP2 (torchtitan's accumulation) runs as is
+        module.__dict__["set_requires_gradient_sync"] = functools.partial(set_requires_gradient_sync, module)
     guard_apply(module)  # .to(bf16)/.half()/.cuda() from now on raise instead of detaching the shards
     if sync_buffers and rt.world > 1:
         for b in module.buffers():
@@ -131,6 +135,17 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
         exe.handles.append(TP.install_input_check(module, plan, rt.groups.world, device))
     exe._account()
     return module
+
+
+def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    """FSDP2's switch for gradient accumulation on a module sharded with :func:`shard` (``shard`` also binds it
+    as ``module.set_requires_gradient_sync``): ``False`` skips the gradient reductions of the backwards that
+    follow, which accumulate unreduced, until a backward after ``set_requires_gradient_sync(True)`` reduces the
+    sum, as :func:`no_sync` does around a block. One plan synchronises the whole model at once, so ``recurse``
+    changes nothing (FSDP2 sets the flag module by module; the numbers are the same)."""
+    if not isinstance(requires_gradient_sync, bool):
+        raise RuntimeShardingError(f"set_requires_gradient_sync({requires_gradient_sync!r}): pass True or False")
+    engine_of(module).sync = requires_gradient_sync
 
 
 @contextlib.contextmanager

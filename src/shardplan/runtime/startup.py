@@ -102,7 +102,8 @@ def differing(plan: Plan, reports: list[dict]) -> Optional[str]:
     return (f"the ranks' models differ before sharding: {', '.join(bad[:5])}{more} hold different values. Sharding "
             f"would train a mix of them (replicated parameters would drift apart). Build the model with the same "
             f"seed on every rank (torch.manual_seed before constructing it), load the same weights everywhere, or "
-            f"pass shard(..., sync_module_states=True) to broadcast rank 0's values")
+            f"pass shard(..., sync_module_states=True) (or fully_shard(model, sync_module_states=True)) to broadcast "
+            f"rank 0's values")
 
 
 def startup(module: nn.Module, plan: Plan, world: int, rank: int, timeout_s: float, problems: Optional[list] = None,
