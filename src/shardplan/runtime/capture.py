@@ -137,6 +137,7 @@ class _Graph:
     grads_at_start: list = field(default_factory=list)
     checks: list = field(default_factory=list)       # (buffer, kind, device index) written by every replay
     checked: Any = None                              # (pinned host indices, event) of the last replay's checks
+    hyper: list = field(default_factory=list)        # (optimizer ref, Python-number hyper-parameters per group)
 
 
 class CapturedStep:
@@ -268,6 +269,7 @@ class CapturedStep:
         if self.backend == "eager":
             out = self._run(g, args, kwargs, capturing=True)
             g.statics, g.static_args, g.out, g.phase = statics, (args, kwargs), out, Phase.CAPTURED
+            g.hyper = self._hyper(g)
             g.replays += 1
             return out
         if not torch.cuda.is_available():
@@ -287,6 +289,7 @@ class CapturedStep:
                                f"tensor, error_if_nonfinite=True) nor use optimizers without capturable=True "
                                f"(torch.optim.AdamW(..., capturable=True), a tensor lr)") from exc
         g.graph, g.pool, g.statics, g.out, g.phase = graph, pool, statics, out, Phase.CAPTURED
+        g.hyper = self._hyper(g)
         for r in g.optimizers:
             opt = r()
             if opt is not None:  # loading a state dict replaces the state tensors the graph reads: capture again
@@ -301,6 +304,7 @@ class CapturedStep:
         self._read_checks(g)
         self._check_shards(g)
         self._check_grads_before_replay(g)
+        self._check_hyper(g)
         with torch.no_grad():
             for x, s in zip(leaves, g.statics):
                 if isinstance(x, torch.Tensor) and x is not s:
@@ -336,6 +340,35 @@ class CapturedStep:
             raise CaptureError("shardplan.capture: parameters have gradients in .grad that they did not have when the "
                                "step was captured: eagerly this step would add to them, the replay would not. Zero "
                                "them inside the step (optimizer.zero_grad() after optimizer.step()) or between calls")
+
+    # [Note: Python numbers in a captured step] a hyper-parameter held as a Python number (lr=3e-4) is baked into
+    # the graph when it is captured: a scheduler that changes it afterwards would be silently ignored by every
+    # replay. The numbers of every optimizer the step used are recorded at the capture and compared before each
+    # replay (a few per param group); a tensor (lr=torch.tensor(3e-4, device="cuda")) is read by the graph.
+    @staticmethod
+    def _hyper(g: _Graph) -> list:
+        out = []
+        for r in g.optimizers:
+            opt = r()
+            if opt is not None:
+                out.append((r, [{k: v for k, v in grp.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+                                for grp in opt.param_groups]))
+        return out
+
+    def _check_hyper(self, g: _Graph) -> None:
+        for r, groups in g.hyper:
+            opt = r()
+            if opt is None:
+                continue
+            for i, (grp, then) in enumerate(zip(opt.param_groups, groups)):
+                for k, v in then.items():
+                    now = grp.get(k)
+                    if now != v:
+                        raise CaptureError(
+                            f"shardplan.capture: {type(opt).__name__}.param_groups[{i}][{k!r}] changed from {v!r} to "
+                            f"{now!r} since the step was captured, but as a Python number it is baked into the graph. "
+                            f"Hold it as a tensor on the device ({k}=torch.tensor({v!r}, device='cuda'), and "
+                            f"capturable=True), which schedulers update in place")
 
     def _check_shards(self, g: _Graph) -> None:
         from .seams import replaced_local

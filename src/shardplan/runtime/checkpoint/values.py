@@ -238,8 +238,16 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, osd: dict, locals_: dict) 
         saved_groups = json.loads(saved_groups)
     for group, saved in zip(optimizer.param_groups, saved_groups):
         for k, v in saved.items():
-            if k != "params":
-                group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+            if k == "params":
+                continue
+            cur = group.get(k)
+            if isinstance(cur, torch.Tensor) and isinstance(v, (int, float)) and cur.numel() == 1:
+                # a tensor hyper-parameter (lr=torch.tensor(...)) stays that tensor: a captured step reads it, and
+                # torch's optimizers compute with a tensor lr otherwise than with a float
+                with torch.no_grad():
+                    cur.fill_(v)
+            else:
+                group[k] = tuple(v) if isinstance(cur, tuple) else v
     for n, st in osd["state"].items():
         if n not in locals_:
             continue
