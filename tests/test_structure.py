@@ -163,3 +163,71 @@ def test_whole_package_has_no_import_cycle():
     graph = edges(modules())
     bad = cycles(graph)
     assert not bad, "import cycles:\n" + _describe(bad, graph)
+
+
+# ---- figures: the package's size, its longest parts and its function-level imports ----------------------------
+
+def _function_imports(node: ast.AST, inside: bool = False):
+    """The Import / ImportFrom nodes inside a function body below ``node`` (TYPE_CHECKING blocks skipped)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and _is_type_checking(child.test):
+            continue
+        if inside and isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child
+        yield from _function_imports(child, inside or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                         ast.Lambda)))
+
+
+def function_level_imports(mods: dict[str, Path]) -> list[tuple[str, int, str]]:
+    """``(module, line, imported module)`` for each import of one of the package's own modules made inside a
+    function (not at module level)."""
+    out = []
+    for mod, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        here = mod.split(".") if is_pkg else mod.split(".")[:-1]
+        for node in _function_imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.split(".")[0] == PACKAGE]
+            elif node.level:
+                names = [".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else []))]
+            else:
+                names = [node.module] if (node.module or "").split(".")[0] == PACKAGE else []
+            out.extend((mod, node.lineno, n) for n in names)
+    return out
+
+
+def functions(mods: dict[str, Path]) -> list[tuple[int, str]]:
+    """``(lines, module:qualified name)`` of every function and method, longest first."""
+    out = []
+    for mod, path in mods.items():
+        def walk(node, prefix):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    out.append((child.end_lineno - child.lineno + 1, f"{mod}:{prefix}{child.name}"))
+                    walk(child, f"{prefix}{child.name}.")
+                elif isinstance(child, ast.ClassDef):
+                    walk(child, f"{prefix}{child.name}.")
+                else:
+                    walk(child, prefix)
+        walk(ast.parse(path.read_text(), str(path)), "")
+    return sorted(out, reverse=True)
+
+
+def figures() -> dict:
+    """The structure's figures (``python3 tests/test_structure.py`` prints them)."""
+    import subprocess
+    import sys
+    mods = modules()
+    lines = {m: len(p.read_text().splitlines()) for m, p in mods.items()}
+    names = subprocess.run([sys.executable, "-c", "import shardplan; print(len([n for n in dir(shardplan) "
+                            "if not n.startswith('_')]))"], capture_output=True, text=True, check=True,
+                           env={"PYTHONPATH": str(SRC), "PATH": ""}).stdout.strip()
+    longest_module = max(lines, key=lines.get)
+    return {"modules": len(mods), "source_lines": sum(lines.values()), "dir_shardplan": int(names),
+            "function_level_imports": len(function_level_imports(mods)),
+            "longest_function": functions(mods)[0], "longest_module": (lines[longest_module], longest_module)}
+
+
+if __name__ == "__main__":
+    for k, v in figures().items():
+        print(f"{k:24} {v}")
