@@ -9,6 +9,7 @@ from typing import Mapping, Optional, Sequence, Union
 
 from .. import layout as L
 from .. import lowp
+from ..activations import profile as profile_activations
 from ..dtypes import dtype_name, is_floating, itemsize
 from ..errors import MeshError, PlanError, PlanWarning
 from ..mesh import Mesh
@@ -330,7 +331,6 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
         # what the step keeps alive at each event; the plan stores the numbers (plan.memory adds them).
         # Under tensor parallelism the meta copy computes as one tp rank: tp-local parameter shapes, and the
         # activations each style moves (activations._tensor_parallel)
-        from ..activations import profile as profile_activations
         # (expert-parallel parameters keep their global shapes: the model routes over every expert)
         local = {p.name: p.shape for p in param_plans if p.compute is not None and p.compute.axis in compute_axes}
         styles = [(m.path, m.kind, m.style, mesh.axis_size(m.axis)) for m in tp_modules] if tp_modules else []
