@@ -13,6 +13,7 @@ that ``import shardplan`` and the ``shardplan`` command start at once.
 import importlib as _importlib
 from importlib.util import find_spec as _find_spec
 
+from .dtypes import import_torch as _import_torch  # torch-free: it imports torch when called
 from .errors import (CheckpointError, CollectiveError, FP8UnavailableError, ForecastError, MeshError, PlanError, PlanWarning, RuleError,
                      RehearsalError, RuntimeShardingError, ShardingError, SpecError, UnmatchedParametersError,
                      UnusedRuleWarning)
@@ -21,6 +22,7 @@ from .plan import BufferPlan, Memory, Op, ParamPlan, Plan, UnitPlan, plan
 from .rules import Rules, explain, match
 from .spec import P
 from .auto import auto_rules
+from . import forecast as _forecast  # torch-free; registers plan.forecast(...) (plan/facade.py: the planner never imports it)
 
 __version__ = "0.1.0"
 
@@ -29,8 +31,8 @@ _LAZY = {
     **dict.fromkeys(("clip_grad_norm_", "compile_units", "mark_shards_changed", "memory_stats", "no_sync",
                      "record_ops", "reset_peak", "shard"), "runtime"),
     **dict.fromkeys(("full_state_dict", "load_full_state_dict", "load_state_dict", "state_dict"), "runtime.checkpoint"),
-    **dict.fromkeys(("functional_call", "grad", "value_and_grad"), "runtime.functional"),
-    **dict.fromkeys(("assemble", "shard_tree", "unshard_tree"), "tree"),
+    **dict.fromkeys(("functional_call", "grad", "unshard_tree", "value_and_grad"), "runtime.functional"),
+    **dict.fromkeys(("assemble", "shard_tree"), "tree"),
     "clip_by_global_norm": "optim",
     **dict.fromkeys(("MixedPrecisionPolicy", "fully_shard", "fully_shard_model", "fully_shard_optimizer", "plan_of",
                      "register_fsdp_forward_method"), "dropin"),
@@ -43,9 +45,8 @@ _LAZY_MODULES = {"checkpoint": "runtime.checkpoint", "optim": "optim", "metrics"
 
 
 def __getattr__(name: str):
-    from .dtypes import import_torch
     if name in _LAZY or name in _LAZY_MODULES:
-        import_torch()  # quietly, before the runtime imports it
+        _import_torch()  # quietly, before the runtime imports it
         if name in _LAZY_MODULES:
             value = _importlib.import_module(f".{_LAZY_MODULES[name]}", __name__)
         else:
@@ -53,7 +54,7 @@ def __getattr__(name: str):
         globals()[name] = value
         return value
     if name.isidentifier() and not name.startswith("_") and _find_spec(f"{__name__}.{name}") is not None:
-        import_torch()  # a submodule not imported yet: sp.runtime, sp.tree
+        _import_torch()  # a submodule not imported yet: sp.runtime, sp.tree
         return _importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
