@@ -67,6 +67,12 @@ def edges(mods: dict[str, Path]) -> dict[str, set[str]]:
                     t = t.rpartition(".")[0]
                 if t in mods and t != mod:
                     graph[mod].add(t)
+                # [Note: importing shardplan.runtime.collectives runs shardplan/runtime/__init__.py first: a package
+                # above the target is a dependency too, unless it is one of the importer's own packages]
+                while "." in t and t.count(".") > 1:
+                    t = t.rpartition(".")[0]
+                    if t in mods and not f"{mod}.".startswith(f"{t}."):
+                        graph[mod].add(t)
     return graph
 
 
@@ -144,6 +150,11 @@ LAYERS = (("kinds",), ("values",),
            "render"),
           ("facade",), ("types", "compiler"), ("",))
 
+# the floor below the planner: the language (specs, meshes, rules, layouts, dtypes, quantized formats), the
+# module walks and the tracers the planner calls (units, activations, optraffic) and the automatic choices
+BELOW_PLAN = ("errors", "dtypes", "spec", "mesh", "layout", "lowp", "rules", "units", "auto", "activations",
+              "optraffic")
+
 
 def test_plan_modules_are_layered():
     """Values at the bottom (``kinds``, then ``values``: no function module); function modules import values,
@@ -157,6 +168,19 @@ def test_plan_modules_are_layered():
             if dep in layer:
                 ok = layer[dep] < k or (layer[dep] == k and k == 2)
                 assert ok, f"{mod} (layer {k}) imports {dep} (layer {layer[dep]})"
+
+
+def test_plan_imports_nothing_above_it():
+    """``shardplan.plan`` imports only itself and the floor below it (``BELOW_PLAN``), and that floor imports
+    neither the planner nor anything above it (at any depth: function-level imports count)."""
+    graph = edges(modules())
+    below = {f"{PACKAGE}.{m}" for m in BELOW_PLAN}
+    plan = {m for m in graph if m == f"{PACKAGE}.plan" or m.startswith(f"{PACKAGE}.plan.")}
+    assert below <= set(graph)
+    up = sorted((m, d) for m in plan for d in graph[m] - plan - below)
+    assert not up, "shardplan.plan imports modules above it (forecast, runtime, ...): " + repr(up)
+    up = sorted((m, d) for m in below for d in graph[m] - below)
+    assert not up, "the floor below shardplan.plan imports the planner or above: " + repr(up)
 
 
 def test_whole_package_has_no_import_cycle():
@@ -226,6 +250,24 @@ def figures() -> dict:
     return {"modules": len(mods), "source_lines": sum(lines.values()), "dir_shardplan": int(names),
             "function_level_imports": len(function_level_imports(mods)),
             "longest_function": functions(mods)[0], "longest_module": (lines[longest_module], longest_module)}
+
+
+# imports of the package's own modules made inside a function: each breaks a real cycle, keeps a module
+# torch-free (``import shardplan``, ``shardplan --help``) or keeps a heavy import (torch's DCP) off the common path,
+# and says which in a comment on its line. The budget only goes down.
+FUNCTION_LEVEL_IMPORTS = 4
+
+
+def test_function_level_imports_are_few_and_say_why():
+    mods = modules()
+    found = function_level_imports(mods)
+    lines = {m: p.read_text().splitlines() for m, p in mods.items()}
+    bare = [f"{m}:{n}" for m, n, _ in found if "#" not in lines[m][n - 1]]
+    assert not bare, f"function-level imports without a comment saying why (a cycle, torch-free, cost): {bare}"
+    assert len(found) <= FUNCTION_LEVEL_IMPORTS, (
+        f"{len(found)} function-level imports of the package's own modules (budget {FUNCTION_LEVEL_IMPORTS}); "
+        f"import at module level unless it breaks a cycle or keeps `import shardplan` torch-free: "
+        + ", ".join(f"{m}:{n} ({t})" for m, n, t in found))
 
 
 if __name__ == "__main__":

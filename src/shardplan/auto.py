@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 from .mesh import Mesh
 from .rules import Rules, regex_list_source
 from .spec import P
+from .units import collect_leaves
 
 AUTO_UNIT_BYTES = 16 * 2 ** 20
 """Units smaller than this are merged with their neighbours by default: each unit costs a fixed
@@ -194,7 +195,6 @@ def auto_rules(model_or_tree, mesh: Mesh, *, min_shard_bytes: int = 2 ** 20,
     (``[]`` for a pytree), which ``to_source()`` writes as ``UNITS = [...]`` (the CLI reads it back) and
     which :func:`shardplan.plan` uses by default anyway: ``sp.plan(model, rules, mesh, units=rules.units)``.
     """
-    from .units import collect_leaves
     infos, _, _, module = collect_leaves(model_or_tree)
     axes = tuple(axes) if axes is not None else data_axes(mesh)
     entry = axes[0] if len(axes) == 1 else tuple(axes)

@@ -22,8 +22,19 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from . import __version__
+from .activations import token_inputs
+from .auto import auto_rules
+from .dtypes import dtype_name, import_torch, to_torch
 from .errors import ShardingError
-
+from .forecast.cli import add_parser as add_forecast
+from .forecast.cli import run as run_forecast
+from .mesh import Mesh
+from .plan import plan, strategy_level
+from .plan.render import render, render_schedule
+from .rehearsal.cli import add_parser as add_rehearse
+from .rehearsal.cli import run as run_rehearse
+from .rules import explain
 
 class CliError(Exception):
     pass
@@ -109,7 +120,6 @@ def _split_spec(spec: str) -> tuple[str, str]:
 
 def load_rules_file(spec: str) -> RulesFile:
     """``RULES.py`` (its ``rules``) or ``RULES.py:NAME`` (its ``NAME``), with the file's units, mesh and options."""
-    from .mesh import Mesh
     path, name = _split_spec(spec)
     mod = _load_file(path, "_shardplan_rules")
     name = name or "rules"
@@ -262,9 +272,6 @@ def plan_options_parser() -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
-    from .forecast.cli import add_parser as add_forecast
-    from .rehearsal.cli import add_parser as add_rehearse
     ap = argparse.ArgumentParser(prog="shardplan", description="Plan sharding of a model without launching anything.",
                                  epilog=MAIN_EXAMPLES, formatter_class=_Formatter, allow_abbrev=False)
     ap.add_argument("--version", action="version", version=f"shardplan {__version__}")
@@ -300,10 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_model(target: str, param_dtype=None):
     """The module a TARGET names, on the meta device."""
-    from .dtypes import import_torch
     torch = import_torch()
     if target.startswith("hf:"):
-        from .hf import model_from_config
+        from .hf import model_from_config  # (keeps the CLI torch-free until a model is built: hf.py imports torch)
         model = model_from_config(target[3:])
     else:
         builder = load_target(target)
@@ -317,7 +323,6 @@ def build_model(target: str, param_dtype=None):
         if not isinstance(model, torch.nn.Module):
             raise CliError(f"{target} returned {type(model).__name__}, not an nn.Module")
     if param_dtype:
-        from .dtypes import dtype_name, to_torch
         model.to(to_torch(dtype_name(param_dtype)))
     return model
 
@@ -329,14 +334,11 @@ def trace_tokens(text: str):
         assert b > 0 and t > 0
     except (ValueError, AssertionError):
         raise CliError(f"--trace-tokens {text!r}: expected BxT with positive integers, e.g. 1x4096") from None
-    from .dtypes import import_torch
     torch = import_torch()
     return torch.zeros(b, t, dtype=torch.long, device="meta")
 
 
 def run_rules(args) -> str:
-    from .auto import auto_rules
-    from .mesh import Mesh
     import shlex
     mesh = Mesh.parse(args.mesh)
     model = build_model(args.target)
@@ -368,16 +370,9 @@ def run(args) -> str:
     if args.command == "rules":
         return run_rules(args)
     if args.command == "forecast":
-        from .forecast.cli import run as run_forecast
         return run_forecast(args, run)
     if args.command == "rehearse":
-        from .rehearsal.cli import run as run_rehearse
         return run_rehearse(args, run, build_model)
-    from .auto import auto_rules
-    from .mesh import Mesh
-    from .plan import plan, strategy_level
-    from .plan.render import render, render_schedule
-    from .rules import explain
 
     file = load_rules_file(args.rules) if args.rules else None
     if args.mesh is not None:
@@ -401,7 +396,6 @@ def run(args) -> str:
     if not 0 <= args.rank < mesh.size:
         raise CliError(f"--rank {args.rank} is outside the mesh's {mesh.size} ranks")
     if args.trace_tokens is not None:  # called as a training step calls it (targets too, where it takes them)
-        from .activations import token_inputs
         opts["trace"] = token_inputs(model, trace_tokens(args.trace_tokens))
     p = plan(model, rules_obj, mesh, units=units, **opts)
     trace = getattr(args, "trace", None)  # `shardplan forecast` asks for the plan without --trace (its own is another)

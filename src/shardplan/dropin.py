@@ -27,6 +27,8 @@ from .plan import Plan, plan as make_plan
 from .plan.schedule import STRATEGIES
 from .runtime.api import engine_of, shard
 from .spec import P
+from .runtime import state_dict as SD
+from .runtime import collectives as C
 
 _MARK = "_shardplan_fully_shard"
 
@@ -553,7 +555,6 @@ def _dtensor_optimizer_state(opt: torch.optim.Optimizer, args, kwargs) -> None:
         opt.register_state_dict_pre_hook(refuse)
         opt.register_load_state_dict_pre_hook(refuse)
         return
-    from .runtime import state_dict as SD
     SD.install_optimizer(opt, ours[0])
     opt.__dict__["_shardplan_dtensor_state"] = True
     _local_states(opt, ours[0])
@@ -726,13 +727,11 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
     optimizer.zero_grad = zero_grad.__get__(optimizer)
     optimizer.__dict__["_shardplan_dtensor_state"] = preproc_state_dict_for_dcp_ckpt
     if preproc_state_dict_for_dcp_ckpt:
-        from .runtime import state_dict as SD
         SD.install_optimizer(optimizer, eng)
     return optimizer
 
 
 def _check_finite(eng, params) -> None:
-    from .runtime import collectives as C
     grads = [p.grad for p in params if p.grad is not None and p.grad.numel()]
     bad = torch.zeros((), device=eng.device)
     if grads:

@@ -26,6 +26,8 @@ import torch
 from .errors import ShardingError
 from .schedules import (SCHEDULES, LearningRate, Schedule, ScheduleLR, as_lr_scheduler, by_name, constant,
                         cosine_decay, join, linear, linear_warmup, value_at, warmup_cosine)
+from .rules import leaves_with_paths
+from .runtime import collectives as C
 
 __all__ = ["Optimizer", "adamw", "sgd", "trainable", "clip_by_global_norm",
            # learning-rate schedules (shardplan.schedules), here as in optax
@@ -58,7 +60,6 @@ _SELECTED: dict = {}
 def _selected(params, mask) -> list[int]:
     """Indices of the leaves ``mask`` lets the optimizer change (all of them without a mask); once per
     tree structure and mask."""
-    from .rules import leaves_with_paths
     spec = optree.tree_structure(params)
     key = (spec, id(mask))
     if key not in _SELECTED:
@@ -178,8 +179,6 @@ def clip_by_global_norm(grads, max_norm: float, plan) -> tuple[Any, torch.Tensor
 
     >>> grads, norm = sp.clip_by_global_norm(grads, 1.0, plan)
     """
-    from .rules import leaves_with_paths
-    from .runtime import collectives as C
     paths, leaves, spec = leaves_with_paths(grads)
     dev = leaves[0].device if leaves else torch.device("cpu")
     acc = torch.zeros((), dtype=torch.float64 if dev.type == "cpu" else torch.float32, device=dev)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from .errors import PlanError, PlanWarning, RuleError
+from .rules import leaves_with_paths
 
 ROOT = "<root>"
 
@@ -33,7 +34,6 @@ class LeafInfo:
 def collect_leaves(model_or_tree) -> tuple[list[LeafInfo], list[Any], list[str], Any]:
     """Leaves (tied parameters once, under their first name), the leaf objects, candidate unit paths."""
     import torch.nn as nn
-    from .rules import leaves_with_paths
 
     if isinstance(model_or_tree, nn.Module):
         by_id: dict[int, list[str]] = {}

@@ -24,6 +24,7 @@ from ..mesh import Mesh
 from .kinds import ACTIVATIONS, ALL_GATHER, MODULE_BACKWARD, MODULE_FORWARD, REDUCE_SCATTER
 from .tensor_parallel import Anchor, ModuleOps, anchors
 from .values import Op
+from ..units import run_traced
 
 CONTEXT_AXIS = "cp"
 
@@ -72,7 +73,6 @@ def trace_calls(model, trace, itemsize: Optional[int], mesh: Mesh) -> tuple[Atte
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
 
-    from ..units import run_traced
 
     cp = axis_size(mesh)
     stack: list[str] = [""]

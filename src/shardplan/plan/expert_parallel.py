@@ -27,6 +27,7 @@ from ..spec import P
 from .kinds import ACTIVATIONS, ALL_TO_ALL, MODULE_BACKWARD, MODULE_FORWARD
 from .tensor_parallel import Anchor, ModuleOps, anchors
 from .values import Compute, Op
+from ..units import run_traced
 
 EXPERT_AXIS = "ep"
 
@@ -136,7 +137,6 @@ def trace_calls(model, modules: Sequence[ExpertModule], trace, itemsize: Optiona
     """Run the traced forward once and record each expert module's token input (the first tensor
     argument) and top-k (the last dimension of the second, the experts each token is routed to)."""
     import torch
-    from ..units import run_traced
     seen: list[ExpertCall] = []
 
     def record(m):

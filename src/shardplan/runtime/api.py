@@ -27,6 +27,10 @@ from .faces import ModuleFace
 from . import identity
 from . import offload
 from .hooks import install
+from .. import fp8
+from .init import materialize_unit
+from ..fp8 import weight_maker
+from ..units import entry_points
 
 
 
@@ -40,7 +44,6 @@ def _build_fp8(module: nn.Module, plan: Plan, timeout_s: float, check_values: bo
     that found it raises its own FP8UnavailableError (naming the install or the device)."""
     mine = None
     if plan.fp8_modules:
-        from .. import fp8
         try:
             fp8.convert(module, plan, device_for(module, dist.get_backend())[0])
         except FP8UnavailableError as exc:
@@ -81,7 +84,6 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     def fill(up, bufs):
         names = [n for b in bufs for n in b.bp.params]
         if rt.meta:  # one unit at a time: the full unit exists only while its shards are cut out
-            from .init import materialize_unit
             owners = [m for n in names for m, _ in slots[n][:1]]
             attr_of = {n: (lambda _n=n: getattr(*slots[_n][0]).detach()) for n in names}
             unit_full = materialize_unit(owners, names, attr_of, init_fn, device)
@@ -101,7 +103,6 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
 
     float8 = None
     if any(b.tensorwise for b in plan.buffers):  # FP8 compute's float8 gathers: torchao's tensors over them
-        from ..fp8 import weight_maker
         float8 = weight_maker(slots)
     units = rt.make_units(fill)
     identity.sharded()
@@ -174,7 +175,6 @@ def compile_units(module: nn.Module, **compile_kwargs) -> nn.Module:
     each unit boundary the same way.
     """
     eng = engine_of(module)
-    from ..units import entry_points
     unit_paths = [p for u in eng.plan.units[1:] for p in u.module_paths]
     for up in eng.plan.units[1:]:
         for path in (e for p in up.module_paths for e in entry_points(module, p, unit_paths)):

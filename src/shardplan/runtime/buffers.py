@@ -21,6 +21,8 @@ from ..errors import RuntimeShardingError
 from ..lowp import BLOCK
 from ..plan import BufferPlan, Plan
 from ..plan.values import ParamPlan, Piece
+from .quantize import bad_blocks, dequantize_into, first_bad_block, first_non_finite, quantize_into
+from .seams import detached_local
 
 
 _chunk_cat = getattr(torch, "_chunk_cat", None)  # (torch >= 2.4, FSDP2's copy-in; else the per-parameter views)
@@ -233,7 +235,6 @@ class BufferState:
         with torch.no_grad():
             if self.defer_check:
                 self.check_pending()
-                from .quantize import first_non_finite
                 self.pending_tw = first_non_finite(amax)
             elif not bool(torch.isfinite(amax).all()):
                 bad = [m.name for m, a in zip(self.members, amax.tolist()) if not math.isfinite(a)]
@@ -264,7 +265,6 @@ class BufferState:
             self._quantize_tw(send)
             return send
         if self.qfmt:
-            from .quantize import quantize_into
             send = out if not collective and out is not None else \
                 torch.empty(self.bp.wire_shard_bytes, dtype=torch.uint8, device=self.device)
             with torch.no_grad():
@@ -296,7 +296,6 @@ class BufferState:
         free_storage(self.packed)
 
     def _dequantize(self) -> None:
-        from .quantize import bad_blocks, dequantize_into, first_bad_block
         segments = self.bp.group_size if self.sharded else 1
         # [Note: the non-finite check without a host sync] on the host (CPU tensors) the scales are checked at
         # once. On a GPU, reading a flag back per gather would stall the host behind every gather: the first
@@ -475,7 +474,6 @@ class BufferState:
                 for seg, box, n in m.copy_plan:
                     view[seg, m.info.offset:m.info.offset + n].copy_(m.view[box].reshape(-1))
         if self.bp.reduce_quant:  # every segment quantized on its own: the all-to-all sends segment k to rank k
-            from .quantize import quantize_into
             wire = torch.empty(self.bp.reduce_bytes, dtype=torch.uint8, device=self.device)
             with torch.no_grad():
                 quantize_into(g[:self.G], self.bp.reduce_quant, wire, self.bp.group_size)
@@ -512,7 +510,6 @@ class BufferState:
         except RuntimeError:
             # [Note: a child module's .to()/.half() after shard() replaced a local parameter's .data; torch's
             # own error here is a bare grad dtype/device mismatch. Diagnosed only on failure: no per-step cost.]
-            from .seams import detached_local
             why = detached_local(self)
             if why:
                 raise RuntimeShardingError(why) from None

@@ -23,6 +23,7 @@ import torch.nn as nn
 from ..errors import RuntimeShardingError
 from .builder import engine_of
 from .offload import STATS, _by_step, adamw  # noqa: F401  (the kernel both sides share)
+from .api import clip_grad_norm_
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -78,7 +79,6 @@ class OffloadAdamW(torch.optim.Optimizer):
                 loss = closure()
         group = self.param_groups[0]
         if self.max_grad_norm is not None:  # no host step ran yet (clipping turns the overlap off)
-            from .api import clip_grad_norm_
             model = self._model()
             if model is None:
                 raise RuntimeShardingError("shardplan.offload_optimizer: the model was garbage-collected")
