@@ -20,6 +20,7 @@ import re
 import sys
 import time
 from typing import IO, TYPE_CHECKING, Optional
+
 from .errors import ShardingError
 
 if TYPE_CHECKING:

@@ -19,11 +19,10 @@ import torch
 import torch.nn as nn
 
 from ...errors import CheckpointError
-from ..builder import engine_of
+from ..builder import engine_of, groups_for
 from .full import _persistent_buffers
 from .. import collectives as C
 from ...rules import leaves_with_paths
-from ..builder import groups_for
 
 
 @contextlib.contextmanager
