@@ -189,6 +189,77 @@ def test_whole_package_has_no_import_cycle():
     assert not bad, "import cycles:\n" + _describe(bad, graph)
 
 
+# ---- the public surface -----------------------------------------------------------------------------------
+
+PUBLIC_MODULES = {"checkpoint", "optim", "metrics", "forecast", "expert_parallel", "context_parallel", "errors"}
+SURFACE_BUDGET = 40
+
+
+def _public_names() -> list[str]:
+    import subprocess
+    import sys
+    code = "import json, shardplan; print(json.dumps([n for n in dir(shardplan) if not n.startswith('_')]))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(SRC), "PATH": ""})
+    import json
+    return json.loads(out.stdout)
+
+
+def test_dir_shardplan_is_the_small_surface():
+    """``dir(shardplan)`` is ``__all__``: at most SURFACE_BUDGET names, and the only modules in it are the
+    subpackages meant to be used (no leaked ``mesh``, ``units``, ``dtypes``, ...)."""
+    import shardplan
+    names = _public_names()
+    assert sorted(names) == sorted(shardplan.__all__)
+    assert len(names) <= SURFACE_BUDGET, f"{len(names)} public names (budget {SURFACE_BUDGET}): {names}"
+    mods = {n for n in names if type(getattr(shardplan, n)).__name__ == "module"}
+    assert mods == PUBLIC_MODULES, f"modules in dir(shardplan): {sorted(mods)}"
+
+
+def test_names_moved_off_the_top_level_still_import():
+    """Every name once at the top level resolves, to the object its subpackage holds."""
+    import importlib
+    import shardplan
+    old = ("BufferPlan CheckpointError CollectiveError FP8UnavailableError ForecastError Memory MeshError OffloadAdamW Op "
+           "ParamPlan PlanError PlanWarning Rehearsal RehearsalError RuleError RuntimeShardingError SpecError UnitPlan "
+           "UnmatchedParametersError UnusedRuleWarning assemble clip_by_global_norm full_state_dict fully_shard_optimizer "
+           "load_full_state_dict load_state_dict mark_shards_changed register_fsdp_forward_method state_dict").split()
+    assert set(old) == set(shardplan._MOVED) and not set(old) & set(dir(shardplan))
+    for name in old:
+        home = importlib.import_module(f"shardplan.{shardplan._MOVED[name]}")
+        assert getattr(shardplan, name) is getattr(home, name), name
+    exec("from shardplan import PlanError, state_dict, Op", {})
+
+
+def _has_example(doc: str) -> bool:
+    return ">>>" in doc or "::\n" in doc
+
+
+def test_every_public_name_is_typed_with_a_docstring_and_an_example():
+    import inspect
+    import types
+    import shardplan
+    bad = []
+    for name in shardplan.__all__:
+        obj = getattr(shardplan, name)
+        doc = inspect.getdoc(obj) or ""
+        if not _has_example(doc):
+            bad.append(f"{name}: no docstring with an example (>>> or a :: block)")
+        if isinstance(obj, types.ModuleType) or not callable(obj):
+            continue
+        try:
+            sig = inspect.signature(obj)
+        except (TypeError, ValueError):
+            continue
+        untyped = [p.name for p in sig.parameters.values() if p.annotation is inspect.Parameter.empty
+                   and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name != "self"]
+        if untyped:
+            bad.append(f"{name}: untyped parameters {untyped}")
+        if not isinstance(obj, type) and sig.return_annotation is inspect.Signature.empty:
+            bad.append(f"{name}: no return annotation")
+    assert not bad, "\n".join(bad)
+
+
 # ---- figures: the package's size, its longest parts and its function-level imports ----------------------------
 
 def _function_imports(node: ast.AST, inside: bool = False):

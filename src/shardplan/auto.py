@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from .mesh import Mesh
 from .rules import Rules, regex_list_source
@@ -177,7 +177,7 @@ def _generalize(name: str) -> str:
     return r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in name.split("."))
 
 
-def auto_rules(model_or_tree, mesh: Mesh, *, min_shard_bytes: int = 2 ** 20,
+def auto_rules(model_or_tree: Any, mesh: Mesh, *, min_shard_bytes: int = 2 ** 20,
                axes: Optional[Sequence[str]] = None) -> Rules:
     """Propose partition rules for ``model_or_tree`` on ``mesh``.
 

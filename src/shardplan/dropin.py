@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,10 @@ _MARK = "_shardplan_fully_shard"
 
 
 def plan_of(module: nn.Module) -> Plan:
-    """The plan a sharded module runs (whichever entry point sharded it)."""
+    """The plan a sharded module runs (whichever entry point sharded it).
+
+    >>> fully_shard(model); print(sp.plan_of(model))           # the schedule FSDP2's calls compiled into
+    """
     _ensure_compiled(module)
     return engine_of(module).plan
 
@@ -85,7 +88,10 @@ def _dim0_rules(axis: str, placement_fn: Optional[Callable] = None):
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
     """FSDP2's ``MixedPrecisionPolicy``: ``param_dtype`` is the compute dtype parameters are gathered in,
-    ``reduce_dtype`` the gradient reduction dtype. FSDP2's own policy objects are accepted too."""
+    ``reduce_dtype`` the gradient reduction dtype. FSDP2's own policy objects are accepted too.
+
+    >>> fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    """
 
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
@@ -456,7 +462,7 @@ def _route_torch_register() -> None:
     fn.__code__ = routed.__code__
 
 
-def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = True,
+def fully_shard(module: nn.Module, *, mesh: Optional[Any] = None, reshard_after_forward: bool = True,
                 shard_placement_fn: Optional[Callable] = None, mp_policy: Optional[Any] = None,
                 offload_policy: Optional[Any] = None, ignored_params: Optional[set] = None,
                 order: Optional[str] = None) -> nn.Module:
@@ -582,10 +588,11 @@ _NOT_OURS = dict(  # Megatron-FSDP arguments shardplan has no counterpart for, w
 )
 
 
-def fully_shard_model(module: nn.Module, device_mesh=None, dp_shard_dim: Optional[str] = None,
-                      dp_outer_dim: Optional[str] = None, tp_dim: Optional[str] = None, hybrid_fsdp_group=None,
-                      fsdp_unit_modules: Optional[Sequence] = None, zero_dp_strategy=3,
-                      outer_dp_sharding_strategy=0, device: Optional[torch.device] = None,
+def fully_shard_model(module: nn.Module, device_mesh: Optional[Any] = None, dp_shard_dim: Optional[str] = None,
+                      dp_outer_dim: Optional[str] = None, tp_dim: Optional[str] = None,
+                      hybrid_fsdp_group: Optional[Any] = None, fsdp_unit_modules: Optional[Sequence] = None,
+                      zero_dp_strategy: Union[int, str] = 3, outer_dp_sharding_strategy: Union[int, str] = 0,
+                      device: Optional[torch.device] = None,
                       init_model_with_meta_device: bool = False, grad_reduce_in_fp32: bool = False,
                       preserve_fp32_weights: bool = True, overlap_param_gather: bool = True,
                       preproc_state_dict_for_dcp_ckpt: bool = True, check_for_nan_in_grad: bool = True,

@@ -70,8 +70,8 @@ def check_tree(plan: Plan, paths, leaves, *, rank: Optional[int] = None, what: s
         raise ShardingError(f"{what} lacks plan parameter(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
 
-def shard_tree(tree, plan: Plan, *, rank: Optional[int] = None,
-               init_fn: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None):
+def shard_tree(tree: Any, plan: Plan, *, rank: Optional[int] = None,
+               init_fn: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None) -> Any:
     """This rank's local shards of ``tree`` (full tensors), same structure. Pure: no collectives.
 
     >>> local = shardplan.shard_tree({"w": torch.randn(8, 4)}, plan, rank=1)
@@ -117,7 +117,7 @@ def place(plan: Plan, name: str, piece_of: Callable[[int], Optional[torch.Tensor
     return full
 
 
-def assemble(plan: Plan, trees_by_rank: Mapping[int, Any]):
+def assemble(plan: Plan, trees_by_rank: Mapping[int, Any]) -> Any:
     """Full tensors from every rank's local tree (a pure ``unshard_tree``: tests and offline tools)."""
     any_tree = next(iter(trees_by_rank.values()))
     paths, leaves, spec = leaves_with_paths(any_tree)

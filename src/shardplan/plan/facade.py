@@ -57,6 +57,10 @@ class Plan:
     :meth:`with_order` and :meth:`with_schedule`, which return new plans.
 
     ``strategy``, ``order`` and ``layout`` are enums whose members are their strings (``plan.order == "static"``).
+
+    >>> plan = shardplan.plan(model, rules, Mesh(dp=8), units=[r"layers\\.\\d+"])
+    >>> print(plan); plan.memory(rank=0).peak; plan.local_slices("layers.0.wq.weight", rank=3)
+    >>> plan2 = plan.with_prefetch(2)            # a new plan; this one is unchanged
     """
 
     mesh: Mesh

@@ -6,7 +6,7 @@ import contextlib
 import functools
 import math
 import weakref
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -133,9 +133,14 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
 
 
 @contextlib.contextmanager
-def no_sync(module: nn.Module):
+def no_sync(module: nn.Module) -> Iterator[None]:
     """Micro-steps inside skip the gradient reduction; gradients accumulate unreduced until the next
-    backward outside it, which reduces the sum (like DDP's ``no_sync``)."""
+    backward outside it, which reduces the sum (like DDP's ``no_sync``).
+
+    >>> with sp.no_sync(model):
+    ...     model(x1).sum().backward()          # accumulates, no reduction
+    >>> model(x2).sum().backward()              # reduces the sum of both
+    """
     eng = engine_of(module)
     prev, eng.sync = eng.sync, False
     try:
@@ -145,11 +150,16 @@ def no_sync(module: nn.Module):
 
 
 @contextlib.contextmanager
-def record_ops(module: nn.Module, plan: Optional[Plan] = None):
+def record_ops(module: nn.Module, plan: Optional[Plan] = None) -> Iterator[list]:
     """Record the schedule ops the runtime runs: ``with record_ops(m) as ops: ...`` -> [Op, ...], the plan's
     own op objects (compare with ``plan.ops(...)``). With ``plan``: the functional face's runtime.
     [Note: context- and expert-parallel ops are recorded by ``attention()`` and ``dispatch``/``combine``,
-    one call per module and step: a module that calls them twice records its first call's ops twice.]"""
+    one call per module and step: a module that calls them twice records its first call's ops twice.]
+
+    >>> with sp.record_ops(model) as ops:
+    ...     model(x).sum().backward()
+    >>> [(o.kind, o.unit) for o in ops][:2]       # the plan's ops, in the order they ran
+    """
     eng = engine_of(module, plan)
     ops: list = []
     prev, eng.record = eng.record, ops
@@ -326,7 +336,11 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
 
 
 def memory_stats(module: nn.Module) -> dict[str, int]:
-    """Bytes the runtime holds for parameters and gradients now, and the peak since tracking began."""
+    """Bytes the runtime holds for parameters and gradients now, and the peak since tracking began.
+
+    >>> sp.reset_peak(model); loss = model(x).sum(); loss.backward()
+    >>> sp.memory_stats(model)          # {"live": ..., "peak": ...}: compare with plan.memory(rank).peak
+    """
     eng = engine_of(module)
     eng.track_memory = True
     eng._account()
@@ -334,7 +348,10 @@ def memory_stats(module: nn.Module) -> dict[str, int]:
 
 
 def reset_peak(module: nn.Module) -> None:
-    """Start tracking live bytes (costs O(units) per op while on) and reset the peak."""
+    """Start tracking live bytes (costs O(units) per op while on) and reset the peak.
+
+    >>> sp.reset_peak(model)            # then a step, then sp.memory_stats(model)["peak"]
+    """
     eng = engine_of(module)
     eng.track_memory = True
     eng._account()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import threading
 import weakref
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import optree
 import torch
@@ -143,8 +143,8 @@ def runtime_of(module: nn.Module, plan: Plan, timeout_s: float = 300.0, local_pa
     return per[key]
 
 
-def functional_call(module: nn.Module, plan: Plan, local_params, args=(), kwargs: Optional[dict] = None, *,
-                    buffers: Optional[dict] = None, timeout_s: float = 300.0):
+def functional_call(module: nn.Module, plan: Plan, local_params: Any, args: Any = (), kwargs: Optional[dict] = None, *,
+                    buffers: Optional[dict] = None, timeout_s: float = 300.0) -> Any:
     """Run ``module`` statelessly with the parameters whose local shards are ``local_params``.
 
     >>> out = sp.functional_call(model, plan, local, (tokens, targets))
@@ -187,7 +187,7 @@ def functional_call(module: nn.Module, plan: Plan, local_params, args=(), kwargs
         rt.face.restore()
 
 
-def value_and_grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool = False):
+def value_and_grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool = False) -> Callable[..., tuple[Any, Any]]:
     """Like ``jax.value_and_grad``: ``(loss, grads) = sp.value_and_grad(loss_fn, plan)(local, batch)``.
 
     ``fn(params, ...)`` calls :func:`functional_call` with ``params`` (argument ``argnums``; once, or several
@@ -195,6 +195,9 @@ def value_and_grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool 
     scalar loss (or ``(loss, aux)`` with ``has_aux``). ``grads`` has the structure of ``params`` and holds
     each local shard's reduced gradient; a parameter the step did not use gets zeros, not a missing
     entry. The caller's tree is not modified.
+
+    >>> loss_fn = lambda params, batch: sp.functional_call(model, plan, params, batch)
+    >>> loss, grads = sp.value_and_grad(loss_fn, plan)(local, batch)
     """
     if not isinstance(argnums, int) or isinstance(argnums, bool):
         raise ShardingError(f"value_and_grad: argnums must be one int (the position of the local-parameter tree), got "
@@ -249,8 +252,11 @@ def value_and_grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool 
     return wrapped
 
 
-def grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool = False):
-    """Like ``jax.grad``: the gradient tree only (and ``aux`` with ``has_aux``)."""
+def grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool = False) -> Callable[..., Any]:
+    """Like ``jax.grad``: the gradient tree only (and ``aux`` with ``has_aux``).
+
+    >>> grads = sp.grad(loss_fn, plan)(local, batch)          # local shards' reduced gradients, same tree
+    """
     vg = value_and_grad(fn, plan, argnums=argnums, has_aux=has_aux)
 
     def wrapped(*args, **kwargs):
@@ -261,7 +267,7 @@ def grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool = False):
 
 # -- a local tree back to full tensors ------------------------------------------------------------------
 
-def unshard_tree(local_tree, plan: Plan, *, timeout_s: float = 300.0):
+def unshard_tree(local_tree: Any, plan: Plan, *, timeout_s: float = 300.0) -> Any:
     """Full tensors on *every* rank from each rank's local tree (one all-gather per buffer).
 
     >>> full = shardplan.unshard_tree(local, plan)     # collective: every rank calls it

@@ -135,7 +135,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         return st
 
 
-def offload_optimizer(model: nn.Module, lr=1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+def offload_optimizer(model: nn.Module, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                       weight_decay: float = 1e-2, *, fused: Optional[bool] = True, overlap: bool = True,
                       max_grad_norm: Optional[float] = None, overlap_forward: bool = False) -> OffloadAdamW:
     """AdamW for a model sharded with an offloading plan (``plan(..., offload="optimizer")``): the offloaded
