@@ -148,7 +148,7 @@ def test_plan_package_has_no_import_cycle():
 LAYERS = (("kinds",), ("values",),
           ("heads", "float8", "tensor_parallel", "expert_parallel", "context_parallel", "geometry", "offload", "schedule", "validate", "accounting", "serialize",
            "render"),
-          ("facade",), ("types", "compiler"), ("",))
+          ("facade",), ("compiler",), ("",))
 
 # the floor below the planner: the language (specs, meshes, rules, layouts, dtypes, quantized formats), the
 # module walks and the tracers the planner calls (units, activations, optraffic) and the automatic choices

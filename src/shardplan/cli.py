@@ -144,12 +144,6 @@ def load_rules_file(spec: str) -> RulesFile:
     return RulesFile(path, getattr(mod, name), getattr(mod, "UNITS", None), mesh, options)
 
 
-def load_rules(spec: str):
-    """``(rules, the file's UNITS or None)`` of a rules file (see :func:`load_rules_file`)."""
-    f = load_rules_file(spec)
-    return f.rules, f.units
-
-
 class _Formatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the examples' layout, and shows each option's default where it has one."""
 

@@ -100,11 +100,6 @@ class Plan:
                 out[a] = i
         return out
 
-    @property
-    def _index(self) -> dict[str, int]:
-        """[Note: kept for readers written before :meth:`index`; use ``plan.index(name)`` / ``name in plan``]"""
-        return self._positions
-
     @cached_property
     def _units_by_name(self) -> dict[str, UnitPlan]:
         return {u.name: u for u in self.units}
