@@ -260,6 +260,37 @@ def test_every_public_name_is_typed_with_a_docstring_and_an_example():
     assert not bad, "\n".join(bad)
 
 
+def test_the_op_docstring_names_every_kind_and_subject():
+    from shardplan.plan.kinds import OpKind, Subject
+    from shardplan.plan.values import Op
+    doc = " ".join(Op.__doc__.split())
+    missing = [m.value for m in (*OpKind, *Subject) if m.value not in doc]
+    assert not missing, f"Op's docstring does not name {missing}"
+
+
+def test_every_module_is_on_the_map():
+    """docs/architecture.md names every module of ``src/`` (as `` `name.py` ``) in the section of its package:
+    ``## ... (`src/shardplan/plan/`)`` for ``plan/``, ``(`src/shardplan/`)`` for the top level; a module of a
+    subpackage of these (``runtime/checkpoint/``) in its parent's section."""
+    import re
+    text = (SRC.parent / "docs" / "architecture.md").read_text()
+    sections: dict[str, str] = {}
+    for part in re.split(r"^## ", text, flags=re.M)[1:]:
+        m = re.search(r"`src/shardplan/([\w/]*)`", part.splitlines()[0])
+        if m:
+            sections[m.group(1).strip("/")] = part
+    missing = []
+    for mod, path in modules().items():
+        if path.name == "__init__.py":
+            continue
+        rel = path.relative_to(SRC / PACKAGE)
+        pkg = rel.parts[0] if len(rel.parts) > 1 else ""
+        section = sections.get(pkg)
+        if section is None or (f"`{rel.name}`" not in section and f"`{rel.as_posix()}`" not in section):
+            missing.append(f"{rel} (section {pkg or 'top level'!r})")
+    assert not missing, "modules docs/architecture.md does not place: " + ", ".join(missing)
+
+
 # ---- figures: the package's size, its longest parts and its function-level imports ----------------------------
 
 def _function_imports(node: ast.AST, inside: bool = False):

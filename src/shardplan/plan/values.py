@@ -299,9 +299,12 @@ class Op:
 
     >>> Op(kind=FREE, unit="layers.0", what=PARAMS, event=POST_FORWARD, at="layers.0", buffers=(2,))
 
-    ``kind``: all_gather | reduce_scatter | all_reduce | wait | free | prepare; ``what``: params | grads |
-    used | activations (a tensor-parallel module's output in forward, its input's gradient in backward:
-    ``at`` names the module; these run inside the module's call, not at a unit's step).
+    ``kind`` (:class:`~shardplan.plan.kinds.OpKind`): all_gather | reduce_scatter | all_reduce | wait | free |
+    prepare | copy_d2h | copy_h2d | optim_step (CPU offload) | all_to_all (expert parallelism); ``what``
+    (:class:`~shardplan.plan.kinds.Subject`): params | grads | used | scales (FP8 compute's absmaxes) |
+    activations (a tensor-parallel module's output in forward, its input's gradient in backward, attention's
+    keys and values, an expert module's tokens: ``at`` names the module; these run inside the module's call,
+    not at a unit's step).
     ``unit``: the unit whose buffers it touches; ``event``/``at``: what triggers it; ``when``: its
     condition. ``bytes`` is the payload of a collective (the full, gathered or unreduced size on one
     rank). A ``wait`` completes the unit's pending op of the same ``what``: for params it also binds the
