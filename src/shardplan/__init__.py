@@ -8,69 +8,98 @@
 The language and the planner (``P``, ``Mesh``, ``Rules``, ``plan``, ``auto_rules``) import without torch;
 the runtime (``shard``, ``checkpoint``, ``value_and_grad``, ...) is imported, with torch, on first use, so
 that ``import shardplan`` and the ``shardplan`` command start at once.
+
+``dir(shardplan)`` is the everyday surface (``__all__``); the rest lives in its subpackage: the errors in
+``shardplan.errors``, the checkpoint functions in ``shardplan.checkpoint``, the plan's values (``Op``,
+``ParamPlan``, ...) in ``shardplan.plan``, ``clip_by_global_norm`` in ``shardplan.optim``, the FSDP2 extras in
+``shardplan.dropin``. Every name that was once at the top level still is (``sp.PlanError``, ``sp.state_dict``,
+...): ``_MOVED`` below resolves it from its subpackage on first use.
 """
 
 import importlib as _importlib
 from importlib.util import find_spec as _find_spec
 
-from .errors import (CaptureError, CheckpointError, CollectiveError, FP8UnavailableError, ForecastError, MeshError, PlanError, PlanWarning, RuleError,
-                     RehearsalError, RuntimeShardingError, ShardingError, SpecError, UnmatchedParametersError,
-                     UnusedRuleWarning)
+from .dtypes import import_torch as _import_torch  # torch-free: it imports torch when called
+from .errors import ShardingError
 from .mesh import Mesh
-from .plan import BufferPlan, Memory, Op, ParamPlan, Plan, UnitPlan, plan
+from .plan import Plan, plan
 from .rules import Rules, explain, match
 from .spec import P
 from .auto import auto_rules
+from . import errors
+from . import forecast  # torch-free; registers plan.forecast(...) (plan/facade.py: the planner never imports it)
 
 __version__ = "0.1.0"
 
 # name -> the module that defines it, imported (with torch) when the name is first read
 _LAZY = {
-    **dict.fromkeys(("clip_grad_norm_", "compile_units", "mark_shards_changed", "memory_stats", "no_sync",
-                     "record_ops", "reset_peak", "shard"), "runtime"),
-    **dict.fromkeys(("full_state_dict", "load_full_state_dict", "load_state_dict", "state_dict"), "runtime.checkpoint"),
-    **dict.fromkeys(("functional_call", "grad", "value_and_grad"), "runtime.functional"),
-    **dict.fromkeys(("assemble", "shard_tree", "unshard_tree"), "tree"),
-    "clip_by_global_norm": "optim",
-    **dict.fromkeys(("MixedPrecisionPolicy", "fully_shard", "fully_shard_model", "fully_shard_optimizer", "plan_of",
-                     "register_fsdp_forward_method"), "dropin"),
+    **dict.fromkeys(("clip_grad_norm_", "compile_units", "memory_stats", "no_sync", "record_ops", "reset_peak",
+                     "shard"), "runtime"),
+    **dict.fromkeys(("functional_call", "grad", "unshard_tree", "value_and_grad"), "runtime.functional"),
+    "shard_tree": "tree",
+    **dict.fromkeys(("MixedPrecisionPolicy", "fully_shard", "fully_shard_model", "plan_of"), "dropin"),
     "run_main": "entry",
-    **dict.fromkeys(("capture", "CapturedStep"), "runtime.capture"),
-    **dict.fromkeys(("offload_optimizer", "OffloadAdamW"), "runtime.offload_optim"),
-    **dict.fromkeys(("rehearse", "Rehearsal"), "rehearsal"),
+    "offload_optimizer": "runtime.offload_optim",
+    "rehearse": "rehearsal",
+    "capture": "runtime.capture",
 }
 _LAZY_MODULES = {"checkpoint": "runtime.checkpoint", "optim": "optim", "metrics": "metrics",
                  "expert_parallel": "runtime.expert_parallel", "context_parallel": "runtime.context_parallel"}
 
+# [Note: compatibility: names once at the top level, now only in their subpackage (not in dir() or __all__).
+# ``sp.PlanError``, ``from shardplan import state_dict`` keep working; the first read imports the module
+# (with torch where it needs it, like _LAZY) and caches the name here]
+_MOVED = {
+    **dict.fromkeys(("CheckpointError", "CollectiveError", "FP8UnavailableError", "ForecastError", "MeshError",
+                     "PlanError", "PlanWarning", "RehearsalError", "RuleError", "RuntimeShardingError", "SpecError",
+                     "UnmatchedParametersError", "UnusedRuleWarning", "CaptureError"), "errors"),
+    **dict.fromkeys(("BufferPlan", "Memory", "Op", "ParamPlan", "UnitPlan"), "plan"),
+    **dict.fromkeys(("full_state_dict", "load_full_state_dict", "load_state_dict", "state_dict"), "runtime.checkpoint"),
+    "mark_shards_changed": "runtime",
+    "assemble": "tree",
+    "clip_by_global_norm": "optim",
+    **dict.fromkeys(("fully_shard_optimizer", "register_fsdp_forward_method"), "dropin"),
+    "OffloadAdamW": "runtime.offload_optim",
+    "Rehearsal": "rehearsal",
+    "CapturedStep": "runtime.capture",
+}
+_TORCH_FREE = ("errors", "plan")  # _MOVED modules that load without torch
+
 
 def __getattr__(name: str):
-    from .dtypes import import_torch
-    if name in _LAZY or name in _LAZY_MODULES:
-        import_torch()  # quietly, before the runtime imports it
+    if name in _LAZY or name in _LAZY_MODULES or name in _MOVED:
+        module = _LAZY.get(name) or _MOVED.get(name)
+        if module not in _TORCH_FREE:
+            _import_torch()  # quietly, before the runtime imports it
         if name in _LAZY_MODULES:
             value = _importlib.import_module(f".{_LAZY_MODULES[name]}", __name__)
         else:
-            value = getattr(_importlib.import_module(f".{_LAZY[name]}", __name__), name)
+            value = getattr(_importlib.import_module(f".{module}", __name__), name)
         globals()[name] = value
         return value
     if name.isidentifier() and not name.startswith("_") and _find_spec(f"{__name__}.{name}") is not None:
-        import_torch()  # a submodule not imported yet: sp.runtime, sp.tree
+        _import_torch()  # a submodule not imported yet: sp.runtime, sp.tree
         return _importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY) | set(_LAZY_MODULES))
-
-
 __all__ = [
-    "Mesh", "P", "Rules", "match", "explain", "plan", "Plan", "ParamPlan", "BufferPlan", "UnitPlan", "Memory", "Op",
-    "ShardingError", "MeshError", "SpecError", "RuleError", "UnmatchedParametersError", "PlanError",
-    "RuntimeShardingError", "FP8UnavailableError", "CollectiveError", "CheckpointError", "ForecastError", "UnusedRuleWarning", "PlanWarning",
-    "shard", "no_sync", "clip_grad_norm_", "record_ops", "memory_stats", "reset_peak", "mark_shards_changed",
-    "compile_units", "checkpoint", "state_dict", "load_state_dict", "full_state_dict", "load_full_state_dict",
-    "shard_tree", "unshard_tree", "assemble", "functional_call", "value_and_grad", "grad", "optim",
-    "clip_by_global_norm", "auto_rules", "fully_shard", "MixedPrecisionPolicy", "fully_shard_model",
-    "fully_shard_optimizer", "register_fsdp_forward_method", "plan_of", "run_main", "metrics", "offload_optimizer", "OffloadAdamW",
-    "rehearse", "Rehearsal", "RehearsalError", "capture", "CaptureError",
+    # the language and the planner (no torch)
+    "Mesh", "P", "Rules", "match", "explain", "auto_rules", "plan", "Plan",
+    # the runtime: a module's face
+    "shard", "no_sync", "clip_grad_norm_", "record_ops", "compile_units", "memory_stats", "reset_peak",
+    # the functional face
+    "shard_tree", "unshard_tree", "functional_call", "value_and_grad", "grad",
+    # FSDP2 / Megatron-FSDP drop-ins
+    "fully_shard", "fully_shard_model", "MixedPrecisionPolicy", "plan_of",
+    # training
+    "offload_optimizer", "rehearse", "run_main", "capture",
+    # subpackages
+    "checkpoint", "optim", "metrics", "forecast", "expert_parallel", "context_parallel", "errors",
+    # the base of every shardplan error (the others: shardplan.errors)
+    "ShardingError",
 ]
+
+
+def __dir__():
+    return sorted(set(__all__) | {n for n in globals() if n.startswith("__") and n.endswith("__")})

@@ -18,14 +18,50 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from .dtypes import to_torch
 from .optraffic import moved_bytes
 from .optraffic import tensors_in as _tensors
-from .plan.values import ActivationPoint, Activations
 from .units import entry_points, has_forward, trace_args, traced_step
 
 ROOT = "<root>"
+
+
+@dataclass(frozen=True)
+class ActivationPoint:
+    """Activation bytes at one event of a traced step: ``live`` just after it, ``peak`` the most alive
+    between the previous event and this one (the compute in between: a unit's forward, its backward).
+    ``moved``: the bytes the ops in between that are not matmuls read and write (norms, activations,
+    casts, the loss: :mod:`shardplan.optraffic`), which the forecast times at the memory bandwidth;
+    ``None`` in a profile saved before it was counted."""
+
+    event: str
+    live: int
+    peak: int
+    moved: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Activations:
+    """The activation profile of one traced training step (``inputs`` describes the traced inputs):
+    ``plain`` as the model runs, ``recompute`` with every unit checkpointed. Measured on the meta device
+    by :func:`profile` (the planner calls it for a traced plan); the plan only stores the numbers."""
+
+    inputs: str
+    plain: tuple[ActivationPoint, ...]
+    recompute: tuple[ActivationPoint, ...]
+    # True: the points also count the parameters' gradients from the op that forms each until its unit
+    # completes, so the walk counts a unit's unsharded gradient from its reduction on, not from its
+    # ``prepare``. False: a profile saved before (gradients left out of it).
+    grads: bool = False
+    # tokens of the traced step (B x T of its first 2-D integer input; None: not a token model, or a
+    # profile saved before): the forecast scales the traced ``moved`` bytes to the batch it forecasts
+    tokens: Optional[int] = None
+
+    def points(self, recompute: bool = False) -> tuple[ActivationPoint, ...]:
+        return self.recompute if recompute else self.plain
 
 
 def scalar_of(output: Any):
@@ -330,7 +366,6 @@ def profile(model, trace, units: Sequence[tuple[str, Sequence[str]]], compute_dt
     ``units``: ``[(unit name, module paths)]`` without the root, as the plan has them. Under tensor
     parallelism ``local_shapes`` and ``styles`` make it one tp rank's step (:func:`_tensor_parallel`)."""
     import torch
-    from .dtypes import to_torch
     meta = copy.deepcopy(model).to("meta") if any(p.device.type != "meta" for p in model.parameters()) \
         else copy.deepcopy(model)
     if compute_dtype:

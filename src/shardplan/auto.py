@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from .errors import SpecError
 from .mesh import Mesh
 from .rules import Rules, regex_list_source
 from .spec import P
+from .units import collect_leaves, expert_count
 
 AUTO_UNIT_BYTES = 16 * 2 ** 20
 """Units smaller than this are merged with their neighbours by default: each unit costs a fixed
@@ -147,9 +148,8 @@ def _best_dim(shape: tuple[int, ...], parts: int) -> tuple[int, str]:
 
 def _expert_counts(module, mesh: Mesh, axes) -> dict[str, int]:
     """{module path: num_experts} of the expert modules (stacked per-expert matrices, not routers:
-    :func:`shardplan.plan.expert_parallel.expert_count`) when ``ep`` is one of ``axes``: their stacked
+    :func:`shardplan.units.expert_count`) when ``ep`` is one of ``axes``: their stacked
     weights are split by expert (expert parallelism)."""
-    from .plan.expert_parallel import expert_count
     if module is None or "ep" not in axes:
         return {}
     out = {}
@@ -188,7 +188,7 @@ def _generalize(name: str) -> str:
     return r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in name.split("."))
 
 
-def auto_rules(model_or_tree, mesh: Mesh, *, min_shard_bytes: int = 2 ** 20,
+def auto_rules(model_or_tree: Any, mesh: Mesh, *, min_shard_bytes: int = 2 ** 20,
                axes: Optional[Sequence[str]] = None) -> Rules:
     """Propose partition rules for ``model_or_tree`` on ``mesh``.
 
@@ -206,7 +206,6 @@ def auto_rules(model_or_tree, mesh: Mesh, *, min_shard_bytes: int = 2 ** 20,
     (``[]`` for a pytree), which ``to_source()`` writes as ``UNITS = [...]`` (the CLI reads it back) and
     which :func:`shardplan.plan` uses by default anyway: ``sp.plan(model, rules, mesh, units=rules.units)``.
     """
-    from .units import collect_leaves
     infos, _, _, module = collect_leaves(model_or_tree)
     axes = tuple(axes) if axes is not None else data_axes(mesh)
     entry = axes[0] if len(axes) == 1 else tuple(axes)

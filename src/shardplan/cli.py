@@ -23,8 +23,22 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from . import __version__
+from .activations import token_inputs
+from .auto import auto_rules
+from .dtypes import dtype_name, import_torch, to_torch
 from .errors import ShardingError
-
+from .forecast.cli import add_parser as add_forecast
+from .forecast.cli import run as run_forecast
+from .mesh import Mesh
+from .plan import plan, strategy_level
+from .plan.render import nothing_sharded, render, render_schedule
+from .rehearsal.cli import add_parser as add_rehearse
+from .rehearsal.cli import run as run_rehearse
+from .rules import explain
+from .plan.render import fmt_bytes
+from .errors import did_you_mean
+from .dtypes import itemsize
 
 class CliError(Exception):
     pass
@@ -85,7 +99,6 @@ def load_target(target: str):
     where, fn = _split_target(target)
     mod = _load_file(where, "_shardplan_target") if where.endswith(".py") else _import_module(where)
     if not hasattr(mod, fn):
-        from .errors import did_you_mean
         found = sorted(k for k, v in vars(mod).items()
                        if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == mod.__name__)
         raise CliError(f"{where} has no function {fn!r}{did_you_mean(fn, found)}; it defines {found[:20]}"
@@ -115,7 +128,6 @@ def hf_config_path(spec: str) -> str:
         if spec in names:
             path = os.path.join(_BUNDLED_HF, spec + ".json")
         else:
-            from .errors import did_you_mean
             raise CliError(f"hf:{spec}: no such file or folder{did_you_mean(spec, names)}; give a config.json, a "
                            f"Hugging Face model folder holding one, or a config shipped with shardplan: "
                            f"{', '.join('hf:' + n for n in names)}")
@@ -169,7 +181,6 @@ def _is_module_name(path: str) -> bool:
 def load_rules_file(spec: str) -> RulesFile:
     """``RULES.py`` (its ``rules``) or ``RULES.py:NAME`` (its ``NAME``), with the file's units, mesh and options;
     an importable module works as well as a file (``shardplan.models.gpt_rules:HSDP_RULES``)."""
-    from .mesh import Mesh
     path, name = _split_spec(spec)
     mod = _import_module(path) if _is_module_name(path) else _load_file(path, "_shardplan_rules")
     name = name or "rules"
@@ -192,12 +203,6 @@ def load_rules_file(spec: str) -> RulesFile:
         if getattr(mod, k, None) is not None:
             options[k] = getattr(mod, k)
     return RulesFile(path, getattr(mod, name), getattr(mod, "UNITS", None), mesh, options)
-
-
-def load_rules(spec: str):
-    """``(rules, the file's UNITS or None)`` of a rules file (see :func:`load_rules_file`)."""
-    f = load_rules_file(spec)
-    return f.rules, f.units
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -325,9 +330,6 @@ def plan_options_parser() -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
-    from .forecast.cli import add_parser as add_forecast
-    from .rehearsal.cli import add_parser as add_rehearse
     ap = argparse.ArgumentParser(prog="shardplan", description="Plan sharding of a model without launching anything.",
                                  epilog=MAIN_EXAMPLES, formatter_class=_Formatter, allow_abbrev=False)
     ap.add_argument("--version", action="version", version=f"shardplan {__version__}")
@@ -364,11 +366,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_model(target: str, param_dtype=None):
     """The module a TARGET names, on the meta device."""
-    from .dtypes import import_torch
     if target.startswith("hf:"):
         config = hf_config_path(target[3:])  # checked before torch and transformers load
         torch = import_torch()
-        from .hf import model_from_config
+        from .hf import model_from_config  # (keeps the CLI torch-free until a model is built: hf.py imports torch)
         model = model_from_config(config)
     else:
         _split_target(target)  # a missing file is said before torch loads
@@ -384,7 +385,6 @@ def build_model(target: str, param_dtype=None):
         if not isinstance(model, torch.nn.Module):
             raise CliError(f"{target} returned {type(model).__name__}, not an nn.Module")
     if param_dtype:
-        from .dtypes import dtype_name, to_torch
         model.to(to_torch(dtype_name(param_dtype)))
     return model
 
@@ -396,14 +396,11 @@ def trace_tokens(text: str):
         assert b > 0 and t > 0
     except (ValueError, AssertionError):
         raise CliError(f"--trace-tokens {text!r}: expected BxT with positive integers, e.g. 1x4096") from None
-    from .dtypes import import_torch
     torch = import_torch()
     return torch.zeros(b, t, dtype=torch.long, device="meta")
 
 
 def run_rules(args) -> str:
-    from .auto import auto_rules
-    from .mesh import Mesh
     import shlex
     mesh = Mesh.parse(args.mesh)
     model = build_model(args.target)
@@ -435,16 +432,9 @@ def run(args) -> str:
     if args.command == "rules":
         return run_rules(args)
     if args.command == "forecast":
-        from .forecast.cli import run as run_forecast
         return run_forecast(args, run)
     if args.command == "rehearse":
-        from .rehearsal.cli import run as run_rehearse
         return run_rehearse(args, run, build_model)
-    from .auto import auto_rules
-    from .mesh import Mesh
-    from .plan import plan, strategy_level
-    from .plan.render import nothing_sharded, render, render_schedule
-    from .rules import explain
 
     file = load_rules_file(args.rules) if args.rules else None
     if args.mesh is not None:
@@ -468,7 +458,6 @@ def run(args) -> str:
     if not 0 <= args.rank < mesh.size:
         raise CliError(f"--rank {args.rank} is outside the mesh's {mesh.size} ranks")
     if args.trace_tokens is not None:  # called as a training step calls it (targets too, where it takes them)
-        from .activations import token_inputs
         opts["trace"] = token_inputs(model, trace_tokens(args.trace_tokens))
     p = plan(model, rules_obj, mesh, units=units, **opts)
     trace = getattr(args, "trace", None)  # `shardplan forecast` asks for the plan without --trace (its own is another)
@@ -486,8 +475,6 @@ def run(args) -> str:
         return json.dumps(d, indent=1, sort_keys=True)
     out = render(p, rank=args.rank, max_rows=0 if args.summary else 100_000)
     if file is None and nothing_sharded(p):  # why: the automatic rules' threshold, and how to shard anyway
-        from .dtypes import itemsize
-        from .plan.render import fmt_bytes
         biggest = max((p_.numel * itemsize(p_.dtype) for p_ in p.params), default=0)
         head, _, rest = out.partition("\n")
         out = (f"{head}\n(no --rules, so shardplan.auto_rules chose the specs: it replicates every parameter under "

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -28,12 +28,19 @@ from .plan.schedule import STRATEGIES
 from .runtime.api import engine_of, shard
 from .runtime.builder import FIRST_USE, FULLY_SHARD_MARK
 from .spec import P
+from .runtime import state_dict as SD
+from .runtime import collectives as C
+from .runtime.startup import device_for
+from .runtime.identity import _REPLACED
 
 _MARK = FULLY_SHARD_MARK
 
 
 def plan_of(module: nn.Module) -> Plan:
-    """The plan a sharded module runs (whichever entry point sharded it)."""
+    """The plan a sharded module runs (whichever entry point sharded it).
+
+    >>> fully_shard(model); print(sp.plan_of(model))           # the schedule FSDP2's calls compiled into
+    """
     _ensure_compiled(module)
     return engine_of(module).plan
 
@@ -84,7 +91,10 @@ def _dim0_rules(axis: str, placement_fn: Optional[Callable] = None):
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
     """FSDP2's ``MixedPrecisionPolicy``: ``param_dtype`` is the compute dtype parameters are gathered in,
-    ``reduce_dtype`` the gradient reduction dtype. FSDP2's own policy objects are accepted too."""
+    ``reduce_dtype`` the gradient reduction dtype. FSDP2's own policy objects are accepted too.
+
+    >>> fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    """
 
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
@@ -435,7 +445,6 @@ def _leave_uninitialised(module: nn.Module) -> None:
 
 
 def _check_empty_device(root: nn.Module, device: torch.device) -> None:
-    from .runtime.startup import device_for
     if not dist.is_initialized():
         return  # shard() raises naming the process group
     have = device_for(root, dist.get_backend())[0]
@@ -465,7 +474,6 @@ _INIT_VIEWS = [0]  # how many roots' modules hold their init view (each root's l
 
 
 def _open_init_view(root: nn.Module, eng) -> None:
-    from .runtime.identity import _REPLACED
     hooks = eng.state_dict_hooks
     if hooks.bad is not None:  # (never with fully_shard's chunked layout)
         return
@@ -570,7 +578,7 @@ def _route_torch_register() -> None:
     fn.__code__ = routed.__code__
 
 
-def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = True,
+def fully_shard(module: nn.Module, *, mesh: Optional[Any] = None, reshard_after_forward: bool = True,
                 shard_placement_fn: Optional[Callable] = None, mp_policy: Optional[Any] = None,
                 offload_policy: Optional[Any] = None, ignored_params: Optional[set] = None,
                 order: Optional[str] = None, sync_module_states: bool = False) -> nn.Module:
@@ -672,7 +680,6 @@ def _dtensor_optimizer_state(opt: torch.optim.Optimizer, args, kwargs) -> None:
         opt.register_state_dict_pre_hook(refuse)
         opt.register_load_state_dict_pre_hook(refuse)
         return
-    from .runtime import state_dict as SD
     SD.install_optimizer(opt, ours[0])
     opt.__dict__["_shardplan_dtensor_state"] = True
     _local_states(opt, ours[0])
@@ -700,10 +707,11 @@ _NOT_OURS = dict(  # Megatron-FSDP arguments shardplan has no counterpart for, w
 )
 
 
-def fully_shard_model(module: nn.Module, device_mesh=None, dp_shard_dim: Optional[str] = None,
-                      dp_outer_dim: Optional[str] = None, tp_dim: Optional[str] = None, hybrid_fsdp_group=None,
-                      fsdp_unit_modules: Optional[Sequence] = None, zero_dp_strategy=3,
-                      outer_dp_sharding_strategy=0, device: Optional[torch.device] = None,
+def fully_shard_model(module: nn.Module, device_mesh: Optional[Any] = None, dp_shard_dim: Optional[str] = None,
+                      dp_outer_dim: Optional[str] = None, tp_dim: Optional[str] = None,
+                      hybrid_fsdp_group: Optional[Any] = None, fsdp_unit_modules: Optional[Sequence] = None,
+                      zero_dp_strategy: Union[int, str] = 3, outer_dp_sharding_strategy: Union[int, str] = 0,
+                      device: Optional[torch.device] = None,
                       init_model_with_meta_device: bool = False, grad_reduce_in_fp32: bool = False,
                       preserve_fp32_weights: bool = True, overlap_param_gather: bool = True,
                       preproc_state_dict_for_dcp_ckpt: bool = True, check_for_nan_in_grad: bool = True,
@@ -845,13 +853,11 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
     optimizer.zero_grad = zero_grad.__get__(optimizer)
     optimizer.__dict__["_shardplan_dtensor_state"] = preproc_state_dict_for_dcp_ckpt
     if preproc_state_dict_for_dcp_ckpt:
-        from .runtime import state_dict as SD
         SD.install_optimizer(optimizer, eng)
     return optimizer
 
 
 def _check_finite(eng, params) -> None:
-    from .runtime import collectives as C
     grads = [p.grad for p in params if p.grad is not None and p.grad.numel()]
     bad = torch.zeros((), device=eng.device)
     if grads:

@@ -23,6 +23,7 @@ import traceback
 from typing import Any, Callable
 
 from .errors import CollectiveError, ShardingError
+from .runtime import collectives as C
 
 WAIT_FOR_RANK0_S = 3.0   # how long another rank waits for rank 0's report before printing its own
 WAIT_FOR_OTHERS_S = 1.0  # how long rank 0 waits to learn which ranks raised the same error
@@ -57,7 +58,6 @@ def run_main(main: Callable[..., Any], *args, **kwargs) -> Any:
 def _echo_of_another_rank(exc: BaseException) -> bool:
     """Whether ``exc`` (a collective that failed, most likely) follows another rank's reported error: that
     rank prints the cause, so this one says so in one line instead of a traceback."""
-    from .runtime import collectives as C
     rank, world = _rank()
     if world == 1:
         return False
@@ -103,7 +103,6 @@ def _rank() -> tuple[int, int]:
 
 def report(text: str, exc: BaseException) -> None:
     """Print ``text`` once for the run (see the module's docstring) and write torchrun's error file."""
-    from .runtime import collectives as C
     rank, world = _rank()
     sys.stdout.flush()
     store, prefix = C.error_store(timeout_s=WAIT_FOR_RANK0_S) if world > 1 else (None, "")

@@ -1,4 +1,10 @@
-"""Exceptions raised by shardplan. Every one names what is wrong and how to fix it."""
+"""Exceptions raised by shardplan. Every one names what is wrong and how to fix it.
+
+>>> try:
+...     sp.plan(model, [(r".*", sp.P("tp"))], sp.Mesh(dp=8))
+... except sp.errors.SpecError as exc:       # a spec names an axis the mesh lacks; sp.ShardingError: any of them
+...     print(exc)
+"""
 
 from __future__ import annotations
 
@@ -15,7 +21,13 @@ def did_you_mean(word: str, options, *, prefix: str = " ") -> str:
 
 
 class ShardingError(ValueError):
-    """Base class of every error shardplan raises on bad input."""
+    """Base class of every error shardplan raises on bad input (the others: :mod:`shardplan.errors`).
+
+    >>> try:
+    ...     plan = sp.plan(model, rules, sp.Mesh(dp=8))
+    ... except sp.ShardingError as exc:
+    ...     print(exc)                    # what is wrong, where, and the fix
+    """
 
 
 class MeshError(ShardingError):

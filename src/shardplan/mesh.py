@@ -19,6 +19,10 @@ class Mesh:
     """A logical grid of ranks with named axes, row-major (the last axis varies fastest).
 
     Building one needs no process group: ``Mesh(dp=1024)`` plans for 1024 ranks on a laptop.
+
+    >>> mesh = Mesh(replica=2, shard=4)        # 8 ranks: rank 5 is replica 1, shard 1
+    >>> mesh.size, mesh.axis_names, mesh.axis_size("shard")
+    (8, ('replica', 'shard'), 4)
     """
 
     axes: tuple[tuple[str, int], ...]

@@ -21,6 +21,8 @@ import sys
 import time
 from typing import IO, TYPE_CHECKING, Optional
 
+from .errors import ShardingError
+
 if TYPE_CHECKING:
     import torch
     import torch.nn as nn
@@ -215,7 +217,6 @@ class TrainLog:
 
     def _open_bar(self, progress: str) -> None:
         if progress not in ("auto", "tqdm", "rich", "none"):
-            from .errors import ShardingError
             raise ShardingError(f"progress={progress!r}: choose auto, tqdm, rich or none")
         if progress == "none" or self.total is None:
             return

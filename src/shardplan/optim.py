@@ -26,6 +26,9 @@ import torch
 from .errors import ShardingError
 from .schedules import (SCHEDULES, LearningRate, Schedule, ScheduleLR, as_lr_scheduler, by_name, constant,
                         cosine_decay, join, linear, linear_warmup, value_at, warmup_cosine)
+from .rules import leaves_with_paths
+from .runtime import collectives as C
+from .errors import CaptureError
 
 __all__ = ["Optimizer", "adamw", "sgd", "trainable", "clip_by_global_norm",
            # learning-rate schedules (shardplan.schedules), here as in optax
@@ -58,7 +61,6 @@ _SELECTED: dict = {}
 def _selected(params, mask) -> list[int]:
     """Indices of the leaves ``mask`` lets the optimizer change (all of them without a mask); once per
     tree structure and mask."""
-    from .rules import leaves_with_paths
     spec = optree.tree_structure(params)
     key = (spec, id(mask))
     if key not in _SELECTED:
@@ -179,7 +181,6 @@ def adamw(lr: LearningRate = 1e-3, betas: tuple[float, float] = (0.9, 0.999), ep
                 step._shardplan_capturable = True
         run = step_device if on_device else step_some
         if not on_device and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            from .errors import CaptureError
             raise CaptureError("sp.optim.adamw: the step count is read on the host, which a captured step cannot do; "
                                "build the optimizer with sp.optim.adamw(..., capturable=True)")
         t = step if on_device else float(step)
@@ -240,8 +241,6 @@ def clip_by_global_norm(grads, max_norm: float, plan) -> tuple[Any, torch.Tensor
 
     >>> grads, norm = sp.clip_by_global_norm(grads, 1.0, plan)
     """
-    from .rules import leaves_with_paths
-    from .runtime import collectives as C
     paths, leaves, spec = leaves_with_paths(grads)
     dev = leaves[0].device if leaves else torch.device("cpu")
     acc = torch.zeros((), dtype=torch.float64 if dev.type == "cpu" else torch.float32, device=dev)

@@ -44,6 +44,9 @@ class Rules:
     ``Rules([(r"layers\\.\\d+\\..*\\.weight", P("dp")), (r".*", P())])``. A spec may be a ``P``, an
     einops-style string (``"dp _"``) or a callable ``(path, leaf) -> P``. ``axis_rules`` maps
     logical axis names used in specs to mesh axes (flax style): ``[("embed", "dp"), ("mlp", None)]``.
+
+    >>> rules = Rules([(r".*norm.*", P()), (r".*\\.weight", "dp _"), (r".*", P())])
+    >>> plan = shardplan.plan(model, rules, Mesh(dp=8))      # the first rule that fullmatches a name wins
     """
 
     def __init__(self, rules: Iterable[tuple[str, SpecLike]] | "Rules", *, axis_rules: Sequence[tuple[str, Any]] = ()):
@@ -251,12 +254,15 @@ def match_leaves(rules: Rules, paths, leaves, *, mesh=None, warn_unused: bool = 
     return out
 
 
-def match(rules, tree, *, mesh=None, warn_unused: bool = True):
+def match(rules: Union["Rules", Iterable[tuple[str, SpecLike]]], tree: Any, *, mesh: Optional[Any] = None,
+          warn_unused: bool = True) -> Any:
     """Map every leaf of ``tree`` to the spec of the first rule that fullmatches its dotted path.
 
     Returns a pytree of :class:`P` with the structure of ``tree`` (a ``{name: P}`` dict for an
     ``nn.Module``); ``tree`` is not changed. Raises :class:`UnmatchedParametersError` listing every
     leaf no rule matches; warns about rules that match nothing. With ``mesh``, checks the axes too.
+
+    >>> match([(r".*bias", P()), (r".*", P("dp"))], model)      # {"0.weight": P('dp'), "0.bias": P(), ...}
     """
     rules = as_rules(rules)
     paths, leaves, treespec = leaves_with_paths(tree)
@@ -266,7 +272,7 @@ def match(rules, tree, *, mesh=None, warn_unused: bool = True):
     return optree.tree_unflatten(treespec, specs)
 
 
-def explain(rules, path: str) -> str:
+def explain(rules: Union["Rules", Iterable[tuple[str, SpecLike]]], path: str) -> str:
     """Say which rule matches ``path`` and why each earlier rule did not.
 
     >>> print(explain([(r"embed\\.weight", P()), (r".*", P("dp"))], "layers.0.w"))

@@ -35,6 +35,10 @@ class P(tuple):
 
     An entry is ``None`` (not sharded), a mesh axis name, or a tuple of axis names (sharded over
     their product, major to minor). Mesh axes a spec does not name are replica axes.
+
+    >>> P("dp")                 # dim 0 sharded over dp, the rest whole
+    >>> P(None, ("dp", "tp"))   # dim 1 sharded over dp x tp
+    >>> P()                     # replicated
     """
 
     __slots__ = ()

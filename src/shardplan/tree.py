@@ -5,7 +5,8 @@
 
 Any optree pytree the planner accepts works (dicts, lists, tuples, namedtuples, registered nodes); a
 leaf's dotted path is its name in the plan. ``shard_tree`` and ``assemble`` are pure (no process
-group); ``unshard_tree`` all-gathers.
+group): this module sits below the runtime. ``unshard_tree``, a collective, is the functional face's
+(``shardplan.runtime.functional``), which checks trees with :func:`check_tree`.
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ def check_tree(plan: Plan, paths, leaves, *, rank: Optional[int] = None, what: s
         raise ShardingError(f"{what} lacks plan parameter(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
 
-def shard_tree(tree, plan: Plan, *, rank: Optional[int] = None,
-               init_fn: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None):
+def shard_tree(tree: Any, plan: Plan, *, rank: Optional[int] = None,
+               init_fn: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None) -> Any:
     """This rank's local shards of ``tree`` (full tensors), same structure. Pure: no collectives.
 
     >>> local = shardplan.shard_tree({"w": torch.randn(8, 4)}, plan, rank=1)
@@ -91,10 +92,11 @@ def shard_tree(tree, plan: Plan, *, rank: Optional[int] = None,
         leaf = leaf.detach()
         box = plan.local_slices(path, rank)
         out.append(leaf[box].clone() if box is not None else leaf.new_empty(plan.local_shape(path, rank)))
-    return _rebuild(tree, spec, paths, out)
+    return rebuild(tree, spec, paths, out)
 
 
-def _rebuild(tree, spec, paths, leaves):
+def rebuild(tree, spec, paths, leaves):
+    """``leaves`` in the structure ``leaves_with_paths`` read (``spec``), or a ``{path: leaf}`` dict for a module."""
     if spec is None:  # an nn.Module: a {name: tensor} dict
         return dict(zip(paths, leaves))
     return optree.tree_unflatten(spec, leaves)
@@ -115,72 +117,11 @@ def place(plan: Plan, name: str, piece_of: Callable[[int], Optional[torch.Tensor
     return full
 
 
-def assemble(plan: Plan, trees_by_rank: Mapping[int, Any]):
+def assemble(plan: Plan, trees_by_rank: Mapping[int, Any]) -> Any:
     """Full tensors from every rank's local tree (a pure ``unshard_tree``: tests and offline tools)."""
     any_tree = next(iter(trees_by_rank.values()))
     paths, leaves, spec = leaves_with_paths(any_tree)
     flat = {r: dict(zip(*leaves_with_paths(t)[:2])) for r, t in trees_by_rank.items()}
     out = [place(plan, path, lambda r, _p=path: flat[r][_p] if r in flat else None, leaf)
            for path, leaf in zip(paths, leaves)]
-    return _rebuild(any_tree, spec, paths, out)
-
-
-def unshard_tree(local_tree, plan: Plan, *, timeout_s: float = 300.0):
-    """Full tensors on *every* rank from each rank's local tree (one all-gather per buffer).
-
-    >>> full = shardplan.unshard_tree(local, plan)     # collective: every rank calls it
-    """
-    from .runtime import collectives as C
-    from .runtime.builder import groups_for
-    import torch.distributed as dist
-    rank = dist.get_rank()
-    paths, leaves, spec = leaves_with_paths(local_tree)
-    check_tree(plan, paths, leaves, rank=rank, what="local tree")
-    local = dict(zip(paths, leaves))
-    groups = groups_for(plan, timeout_s)
-    out: dict[str, torch.Tensor] = {}
-    for b in plan.buffers:
-        like = local[b.params[0]]
-        if not b.sharded:
-            for name in b.params:
-                out[name] = local[name].detach().clone()
-            continue
-        if all(plan.param(n).tp_axis for n in b.params):
-            continue  # every piece is gathered over its owner axes below
-        flat = torch.zeros(b.shard_numel, dtype=like.dtype, device=like.device)
-        for name in b.params:
-            n = local[name].numel()
-            if n:
-                off = plan.local_offset(name, rank)
-                flat[off:off + n] = local[name].detach().reshape(-1)
-        gathered = torch.empty(b.gathered_numel, dtype=like.dtype, device=like.device)
-        C.all_gather(gathered, flat, groups.gather(b.axes), async_op=False)
-        for name in b.params:
-            if plan.param(name).tp_axis:
-                continue  # gathered over its owner axes below
-            def piece(r, _n=name):
-                box = plan.local_slices(_n, r)
-                if box is None:
-                    return None
-                seg, off = plan.segment(b, r), plan.local_offset(_n, r)
-                return gathered[seg * b.shard_numel + off: seg * b.shard_numel + off + math.prod(s.stop - s.start for s in box)]
-            out[name] = place(plan, name, piece, like)
-    for p in plan.params:  # tensor-parallel pieces: one gather over the ranks holding different pieces
-        if p.tp_axis:
-            out[p.name] = _gather_pieces(plan, p.name, local[p.name], rank, groups)
-    return _rebuild(local_tree, spec, paths, [out[p] for p in paths])
-
-
-def _gather_pieces(plan: Plan, name: str, mine: torch.Tensor, rank: int, groups) -> torch.Tensor:
-    """``name`` in full from the local pieces of this rank's owner group (pieces padded to the largest)."""
-    from .runtime import collectives as C
-    axes = plan.owner_axes(name)
-    owners = plan.mesh.group_of(rank, axes)
-    sizes = [math.prod(plan.local_shape(name, r)) for r in owners]
-    most = max(sizes)
-    send = torch.zeros(most, dtype=mine.dtype, device=mine.device)
-    send[:mine.numel()] = mine.detach().reshape(-1)
-    got = torch.empty(most * len(owners), dtype=mine.dtype, device=mine.device)
-    C.all_gather(got, send, groups.gather(axes), async_op=False)
-    pieces = {r: got[i * most:i * most + n] for i, (r, n) in enumerate(zip(owners, sizes))}
-    return place(plan, name, pieces.get, mine, owners)
+    return rebuild(any_tree, spec, paths, out)

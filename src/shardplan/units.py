@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from .errors import PlanError, PlanWarning, RuleError
+from .rules import leaves_with_paths
 
 ROOT = "<root>"
 
@@ -33,7 +34,6 @@ class LeafInfo:
 def collect_leaves(model_or_tree) -> tuple[list[LeafInfo], list[Any], list[str], Any]:
     """Leaves (tied parameters once, under their first name), the leaf objects, candidate unit paths."""
     import torch.nn as nn
-    from .rules import leaves_with_paths
 
     if isinstance(model_or_tree, nn.Module):
         by_id: dict[int, list[str]] = {}
@@ -256,3 +256,28 @@ def trace_order(model, units: Sequence[str], trace) -> list[str]:
 def module_classes(module) -> dict[str, type]:
     """Each submodule path's class (the classes unit rules may name)."""
     return {n: type(m) for n, m in module.named_modules() if n}
+
+
+def _num_experts(mod) -> Optional[int]:
+    n = getattr(mod, "num_experts", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def expert_count(mod) -> Optional[int]:
+    """``num_experts`` of an *expert module*: an integer ``num_experts`` and at least one parameter of its own
+    that stacks one matrix per expert (``[num_experts, ...]``, 3 or more dimensions), which tokens are
+    dispatched to. ``None`` for anything else.
+
+    [Note: routers are dense] A router also says ``num_experts`` and holds an ``[num_experts, hidden]`` weight
+    (Hugging Face's ``MixtralTopKRouter``, ``Qwen2MoeTopKRouter``, ``Qwen3MoeTopKRouter``,
+    ``DeepseekV3TopkRouter``), but every token multiplies all of its rows (one logit per expert): it is a
+    dense parameter, replicated or ZeRO-sharded like a Linear's weight, and the expert axis is a data axis for
+    it. Splitting it by expert would give each rank the logits of its own experts only. Per-expert biases
+    (``[num_experts, out]``) of an expert module are expert weights with the matrices they belong to."""
+    n = _num_experts(mod)
+    if n is None:
+        return None
+    for p in mod.parameters(recurse=False):
+        if p.dim() >= 3 and p.shape[0] == n:
+            return n
+    return None

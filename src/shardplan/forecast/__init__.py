@@ -19,6 +19,9 @@ from .model import forecast
 from .network import PRESETS as NETWORK_PRESETS
 from .network import Cost, Link, Network, Placement, collective_time, network, placement
 from .result import CollectiveForecast, Forecast
+from ..plan.facade import register_forecast
+
+register_forecast(forecast)  # plan.forecast(...) calls it (the planner never imports the forecast)
 
 __all__ = ["forecast", "Forecast", "CollectiveForecast", "Network", "Link", "Cost", "Placement", "network",
            "placement", "collective_time", "ComputeModel", "compute_model", "NETWORK_PRESETS", "COMPUTE_PRESETS"]

@@ -11,6 +11,9 @@ import json
 from typing import Callable
 
 from ..errors import ForecastError
+from ..plan.facade import Plan
+from .compute import ComputeModel, compute_model
+from .network import network
 
 OWN = ("network", "batch", "compute", "tflops", "trace", "scalar_all_reduces")
 PLAN_ONLY = ("schedule", "summary", "explain")  # views of `shardplan plan` that a forecast does not print
@@ -54,9 +57,6 @@ def run(args: argparse.Namespace, plan_text: Callable[[argparse.Namespace], str]
     ``Plan.from_json``, which round-trips exactly), so both commands build the same plan from the same
     options; the runner is passed in because this module cannot import shardplan.cli (it imports us)]
     """
-    from ..plan.facade import Plan
-    from .compute import ComputeModel, compute_model
-    from .network import network
     for name in PLAN_ONLY:
         if getattr(args, name, None):
             raise ForecastError(f"--{name} is an option of `shardplan plan`; run that for it")

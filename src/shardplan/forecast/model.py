@@ -29,6 +29,7 @@ from .network import Network, Placement, Timing, check_fits, collective_time, ne
 from .result import CollectiveForecast, Forecast
 from .timeline import Comm, Issue, Item, Run, Wait, Work, simulate
 from .tp_comm import activation_collectives
+from ..plan.offload import HOST_GBPS
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..plan.facade import Plan
@@ -275,7 +276,6 @@ def forecast(plan: "Plan", network: Union[str, dict, Network], compute: Union[No
             phase_s[s.phase] += s.end_s - s.start_s
     ordered = [places[a] for a in sorted(places, key=lambda a: [plan.mesh.axis_names.index(x) for x in a])]
     if plan.offload:  # [Note: the host step's bound] (plan/offload.py): the step is at least the host step
-        from ..plan.offload import HOST_GBPS
         host_s = plan.host_step_s(HOST_GBPS)
         bound = "host-bound: the step takes at least the host step" if host_s > tl.step_s else \
             "the overlap can hide it (backward and the next forward)"

@@ -19,6 +19,8 @@ from . import tensor_parallel as tp
 from .kinds import ALL_GATHER, ALL_REDUCE, COPY_D2H, COPY_H2D, FREE, GRADS, PARAMS, PREPARE, REDUCE_SCATTER, SCALES, WAIT, Offload
 from .offload import host_bytes, pinned_host_bytes
 from .values import BufferPlan, ParamPlan, UnitPlan
+from . import expert_parallel as EP
+from . import context_parallel as CPX
 
 if TYPE_CHECKING:  # pragma: no cover
     from .facade import Plan
@@ -243,13 +245,11 @@ def comm_bytes(plan: "Plan") -> dict:
         if acts is not None:
             out["total"] += out["tensor_parallel"]
     if plan.expert_modules:
-        from . import expert_parallel as EP
         calls = plan.expert_calls
         out["expert_parallel"] = None if calls is None else EP.all_to_all_bytes(plan.expert_modules, calls, plan.mesh)
         if calls is not None:
             out["total"] += out["expert_parallel"]
     if "cp" in plan.mesh.axis_names:
-        from . import context_parallel as CPX
         calls = plan.context_calls
         out["context_parallel"] = None if calls is None else CPX.kv_bytes(calls, plan.mesh)
         if calls is not None:

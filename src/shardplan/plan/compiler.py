@@ -5,14 +5,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from .. import layout as L
 from .. import lowp
+from ..activations import profile as profile_activations
 from ..dtypes import dtype_name, is_floating, itemsize
 from ..errors import MeshError, PlanError, PlanWarning
 from ..mesh import Mesh
-from ..rules import as_rules, match_leaves, regex_list_source
+from ..rules import Rules, as_rules, match_leaves, regex_list_source
 from ..spec import P
 from ..units import assign_units, check_entries, collect_leaves, module_classes, trace_order
 from ..auto import choose_min_unit_bytes, find_units, merge_note, root_unit_warning
@@ -24,7 +25,7 @@ from . import float8 as F8
 from . import tensor_parallel as tp
 from .accounting import plan_warnings
 from .facade import Plan
-from .kinds import STRATEGIES, LayoutChoice, Order, Strategy, choose, strategy_level
+from .kinds import STRATEGIES, LayoutChoice, Offload, Order, Strategy, choose, strategy_level
 from .schedule import ROOT, build_schedule
 from .validate import validate
 from .values import BufferPlan, ParamPlan, UnitPlan, buffer_facts
@@ -82,14 +83,22 @@ def _large_root_warning(members: dict, level: int, suggest: list) -> str:
     return root_unit_warning(size[ROOT], sum(size.values()), suggest)
 
 
-def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARAMS, units: Optional[Sequence] = None,
-         compute_dtype=None, reduce_dtype=None, prefetch: int = 1,
-         reshard_after_forward: Union[bool, Mapping[str, bool]] = True, trace=None, optimizer_states: int = 2,
-         world_size: Optional[int] = None,
-         min_unit_bytes: Optional[int] = None, order=Order.STATIC, compute_axes=(), styles=None,
-         layout=LayoutChoice.AUTO, offload=None, offload_fraction: float = 1.0,
-         device_memory: Optional[float] = None, expert_axes=None, gather_dtype=None, fp8=None,
-         fp8_gather: bool = True) -> Plan:
+RulesLike = Union[Rules, Sequence[tuple[str, Any]]]  # a Rules, or its (regex, spec) pairs
+DtypeLike = Any  # a torch.dtype or its name ("bfloat16", "bf16"): the planner does not import torch
+
+
+def plan(model_or_tree: Any, rules: RulesLike, mesh: Mesh, *,
+         strategy: Union[Strategy, str] = Strategy.OPTIM_GRADS_PARAMS, units: Optional[Sequence] = None,
+         compute_dtype: Optional[DtypeLike] = None, reduce_dtype: Optional[DtypeLike] = None, prefetch: int = 1,
+         reshard_after_forward: Union[bool, Mapping[str, bool]] = True, trace: Optional[Any] = None,
+         optimizer_states: int = 2, world_size: Optional[int] = None,
+         min_unit_bytes: Optional[int] = None, order: Union[Order, str] = Order.STATIC,
+         compute_axes: Sequence[str] = (), styles: Optional[Sequence[tuple[str, str]]] = None,
+         layout: Union[LayoutChoice, str] = LayoutChoice.AUTO, offload: Optional[Union[Offload, str]] = None,
+         offload_fraction: Union[float, str] = 1.0, device_memory: Optional[float] = None,
+         expert_axes: Optional[Sequence[str]] = None,
+         gather_dtype: Union[None, str, Sequence[tuple[str, Optional[str]]]] = None,
+         fp8: Union[None, str, Sequence[tuple[str, str]]] = None, fp8_gather: bool = True) -> Plan:
     """Compile rules, a mesh and options into a :class:`Plan`. Pure: no process group, no GPU.
 
     >>> plan = shardplan.plan(model, rules, Mesh(dp=8), units=[r"layers\\.\\d+"], compute_dtype=torch.bfloat16)
@@ -343,7 +352,6 @@ def plan(model_or_tree, rules, mesh: Mesh, *, strategy=Strategy.OPTIM_GRADS_PARA
         # what the step keeps alive at each event; the plan stores the numbers (plan.memory adds them).
         # Under tensor parallelism the meta copy computes as one tp rank: tp-local parameter shapes, and the
         # activations each style moves (activations._tensor_parallel)
-        from ..activations import profile as profile_activations
         # (expert-parallel parameters keep their global shapes: the model routes over every expert)
         local = {p.name: p.shape for p in param_plans if p.compute is not None and p.compute.axis in compute_axes}
         styles = [(m.path, m.kind, m.style, mesh.axis_size(m.axis)) for m in tp_modules] if tp_modules else []

@@ -24,6 +24,10 @@ from ..mesh import Mesh
 from .kinds import ACTIVATIONS, ALL_GATHER, MODULE_BACKWARD, MODULE_FORWARD, REDUCE_SCATTER
 from .tensor_parallel import Anchor, ModuleOps, anchors
 from .values import Op
+from ..units import run_traced
+from .tensor_parallel import LINEAR
+from ..units import run_traced, trace_args
+from ..flow import check
 
 CONTEXT_AXIS = "cp"
 
@@ -92,9 +96,6 @@ def check_flow(model, trace, mesh: Mesh, tp_modules=(), error=PlanError) -> None
     """Run the traced forward once under :mod:`shardplan.flow`: refuse an operation that mixes the sequence
     (``cp > 1``: eager attention's softmax over keys, a shift of the labels, ...) or a column-parallel
     module's split features (a reduction over them, a read by anything but its row-parallel sibling)."""
-    from ..flow import check
-    from ..units import run_traced, trace_args
-    from .tensor_parallel import LINEAR
     cp = axis_size(mesh)
     colwise = {m.path: (m.axis, mesh.axis_size(m.axis)) for m in tp_modules
                if m.style == "colwise" and mesh.axis_size(m.axis) > 1}
@@ -114,7 +115,6 @@ def trace_calls(model, trace, itemsize: Optional[int], mesh: Mesh) -> tuple[Atte
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
 
-    from ..units import run_traced
 
     cp = axis_size(mesh)
     stack: list[str] = [""]

@@ -25,10 +25,12 @@ from typing import Any, Optional, Sequence
 
 from ..errors import PlanError, SpecError, did_you_mean
 from ..mesh import Mesh
+from ..units import expert_count  # noqa: F401 - (its home: below the planner, auto_rules reads it too)
 from ..spec import P
 from .kinds import ACTIVATIONS, ALL_TO_ALL, MODULE_BACKWARD, MODULE_FORWARD
 from .tensor_parallel import Anchor, ModuleOps, anchors
 from .values import Compute, Op
+from ..units import run_traced
 
 EXPERT_AXIS = "ep"
 
@@ -77,31 +79,6 @@ def as_expert_axes(expert_axes, mesh: Mesh, compute_axes: Sequence[str]) -> tupl
     if len(axes) > 1:
         raise PlanError(f"expert_axes {axes}: one expert axis is supported; fold them into one mesh axis")
     return axes
-
-
-def _num_experts(mod) -> Optional[int]:
-    n = getattr(mod, "num_experts", None)
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
-
-
-def expert_count(mod) -> Optional[int]:
-    """``num_experts`` of an *expert module*: an integer ``num_experts`` and at least one parameter of its own
-    that stacks one matrix per expert (``[num_experts, ...]``, 3 or more dimensions), which tokens are
-    dispatched to. ``None`` for anything else.
-
-    [Note: routers are dense] A router also says ``num_experts`` and holds an ``[num_experts, hidden]`` weight
-    (Hugging Face's ``MixtralTopKRouter``, ``Qwen2MoeTopKRouter``, ``Qwen3MoeTopKRouter``,
-    ``DeepseekV3TopkRouter``), but every token multiplies all of its rows (one logit per expert): it is a
-    dense parameter, replicated or ZeRO-sharded like a Linear's weight, and the expert axis is a data axis for
-    it. Splitting it by expert would give each rank the logits of its own experts only. Per-expert biases
-    (``[num_experts, out]``) of an expert module are expert weights with the matrices they belong to."""
-    n = _num_experts(mod)
-    if n is None:
-        return None
-    for p in mod.parameters(recurse=False):
-        if p.dim() >= 3 and p.shape[0] == n:
-            return n
-    return None
 
 
 def resolve(module, names_specs: list[tuple[Any, P, str]], axes: tuple[str, ...], mesh: Mesh
@@ -158,7 +135,6 @@ def trace_calls(model, modules: Sequence[ExpertModule], trace, itemsize: Optiona
     """Run the traced forward once and record each expert module's token input (the first tensor
     argument) and top-k (the last dimension of the second, the experts each token is routed to)."""
     import torch
-    from ..units import run_traced
     seen: list[ExpertCall] = []
 
     def record(m):

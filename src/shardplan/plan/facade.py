@@ -14,10 +14,12 @@ import operator
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
 
+from ..auto import rules_from_specs
 from ..errors import PlanError
 from ..mesh import Mesh
+from ..rules import regex_list_source
 from ..units import ROOT
 from . import accounting, capture, geometry, render, serialize
 from . import schedule as S
@@ -25,10 +27,25 @@ from . import context_parallel as CPX
 from . import expert_parallel as EP
 from . import float8 as F8
 from . import tensor_parallel as tp
-from .offload import HOST_GBPS
+from .offload import HOST_GBPS, balanced_fraction, host_step_bytes
 from .kinds import LayoutChoice, Offload, Order, Strategy, choose, strategy_level
 from .validate import normalised, validate
 from .values import Activations, BufferPlan, Memory, Op, ParamPlan, Piece, Program, UnitPlan
+
+if TYPE_CHECKING:  # annotations only
+    from ..forecast import ComputeModel, Forecast, Network
+
+# [Note: the forecast sits above the planner: it reads plans, and nothing in plan/ imports it. ``Plan.forecast``
+# calls the function :mod:`shardplan.forecast` registers here (:func:`register_forecast`) when it is imported;
+# ``import shardplan`` imports it (torch-free), so the method always works]
+_FORECAST: Optional[Callable[..., "Forecast"]] = None
+
+
+def register_forecast(forecast: Callable[..., "Forecast"]) -> None:
+    """Make ``plan.forecast(...)`` call ``forecast(plan, ...)`` (:func:`shardplan.forecast.forecast`)."""
+    global _FORECAST
+    _FORECAST = forecast
+
 
 PIECE_CACHE_RANKS = 64  # ranks whose pieces a plan keeps (a 70B plan at dp=1024 holds ~700 pieces per rank)
 
@@ -40,6 +57,10 @@ class Plan:
     :meth:`with_order` and :meth:`with_schedule`, which return new plans.
 
     ``strategy``, ``order`` and ``layout`` are enums whose members are their strings (``plan.order == "static"``).
+
+    >>> plan = shardplan.plan(model, rules, Mesh(dp=8), units=[r"layers\\.\\d+"])
+    >>> print(plan); plan.memory(rank=0).peak; plan.local_slices("layers.0.wq.weight", rank=3)
+    >>> plan2 = plan.with_prefetch(2)            # a new plan; this one is unchanged
     """
 
     mesh: Mesh
@@ -78,11 +99,6 @@ class Plan:
             for a in p.aliases:
                 out[a] = i
         return out
-
-    @property
-    def _index(self) -> dict[str, int]:
-        """[Note: kept for readers written before :meth:`index`; use ``plan.index(name)`` / ``name in plan``]"""
-        return self._positions
 
     @cached_property
     def _units_by_name(self) -> dict[str, UnitPlan]:
@@ -370,7 +386,6 @@ class Plan:
 
         >>> plan.host_step_s(gbps=91)   # the 1B fully offloaded on a 16-core H200 host: ~0.3 s
         """
-        from .offload import host_step_bytes
         return host_step_bytes(self.buffers, self.optimizer_states) / (gbps * 1e9)
 
     def balanced_offload_fraction(self, host_s: float, window_s: float, at_least: float = 0.0) -> float:
@@ -381,7 +396,6 @@ class Plan:
 
         >>> f = plan.balanced_offload_fraction(host_s=0.28, window_s=0.09)   # ~0.32 of the state on the host
         """
-        from .offload import balanced_fraction
         if not self.offload:
             raise PlanError("balanced_offload_fraction: this plan offloads nothing; call it on the plan the host step "
                             "was measured with (plan(..., offload='optimizer'))")
@@ -405,20 +419,22 @@ class Plan:
         """Padded elements summed over buffers (per rank group)."""
         return sum(b.padding for b in self.buffers)
 
-    def forecast(self, network, compute=None, *, batch: tuple[int, int], rank: int = 0, scalar_all_reduces: int = 0):
+    def forecast(self, network: Union[str, dict, "Network"], compute: Union[None, str, float, dict, "ComputeModel"] = None,
+                 *, batch: tuple[int, int], rank: int = 0, scalar_all_reduces: int = 0) -> "Forecast":
         """Predicted step time of ``rank`` on ``network`` (a preset name, a dict, a JSON file or a
         :class:`shardplan.forecast.Network`) with per-rank ``batch = (B, T)``: compute (FLOPs at an achievable
         rate, or measured unit times: ``compute=``), each collective from an α–β model of the link its group
         crosses, and the overlap this schedule allows. Returns a frozen :class:`shardplan.forecast.Forecast`.
         ``scalar_all_reduces``: blocking one-number all-reduces per step (``sp.clip_grad_norm_`` issues one).
+        The same as ``shardplan.forecast.forecast(plan, ...)``.
 
         >>> f = plan.forecast(network="h100-8x-ib400", batch=(1, 4096))
         >>> print(f); f.step_s, f.exposed_s, f.tokens_per_s, f.mfu; f.to_chrome_trace("forecast.json")
         """
-        # [Note: shardplan.forecast sits above the planner (it reads plans, the planner never reads it); the
-        # import is here, at call time, as declarative() imports auto: nothing in plan/ loads it otherwise]
-        from ..forecast.model import forecast
-        return forecast(self, network, compute, batch=batch, rank=rank, scalar_all_reduces=scalar_all_reduces)
+        if _FORECAST is None:  # (`import shardplan` registers it: only a broken install gets here)
+            raise PlanError("plan.forecast: shardplan.forecast is not imported; call "
+                            "shardplan.forecast.forecast(plan, network, ...) instead")
+        return _FORECAST(self, network, compute, batch=batch, rank=rank, scalar_all_reduces=scalar_all_reduces)
 
     def to_chrome_trace(self, path: str, *, gbps: float = 100.0) -> None:
         """Write the planned schedule as a Chrome/Perfetto trace (open in ui.perfetto.dev); a picture of the
@@ -461,7 +477,6 @@ class Plan:
 
         >>> sp.plan(model, **plan.declarative()).equivalent(plan)      # True (a traced order needs trace=)
         """
-        from ..auto import rules_from_specs
         specs = [(p.name, p.spec if self.level else self.param(p.name).spec) for p in self.params]
         paths = [m for u in self.units[1:] for m in u.module_paths]
         rafs = {u.reshard_after_forward for u in self.units[1:]}
@@ -489,7 +504,6 @@ class Plan:
         """A rules file that rebuilds this plan: ``rules``, ``UNITS`` (the exact modules of its units),
         ``MESH``, ``OPTIONS`` (and ``compute_axes``, ``styles`` with tensor parallelism), which
         ``shardplan plan TARGET --rules FILE`` reads, and ``make_plan(model)`` for Python."""
-        from ..rules import regex_list_source
         d = self.declarative()
         rules, mesh, units = d.pop("rules"), d.pop("mesh"), d.pop("units")
         tp_opts = {k: d.pop(k) for k in ("compute_axes", "styles") if k in d}

@@ -13,6 +13,7 @@ from .capture import describe as describe_capture
 from .offload import HOST_GBPS, host_step_bytes
 from .kinds import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COPY_D2H, COPY_H2D, FREE, OPTIM_STEP, PARAMS, PREPARE,
                     REDUCE_SCATTER, SCALES, WAIT)
+from .kinds import Strategy
 
 if TYPE_CHECKING:  # pragma: no cover
     from .facade import Plan
@@ -172,7 +173,6 @@ def states_said(plan: "Plan") -> str:
 
 def nothing_sharded(plan: "Plan") -> str:
     """A line for a plan whose strategy shards but whose specs shard nothing (every parameter ``P()``), or ``""``."""
-    from .kinds import Strategy
     if plan.strategy == Strategy.NO_SHARD or plan.mesh.size == 1 or plan.compute_axes or plan.expert_modules:
         return ""
     if any(b.axes for b in plan.buffers):

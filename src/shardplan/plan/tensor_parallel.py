@@ -44,6 +44,7 @@ from .kinds import (ACTIVATIONS, ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, BEFORE_
                     POST_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, RECOMPUTE)
 from .schedule import program, skeleton
 from .values import Compute, Op, storage_spec  # noqa: F401  (re-exported: tp.Compute, tp.storage_spec)
+from ..units import run_traced
 
 LINEAR, EMBEDDING = "linear", "embedding"
 STYLES = ("colwise", "colwise_gather", "rowwise", "rowwise_split")
@@ -468,7 +469,6 @@ class Activation:
 def trace_activations(model, modules: Sequence[TPModule], trace, itemsize: Optional[int]) -> tuple[Activation, ...]:
     """Run the traced forward once and record each tensor-parallel module's activation sizes."""
     import torch
-    from ..units import run_traced
     seen: list[Activation] = []
 
     def first_tensor(x):

@@ -15,6 +15,7 @@ from typing import Optional
 from .. import layout as L
 from .. import lowp
 from ..dtypes import itemsize
+from ..activations import ActivationPoint, Activations  # noqa: F401  (the plan stores them)
 from ..spec import P
 from ..units import ROOT
 from .kinds import (ACTIVATIONS, ALWAYS, BACKWARD, BACKWARD_EVENTS, BEFORE_FORWARD, COLLECTIVES, END_BACKWARD, FORWARD,
@@ -290,41 +291,6 @@ class Memory:
         return self.params + self.grads + self.optimizer
 
 
-@dataclass(frozen=True)
-class ActivationPoint:
-    """Activation bytes at one event of a traced step: ``live`` just after it, ``peak`` the most alive
-    between the previous event and this one (the compute in between: a unit's forward, its backward).
-    ``moved``: the bytes the ops in between that are not matmuls read and write (norms, activations,
-    casts, the loss: :mod:`shardplan.optraffic`), which the forecast times at the memory bandwidth;
-    ``None`` in a profile saved before it was counted."""
-
-    event: str
-    live: int
-    peak: int
-    moved: Optional[int] = None
-
-
-@dataclass(frozen=True)
-class Activations:
-    """The activation profile of one traced training step (``inputs`` describes the traced inputs):
-    ``plain`` as the model runs, ``recompute`` with every unit checkpointed. Measured on the meta device
-    by :func:`shardplan.activations.profile`; the plan only stores the numbers."""
-
-    inputs: str
-    plain: tuple[ActivationPoint, ...]
-    recompute: tuple[ActivationPoint, ...]
-    # True: the points also count the parameters' gradients from the op that forms each until its unit
-    # completes, so the walk counts a unit's unsharded gradient from its reduction on, not from its
-    # ``prepare``. False: a profile saved before (gradients left out of it).
-    grads: bool = False
-    # tokens of the traced step (B x T of its first 2-D integer input; None: not a token model, or a
-    # profile saved before): the forecast scales the traced ``moved`` bytes to the batch it forecasts
-    tokens: Optional[int] = None
-
-    def points(self, recompute: bool = False) -> tuple[ActivationPoint, ...]:
-        return self.recompute if recompute else self.plain
-
-
 # -- the schedule ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True, kw_only=True)
@@ -333,9 +299,12 @@ class Op:
 
     >>> Op(kind=FREE, unit="layers.0", what=PARAMS, event=POST_FORWARD, at="layers.0", buffers=(2,))
 
-    ``kind``: all_gather | reduce_scatter | all_reduce | wait | free | prepare; ``what``: params | grads |
-    used | activations (a tensor-parallel module's output in forward, its input's gradient in backward:
-    ``at`` names the module; these run inside the module's call, not at a unit's step).
+    ``kind`` (:class:`~shardplan.plan.kinds.OpKind`): all_gather | reduce_scatter | all_reduce | wait | free |
+    prepare | copy_d2h | copy_h2d | optim_step (CPU offload) | all_to_all (expert parallelism); ``what``
+    (:class:`~shardplan.plan.kinds.Subject`): params | grads | used | scales (FP8 compute's absmaxes) |
+    activations (a tensor-parallel module's output in forward, its input's gradient in backward, attention's
+    keys and values, an expert module's tokens: ``at`` names the module; these run inside the module's call,
+    not at a unit's step).
     ``unit``: the unit whose buffers it touches; ``event``/``at``: what triggers it; ``when``: its
     condition. ``bytes`` is the payload of a collective (the full, gathered or unreduced size on one
     rank). A ``wait`` completes the unit's pending op of the same ``what``: for params it also binds the

@@ -20,6 +20,6 @@ __all__ = ["rehearse", "Rehearsal", "UnitTime"]
 def __getattr__(name: str):
     # [Note: `shardplan --help` registers this package's CLI without torch: run.py (torch) loads on first use]
     if name == "rehearse":
-        from .run import rehearse
+        from .run import rehearse  # (torch-free until used: see the note above)
         return rehearse
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

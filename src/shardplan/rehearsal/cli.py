@@ -12,6 +12,7 @@ import json
 from typing import Callable
 
 from ..errors import RehearsalError
+from ..plan.facade import Plan
 
 OWN = ("batch", "steps", "checkpoint", "out")
 PLAN_ONLY = ("schedule", "summary", "explain")
@@ -47,8 +48,7 @@ def run(args: argparse.Namespace, plan_text: Callable[[argparse.Namespace], str]
     """The rehearsal for ``args``; ``plan_text`` is ``shardplan plan``'s own runner, asked for JSON (the
     same plan from the same options, as ``shardplan forecast`` builds it), ``build_model(target,
     param_dtype)`` its model builder (passed in: this module cannot import shardplan.cli, which imports it)."""
-    from ..plan.facade import Plan
-    from .run import rehearse
+    from .run import rehearse  # (keeps `shardplan --help` torch-free: run.py imports torch)
     for name in PLAN_ONLY:
         if getattr(args, name, None):
             raise RehearsalError(f"--{name} is an option of `shardplan plan`; run that for it")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
+from ..plan.render import fmt_bytes
 
 
 def _gib(n: Optional[float]) -> str:
-    from ..plan.render import fmt_bytes
     return "-" if n is None else fmt_bytes(n)
 
 

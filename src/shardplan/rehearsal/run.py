@@ -18,6 +18,8 @@ from ..plan.schedule import ROOT
 from ..runtime import collectives as C
 from .result import Rehearsal, UnitTime
 from .timing import Clock, UnitTimer, unit_times
+from ..runtime.api import engine_of, memory_stats, reset_peak, shard
+from ..units import trace_args
 
 START_UP_NOTE = ("start-up checked this rank only: the cross-rank exchange (plans and parameter values equal on "
                  "every rank) is skipped in a rehearsal")
@@ -136,7 +138,6 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
         notes.append("the plan was not traced: its peak counts model states only (plan with trace=example inputs, "
                      "CLI --trace-tokens, to count activations)")
     with fake_world(rank, plan.mesh.size):
-        from ..runtime.api import engine_of, memory_stats, reset_peak, shard
         with torch.device("meta"):
             model = model_fn()
         if not isinstance(model, nn.Module):
@@ -223,7 +224,6 @@ def _library_workspace(device: torch.device) -> Optional[int]:
 
 
 def _as_call(inputs) -> tuple[tuple, dict]:
-    from ..units import trace_args
     return trace_args(inputs)
 
 

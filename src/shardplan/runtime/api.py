@@ -7,7 +7,7 @@ import contextlib
 import functools
 import math
 import weakref
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,10 @@ from .faces import ModuleFace
 from . import identity
 from . import offload
 from .hooks import install
+from .. import fp8
+from .init import materialize_unit
+from ..fp8 import weight_maker
+from ..units import entry_points
 
 
 
@@ -42,7 +46,6 @@ def _build_fp8(module: nn.Module, plan: Plan, timeout_s: float, check_values: bo
     that found it raises its own FP8UnavailableError (naming the install or the device)."""
     mine = None
     if plan.fp8_modules:
-        from .. import fp8
         try:
             fp8.convert(module, plan, device_for(module, dist.get_backend())[0])
         except FP8UnavailableError as exc:
@@ -83,7 +86,6 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     def fill(up, bufs):
         names = [n for b in bufs for n in b.bp.params]
         if rt.meta:  # one unit at a time: the full unit exists only while its shards are cut out
-            from .init import materialize_unit
             owners = [m for n in names for m, _ in slots[n][:1]]
             attr_of = {n: (lambda _n=n: getattr(*slots[_n][0]).detach()) for n in names}
             unit_full = materialize_unit(owners, names, attr_of, init_fn, device)
@@ -103,7 +105,6 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
 
     float8 = None
     if any(b.tensorwise for b in plan.buffers):  # FP8 compute's float8 gathers: torchao's tensors over them
-        from ..fp8 import weight_maker
         float8 = weight_maker(slots)
     units = rt.make_units(fill)
     identity.sharded()
@@ -149,9 +150,14 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool, 
 
 
 @contextlib.contextmanager
-def no_sync(module: nn.Module):
+def no_sync(module: nn.Module) -> Iterator[None]:
     """Micro-steps inside skip the gradient reduction; gradients accumulate unreduced until the next
-    backward outside it, which reduces the sum (like DDP's ``no_sync``)."""
+    backward outside it, which reduces the sum (like DDP's ``no_sync``).
+
+    >>> with sp.no_sync(model):
+    ...     model(x1).sum().backward()          # accumulates, no reduction
+    >>> model(x2).sum().backward()              # reduces the sum of both
+    """
     eng = engine_of(module)
     prev, eng.sync = eng.sync, False
     try:
@@ -161,11 +167,16 @@ def no_sync(module: nn.Module):
 
 
 @contextlib.contextmanager
-def record_ops(module: nn.Module, plan: Optional[Plan] = None):
+def record_ops(module: nn.Module, plan: Optional[Plan] = None) -> Iterator[list]:
     """Record the schedule ops the runtime runs: ``with record_ops(m) as ops: ...`` -> [Op, ...], the plan's
     own op objects (compare with ``plan.ops(...)``). With ``plan``: the functional face's runtime.
     [Note: context- and expert-parallel ops are recorded by ``attention()`` and ``dispatch``/``combine``,
-    one call per module and step: a module that calls them twice records its first call's ops twice.]"""
+    one call per module and step: a module that calls them twice records its first call's ops twice.]
+
+    >>> with sp.record_ops(model) as ops:
+    ...     model(x).sum().backward()
+    >>> [(o.kind, o.unit) for o in ops][:2]       # the plan's ops, in the order they ran
+    """
     eng = engine_of(module, plan)
     ops: list = []
     prev, eng.record = eng.record, ops
@@ -191,7 +202,6 @@ def compile_units(module: nn.Module, **compile_kwargs) -> nn.Module:
     each unit boundary the same way.
     """
     eng = engine_of(module)
-    from ..units import entry_points
     unit_paths = [p for u in eng.plan.units[1:] for p in u.module_paths]
     for up in eng.plan.units[1:]:
         for path in (e for p in up.module_paths for e in entry_points(module, p, unit_paths)):
@@ -354,7 +364,11 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
 
 
 def memory_stats(module: nn.Module) -> dict[str, int]:
-    """Bytes the runtime holds for parameters and gradients now, and the peak since tracking began."""
+    """Bytes the runtime holds for parameters and gradients now, and the peak since tracking began.
+
+    >>> sp.reset_peak(model); loss = model(x).sum(); loss.backward()
+    >>> sp.memory_stats(model)          # {"live": ..., "peak": ...}: compare with plan.memory(rank).peak
+    """
     eng = engine_of(module)
     eng.track_memory = True
     eng._account()
@@ -362,7 +376,10 @@ def memory_stats(module: nn.Module) -> dict[str, int]:
 
 
 def reset_peak(module: nn.Module) -> None:
-    """Start tracking live bytes (costs O(units) per op while on) and reset the peak."""
+    """Start tracking live bytes (costs O(units) per op while on) and reset the peak.
+
+    >>> sp.reset_peak(model)            # then a step, then sp.memory_stats(model)["peak"]
+    """
     eng = engine_of(module)
     eng.track_memory = True
     eng._account()

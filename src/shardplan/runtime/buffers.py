@@ -22,6 +22,9 @@ from ..lowp import BLOCK
 from ..plan import BufferPlan, Plan
 from ..plan.values import ParamPlan, Piece
 from . import capture as CAP
+from .quantize import (bad_blocks, dequantize_into, first_bad_block, first_bad_block_index, first_non_finite,
+                       first_non_finite_index, quantize_into)
+from .seams import detached_local
 
 
 _chunk_cat = getattr(torch, "_chunk_cat", None)  # (torch >= 2.4, FSDP2's copy-in; else the per-parameter views)
@@ -233,11 +236,9 @@ class BufferState:
         without a host sync]; the all-reduced absmax is the same on every rank, so every rank raises there)."""
         with torch.no_grad():
             if self.defer_check and CAP.capturing():  # [Note: the non-finite check in a captured step]
-                from .quantize import first_non_finite_index
                 CAP.note_check(self, "tw", first_non_finite_index(amax))
             elif self.defer_check:
                 self.check_pending()
-                from .quantize import first_non_finite
                 self.pending_tw = first_non_finite(amax)
             elif not bool(torch.isfinite(amax).all()):
                 bad = [m.name for m, a in zip(self.members, amax.tolist()) if not math.isfinite(a)]
@@ -268,7 +269,6 @@ class BufferState:
             self._quantize_tw(send)
             return send
         if self.qfmt:
-            from .quantize import quantize_into
             send = out if not collective and out is not None else \
                 torch.empty(self.bp.wire_shard_bytes, dtype=torch.uint8, device=self.device)
             with torch.no_grad():
@@ -300,7 +300,6 @@ class BufferState:
         free_storage(self.packed)
 
     def _dequantize(self) -> None:
-        from .quantize import bad_blocks, dequantize_into, first_bad_block
         segments = self.bp.group_size if self.sharded else 1
         # [Note: the non-finite check in a captured step] (shardplan.capture) the check cannot read the host inside
         # the graph: the index is left in a device tensor the graph rewrites at every replay, and the captured
@@ -312,7 +311,6 @@ class BufferState:
         # (its weights are NaN meanwhile: the dequantized block is). Every rank checks the same gathered scales
         # at the same op, so every rank raises together.
         if self.defer_check and CAP.capturing():  # [Note: the non-finite check in a captured step]
-            from .quantize import first_bad_block_index
             CAP.note_check(self, "block", first_bad_block_index(self.wire, self.S, segments))
         elif self.defer_check:
             self.check_pending()
@@ -492,7 +490,6 @@ class BufferState:
                 for seg, box, n in m.copy_plan:
                     view[seg, m.info.offset:m.info.offset + n].copy_(m.view[box].reshape(-1))
         if self.bp.reduce_quant:  # every segment quantized on its own: the all-to-all sends segment k to rank k
-            from .quantize import quantize_into
             wire = torch.empty(self.bp.reduce_bytes, dtype=torch.uint8, device=self.device)
             with torch.no_grad():
                 quantize_into(g[:self.G], self.bp.reduce_quant, wire, self.bp.group_size)
@@ -529,7 +526,6 @@ class BufferState:
         except RuntimeError:
             # [Note: a child module's .to()/.half() after shard() replaced a local parameter's .data; torch's
             # own error here is a bare grad dtype/device mismatch. Diagnosed only on failure: no per-step cost.]
-            from .seams import detached_local
             why = detached_local(self)
             if why:
                 raise RuntimeShardingError(why) from None

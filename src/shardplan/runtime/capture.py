@@ -30,12 +30,13 @@ import enum
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import optree
 import torch
 
 from ..errors import CaptureError
+from .seams import replaced_local
 
 RECAPTURE, ERROR = "recapture", "error"
 BACKENDS = ("cuda_graph", "eager")
@@ -371,7 +372,6 @@ class CapturedStep:
                             f"capturable=True), which schedulers update in place")
 
     def _check_shards(self, g: _Graph) -> None:
-        from .seams import replaced_local
         for r in g.executors:
             exe = r()
             if exe is not None and getattr(exe.face, "owns_locals", False):
@@ -414,7 +414,7 @@ class CapturedStep:
 
 
 def capture(fn: Optional[Callable] = None, *, warmup: int = 2, donate_argnums: Sequence[int] = (),
-            on_new_shape: str = RECAPTURE, backend: str = "cuda_graph"):
+            on_new_shape: str = RECAPTURE, backend: str = "cuda_graph") -> Union[CapturedStep, Callable]:
     """Capture a training step once and replay it (a CUDA graph of everything the step runs on the device).
 
     >>> opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-4, device="cuda"), capturable=True)

@@ -21,6 +21,7 @@ from . import collectives as C
 from .buffers import BufferState
 from .streams import Streams
 from .unit import PendingGather, PendingReduce, UnitRuntime
+from .quantize import dequantize_mean
 
 
 class CommEngine:
@@ -144,7 +145,6 @@ class CommEngine:
                 self.wait(w, op)
         self.streams.wait(rec.event)
         if rec.unpack:
-            from .quantize import dequantize_mean
             with torch.no_grad():
                 for i, got in rec.unpack.items():
                     b = self.buffer[i]  # got: every rank's codes and scales of this rank's segment

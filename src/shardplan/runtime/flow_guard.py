@@ -12,6 +12,8 @@ import torch
 from ..errors import RuntimeShardingError
 from ..plan.context_parallel import CONTEXT_AXIS, check_hf_attention
 from ..plan.tensor_parallel import LINEAR
+from .context_parallel import active
+from ..flow import FlowCheck
 
 
 def _sizes(plan, active_tp) -> tuple[int, dict, dict]:
@@ -31,8 +33,6 @@ def install(module, plan, active_tp) -> list:
     check_tp = bool(colwise) and plan.tp_activations is None
     if not (check_cp or check_tp):
         return []
-    from ..flow import FlowCheck
-    from .context_parallel import active
 
     state: dict = {}
 

@@ -9,13 +9,15 @@
 full parameters are put in place for the forward and taken away when it returns (as
 ``torch.func.functional_call`` does with the tensors it is given). The backward runs later, through an
 autograd function per unit whose backward reduce-scatters the unit's gradient into its shard layout.
+``unshard_tree`` all-gathers a local tree back to full tensors (``shardplan.tree`` holds the pure tree work).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import optree
 import torch
@@ -25,13 +27,18 @@ import torch.nn as nn
 from ..errors import ShardingError
 from ..plan import Plan
 from ..rules import leaves_with_paths
-from ..tree import check_tree
+from ..tree import check_tree, place, rebuild
+from . import collectives as C
 from . import expert_parallel as EP
 from .buffers import free_storage
-from .builder import build, functional_runtimes
+from .builder import build, functional_runtimes, groups_for
 from .executor import Executor
 from .faces import TreeFace
 from .hooks import module_hooks, register
+from . import tensor_parallel as TP
+from . import context_parallel as CP
+from . import tensor_parallel as TP
+from . import flow_guard as FG
 
 _SESSION = threading.local()
 
@@ -40,7 +47,6 @@ class FunctionalRuntime:
     """The executor of one (module, plan) pair for the functional face, made at the first call."""
 
     def __init__(self, module: nn.Module, plan: Plan, timeout_s: float, problems: Sequence[str] = ()):
-        from . import tensor_parallel as TP
         rt = build(module, plan, timeout_s=timeout_s, problems=problems, face="shardplan.functional_call()")
         self.meshes = rt.meshes
         self.inputs_checked = not self.meshes  # tensor parallelism: the first call checks its inputs
@@ -70,7 +76,6 @@ class FunctionalRuntime:
         # plan attended over each rank's chunks only (wrong losses, silently) and an ep plan's experts saw
         # global expert indices. (The cp module hooks only attribute recorded ops: not kept, so the module
         # keeps no hooks between calls; record_ops of a functional cp step lacks the K/V ops.)
-        from . import context_parallel as CP
         EP.install(module, plan, rt.groups, self.exe)
         # (put in place again at every call: one module may be called under plans of other meshes in turn)
         self.experts = [(weakref.ref(m), m.__dict__[EP.ATTR]) for m in
@@ -85,7 +90,6 @@ class FunctionalRuntime:
     def install_parallel_groups(self, others) -> None:
         """This plan's expert groups on the expert modules and its context group as the process's; those of
         the module's other functional runtimes (``others``: other plans of it) taken away."""
-        from . import context_parallel as CP
         for rt in others:
             if rt is self:
                 continue
@@ -141,8 +145,8 @@ def runtime_of(module: nn.Module, plan: Plan, timeout_s: float = 300.0, local_pa
     return per[key]
 
 
-def functional_call(module: nn.Module, plan: Plan, local_params, args=(), kwargs: Optional[dict] = None, *,
-                    buffers: Optional[dict] = None, timeout_s: float = 300.0):
+def functional_call(module: nn.Module, plan: Plan, local_params: Any, args: Any = (), kwargs: Optional[dict] = None, *,
+                    buffers: Optional[dict] = None, timeout_s: float = 300.0) -> Any:
     """Run ``module`` statelessly with the parameters whose local shards are ``local_params``.
 
     >>> out = sp.functional_call(model, plan, local, (tokens, targets))
@@ -172,12 +176,9 @@ def functional_call(module: nn.Module, plan: Plan, local_params, args=(), kwargs
     handles = register(rt.hooks)
     guard: list = []
     if not getattr(rt, "flow_checked", False):  # the first call: what cp or a colwise output would compute per rank
-        from . import flow_guard as FG
-        from . import tensor_parallel as TP
         guard = FG.install(module, plan, TP.active_modules(plan))
         rt.flow_checked = True
     if rt.meshes:
-        from . import tensor_parallel as TP
         handles += TP.install_styles(module, plan, rt.meshes, rt.exe)
         if not rt.inputs_checked:
             handles.append(TP.install_input_check(module, plan, rt.exe.groups.world, rt.device))
@@ -192,7 +193,7 @@ def functional_call(module: nn.Module, plan: Plan, local_params, args=(), kwargs
         rt.face.restore()
 
 
-def value_and_grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool = False):
+def value_and_grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool = False) -> Callable[..., tuple[Any, Any]]:
     """Like ``jax.value_and_grad``: ``(loss, grads) = sp.value_and_grad(loss_fn, plan)(local, batch)``.
 
     ``fn(params, ...)`` calls :func:`functional_call` with ``params`` (argument ``argnums``; once, or several
@@ -200,6 +201,9 @@ def value_and_grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool 
     scalar loss (or ``(loss, aux)`` with ``has_aux``). ``grads`` has the structure of ``params`` and holds
     each local shard's reduced gradient; a parameter the step did not use gets zeros, not a missing
     entry. The caller's tree is not modified.
+
+    >>> loss_fn = lambda params, batch: sp.functional_call(model, plan, params, batch)
+    >>> loss, grads = sp.value_and_grad(loss_fn, plan)(local, batch)
     """
     if not isinstance(argnums, int) or isinstance(argnums, bool):
         raise ShardingError(f"value_and_grad: argnums must be one int (the position of the local-parameter tree), got "
@@ -254,11 +258,73 @@ def value_and_grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool 
     return wrapped
 
 
-def grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool = False):
-    """Like ``jax.grad``: the gradient tree only (and ``aux`` with ``has_aux``)."""
+def grad(fn: Callable, plan: Plan, *, argnums: int = 0, has_aux: bool = False) -> Callable[..., Any]:
+    """Like ``jax.grad``: the gradient tree only (and ``aux`` with ``has_aux``).
+
+    >>> grads = sp.grad(loss_fn, plan)(local, batch)          # local shards' reduced gradients, same tree
+    """
     vg = value_and_grad(fn, plan, argnums=argnums, has_aux=has_aux)
 
     def wrapped(*args, **kwargs):
         (value, grads) = vg(*args, **kwargs)
         return (grads, value[1]) if has_aux else grads
     return wrapped
+
+
+# -- a local tree back to full tensors ------------------------------------------------------------------
+
+def unshard_tree(local_tree: Any, plan: Plan, *, timeout_s: float = 300.0) -> Any:
+    """Full tensors on *every* rank from each rank's local tree (one all-gather per buffer).
+
+    >>> full = shardplan.unshard_tree(local, plan)     # collective: every rank calls it
+    """
+    rank = dist.get_rank()
+    paths, leaves, spec = leaves_with_paths(local_tree)
+    check_tree(plan, paths, leaves, rank=rank, what="local tree")
+    local = dict(zip(paths, leaves))
+    groups = groups_for(plan, timeout_s)
+    out: dict[str, torch.Tensor] = {}
+    for b in plan.buffers:
+        like = local[b.params[0]]
+        if not b.sharded:
+            for name in b.params:
+                out[name] = local[name].detach().clone()
+            continue
+        if all(plan.param(n).tp_axis for n in b.params):
+            continue  # every piece is gathered over its owner axes below
+        flat = torch.zeros(b.shard_numel, dtype=like.dtype, device=like.device)
+        for name in b.params:
+            n = local[name].numel()
+            if n:
+                off = plan.local_offset(name, rank)
+                flat[off:off + n] = local[name].detach().reshape(-1)
+        gathered = torch.empty(b.gathered_numel, dtype=like.dtype, device=like.device)
+        C.all_gather(gathered, flat, groups.gather(b.axes), async_op=False)
+        for name in b.params:
+            if plan.param(name).tp_axis:
+                continue  # gathered over its owner axes below
+            def piece(r, _n=name):
+                box = plan.local_slices(_n, r)
+                if box is None:
+                    return None
+                seg, off = plan.segment(b, r), plan.local_offset(_n, r)
+                return gathered[seg * b.shard_numel + off: seg * b.shard_numel + off + math.prod(s.stop - s.start for s in box)]
+            out[name] = place(plan, name, piece, like)
+    for p in plan.params:  # tensor-parallel pieces: one gather over the ranks holding different pieces
+        if p.tp_axis:
+            out[p.name] = _gather_pieces(plan, p.name, local[p.name], rank, groups)
+    return rebuild(local_tree, spec, paths, [out[p] for p in paths])
+
+
+def _gather_pieces(plan: Plan, name: str, mine: torch.Tensor, rank: int, groups) -> torch.Tensor:
+    """``name`` in full from the local pieces of this rank's owner group (pieces padded to the largest)."""
+    axes = plan.owner_axes(name)
+    owners = plan.mesh.group_of(rank, axes)
+    sizes = [math.prod(plan.local_shape(name, r)) for r in owners]
+    most = max(sizes)
+    send = torch.zeros(most, dtype=mine.dtype, device=mine.device)
+    send[:mine.numel()] = mine.detach().reshape(-1)
+    got = torch.empty(most * len(owners), dtype=mine.dtype, device=mine.device)
+    C.all_gather(got, send, groups.gather(axes), async_op=False)
+    pieces = {r: got[i * most:i * most + n] for i, (r, n) in enumerate(zip(owners, sizes))}
+    return place(plan, name, pieces.get, mine, owners)

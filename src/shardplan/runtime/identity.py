@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..errors import RuntimeShardingError
+from .state_dict import install_torch_dcp_optimizer
 
 _REPLACED = "_shardplan_replaced"  # on an original parameter the runtime could not adopt: its plan name
 _generation = [0]                   # bumped by every shard(): optimizers are checked again once after it
@@ -106,7 +107,6 @@ def _install_dcp_hooks(opt: torch.optim.Optimizer) -> None:
                 return  # not (only) a sharded model's shards: torch's own state dict
             engines.add(eng)
     if len(engines) == 1:
-        from .state_dict import install_torch_dcp_optimizer
         eng = engines.pop()
         if eng.plan.offload:
             return

@@ -23,6 +23,7 @@ import torch.nn as nn
 from ..errors import RuntimeShardingError
 from .builder import engine_of
 from .offload import STATS, _by_step, adamw  # noqa: F401  (the kernel both sides share)
+from .api import clip_grad_norm_
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -78,7 +79,6 @@ class OffloadAdamW(torch.optim.Optimizer):
                 loss = closure()
         group = self.param_groups[0]
         if self.max_grad_norm is not None:  # no host step ran yet (clipping turns the overlap off)
-            from .api import clip_grad_norm_
             model = self._model()
             if model is None:
                 raise RuntimeShardingError("shardplan.offload_optimizer: the model was garbage-collected")
@@ -135,7 +135,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         return st
 
 
-def offload_optimizer(model: nn.Module, lr=1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+def offload_optimizer(model: nn.Module, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                       weight_decay: float = 1e-2, *, fused: Optional[bool] = True, overlap: bool = True,
                       max_grad_norm: Optional[float] = None, overlap_forward: bool = False) -> OffloadAdamW:
     """AdamW for a model sharded with an offloading plan (``plan(..., offload="optimizer")``): the offloaded

@@ -14,6 +14,7 @@ import torch.nn as nn
 from ..errors import RuntimeShardingError, ShardingError
 from ..plan import Plan
 from . import collectives as C
+from ..plan.validate import validate
 
 Slots = dict[str, list[tuple[nn.Module, str]]]
 """plan name -> every (owner module, attribute) the parameter is registered at (tied: several)."""
@@ -113,7 +114,6 @@ def startup(module: nn.Module, plan: Plan, world: int, rank: int, timeout_s: flo
     values must agree across ranks too (a cheap fingerprint)."""
     problems = list(problems or [])
     try:
-        from ..plan.validate import validate
         validate(plan)  # an edited or hand-written plan is checked before anything runs
     except ShardingError as exc:
         problems.append(f"the plan is invalid: {exc}")

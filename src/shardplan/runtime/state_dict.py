@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 
 from ..errors import CheckpointError
+from .. import layout as L
+from .tensor_parallel import full_device_mesh
 
 _WAYS_OUT = ("save and load sharded checkpoints with shardplan.state_dict(model, opt) / "
              "shardplan.load_state_dict(model, sd, opt) (or shardplan.checkpoint.save(path, model, opt) / "
@@ -65,7 +67,6 @@ def describe(plan) -> dict[str, tuple[Optional[tuple], str]]:
     """``{name: (placements, "")}`` for every parameter whose plan boxes are DTensor placements, and
     ``{name: (None, why)}`` for the others. Pure: every rank decides alike."""
     from torch.distributed.tensor import Replicate, Shard
-    from .. import layout as L
     mesh = plan.mesh
     mesh_shape = [s for _, s in mesh.axes]
     coords = [[mesh.axis_index(r, (a,)) for a in mesh.axis_names] for r in range(mesh.size)]
@@ -144,8 +145,7 @@ class StateDictHooks:
         mesh = self.plan.mesh
         groups = [self.exe.groups.axis(a).pg for a in mesh.axis_names]
         if mesh.size == 1 or any(g is None for g in groups):
-            from .tensor_parallel import full_device_mesh  # a group of one has no process group: build one
-            return full_device_mesh(self.plan, self.exe.device)
+            return full_device_mesh(self.plan, self.exe.device)  # a group of one has no process group: build one
         shape = [s for _, s in mesh.axes]
         return DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], self.exe.device.type,
                                      mesh=torch.arange(mesh.size).view(shape), mesh_dim_names=mesh.axis_names)
@@ -347,7 +347,7 @@ def install_optimizer(optimizer: torch.optim.Optimizer, exe) -> list:
 
 def _optimizer_hooks(optimizer: torch.optim.Optimizer, exe):
     """(state_dict pre-hook, state_dict post-hook, load_state_dict pre-hook) converting sharded states."""
-    from .checkpoint.values import init_optimizer_state
+    from .checkpoint.values import init_optimizer_state  # (import cost: the checkpoint package loads torch's DCP, ~2 s, not at shard())
     hooks = exe.state_dict_hooks
     plan = exe.plan
     locals_ = exe.local_params()

@@ -17,6 +17,10 @@ import torch
 import torch.nn as nn
 
 from ..plan.tensor_parallel import EMBEDDING, TPModule, reads_shared_input
+from ..errors import PlanWarning
+from ..plan.values import Op
+from ..errors import RuntimeShardingError
+from . import collectives as C
 
 
 def _dt():
@@ -159,7 +163,6 @@ def install_styles(module: nn.Module, plan, meshes: dict, exe=None) -> list:
     mods = dict(module.named_modules())
     if any(not m.after for m in plan.tp_modules):
         import warnings
-        from ..errors import PlanWarning
         warnings.warn("this plan's tensor-parallel modules carry no placement (a plan saved by an older shardplan): "
                       "its schedule lists none of their collectives and column-parallel siblings each all-reduce "
                       "their input's gradient. Plan again from the model to get both", PlanWarning, stacklevel=3)
@@ -214,17 +217,14 @@ def _unshared(m: TPModule, ops: _Ops):
     if m.path not in ops.warned:
         ops.warned.add(m.path)
         import warnings
-        from ..errors import PlanWarning
         warnings.warn(f"tensor-parallel module {m.path!r} reads another input than its sibling {m.shares_with!r}, "
                       f"which the plan assumed they share: its input gradient takes an all-reduce of its own, which "
                       f"plan.ops() does not list. Plan with trace=example inputs to know each module's input",
                       PlanWarning, stacklevel=2)
-    from ..plan.values import Op
     return Op(kind="all_reduce", unit=m.unit, what="activations", event="module_backward", at=m.path, axes=(m.axis,))
 
 
 def _not_gathered(m: TPModule, w: torch.Tensor):
-    from ..errors import RuntimeShardingError
     unit = m.unit or "<root>"
     raise RuntimeShardingError(
         f"tensor-parallel module {m.path!r} ({m.kind} {m.style} over {m.axis!r}) was called while it holds its local "
@@ -258,7 +258,6 @@ def _output_hook(m: TPModule, mesh, ops: _Ops):
 
 def _gather_from_all(plan, mine: torch.Tensor, world_group, device) -> list[torch.Tensor]:
     """Every rank's ``mine`` (same shape and dtype everywhere), indexed by rank."""
-    from . import collectives as C
     return C.all_gather_list(mine.to(device), world_group)  # NCCL gathers device tensors
 
 
@@ -306,7 +305,6 @@ def install_input_check(module: nn.Module, plan, world_group, device: torch.devi
     """A root pre-forward hook (ahead of the executor's) that checks, on the first forward, that the ranks of
     each tensor-parallel group were given the same inputs: a batch split by rank instead of by
     ``plan.data_index(rank)`` would otherwise train on mixed activations without an error."""
-    from ..errors import RuntimeShardingError
     from torch.utils._pytree import tree_leaves
 
     @torch._dynamo.disable

@@ -43,6 +43,7 @@ from ...errors import CheckpointError
 from .. import collectives as C
 from ..builder import engine_of
 from .values import quiet_sharded_tensor, state_dict
+from . import dcp_io
 
 _ALIGN = 64  # bytes: where each staged tensor starts in the host buffer
 
@@ -320,7 +321,6 @@ def async_save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opti
 
     Same checkpoint as ``save`` (``load`` reads either). A second call waits for the first to finish.
     """
-    from .dcp_io import _about
     settle(raise_unobserved=True)
     eng = engine_of(model)
     pg = checkpoint_group()
@@ -348,7 +348,7 @@ def async_save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opti
             _guard(optimizer, writer.copied)
         else:
             writer.copied.synchronize()  # nothing would wait for the copies: finish them now
-    marker = {**_about(eng.plan, step, "module", optimizer), "world_size": eng.groups.world.size}
+    marker = {**dcp_io._about(eng.plan, step, "module", optimizer), "world_size": eng.groups.world.size}
     with _LOCK:
         _INFLIGHT[:] = [fut]
     threading.Thread(target=_publish_when_written, args=(fut, written, tmp, path, pg, rank, marker),
@@ -359,7 +359,6 @@ def async_save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opti
 def _publish_when_written(fut: CheckpointFuture, written, tmp: str, path: str, pg, rank: int, marker: dict) -> None:
     """The background end of :func:`async_save`: every rank's DCP write finished -> rank 0 publishes."""
     import shutil
-    from .dcp_io import publish_directory
     try:
         failure = ""
         try:
@@ -374,7 +373,7 @@ def _publish_when_written(fut: CheckpointFuture, written, tmp: str, path: str, p
                 if failures:
                     shutil.rmtree(tmp, ignore_errors=True)
                 else:
-                    publish_directory(tmp, path, {**marker, "time": time.time()})
+                    dcp_io.publish_directory(tmp, path, {**marker, "time": time.time()})
             except Exception as exc:  # noqa: BLE001
                 status = f"rank 0 could not publish {tmp} as {path}: {type(exc).__name__}: {exc}"
         status = C.broadcast_object(status, pg)
@@ -391,7 +390,6 @@ def _publish_when_written(fut: CheckpointFuture, written, tmp: str, path: str, p
 
 
 def _register() -> None:
-    from . import dcp_io
     if settle not in dcp_io.SETTLERS:  # sync saves and loads wait for an asynchronous save in flight
         dcp_io.SETTLERS.append(settle)
 

@@ -27,6 +27,7 @@ from . import diagnose
 from .diagnose import MARKER
 from .values import (init_optimizer_state, load_state_dict, local_of, model_buffers, quiet_sharded_tensor, state_dict,
                      tree_state_dict)
+from ...rules import leaves_with_paths
 
 
 # -- writing and reading a directory --------------------------------------------------------------------
@@ -233,7 +234,6 @@ def load_tree(path: str, plan, template, *, timeout_s: float = 300.0):
     """
     import optree
     import torch.distributed as dist
-    from ...rules import leaves_with_paths
     _settle(raise_unobserved=False)
     meta = _metadata(path)
     rank = dist.get_rank()

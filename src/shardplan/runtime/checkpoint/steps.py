@@ -20,6 +20,8 @@ from typing import Optional
 
 from .. import collectives as C
 from .diagnose import MARKER
+from ...errors import CheckpointError
+from .async_io import inflight_paths
 
 _STEP = re.compile(r"^step_(\d+)$")
 
@@ -52,11 +54,9 @@ def prune(root: str, keep: int) -> list[str]:
     on rank 0, after a save returned); returns what it removed.
     """
     if keep < 1:
-        from ...errors import CheckpointError
         raise CheckpointError(f"keep={keep}: keep at least the newest checkpoint (keep >= 1)")
     if C.world().rank != 0 or not os.path.isdir(root):
         return []
-    from .async_io import inflight_paths
     done = complete(root)
     gone = [p for _, p in done[:-keep]]
     writing = {os.path.abspath(p) for p in inflight_paths()}  # an asynchronous save of this process writes there

@@ -19,7 +19,10 @@ import torch
 import torch.nn as nn
 
 from ...errors import CheckpointError
-from ..builder import engine_of
+from ..builder import engine_of, groups_for
+from .full import _persistent_buffers
+from .. import collectives as C
+from ...rules import leaves_with_paths
 
 
 @contextlib.contextmanager
@@ -141,12 +144,10 @@ def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
 
 def model_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """The persistent buffers ``model.state_dict()`` holds (not on the meta device), by name."""
-    from .full import _persistent_buffers
     return {n: b for n, b in _persistent_buffers(model).items() if b.device.type != "meta"}
 
 
 def _rank0_copies(bufs: dict, world) -> dict:
-    from .. import collectives as C
     out = {}
     for n, b in bufs.items():
         t = b.detach().clone()
@@ -269,8 +270,6 @@ def tree_state_dict(plan, tree, rank: int, timeout_s: float):
     """``({dotted path: value}, (paths, spec))`` for DCP: a leaf whose path ends in a plan parameter's name
     and which has that parameter's local shape on this rank (``plan.local_shape``) is sharded like it;
     any other leaf (a step count) is plain."""
-    from ...rules import leaves_with_paths
-    from ..builder import groups_for
     groups = groups_for(plan, timeout_s)
     paths, leaves, spec = leaves_with_paths(tree)
     out = {}
