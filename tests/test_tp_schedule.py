@@ -80,7 +80,7 @@ def test_plan_lists_every_tensor_parallel_collective_in_order():
                                                                           "post_backward")
     # no backward in eval; recomputation repeats each block's forward collectives after its pre_backward
     assert all(o.event == "module_forward" for o in _acts(plan, grad=False))
-    again = [o for o in _acts(plan, recompute=True) if o.when == "recompute"]
+    again = [o for o in _acts(plan, recompute="whole") if o.when]
     assert [o.at for o in again] == ["layers.1.attention.wo", "layers.1.feed_forward.w2",
                                      "layers.0.attention.wo", "layers.0.feed_forward.w2"]
     # visible in print(plan), and kept through JSON and the with_* transformations
@@ -90,6 +90,55 @@ def test_plan_lists_every_tensor_parallel_collective_in_order():
     assert _acts(plan.with_prefetch(2)) == acts and _acts(plan.with_order("dynamic")) == acts
     # a compute axis of one rank moves nothing
     assert not _acts(sp.plan(gpt.build("tiny"), gpt_rules_tp.rules, sp.Mesh(dp=4, tp=1), **TP))
+
+
+class PostNorm(nn.Module):
+    """Post-norm blocks (BERT's): ``norm(x + down(relu(up(x))))``. The norm after the row-parallel ``down``
+    saves its input, so a checkpointed block's recompute runs past ``down``'s all-reduce."""
+
+    class Block(nn.Module):
+        def __init__(self, d=16):
+            super().__init__()
+            self.up, self.down, self.norm = nn.Linear(d, 2 * d), nn.Linear(2 * d, d), nn.LayerNorm(d)
+
+        def forward(self, x):
+            return self.norm(x + self.down(torch.relu(self.up(x))))
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.layers = nn.ModuleList(self.Block(d) for _ in range(2))
+
+    def forward(self, x):
+        for blk in self.layers:
+            x = blk(x)
+        return x.square().mean()
+
+
+POST_RULES = [(r"layers\.\d+\.up\.(weight|bias)", sp.P(("tp", "dp"))), (r"layers\.\d+\.down\.weight", sp.P("dp", "tp")),
+              (r".*", sp.P("dp"))]
+
+
+def test_checkpoint_early_stop_in_plan_ops():
+    """Issue 36 item 9: torch's checkpoint (non-reentrant, early stop by default) ends a pre-norm block's
+    recompute before its last row-parallel all-reduce: ``plan.ops(recompute=True)`` leaves it out and
+    ``recompute="whole"`` keeps it. A traced plan knows from its checkpointed meta step; untraced, each
+    unit's last forward collective is assumed left out."""
+    x = torch.randint(0, 96, (2, 16))
+    for trace in (None, (x, x)):
+        plan = sp.plan(gpt.build("tiny"), gpt_rules_tp.rules, sp.Mesh(dp=2, tp=2), **TP, trace=trace)
+        again = [(o.at, o.when) for o in plan.schedule if o.when in ("recompute", "recompute_whole")]
+        assert again == [("layers.1.attention.wo", "recompute"), ("layers.1.feed_forward.w2", "recompute_whole"),
+                         ("layers.0.attention.wo", "recompute"), ("layers.0.feed_forward.w2", "recompute_whole")]
+        assert [o.at for o in _acts(plan, recompute=True) if o.when] == ["layers.1.attention.wo", "layers.0.attention.wo"]
+        assert len(plan.ops(recompute="whole")) == len(plan.ops(recompute=True)) + 2 == len(plan.ops()) + 4
+        assert sp.Plan.from_json(plan.to_json()).schedule == plan.schedule
+    assert "2 more when units are recomputed (activation checkpointing; 4 if recomputed whole" in str(plan)
+    # a post-norm block's norm saves the all-reduced output: the recompute runs through it (the trace sees it)
+    y = torch.randn(2, 5, 16)
+    post = lambda **kw: sp.plan(PostNorm(), POST_RULES, sp.Mesh(dp=2, tp=2), compute_axes="tp",  # noqa: E731
+                                units=[r"layers\.\d+"], min_unit_bytes=0, **kw)
+    assert {o.when for o in post(trace=(y,)).schedule if o.when.startswith("recompute")} == {"recompute"}
+    assert {o.when for o in post().schedule if o.when.startswith("recompute")} == {"recompute_whole"}
 
 
 def test_traced_plan_knows_shared_inputs_and_bytes():

@@ -202,7 +202,8 @@ class _Tracker:
         return p
 
 
-def _run(model, trace, entries: dict[str, list[str]], checkpointed: bool) -> tuple[ActivationPoint, ...]:
+def _run(model, trace, entries: dict[str, list[str]], checkpointed: bool,
+         finished: Optional[dict] = None) -> tuple[ActivationPoint, ...]:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_map
@@ -294,6 +295,14 @@ def _run(model, trace, entries: dict[str, list[str]], checkpointed: bool) -> tup
                 mark(f"post_backward({u})")
         return hook
 
+    def recomputed(path):  # the module's forward ran to its end inside a recompute (backward)
+        def hook(_m, _a, _out):
+            if state["backward"]:
+                finished[path] = True
+        return hook
+
+    for path in finished or ():
+        handles.append(model.get_submodule(path).register_forward_hook(recomputed(path)))
     for u, paths in entries.items():
         for k, p in enumerate(paths):
             m = model.get_submodule(p)
@@ -360,14 +369,26 @@ def _tensor_parallel(meta, local_shapes: dict, styles: Sequence[tuple[str, str, 
 
 def profile(model, trace, units: Sequence[tuple[str, Sequence[str]]], compute_dtype: Optional[str] = None,
             describe: str = "", local_shapes: Optional[dict] = None,
-            styles: Sequence[tuple[str, str, str, int]] = ()) -> Activations:
+            styles: Sequence[tuple[str, str, str, int]] = (), recomputed: Optional[dict] = None) -> Activations:
     """The activation profile of one training step on ``trace`` (see the module's docstring).
 
     ``units``: ``[(unit name, module paths)]`` without the root, as the plan has them. Under tensor
-    parallelism ``local_shapes`` and ``styles`` make it one tp rank's step (:func:`_tensor_parallel`)."""
+    parallelism ``local_shapes`` and ``styles`` make it one tp rank's step (:func:`_tensor_parallel`).
+    ``recomputed``: ``{module path: False}``, set to ``True`` for each module whose forward the checkpointed
+    step's recompute ran to its end (torch's default early stop ends a recompute once backward has every
+    saved tensor: see [Note: checkpoint early stop] in plan/tensor_parallel.py)."""
     import torch
     meta = copy.deepcopy(model).to("meta") if any(p.device.type != "meta" for p in model.parameters()) \
         else copy.deepcopy(model)
+    # [Note: ``.to("meta")`` makes each module its own Parameter, so tied weights (a Hugging Face LM head sharing
+    # the embedding) come apart: tie them again, or the tensor-parallel-local shape reaches only one of them]
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            path, _, attr = name.rpartition(".")
+            setattr(meta.get_submodule(path) if path else meta, attr, meta.get_parameter(first[id(p)]))
+        else:
+            first[id(p)] = name
     if compute_dtype:
         dt = to_torch(compute_dtype)
         for p in meta.parameters():
@@ -381,6 +402,6 @@ def profile(model, trace, units: Sequence[tuple[str, Sequence[str]]], compute_dt
     what = describe or ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in ins)
     with torch.random.fork_rng(devices=[]), traced_step():
         plain = _run(meta, trace, entries, checkpointed=False)
-        recompute = _run(meta, trace, entries, checkpointed=True)
+        recompute = _run(meta, trace, entries, checkpointed=True, finished=recomputed)
     tokens = next((t.numel() for t in ins if t.dim() == 2 and not t.is_floating_point() and not t.is_complex()), None)
     return Activations(inputs=what, plain=plain, recompute=recompute, grads=True, tokens=tokens)

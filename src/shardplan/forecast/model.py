@@ -19,8 +19,8 @@ import math
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from ..errors import ForecastError
-from ..plan.kinds import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BEGIN_BACKWARD, PARAMS, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD,
-                          SCALES, USED, WAIT)
+from ..plan.kinds import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BEGIN_BACKWARD, GRADS, PARAMS, PARTIAL_GRADS, POST_FORWARD,
+                          PRE_BACKWARD, PRE_FORWARD, SCALES, USED, WAIT)
 from ..units import ROOT
 from .compute import ComputeModel, compute_model
 from .flops import model_flops, unit_flops, unit_widths
@@ -224,7 +224,9 @@ def forecast(plan: "Plan", network: Union[str, dict, Network], compute: Union[No
             if op.is_collective:
                 cid = issue(op.kind, op.what, op.unit, tuple(op.axes), op.bytes, _stream(op.kind, op.what), i)
                 # (FP8 compute's scales: the unit's wait for its parameters waits for them too)
-                pending.setdefault((op.unit, PARAMS if op.what == SCALES else op.what), []).append(cid)
+                # (partial gradients: the unit's wait for its gradients waits for their sum too)
+                key = PARAMS if op.what == SCALES else GRADS if op.what == PARTIAL_GRADS else op.what
+                pending.setdefault((op.unit, key), []).append(cid)
             elif op.kind == WAIT:
                 ids = tuple(pending.pop((op.unit, op.what), ()))
                 if ids:

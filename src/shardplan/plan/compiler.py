@@ -236,6 +236,22 @@ def plan(model_or_tree: Any, rules: RulesLike, mesh: Mesh, *,
                             f"tensor-parallel over {tp_of[name].axis!r}; one compute axis per parameter: keep "
                             f"{tp_of[name].axis!r} out of its spec")
         tp_of[name] = c
+    partial_of: dict[str, str] = {}  # replicated parameters read on tensor-parallel-sharded activations
+    if tp_modules and any(mesh.axis_size(m.axis) > 1 for m in tp_modules):
+        replicated = {i.name for i in infos if tp_of[i.name] is None and i.name not in ep_of and i.requires_grad}
+        names = {a: i.name for i in infos if i.name in replicated for a in (i.name,) + tuple(i.aliases)}
+        if trace is not None:
+            tracked = {id(p): names[n] for n, p in module.named_parameters(remove_duplicate=False) if n in names}
+            partial_of = tp.trace_partial_grads(module, tp_modules, trace, tracked)
+        else:
+            partial_of, unsure = tp.assumed_partial_grads(module, tp_modules, names)
+            if unsure:
+                text = tp.unsure_warning(unsure)
+                warnings.warn(text, PlanWarning, stacklevel=2)
+                notes.append(text)
+        partial_of = {n: a for n, a in partial_of.items() if mesh.axis_size(a) > 1}
+        if partial_of:
+            choices.append(tp.partial_note(partial_of, trace is not None))
     gather_of = lowp.gather_of(gather_option, [(i.name, len(i.shape), is_floating(dtype_name(i.dtype)), i.requires_grad)
                                                for i in infos])
     lowp.refuse(level, offload, compute_axes, bool(ep_of), next((f for f in gather_of.values() if f), ""))
@@ -290,13 +306,20 @@ def plan(model_or_tree: Any, rules: RulesLike, mesh: Mesh, *,
         idxs = []
         # [Note: expert weights get buffers of their own: their gradients are not reduced over the expert axis
         # (every ep rank's tokens already reached them through the all-to-all), dense ones' are]
-        dense = [m for m in members[uname] if m[0].name not in ep_of]
+        # [Note: partial gradients] (plan/tensor_parallel.py) replicated parameters read on sharded activations
+        # get buffers of their own too: their gradients are summed over the compute axis first
+        dense = [m for m in members[uname] if m[0].name not in ep_of and m[0].name not in partial_of]
         experts = [m for m in members[uname] if m[0].name in ep_of]
-        laid = [(k, v, compute_axes) for k, v in geometry.layout_unit(dense, mesh, level, compute, layout,
-                                                                      gather_of).items()]
-        laid += [(k, v, compute_axes + expert_axes)
+        laid = [(k, v, compute_axes, ()) for k, v in geometry.layout_unit(dense, mesh, level, compute, layout,
+                                                                          gather_of).items()]
+        for axis in sorted(set(partial_of.values())):
+            part = [m for m in members[uname] if partial_of.get(m[0].name) == axis]
+            laid += [(k, v, compute_axes, (axis,))
+                     for k, v in (geometry.layout_unit(part, mesh, level, compute, layout, gather_of).items()
+                                  if part else ())]
+        laid += [(k, v, compute_axes + expert_axes, ())
                  for k, v in (geometry.layout_unit(experts, mesh, level, compute, layout).items() if experts else ())]
-        for (dtype, rg, axes, _, fmt), (placement, mem), not_reduced in laid:
+        for (dtype, rg, axes, _, fmt), (placement, mem), not_reduced, partial_axes in laid:
             cdt = compute if compute and is_floating(dtype) else dtype
             rq = reduce_quant if reduce_quant and rg and is_floating(dtype) and placement.layout != L.REPLICATED else ""
             rdt = "float32" if reduce_quant and is_floating(dtype) else reduce if reduce and is_floating(dtype) else cdt
@@ -306,7 +329,8 @@ def plan(model_or_tree: Any, rules: RulesLike, mesh: Mesh, *,
                            replica_axes=tuple(a for a in mesh.axis_names if a not in axes and a not in not_reduced),
                            group_size=group, shard_numel=placement.shard_numel,
                            numel=sum(math.prod(i.shape) for i, _ in mem), params=tuple(i.name for i, _ in mem),
-                           requires_grad=rg, gather_dtype=fmt, reduce_quant=rq, **buffer_facts(placement.layout, level, group, dtype, cdt, rdt))
+                           requires_grad=rg, gather_dtype=fmt, reduce_quant=rq, partial_axes=partial_axes if rg else (),
+                           **buffer_facts(placement.layout, level, group, dtype, cdt, rdt))
             if rq and b.replica_axes and mesh.axis_size(b.replica_axes) > 1:
                 raise PlanError(f"reduce_dtype='int8' with replica axes {b.replica_axes} (HSDP) is not supported yet: "
                                 f"shard the parameters over every data axis, or use reduce_dtype='float32'")
@@ -355,8 +379,10 @@ def plan(model_or_tree: Any, rules: RulesLike, mesh: Mesh, *,
         # (expert-parallel parameters keep their global shapes: the model routes over every expert)
         local = {p.name: p.shape for p in param_plans if p.compute is not None and p.compute.axis in compute_axes}
         styles = [(m.path, m.kind, m.style, mesh.axis_size(m.axis)) for m in tp_modules] if tp_modules else []
+        finished = {m.path: False for m in tp_modules} if tp_modules else None
         profile = profile_activations(module, trace, [(u.name, u.module_paths) for u in unit_plans if u.name != ROOT],
-                                      compute, local_shapes=local, styles=styles)
+                                      compute, local_shapes=local, styles=styles, recomputed=finished)
+        tp_modules = tp.with_recomputed(tp_modules, finished)  # [Note: checkpoint early stop] (tensor_parallel.py)
     planned = buffers
 
     def build(fraction) -> Plan:

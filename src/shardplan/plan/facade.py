@@ -267,12 +267,16 @@ class Plan:
         return S.program(self.units, self.schedule)
 
     def ops(self, *, stale: bool = True, grad: bool = True, sync: bool = True,
-            recompute: bool = False) -> tuple[Op, ...]:
+            recompute: Union[bool, str] = False) -> tuple[Op, ...]:
         """The ops a step with these facts runs, in order: ``stale`` (the shards changed since the last
         gather), ``grad`` (a backward follows the forward), ``sync`` (gradients are reduced), ``recompute``
         (each unit's forward is recomputed in backward: activation checkpointing per unit, which repeats
-        the forward's tensor-parallel collectives; torch's checkpoint early stop, its default, may end a
-        recompute before the unit's last ones: ``set_checkpoint_early_stop(False)`` recomputes whole).
+        the forward's tensor-parallel collectives). ``recompute=True`` is torch's checkpoint as it runs by
+        default (non-reentrant, early stop: a recompute ends once backward has every tensor it saves, before
+        a block's last row-parallel all-reduce); ``recompute="whole"`` is a whole recompute
+        (``set_checkpoint_early_stop(False)``, or ``use_reentrant=True``). Which collectives early stop
+        leaves out a traced plan knows (its checkpointed meta step); untraced, each unit's last forward
+        collective is assumed left out (a pre-norm block: its last output only feeds the residual).
 
         >>> plan.ops()                       # a training step
         >>> plan.ops(grad=False)             # an eval / no_grad forward

@@ -66,6 +66,9 @@ class Subject(Name):
     USED = "used"
     SCALES = "scales"  # FP8 compute: the float8 weights' absmaxes, all-reduced (max) over the gather's group before
     #                    their all-gather (plan/float8.py; the scales of the float8 codes come from them)
+    PARTIAL_GRADS = "partial_grads"  # the gradients of replicated parameters that read tensor-parallel-sharded
+    #                                  activations (a per-head q_norm): each compute rank's is a partial sum, summed
+    #                                  over the compute axis before the unit's reduction (plan/tensor_parallel.py)
     ACTIVATIONS = "activations"  # moved inside a module's call: a tensor-parallel module's input gradient or
     #                              output (plan/tensor_parallel.py), context-parallel attention's keys and values
     #                              (plan/context_parallel.py), an expert module's tokens (plan/expert_parallel.py)
@@ -91,6 +94,8 @@ class Condition(Name):
     SYNC = "sync"
     NO_GRAD = "no_grad"
     RECOMPUTE = "recompute"  # a forward recomputed in backward (activation checkpointing of the unit)
+    RECOMPUTE_WHOLE = "recompute_whole"  # ... only when the whole unit is recomputed: torch's checkpoint early stop
+    #                                      (its default) ends the recompute before this op (plan/tensor_parallel.py)
 
 
 class Phase(Name):
@@ -125,12 +130,12 @@ COPIES = (COPY_D2H, COPY_H2D)
 HOST_OPS = (COPY_D2H, COPY_H2D, OPTIM_STEP)  # CPU offload's ops: local, no process group
 COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL)
 KINDS = tuple(OpKind)
-PARAMS, GRADS, USED, SCALES, ACTIVATIONS = Subject
+PARAMS, GRADS, USED, SCALES, PARTIAL_GRADS, ACTIVATIONS = Subject
 (BEFORE_FORWARD, PRE_FORWARD, POST_FORWARD, PRE_BACKWARD, POST_BACKWARD, END_BACKWARD, BEGIN_BACKWARD, MODULE_FORWARD,
  MODULE_BACKWARD) = Event
 BACKWARD_EVENTS = (BEGIN_BACKWARD, PRE_BACKWARD, POST_BACKWARD, END_BACKWARD, MODULE_BACKWARD)
 EVENTS = tuple(Event)
-ALWAYS, STALE, SYNC, NO_GRAD, RECOMPUTE = Condition
+ALWAYS, STALE, SYNC, NO_GRAD, RECOMPUTE, RECOMPUTE_WHOLE = Condition
 CONDITIONS = tuple(Condition)
 FORWARD, BACKWARD, STEP = Phase
 STRATEGIES = tuple(Strategy)

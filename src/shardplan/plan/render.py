@@ -206,7 +206,7 @@ def render_tp(plan: "Plan") -> list[str]:
         return []
     by_path: dict[str, list[str]] = {}
     for o in ops:
-        if o.when == "recompute":
+        if o.when in ("recompute", "recompute_whole"):
             continue
         side = "forward" if o.event == "module_forward" else "backward"
         what = "output" if side == "forward" else "input's gradient"
@@ -224,8 +224,10 @@ def render_tp(plan: "Plan") -> list[str]:
     n_f = sum(o.event == "module_forward" and not o.when for o in ops)
     n_b = sum(o.event == "module_backward" for o in ops)
     n_r = sum(o.when == "recompute" for o in ops)
+    n_w = sum(o.when == "recompute_whole" for o in ops)
     out.append(f"  activation collectives per step: {n_f} in forward, {n_b} in backward, {n_r} more when units are "
-               f"recomputed (activation checkpointing); plan.ops() lists them in order")
+               f"recomputed (activation checkpointing; {n_r + n_w} if recomputed whole, without torch's early stop); "
+               f"plan.ops() lists them in order")
     return out
 
 
@@ -305,7 +307,7 @@ def chrome_trace(plan: "Plan", path: str, gbps: float) -> None:
     start = 0.0
     events = []
     for i, op in enumerate(plan.schedule):
-        if op.when == "recompute":  # a training step without activation checkpointing
+        if op.when in ("recompute", "recompute_whole"):  # a training step without activation checkpointing
             continue
         tid = tracks[op.kind]
         dur = max(op.bytes / (gbps * 1e3), 1.0)  # microseconds

@@ -31,7 +31,7 @@ from ..units import ROOT
 from .kinds import (ALL_GATHER, ALL_REDUCE, ALWAYS, BACKWARD, BEFORE_FORWARD, BEGIN_BACKWARD, PREPARE, COLLECTIVES, CONDITIONS, END_BACKWARD,
                     COPY_D2H, COPY_H2D, OPTIM_STEP, Offload,
                     EVENTS, FORWARD, FREE, GRADS, KINDS, NO_GRAD, ORDERS, PARAMS, POST_BACKWARD, POST_FORWARD,
-                    PRE_BACKWARD, PRE_FORWARD, REDUCE_SCATTER, SCALES, STALE, STEP, STRATEGIES, SYNC, USED, WAIT, Condition,
+                    PARTIAL_GRADS, PRE_BACKWARD, PRE_FORWARD, REDUCE_SCATTER, SCALES, STALE, STEP, STRATEGIES, SYNC, USED, WAIT, Condition,
                     Event, OpKind, Order, Subject)
 from .values import Op, Program, Step
 
@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .values import BufferPlan, UnitPlan
 
 __all__ = ["ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "WAIT", "FREE", "PREPARE", "COPY_D2H", "COPY_H2D", "OPTIM_STEP", "BEGIN_BACKWARD", "COLLECTIVES", "KINDS", "PARAMS", "GRADS",
-           "USED", "SCALES", "BEFORE_FORWARD", "PRE_FORWARD", "POST_FORWARD", "PRE_BACKWARD", "POST_BACKWARD", "END_BACKWARD",
+           "USED", "SCALES", "PARTIAL_GRADS", "BEFORE_FORWARD", "PRE_FORWARD", "POST_FORWARD", "PRE_BACKWARD", "POST_BACKWARD", "END_BACKWARD",
            "EVENTS", "ALWAYS", "STALE", "SYNC", "NO_GRAD", "CONDITIONS", "ORDERS", "FORWARD", "BACKWARD", "STEP",
            "STRATEGIES", "ROOT", "Op", "Step", "Program", "OpKind", "Subject", "Event", "Condition", "Order",
            "interleave", "skeleton", "needs_gather", "build_schedule", "program", "select"]
@@ -166,6 +166,11 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
         if not grads:
             return []
         out = []
+        # [Note: partial gradients] (plan/tensor_parallel.py) summed over their compute axis first
+        for ar in by_group([b for b in grads if b.partial_axes and mesh.axis_size(b.partial_axes) > 1],
+                           lambda b: b.partial_axes):
+            out.append(op(ALL_REDUCE, u, PARTIAL_GRADS, event, at, ar, lambda b: b.partial_axes,
+                          sum(b.gathered_numel * b.reduce_itemsize for b in ar), when=SYNC))
         for rs in by_group([b for b in grads if b.sharded], lambda b: b.axes):
             out.append(op(REDUCE_SCATTER, u, GRADS, event, at, rs, None,
                           sum(b.reduce_bytes for b in rs), when=SYNC))
@@ -297,5 +302,5 @@ def program(units: Sequence["UnitPlan"], schedule: Sequence[Op]) -> Program:
 
 
 def select(schedule: Iterable[Op], *, stale: bool = True, grad: bool = True, sync: bool = True,
-           recompute: bool = False) -> tuple[Op, ...]:
+           recompute=False) -> tuple[Op, ...]:
     return tuple(o for o in schedule if o.applies(stale=stale, grad=grad, sync=sync, recompute=recompute))

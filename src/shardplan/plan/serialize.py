@@ -45,7 +45,8 @@ def to_dict(plan: "Plan") -> dict[str, Any]:
                          persistent=b.persistent, grad_alias=b.grad_alias, keeps_grads=b.keeps_grads,
                          **({"offload": b.offload} if b.offload else {}),
                          **({"gather_dtype": b.gather_dtype} if b.gather_dtype else {}),
-                         **({"reduce_quant": b.reduce_quant} if b.reduce_quant else {}))
+                         **({"reduce_quant": b.reduce_quant} if b.reduce_quant else {}),
+                         **({"partial_axes": list(b.partial_axes)} if b.partial_axes else {}))
                     for b in plan.buffers],
         "units": [dict(name=u.name, buffers=list(u.buffers), reshard_after_forward=u.reshard_after_forward,
                        modules=list(u.modules), parent=u.parent) for u in plan.units],
@@ -121,7 +122,8 @@ def plan_fields(text: str) -> dict[str, Any]:
         optimizer_states=d["optimizer_states"], order=choose(Order, d["order"], "order"),
         params=tuple(_param(p) for p in d["params"]),
         buffers=tuple(BufferPlan(**{**b, "axes": tup(b["axes"]), "replica_axes": tup(b["replica_axes"]),
-                                    "params": tup(b["params"])}) for b in d["buffers"]),
+                                    "params": tup(b["params"]), "partial_axes": tup(b.get("partial_axes", ()))})
+                      for b in d["buffers"]),
         units=tuple(UnitPlan(**{**u, "buffers": tup(u["buffers"]), "modules": tup(u["modules"])}) for u in d["units"]),
         schedule=normalised(Op(**{**o, "buffers": tup(o["buffers"]), "axes": tup(o["axes"])}) for o in d["schedule"]),
         warnings=tuple(d["warnings"]), notes=tuple(d.get("notes", ())), min_unit_bytes=d.get("min_unit_bytes", 0),

@@ -41,7 +41,7 @@ from ..spec import P
 from ..units import ROOT
 from .heads import check_whole_heads
 from .kinds import (ACTIVATIONS, ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, BEFORE_FORWARD, MODULE_BACKWARD, MODULE_FORWARD,
-                    POST_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, RECOMPUTE)
+                    POST_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, RECOMPUTE, RECOMPUTE_WHOLE)
 from .schedule import program, skeleton
 from .values import Compute, Op, storage_spec  # noqa: F401  (re-exported: tp.Compute, tp.storage_spec)
 from ..units import run_traced
@@ -60,7 +60,9 @@ class TPModule:
     forward step it runs after) and ``back_after`` (the backward step its input's gradient forms after);
     ``shares_with``: the column-parallel sibling whose input it reads too (one gradient all-reduce for
     both, issued by that sibling), or ``""``; ``input_grad``: its input takes a gradient (a traced plan
-    knows; otherwise assumed)."""
+    knows; otherwise assumed); ``recomputed``: its forward collective runs again when torch's checkpoint,
+    with its default early stop, recomputes the unit (``False``: the recompute ends before it, and only a
+    whole recompute repeats it; see :func:`place`)."""
 
     path: str
     kind: str
@@ -71,6 +73,7 @@ class TPModule:
     back_after: str = ""
     shares_with: str = ""
     input_grad: bool = True
+    recomputed: bool = True
 
     @property
     def input_sharded(self) -> bool:
@@ -356,7 +359,16 @@ def place(module, modules: Sequence[TPModule], units,
           activations: Optional[Sequence["Activation"]] = None) -> tuple[TPModule, ...]:
     """``modules`` with their unit, their forward and backward anchors, the sibling whose input each
     shares and whether that input takes a gradient (from the traced ``activations``; else siblings of one
-    parent are assumed to share, and every input to take a gradient)."""
+    parent are assumed to share, and every input to take a gradient), and whether torch's checkpoint
+    recomputes its forward collective (untraced: not the last one of each unit; :func:`with_recomputed`
+    sets what a traced step saw).
+
+    [Note: checkpoint early stop. torch's non-reentrant checkpoint (its default) ends a unit's recompute as
+    soon as it has recomputed every tensor the forward saved for backward. In a pre-norm block the last
+    module's output (the MLP's row-parallel all-reduce) only feeds the residual add, which saves nothing:
+    the recompute stops inside that module, before its all-reduce. Untraced, each unit's last forward
+    collective is assumed to be such a one; a traced plan knows from its checkpointed meta step
+    (:func:`shardplan.activations.profile`).]"""
     shares = None if activations is None else {a.path: a.shares_with for a in activations}
     grads = {} if activations is None else {a.path: a.input_grad for a in activations}
     if not modules:
@@ -375,7 +387,17 @@ def place(module, modules: Sequence[TPModule], units,
             sw = ""
         out.append(dataclasses.replace(m, unit=a.unit, after=a.after, back_after=a.back_after,
                                        shares_with=sw, input_grad=grads.get(m.path, True)))
-    return tuple(out)
+    last = {m.unit: m.path for m in out if FORWARD_OP.get((m.kind, m.style)) and m.unit != ROOT}
+    return tuple(dataclasses.replace(m, recomputed=last.get(m.unit) != m.path) for m in out)
+
+
+def with_recomputed(modules: Sequence[TPModule], finished: Optional[Mapping[str, bool]]) -> tuple[TPModule, ...]:
+    """``modules`` with ``recomputed`` as a traced checkpointed step saw it (``finished``: module path ->
+    whether its forward ran to its end in the recompute); unchanged where ``finished`` is ``None``."""
+    if finished is None:
+        return tuple(modules)
+    return tuple(dataclasses.replace(m, recomputed=bool(finished.get(m.path, False))) if m.unit != ROOT else m
+                 for m in modules)
 
 
 def activation_ops(m: TPModule, activations: Optional[Sequence["Activation"]]) -> tuple[Optional[Op], Optional[Op]]:
@@ -407,7 +429,8 @@ def with_activation_ops(schedule: Sequence[Op], units, modules: Sequence[TPModul
                         mesh: Optional[Mesh] = None, extra: Sequence[ModuleOps] = ()) -> tuple[Op, ...]:
     """``schedule`` (the units' ops) with every tensor-parallel collective inserted where it runs: forward
     ops after their ``after`` step, and in backward, after a unit's ``pre_backward`` step, the forward
-    ops of its modules again (``when="recompute"``: activation checkpointing recomputes them), then the
+    ops of its modules again (``when="recompute"``: activation checkpointing recomputes them;
+    ``"recompute_whole"`` for those torch's early stop leaves out), then the
     input-gradient ops after their ``back_after`` step. Modules over a compute axis of one rank move
     nothing. ``extra``: the ops of other in-module collectives (context and expert parallelism), placed
     the same way after the tensor-parallel ones of the same step.
@@ -425,8 +448,9 @@ def with_activation_ops(schedule: Sequence[Op], units, modules: Sequence[TPModul
         fop, bop = activation_ops(m, activations)
         if fop is not None:
             fwd.setdefault(m.after, []).append(fop)
-            if m.unit != ROOT:
-                again.setdefault(f"{PRE_BACKWARD}({m.unit})", []).append(dataclasses.replace(fop, when=RECOMPUTE))
+            if m.unit != ROOT:  # see [Note: checkpoint early stop] at place()
+                again.setdefault(f"{PRE_BACKWARD}({m.unit})", []).append(
+                    dataclasses.replace(fop, when=RECOMPUTE if m.recomputed else RECOMPUTE_WHOLE))
         if bop is not None:
             bwd.setdefault(m.back_after, []).append(bop)
     for ops in bwd.values():
@@ -528,3 +552,205 @@ def modules_note(modules: Sequence[TPModule]) -> str:
         counts[key] = counts.get(key, 0) + 1
     return "tensor-parallel styles (inferred from the specs unless styles= named them): " + \
         ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+
+
+# -- replicated parameters inside a tensor-parallel region -----------------------------------------------
+# [Note: partial gradients. Between a column-parallel module and its row-parallel sibling each rank holds
+# the activations of its own heads (features). A replicated parameter read there (Qwen3's and Gemma3's
+# per-head ``q_norm`` / ``k_norm``, applied to the viewed heads of ``q_proj``'s output) computes correctly,
+# but its gradient on each rank sums over that rank's heads only: a partial sum over the compute axis.
+# Such parameters get buffers of their own (``BufferPlan.partial_axes``) whose gradients are all-reduced
+# (summed) over the compute axis before the unit's reduction: one ``all_reduce partial_grads`` op per unit,
+# in the schedule. A traced plan follows the activations (which tensors derive from a column-parallel
+# output, which parameters meet them); an untraced one judges the modules inside a tensor-parallel block
+# by their parameters' size (a head_dim-sized one is per head, a hidden-sized one reads the block's
+# replicated input) and warns about the rest. A parameter read on both kinds of activations is refused:
+# part of its gradient is partial and part is whole, which no single reduction fixes.]
+
+def _tp_blocks(modules: Sequence[TPModule]) -> dict[str, str]:
+    """Parent module path -> compute axis, for parents holding a column-parallel module and a row-parallel
+    one: the blocks whose activations are sharded in between."""
+    kinds: dict[str, dict[str, str]] = {}
+    for m in modules:
+        if m.kind != LINEAR or m.style not in ("colwise", "rowwise"):
+            continue
+        parent = m.path.rpartition(".")[0]
+        kinds.setdefault(parent, {})[m.style] = m.axis
+    return {p: k["colwise"] for p, k in kinds.items() if "colwise" in k and "rowwise" in k}
+
+
+def _replicated_owners(module, modules: Sequence[TPModule], tracked: Mapping[str, str]):
+    """(module path, module, [(attribute, plan name)]) of the non-tensor-parallel modules holding tracked
+    (replicated, trainable) parameters directly."""
+    tp_paths = {m.path for m in modules}
+    for path, mod in module.named_modules():
+        if path in tp_paths:
+            continue
+        own = [(attr, tracked[f"{path}.{attr}" if path else attr]) for attr, _ in mod.named_parameters(recurse=False)
+               if (f"{path}.{attr}" if path else attr) in tracked]
+        if own:
+            yield path, mod, own
+
+
+def assumed_partial_grads(module, modules: Sequence[TPModule], tracked: Mapping[str, str]
+                          ) -> tuple[dict[str, str], list[str]]:
+    """Without a trace: ({plan name: compute axis} of the replicated parameters taken to read sharded
+    activations, [descriptions of the ones inside a tensor-parallel block that cannot be judged]).
+    ``tracked``: every name (aliases too) of the replicated trainable parameters -> plan name."""
+    from .heads import _head_dim
+    blocks = _tp_blocks(modules)
+    if not blocks:
+        return {}, []
+    mods = dict(module.named_modules())
+    partial: dict[str, str] = {}
+    unsure: list[str] = []
+    for path, mod, own in _replicated_owners(module, modules, tracked):
+        block = next((b for b in sorted(blocks, key=len, reverse=True) if path.startswith(b + ".") or
+                      (b == "" and path)), None)
+        if block is None:
+            continue
+        parent = mods[block]
+        head_dim, _ = _head_dim(parent, getattr(parent, "config", None) or getattr(module, "config", None))
+        widths = {mods[m.path].weight.shape[1] for m in modules
+                  if m.path.rpartition(".")[0] == block and m.style == "colwise" and hasattr(mods[m.path], "weight")}
+        shapes = [tuple(getattr(mod, attr).shape) for attr, _ in own]
+        if all(len(s) == 1 and head_dim and s[0] == head_dim and s[0] not in widths for s in shapes):
+            partial.update((name, blocks[block]) for _, name in own)   # per head: reads the heads this rank holds
+        elif not all(len(s) == 1 and s[0] in widths for s in shapes):  # (hidden-sized: the block's replicated input)
+            unsure.append(f"module {path!r} in block {block!r} ({', '.join(f'{n} {s}' for (_, n), s in zip(own, shapes))})")
+    return partial, unsure
+
+
+def trace_partial_grads(model, modules: Sequence[TPModule], trace, tracked: Mapping[int, str]) -> dict[str, str]:
+    """{plan name: compute axis} of the replicated parameters that the traced forward combines with
+    activations computed from a column-parallel output (before its row-parallel sibling reduces them).
+    ``tracked``: ``id(parameter)`` -> plan name of the replicated trainable parameters. A parameter read on
+    both sharded and replicated activations raises :class:`PlanError`."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_leaves
+    from torch.utils.weak import WeakIdKeyDictionary
+    from ..units import run_traced
+
+    sharded = WeakIdKeyDictionary()   # tensor -> compute axis: a colwise output, or computed from one
+    derived = WeakIdKeyDictionary()   # tensor -> plan names of the parameters it was computed from alone
+    partial: dict[str, tuple[str, str]] = {}  # name -> (axis, where)
+    whole: dict[str, str] = {}                # name -> where it met replicated activations
+    mixed: list = []                          # (axis, where, module): a replicated activation with a gradient met
+    inside = [0]                              # depth of tensor-parallel module calls (DTensor handles theirs)
+    stack: list[str] = []                     # the module calls the forward is in
+
+    def fname(func) -> str:
+        return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or str(func)
+
+    class Reads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if inside[0]:
+                return out
+            ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            axes = sorted({sharded[t] for t in ins if t in sharded})
+            params: set = set()
+            other = False
+            for t in ins:
+                n = tracked.get(id(t))
+                if n is not None:
+                    params.add(n)
+                elif t in derived:
+                    params |= derived[t]
+                elif t not in sharded:
+                    other = True
+                    if axes and t.requires_grad and not isinstance(t, torch.nn.Parameter) and not mixed:
+                        mixed.append((axes[0], fname(func), stack[-1] if stack else ""))
+            if not axes and not params:
+                return out
+            outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            if axes:
+                for n in params:
+                    partial.setdefault(n, (axes[0], fname(func)))
+                for t in outs:
+                    sharded[t] = axes[0]
+            elif other:
+                for n in params:
+                    whole.setdefault(n, fname(func))
+            else:
+                for t in outs:
+                    derived[t] = frozenset(params) | derived.get(t, frozenset())
+            return out
+
+    def enter(_m, _a):
+        inside[0] += 1
+
+    def leave(m):
+        def hook(_m, _a, out):
+            inside[0] -= 1
+            if m.style == "colwise":
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        sharded[t] = m.axis
+        return hook
+
+    def push(path):
+        def hook(_m, _a):
+            stack.append(path)
+        return hook
+
+    def pop(_m, _a, _out):
+        if stack:
+            stack.pop()
+
+    mods = dict(model.named_modules())
+    handles = []
+    try:
+        for path, mod in mods.items():
+            handles.append(mod.register_forward_pre_hook(push(path or "<root>")))
+            handles.append(mod.register_forward_hook(pop))
+        for m in modules:
+            handles.append(mods[m.path].register_forward_pre_hook(enter))
+            handles.append(mods[m.path].register_forward_hook(leave(m)))
+        with Reads():
+            run_traced(model, trace, {}, grad=True)  # (with autograd: which activations take a gradient)
+    finally:
+        for h in handles:
+            h.remove()
+    if mixed:
+        axis, where, path = mixed[0]
+        raise PlanError(
+            f"the traced forward of module {path!r} combines (at {where}) activations sharded over compute axis "
+            f"{axis!r} (computed from a column-parallel module's output) with a replicated activation that takes a "
+            f"gradient (e.g. keys or values whose projection keeps {axis!r} out of its spec, read by sharded queries): "
+            f"on each rank that activation's gradient would sum over this rank's heads only, a partial sum no "
+            f"collective adds up, so the parameters and inputs behind it would train on a wrong gradient. Fix: shard "
+            f"that projection over {axis!r} too (column-parallel, whole heads per rank), or keep {axis!r} out of the "
+            f"specs of the column-parallel projection(s) it meets")
+    both = sorted(set(partial) & set(whole))
+    if both:
+        n = both[0]
+        raise PlanError(
+            f"parameter {n!r} is replicated over compute axis {partial[n][0]!r} but the traced forward reads it both "
+            f"on activations sharded over {partial[n][0]!r} (a column-parallel module's output, at {partial[n][1]}) "
+            f"and on replicated ones (at {whole[n]}): its gradient would be partly a per-rank partial sum and partly "
+            f"whole, which no single reduction makes right. Fix: give the two uses separate parameters (modules), or "
+            f"keep {partial[n][0]!r} out of the specs of the column-parallel projection feeding it")
+    return {n: a for n, (a, _) in partial.items()}
+
+
+def partial_note(partial: Mapping[str, str], traced: bool, unsure: Sequence[str] = ()) -> str:
+    """The plan's note on replicated parameters read on sharded activations."""
+    names = sorted(partial)
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    how = "the traced forward reads them on" if traced else "by their size (head_dim) they read"
+    return (f"{len(names)} replicated parameter(s) ({shown}): {how} activations sharded over "
+            f"{sorted(set(partial.values()))} (between a column-parallel module and its row-parallel sibling), so "
+            f"each rank's gradient is a partial sum: their buffers' gradients are all-reduced (summed) over it "
+            f"before the reduction (all_reduce partial_grads)")
+
+
+def unsure_warning(unsure: Sequence[str]) -> str:
+    return (f"{len(unsure)} replicated parameter(s) sit inside tensor-parallel blocks (between a column-parallel "
+            f"module and its row-parallel sibling): {'; '.join(unsure[:4])}{' ...' if len(unsure) > 4 else ''}. "
+            f"Without trace= the planner assumes they read the block's replicated activations; one that reads the "
+            f"column-parallel output (per-head features) would get a per-rank partial gradient. Plan with "
+            f"trace=example inputs: the planner then follows the activations and sums such gradients over the "
+            f"compute axis")

@@ -14,7 +14,7 @@ from .kinds import (ACTIVATIONS, ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, COPY_D2
                     OPTIM_STEP, SYNC,
                     MODULE_BACKWARD, Offload,
                     MODULE_FORWARD, PARAMS, POST_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, PREPARE,
-                    REDUCE_SCATTER, SCALES, USED, WAIT)
+                    PARTIAL_GRADS, REDUCE_SCATTER, SCALES, USED, WAIT)
 from .schedule import needs_gather
 from .values import Op, Program
 
@@ -90,6 +90,16 @@ def _check_op(plan: "Plan", units, i: int, op: Op) -> None:
         if tuple(op.axes) != want:
             raise _fail(i, op, f"runs over axes {tuple(op.axes)}; its buffers are gathered over {want}")
         return
+    if op.what == PARTIAL_GRADS:  # replicated parameters read on sharded activations: summed over the compute axis
+        bad = [b for b in op.buffers if not (0 <= b < len(plan.buffers)) or not plan.buffers[b].partial_axes
+               or not plan.buffers[b].requires_grad or plan.buffers[b].unit != op.unit]
+        if op.kind != ALL_REDUCE or bad or not op.buffers:
+            raise _fail(i, op, f"partial gradients are an all_reduce of unit {op.unit!r}'s buffers whose gradients are "
+                               f"partial sums over a compute axis (buffers {bad or list(op.buffers)} are not)")
+        want = tuple(dict.fromkeys(a for b in op.buffers for a in plan.buffers[b].partial_axes))
+        if tuple(op.axes) != want or len({plan.buffers[b].partial_axes for b in op.buffers}) > 1:
+            raise _fail(i, op, f"runs over axes {tuple(op.axes)}; its buffers' gradients are partial over {want}")
+        return
     if op.what == ACTIVATIONS and op.kind == K.ALL_TO_ALL:
         m = next((m for m in plan.expert_modules if m.path == op.at), None)
         if m is None:
@@ -120,7 +130,7 @@ def _check_op(plan: "Plan", units, i: int, op: Op) -> None:
                                f"({m.axis!r},) in unit {m.unit!r}")
         return
     if op.what not in (PARAMS, GRADS):
-        raise _fail(i, op, f"unknown what {op.what!r}; use params, grads, used, scales or activations")
+        raise _fail(i, op, f"unknown what {op.what!r}; use params, grads, partial_grads, used, scales or activations")
     if op.unit not in units:
         raise _fail(i, op, f"names no unit of the plan; units: {list(units)}")
     mine = set(units[op.unit].buffers)
@@ -187,6 +197,8 @@ def _needed_reductions(plan: "Plan", bs) -> set:
             out.add((REDUCE_SCATTER, b.index))
         if b.requires_grad and b.replica_axes and plan.mesh.axis_size(b.replica_axes) > 1:
             out.add((ALL_REDUCE, b.index))
+        if b.requires_grad and b.partial_axes and plan.mesh.axis_size(b.partial_axes) > 1:
+            out.add((PARTIAL_GRADS, b.index))
     return out
 
 
@@ -238,6 +250,16 @@ def _simulate(plan: "Plan", units, prog: Program, *, stale: bool, grad: bool, sy
                 continue
             if op.what == SCALES:
                 scaled |= set(op.buffers)
+                continue
+            if op.what == PARTIAL_GRADS:
+                if u not in complete:
+                    raise _fail(i, op, f"sums unit {u!r}'s partial gradients before they are complete (before "
+                                       f"{'end_backward' if u == ROOT else f'post_backward({u})'}) {mode}")
+                late = sorted(b for b in op.buffers if any((k, b) in issued[u] for k in (REDUCE_SCATTER, ALL_REDUCE)))
+                if late:
+                    raise _fail(i, op, f"sums the partial gradients of buffer(s) {late} after their reduction was "
+                                       f"issued {mode}: put it before the unit's reduce_scatter / all_reduce")
+                issued[u].update((PARTIAL_GRADS, b) for b in op.buffers)
                 continue
             if op.kind == PREPARE:
                 prepared.add(u)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from .. import layout as L
 from .. import lowp
@@ -19,7 +19,8 @@ from ..activations import ActivationPoint, Activations  # noqa: F401  (the plan 
 from ..spec import P
 from ..units import ROOT
 from .kinds import (ACTIVATIONS, ALWAYS, BACKWARD, BACKWARD_EVENTS, BEFORE_FORWARD, COLLECTIVES, END_BACKWARD, FORWARD,
-                    MODULE_FORWARD, NO_GRAD, POST_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, RECOMPUTE, STALE,
+                    MODULE_FORWARD, NO_GRAD, POST_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, RECOMPUTE,
+                    RECOMPUTE_WHOLE, STALE,
                     STEP, SYNC, Condition, Event, OpKind, Phase, Subject)
 
 Box = tuple[slice, ...]
@@ -156,6 +157,9 @@ class BufferPlan:
     offload: str = ""  # "" (all on the device), "optimizer" or "params": what of it lives in host memory
     gather_dtype: str = ""  # "" (gathered in the compute dtype), "int8" or "float8_e4m3fn" (see shardplan.lowp)
     reduce_quant: str = ""  # "int8": gradients quantized per block, all-to-all, summed in fp32 (reduce_dtype float32)
+    # compute axes its gradients are partial sums over (replicated parameters that read tensor-parallel-sharded
+    # activations, a per-head q_norm: each rank's covers its own heads): summed over them before the reduction
+    partial_axes: tuple[str, ...] = ()
 
     @property
     def sharded(self) -> bool:
@@ -328,7 +332,7 @@ class Op:
     def phase(self) -> Phase:
         if self.event == BEFORE_FORWARD:
             return STEP
-        if self.when == RECOMPUTE:
+        if self.when in (RECOMPUTE, RECOMPUTE_WHOLE):
             return BACKWARD
         return FORWARD if self.event in (PRE_FORWARD, POST_FORWARD, MODULE_FORWARD) else BACKWARD
 
@@ -349,13 +353,17 @@ class Op:
         """Whether the op runs inside a module's call (tensor-parallel activations), not at a unit's step."""
         return self.what == ACTIVATIONS
 
-    def applies(self, *, stale: bool = True, grad: bool = True, sync: bool = True, recompute: bool = False) -> bool:
-        """Whether the op runs in a step with these facts (see :mod:`shardplan.plan.schedule`)."""
+    def applies(self, *, stale: bool = True, grad: bool = True, sync: bool = True,
+                recompute: Union[bool, str] = False) -> bool:
+        """Whether the op runs in a step with these facts (see :mod:`shardplan.plan.schedule`); ``recompute``:
+        ``True`` (activation checkpointing with torch's default early stop), ``"whole"`` (the whole unit
+        recomputed: ``set_checkpoint_early_stop(False)``) or ``False``."""
         if not grad and self.event in BACKWARD_EVENTS:
             return False
         w = self.when
         return (w == ALWAYS or (w == STALE and stale) or (w == SYNC and sync) or (w == NO_GRAD and not grad)
-                or (w == RECOMPUTE and recompute and grad))
+                or (w == RECOMPUTE and bool(recompute) and grad)
+                or (w == RECOMPUTE_WHOLE and recompute == "whole" and grad))
 
     def __str__(self) -> str:
         flags = (" prefetch" if self.prefetch else "") + (f" [{self.when}]" if self.when else "")

@@ -134,6 +134,7 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     if meshes:  # after initialisation: the states the first forward draws from
         TP.align_generators(plan, rt.groups.world, device)
         exe.handles.append(TP.install_input_check(module, plan, rt.groups.world, device))
+        exe.partial_check = TP.PartialCheck(plan, rt.groups.world, device)
     exe._account()
     return module
 

@@ -118,6 +118,13 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: boo
     return dist.all_to_all_single(out, inp, group=group.pg, async_op=async_op) or DONE
 
 
+def all_reduce_sum(t: torch.Tensor, group: Group, async_op: bool = True):
+    """Sum ``t`` over the group, in place (partial gradients over a compute axis); nothing over a group of one."""
+    if group.pg is None:
+        return DONE
+    return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group.pg, async_op=async_op) or DONE
+
+
 def all_reduce_max(t: torch.Tensor, group: Group) -> None:
     """The elementwise max of ``t`` over ``group``, in place, in stream order (FP8 compute's absmaxes before a
     float8 gather); nothing over a group of one."""
@@ -238,7 +245,7 @@ def build_groups(plan, rank: int, backend: str, timeout_s: float) -> Groups:
     mesh = plan.mesh
     wanted: list[tuple[str, tuple[str, ...]]] = []
     for b in plan.buffers:
-        for key in (("gather", b.axes), ("reduce", b.axes), ("reduce", b.replica_axes)):
+        for key in (("gather", b.axes), ("reduce", b.axes), ("reduce", b.replica_axes), ("reduce", b.partial_axes)):
             if key[1] and key not in wanted:
                 wanted.append(key)
     for p in plan.params:  # checkpoints: the ranks holding different pieces of a tensor-parallel parameter

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
-from ..plan.schedule import REDUCE_SCATTER, Op
+from ..plan.schedule import PARTIAL_GRADS, REDUCE_SCATTER, Op
 from . import collectives as C
 from .buffers import BufferState
 from .streams import Streams
@@ -101,6 +101,17 @@ class CommEngine:
             u.reduce = PendingReduce(op, {i: [] for i in ins}, ins, {})
         rec = u.reduce
         cuda = self.streams.cuda
+        if op.what == PARTIAL_GRADS:  # [Note: partial gradients] (plan/tensor_parallel.py): summed in place first
+            group = self.groups.reduce(op.axes)
+            if group.pg is None:
+                return
+            with self.streams.on("reduce"):
+                for i in op.buffers:
+                    w = self.call(C.all_reduce_sum, op, rec.inputs[i], group, async_op=not cuda)
+                    if not cuda:  # gloo: the reduce-scatter over another group reads the sum
+                        self.wait(w, op)
+            rec.event = self.streams.event("reduce")
+            return
         if op.kind == REDUCE_SCATTER:
             todo = []
             for i in op.buffers:

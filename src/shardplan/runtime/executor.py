@@ -36,7 +36,8 @@ import torch
 from ..errors import RuntimeShardingError
 from ..plan import Plan
 from ..plan.schedule import (ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, COPY_D2H, COPY_H2D, FREE, GRADS, OPTIM_STEP, PARAMS,
-                             POST_BACKWARD, POST_FORWARD, PRE_FORWARD, PREPARE, REDUCE_SCATTER, ROOT, SCALES, STALE, USED, WAIT,
+                             PARTIAL_GRADS, POST_BACKWARD, POST_FORWARD, PRE_FORWARD, PREPARE, REDUCE_SCATTER, ROOT, SCALES,
+                             STALE, USED, WAIT,
                              Op, Step)
 from . import capture as CAP
 from . import collectives as C
@@ -87,7 +88,8 @@ class Executor:
         self._todo: dict[tuple, list] = {}
         self._run_op = {(ALL_GATHER, PARAMS): self._all_gather, (WAIT, PARAMS): self._wait_params,
                         (FREE, PARAMS): self._free_params, (REDUCE_SCATTER, GRADS): self._reduce,
-                        (ALL_REDUCE, GRADS): self._reduce, (WAIT, GRADS): self._wait_grads,
+                        (ALL_REDUCE, GRADS): self._reduce, (ALL_REDUCE, PARTIAL_GRADS): self._reduce,
+                        (WAIT, GRADS): self._wait_grads,
                         (FREE, GRADS): self._free_grads, (ALL_REDUCE, USED): self._exchange_used,
                         (WAIT, USED): self._wait_used, (PREPARE, GRADS): self._prepare_grads,
                         (COPY_D2H, GRADS): self._offload_copy, (COPY_H2D, PARAMS): self._offload_copy,
@@ -96,6 +98,7 @@ class Executor:
         self.replay_forward = False  # a no-grad forward ran after a forward whose backward is pending
         self.fsdp2_inputs = False  # the drop-in fully_shard: cast inputs at every unit, as FSDP2 (hooks.py)
         self.offload = None  # [offload hook] runtime/offload.py's OffloadState, set by shard() for offloading plans
+        self.partial_check = None  # tensor parallelism: runtime/tensor_parallel.py's PartialCheck, set by the faces
 
     @property
     def face(self) -> Optional[Face]:
@@ -365,6 +368,8 @@ class Executor:
         for b in u.with_grads:
             self.face.land(b, window)
             out[b.bp.index] = b.reduction_input(window, self.comm.local_result(b))
+        if self.partial_check is not None:  # tensor parallelism, first synchronising backward (tensor_parallel.py)
+            self.partial_check(u)
         return out
 
     def _reduce(self, op: Op) -> None:

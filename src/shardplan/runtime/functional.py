@@ -71,6 +71,7 @@ class FunctionalRuntime:
         self.hooks: Optional[list] = None  # the module hooks' entries (hooks.register), made at the first call
         if self.meshes:
             TP.align_generators(plan, rt.groups.world, rt.device)
+            self.exe.partial_check = TP.PartialCheck(plan, rt.groups.world, rt.device)
         # [Note: expert and context parallelism] as under shard(): expert modules find their ep group, and
         # attention() gathers keys and values over cp (process-wide, see context_parallel). Without them a cp
         # plan attended over each rank's chunks only (wrong losses, silently) and an ep plan's experts saw

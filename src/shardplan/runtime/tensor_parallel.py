@@ -123,7 +123,7 @@ class _Ops:
         for o in plan.schedule:
             if o.in_module:
                 table = self.backward if o.event == "module_backward" else \
-                    self.recompute if o.when == "recompute" else self.forward
+                    self.recompute if o.when in ("recompute", "recompute_whole") else self.forward
                 table.setdefault(o.at, o)
         self.warned: set = set()
 
@@ -246,11 +246,14 @@ def _output_hook(m: TPModule, mesh, ops: _Ops):
             return None
         if tuple(out.placements) != tuple(leaves):
             out = out.redistribute(mesh, leaves)  # all-reduce of partial sums, or all-gather
-            rec = ops.recording()
-            if rec is not None:
-                op = rop if torch._C._current_graph_task_id() != -1 else fop
-                if op is not None:
-                    rec.append(op)
+        # [Note: recorded whether it ran here or inside the forward: a module that computes on its output
+        # (Gemma3's scaled embedding multiplies the partial sums by a plain tensor) makes DTensor reduce them
+        # there, once, and hands the hook a replicated output; the style's op ran all the same]
+        rec = ops.recording()
+        if rec is not None:
+            op = rop if torch._C._current_graph_task_id() != -1 else fop
+            if op is not None:
+                rec.append(op)
         return out.to_local()
 
     return hook
@@ -328,3 +331,79 @@ def install_input_check(module: nn.Module, plan, world_group, device: torch.devi
 
     handle = module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
     return handle
+
+
+def _projections(g: torch.Tensor) -> torch.Tensor:
+    """Five numbers that tell two gradients apart: its norm and four fixed projections of it (float64)."""
+    x = g.detach().reshape(-1).to(torch.float64)
+    if not x.numel():
+        return torch.zeros(5, dtype=torch.float64, device=x.device)
+    i = torch.arange(x.numel(), dtype=torch.float64, device=x.device)
+    ws = [torch.cos(i * k) for k in (0.6180339887, 1.4142135623, 2.7182818284, 0.5772156649)]
+    return torch.stack([x.norm()] + [(x * w).sum() for w in ws])
+
+
+class PartialCheck:
+    """Once per unit, in the first synchronising backward: the gradients of parameters replicated over a
+    compute axis, before any reduction, compared across each tensor-parallel group. A replicated parameter
+    computes on activations every rank of the group shares, so its gradient is the same on each: one that
+    differs read tensor-parallel-sharded activations the plan did not see (its gradient is a partial sum
+    the plan would not add up), and one the plan sums (``BufferPlan.partial_axes``) that is the same on every
+    rank did not (the sum would multiply it). Either raises, naming the parameters and the fix (plan with
+    ``trace=``, which follows the activations). [Note: compared within a tolerance (1e-3 of the gradients'
+    size): GPU kernels with atomics make equal gradients differ in their last bits; partial sums over other
+    heads differ at their own size.]"""
+
+    def __init__(self, plan, world_group, device: torch.device):
+        self.plan, self.world, self.device = plan, world_group, device
+        self.groups = _tp_groups(plan)
+        self.done: set = set()
+
+    def __call__(self, u) -> None:
+        if not self.groups or u.name in self.done or self.world.pg is None:
+            return
+        self.done.add(u.name)
+        checked = []  # (member, partial)
+        for b in u.with_grads:
+            if b.flat is None:
+                continue
+            b._views()
+            for m in b.members:
+                if m.info.compute is None and m.info.requires_grad:
+                    checked.append((m, b))
+        if not checked:
+            return
+        mine = torch.stack([_projections(b.flat[m.whole]) for m, b in checked]).cpu()
+        every = [t.cpu() for t in _gather_from_all(self.plan, mine, self.world, self.device)]
+        missed, assumed = [], []
+        for group in self.groups:
+            if self.world.rank not in group:
+                continue
+            ref = every[group[0]]
+            for r in group[1:]:
+                other = every[r]
+                tol = (ref[:, :1] + other[:, :1]) * 1e-3  # of the norms (a projection moves by about the norm)
+                differs = ((ref - other).abs() > tol).any(dim=1)
+                for k, (m, b) in enumerate(checked):
+                    if b.bp.partial_axes and not differs[k] and ref[k, 0] > 0:
+                        assumed.append(m.name)
+                    elif not b.bp.partial_axes and differs[k]:
+                        missed.append(m.name)
+        from ..errors import RuntimeShardingError
+        if missed:
+            names = sorted(set(missed))
+            raise RuntimeShardingError(
+                f"backward: the gradients of replicated parameter(s) {names[:4]}{' ...' if len(names) > 4 else ''} "
+                f"(unit {u.name!r}) differ between the ranks of their tensor-parallel group, which share every "
+                f"replicated activation: they read activations sharded over the compute axis (a per-head norm after a "
+                f"column-parallel projection), so each rank's gradient is a partial sum the plan does not add up. "
+                f"Fix: plan with trace=example inputs (the planner follows the activations and sums such gradients "
+                f"over the compute axis), or keep the compute axis out of the projection feeding them")
+        if assumed:
+            names = sorted(set(assumed))
+            raise RuntimeShardingError(
+                f"backward: the plan sums the gradients of {names[:4]}{' ...' if len(names) > 4 else ''} (unit "
+                f"{u.name!r}) over the compute axis, taking them to read per-head activations (an untraced plan "
+                f"judges head_dim-sized parameters so), but their gradients are the same on every rank of the "
+                f"group: they read replicated activations, and the sum would multiply them. Fix: plan with "
+                f"trace=example inputs (the planner follows the activations)")
