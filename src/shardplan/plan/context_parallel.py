@@ -24,7 +24,6 @@ from ..mesh import Mesh
 from .kinds import ACTIVATIONS, ALL_GATHER, MODULE_BACKWARD, MODULE_FORWARD, REDUCE_SCATTER
 from .tensor_parallel import Anchor, ModuleOps, anchors
 from .values import Op
-from ..units import run_traced
 from .tensor_parallel import LINEAR
 from ..units import run_traced, trace_args
 from ..flow import check

@@ -39,7 +39,7 @@ from ..errors import PlanError, SpecError, did_you_mean
 from ..mesh import Mesh
 from ..spec import P
 from ..units import ROOT
-from .heads import check_whole_heads
+from .heads import _head_dim, check_whole_heads
 from .kinds import (ACTIVATIONS, ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, BEFORE_FORWARD, MODULE_BACKWARD, MODULE_FORWARD,
                     POST_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, RECOMPUTE, RECOMPUTE_WHOLE)
 from .schedule import program, skeleton
@@ -597,7 +597,6 @@ def assumed_partial_grads(module, modules: Sequence[TPModule], tracked: Mapping[
     """Without a trace: ({plan name: compute axis} of the replicated parameters taken to read sharded
     activations, [descriptions of the ones inside a tensor-parallel block that cannot be judged]).
     ``tracked``: every name (aliases too) of the replicated trainable parameters -> plan name."""
-    from .heads import _head_dim
     blocks = _tp_blocks(modules)
     if not blocks:
         return {}, []
@@ -630,7 +629,6 @@ def trace_partial_grads(model, modules: Sequence[TPModule], trace, tracked: Mapp
     from torch.overrides import TorchFunctionMode
     from torch.utils._pytree import tree_leaves
     from torch.utils.weak import WeakIdKeyDictionary
-    from ..units import run_traced
 
     sharded = WeakIdKeyDictionary()   # tensor -> compute axis: a colwise output, or computed from one
     derived = WeakIdKeyDictionary()   # tensor -> plan names of the parameters it was computed from alone

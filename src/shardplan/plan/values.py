@@ -306,6 +306,7 @@ class Op:
     ``kind`` (:class:`~shardplan.plan.kinds.OpKind`): all_gather | reduce_scatter | all_reduce | wait | free |
     prepare | copy_d2h | copy_h2d | optim_step (CPU offload) | all_to_all (expert parallelism); ``what``
     (:class:`~shardplan.plan.kinds.Subject`): params | grads | used | scales (FP8 compute's absmaxes) |
+    partial_grads (replicated parameters read on tp-sharded activations: their gradients summed over tp) |
     activations (a tensor-parallel module's output in forward, its input's gradient in backward, attention's
     keys and values, an expert module's tokens: ``at`` names the module; these run inside the module's call,
     not at a unit's step).

@@ -192,7 +192,6 @@ class CapturedStep:
 
     # -- calls -------------------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        global _ACTIVE
         key, leaves, spec = self._signature(args, kwargs)
         g = self.graphs.get(key)
         if g is None:

@@ -37,7 +37,6 @@ from .faces import TreeFace
 from .hooks import module_hooks, register
 from . import tensor_parallel as TP
 from . import context_parallel as CP
-from . import tensor_parallel as TP
 from . import flow_guard as FG
 
 _SESSION = threading.local()

@@ -389,7 +389,6 @@ class PartialCheck:
                         assumed.append(m.name)
                     elif not b.bp.partial_axes and differs[k]:
                         missed.append(m.name)
-        from ..errors import RuntimeShardingError
         if missed:
             names = sorted(set(missed))
             raise RuntimeShardingError(
