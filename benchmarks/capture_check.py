@@ -40,9 +40,34 @@ def start():
     dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
 
 
+class HFCausalLM(torch.nn.Module):
+    """A Hugging Face LlamaForCausalLM (Llama-3.2-1B shapes, 1.24B parameters) behind the GPT's ``model(x, y)``."""
+
+    def __init__(self, tiny=False):
+        super().__init__()
+        import transformers
+        from forecast_gpu import _llama_3_2_1b
+        self.config = _llama_3_2_1b(tiny)
+        self.hf = transformers.LlamaForCausalLM(self.config)
+        self.layers = self.hf.model.layers
+
+    def forward(self, x, y):
+        return self.hf(input_ids=x, labels=y).loss
+
+
+UNITS = {"hf_llama": r"hf\.model\.layers\.\d+"}
+
+
+def vocab_of(config):
+    if config == "hf_llama":
+        from forecast_gpu import _llama_3_2_1b
+        return _llama_3_2_1b(False).vocab_size
+    return gpt.CONFIGS[config].vocab
+
+
 def build(config, dev, seed=0):
     with torch.device("meta"):
-        model = gpt.build(config)
+        model = HFCausalLM() if config == "hf_llama" else gpt.build(config)
     model.to_empty(device=dev)
     g = torch.Generator(device=dev).manual_seed(seed)
     with torch.no_grad():
@@ -56,7 +81,7 @@ def build(config, dev, seed=0):
 
 def data(config, batch, seq, n, dev, micro=1):
     g = torch.Generator().manual_seed(123)
-    V = gpt.CONFIGS[config].vocab
+    V = vocab_of(config)
     out = []
     for _ in range(n):
         t = torch.randint(0, V, (micro, batch, seq + 1), generator=g)
@@ -64,10 +89,11 @@ def data(config, batch, seq, n, dev, micro=1):
     return out
 
 
-def system(face, config, dev, dtype, act_ckpt=False, units=r"layers\.\d+", min_unit_bytes=None, start=0, gather=None,
+def system(face, config, dev, dtype, act_ckpt=False, units=None, min_unit_bytes=None, start=0, gather=None,
            fp8=False):
     """``(step_fn(x, y) -> loss, params_fn() -> {name: tensor})``: one training step of ``face``."""
     model = build(config, dev)
+    units = units or UNITS.get(config, r"layers\.\d+")
     dt = torch.bfloat16 if dtype == "bf16" else None
     red = torch.float32 if dt else None
     if act_ckpt:
@@ -181,6 +207,9 @@ def _load(path, model, step):
 
 
 def parity(args, dev):
+    if args.cases == "big":  # the issue's models: each captured with accumulation, clipping and the schedule
+        cases = [dict(face="shard", dtype="bf16", micro=2), dict(face="shard", dtype="fp32", micro=2)]
+        return _parity_cases(args, dev, cases)
     cases = []
     for face in ("shard", "fully_shard", "functional", "unsharded"):
         for dtype in ("fp32", "bf16"):
@@ -190,6 +219,10 @@ def parity(args, dev):
     cases += [dict(face="shard", dtype="bf16", micro=1, evals=True), dict(face="shard", dtype="fp32", micro=1, resume=True),
               dict(face="shard", dtype="bf16", micro=1, gather="int8"), dict(face="shard", dtype="bf16", micro=1, fp8=True),
               dict(face="shard", dtype="bf16", micro=1, gather="int8", nan=True)]
+    return _parity_cases(args, dev, cases)
+
+
+def _parity_cases(args, dev, cases):
     out = []
     for c in cases:
         os.environ["SHARDPLAN_SINGLETON_GROUPS"] = "1" if c.get("singleton") else "0"
@@ -327,6 +360,7 @@ def timing(args, dev):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--parity", action="store_true")
+    ap.add_argument("--cases", default="all", help="all (every face and feature) | big (accumulation, bf16 and fp32)")
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--config", default="small")
     ap.add_argument("--batch", type=int, default=4)

@@ -245,12 +245,16 @@ def clip_by_global_norm(grads, max_norm: float, plan) -> tuple[Any, torch.Tensor
     dev = leaves[0].device if leaves else torch.device("cpu")
     acc = torch.zeros((), dtype=torch.float64 if dev.type == "cpu" else torch.float32, device=dev)
     counted: set = set()  # a tied parameter's gradient under both its names is one gradient: counted once
-    for path, g in zip(paths, leaves):
+    by_replicas: dict = {}  # one foreach norm per replica count (a few kernels, not a few per leaf: a captured
+    for path, g in zip(paths, leaves):  # step replays every kernel it launches)
         name = plan.param(path).name if path in plan else path
         if not g.numel() or name in counted:
             continue
         counted.add(name)
-        acc = acc + torch.linalg.vector_norm(g, 2).to(acc.dtype) ** 2 / plan.replicas(path)
+        by_replicas.setdefault(plan.replicas(path), []).append(g)
+    for r, gs in by_replicas.items():
+        norms = torch._foreach_norm(gs, 2)
+        acc = acc + torch.stack([n.to(acc.dtype) for n in norms]).pow(2).sum() / r
     C.all_reduce(acc, C.world(), async_op=False, op=torch.distributed.ReduceOp.SUM)
     norm = acc.sqrt().float()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
