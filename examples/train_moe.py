@@ -77,7 +77,7 @@ def main(argv=None) -> list[float]:
             mean = mean.item() / world
             if not math.isfinite(mean):
                 raise SystemExit(f"loss is {mean} at step {step}: lower --lr or raise --warmup")
-            log.log(step, loss=mean, grad_norm=norm.item(), lr=lr, **meter.update(step))
+            log.log(step + 1, loss=mean, grad_norm=norm.item(), lr=lr, **meter.update(step + 1))  # steps from 1
             losses.append(mean)
         if T.checkpoint_due(args, step + 1, end):
             sp.checkpoint.save(sp.checkpoint.step_dir(args.checkpoint_dir, step + 1), model, opt, step=step + 1)
