@@ -61,7 +61,7 @@ class Loader:
         return {"yielded": self.yielded}
 
     def load_state_dict(self, state):
-        self._skip = state["yielded"]
+        self._skip = self.yielded = state["yielded"]
 
 
 class TrainState:
@@ -90,11 +90,11 @@ def main():
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(1234 + rank)  # per-rank streams: dropout differs between ranks, as it would on GPUs
 
     model = Net()
     plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), min_unit_bytes=0)
     model = sp.shard(model, plan)
+    torch.manual_seed(1234 + rank)  # per-rank streams: dropout differs between ranks, as it would on GPUs
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
     g = torch.Generator().manual_seed(7)

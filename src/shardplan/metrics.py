@@ -255,27 +255,32 @@ class StepProfiler:
         self.first, self.last = parse_steps(steps) if not isinstance(steps, tuple) else steps
         self.path = os.path.join(out_dir, f"rank{rank}.trace.json")
         self.record_shapes, self.with_stack = record_shapes, with_stack
-        self._prof = None
+        self._prof = self._range = None
 
     @property
     def active(self) -> bool:
         return self._prof is not None
 
     def begin(self, step: int) -> None:
-        """Before step ``step`` runs: starts the profiler at ``first``."""
-        if step != self.first or self._prof is not None:
-            return
+        """Before step ``step`` runs: starts the profiler at ``first``; each traced step is a range named
+        ``ProfilerStep#<step>`` (torch's own name for steps, which trace viewers and analysers group by)."""
         import torch
-        from torch.profiler import ProfilerActivity, profile
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        self._prof = profile(activities=activities, record_shapes=self.record_shapes, with_stack=self.with_stack)
-        self._prof.__enter__()
+        if step == self.first and self._prof is None:
+            from torch.profiler import ProfilerActivity, profile
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self._prof = profile(activities=activities, record_shapes=self.record_shapes, with_stack=self.with_stack)
+            self._prof.__enter__()
+        if self._prof is not None and self._range is None:
+            self._range = torch.profiler.record_function(f"ProfilerStep#{step}")
+            self._range.__enter__()
 
     def end(self, step: int) -> Optional[str]:
-        """After step ``step`` ran: marks the step in the trace; at ``last`` stops and writes it (its path)."""
+        """After step ``step`` ran: closes the step's range; at ``last`` stops and writes the trace (its path)."""
         if self._prof is None:
             return None
-        self._prof.step()
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
         return self.close() if step >= self.last else None
 
     def close(self) -> Optional[str]:
@@ -283,6 +288,9 @@ class StepProfiler:
         if self._prof is None:
             return None
         prof, self._prof = self._prof, None
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
         prof.__exit__(None, None, None)
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         prof.export_chrome_trace(self.path)
@@ -429,7 +437,7 @@ class WandbSink(Sink):
         self.run = wandb.init(project=project, **init)
 
     def write(self, step: int, record: dict) -> None:
-        self.run.log(_numbers(record), step=step)
+        self.run.log(_numbers(record), step=step, commit=True)  # one record per step: committed now (a killed run keeps it)
 
     def event(self, name: str, step: int, info: dict) -> None:
         self.run.summary[f"{name}_step"] = step
