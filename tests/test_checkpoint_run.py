@@ -187,29 +187,28 @@ def _losses(path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("use_async", [False, True], ids=["save", "async_save"])
-def test_a_killed_run_resumes_bit_identically(tmp_path, use_async):
-    save = ["--async-save"] if use_async else []
+def test_a_killed_run_resumes_bit_identically(tmp_path):
+    # (async_save carries the same state: test_the_run_state_round_trips_on_every_rank; the killed run saves
+    # in the background, the resumed one synchronously)
     _torchrun("--steps", "12", "--metrics", str(tmp_path / "full.jsonl"))
     reference, _ = _losses(tmp_path / "full.jsonl")
     assert sorted(reference) == list(range(1, 13))
     ck = str(tmp_path / "ck")
-    killed = _torchrun("--steps", "12", "--ckpt", ck, "--every", "4", "--die-at", "10", *save,
+    killed = _torchrun("--steps", "12", "--ckpt", ck, "--every", "4", "--die-at", "10", "--async-save",
                        "--metrics", str(tmp_path / "a.jsonl"), ok=False)
     assert killed.returncode != 0  # every rank left through os._exit after step 10
     first, _ = _losses(tmp_path / "a.jsonl")
     assert sorted(first) == list(range(1, 11))
     assert sp.checkpoint.latest(ck).endswith("step_00000008")
     shutil.copytree(ck, tmp_path / "ck8")  # the resumed run below saves step 12 into ck
-    _torchrun("--steps", "12", "--ckpt", ck, "--every", "4", "--resume", *save, "--metrics", str(tmp_path / "b.jsonl"))
+    _torchrun("--steps", "12", "--ckpt", ck, "--every", "4", "--resume", "--metrics", str(tmp_path / "b.jsonl"))
     resumed, events = _losses(tmp_path / "b.jsonl")
     assert [(e["event"], e["step"]) for e in events] == [("restart", 8)]
     assert sorted(resumed) == [9, 10, 11, 12]
     assert {**first, **resumed} == reference  # every step's loss, bit for bit (steps 9 and 10 run twice)
-    if use_async:
-        return
-    # a resume that leaves out any part of the run's state gives other losses: the test can fail
-    for part in ("rng", "lr_scheduler", "dataloader", "train_state", "loss_ema"):
+    # a resume that leaves out a part of the run's state gives other losses: the test can fail (each of
+    # "lr_scheduler", "train_state" and "loss_ema" does too; two here, to keep the suite's time)
+    for part in ("rng", "dataloader"):
         out = tmp_path / f"without-{part}.jsonl"
         _torchrun("--steps", "11", "--ckpt", str(tmp_path / "ck8"), "--every", "100", "--resume", "--leave-out", part, "--metrics", str(out))
         partial, _ = _losses(out)
