@@ -249,6 +249,19 @@ def test_counted_flops_of_the_gpt_equal_the_formula_on_the_meta_device():
     assert flops / x.numel() == pytest.approx(formula, rel=1e-9)
 
 
+def test_counted_flops_include_attention_on_the_cpu():
+    # torch's counter has formulas for the CUDA attention kernels only; count_flops adds the CPU ones
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import gpt
+    model = gpt.build("tiny", max_seq=32)
+    c = model.config
+    x = torch.randint(0, c.vocab, (2, 32))
+    _, flops = metrics.count_flops(lambda: model(x, x).backward())
+    linear = metrics.flops_per_token(model)
+    attention = 12 * c.layers * c.dim * 32  # the formula's; the CPU kernel's backward recomputes the scores too
+    assert flops / x.numel() == linear + attention + 2 * c.layers * c.dim * 32
+
+
 # -- looking inside a run --------------------------------------------------------------------------------
 
 def test_parse_steps():

@@ -184,13 +184,18 @@ def test_metrics_jsonl_log_fields_eval_profile_and_missing_tensorboard(tmp_path)
     assert r["mfu"] is None and r["mem_source"] == "plan" and r["mem_frac"] is None and r["eta_s"] == 0
     assert r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"] / 2)
     assert r["tokens_per_s"] == pytest.approx(8 * 64 / r["step_time_s"])
-    # --flops count: torch's FlopCounterMode on the first step, every rank's share: the GPT's formula exactly
+    # --flops count: torch's FlopCounterMode on the first step, every rank's share summed: the count of the
+    # whole global batch on one unsharded model
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     import gpt
+    import train_gpt
     import shardplan as sp
-    model = gpt.build("tiny")
-    fpt = sp.metrics.flops_per_token(model, seq=64, layers=model.config.layers, dim=model.config.dim)
-    assert r["tflops"] == pytest.approx(fpt * r["tokens_per_s"] / 2 / 1e12, rel=1e-6)
+    model = gpt.build("tiny", max_seq=64)
+    x, y = train_gpt.global_batch(train_gpt.corpus(200_000), 8, 64, 0, 0)
+    _, flops = sp.metrics.count_flops(lambda: model(x, y).backward())
+    assert r["tflops"] == pytest.approx(flops / x.numel() * r["tokens_per_s"] / 2 / 1e12, rel=1e-6)
+    formula = sp.metrics.flops_per_token(model, seq=64, layers=model.config.layers, dim=model.config.dim)
+    assert flops / x.numel() > formula  # (the CPU attention's backward recomputes the scores: more than the formula)
     assert sorted(os.listdir(tmp_path / "prof")) == ["rank0.trace.json", "rank1.trace.json"]
     with open(tmp_path / "prof" / "rank0.trace.json") as f:
         steps = {e["name"] for e in json.load(f)["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}

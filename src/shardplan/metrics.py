@@ -133,10 +133,31 @@ def count_flops(fn, *args, **kwargs) -> tuple:
     >>> fpt = flops / x.numel()            # this rank's FLOPs per token (sum over ranks for the run's)
     """
     from torch.utils.flop_counter import FlopCounterMode
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=_cpu_attention_formulas())
     with counter:
         out = fn(*args, **kwargs)
     return out, counter.get_total_flops()
+
+
+def _cpu_attention_formulas() -> dict:
+    """FLOP formulas for the CPU kernels of ``scaled_dot_product_attention``, which torch's counter has none
+    for (it counts the CUDA ones): the same counts as its flash-attention formulas, so a CPU step counts what
+    a GPU step (and the meta device) does. Passed through ``FlopCounterMode(custom_mapping=...)``."""
+    import torch
+    from torch.utils import flop_counter as fc
+    aten = torch.ops.aten
+    out = {}
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        def forward(query, key, value, *args, out_shape=None, **kwargs):
+            return fc.sdpa_flop_count(query, key, value)
+
+        def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
+            return fc.sdpa_backward_flop_count(grad_out, query, key, value)
+
+        out[aten._scaled_dot_product_flash_attention_for_cpu] = forward
+        if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
+            out[aten._scaled_dot_product_flash_attention_for_cpu_backward] = backward
+    return out
 
 
 class Meter:
