@@ -146,7 +146,8 @@ def _tensor_entry(value: torch.Tensor, world):
         return value
     t = value.detach().clone()  # rank 0's value, so that the one copy DCP keeps does not depend on the rank
     if world is not None and world.size > 1:
-        C.broadcast(t, 0, world)
+        # as an object: a CPU tensor of user state may meet an NCCL group (state is small; a big one is a DTensor)
+        t.copy_(C.broadcast_object(t.cpu(), world.pg))
     return t
 
 
