@@ -265,7 +265,14 @@ def main(argv=None) -> list[float]:
     run_state = dict(lr_scheduler=lr_sched, rng=True, extra=train_state)  # what a checkpoint holds besides
     start, path = 0, resume_path(args)
     if path:
+        saved_world = (sp.checkpoint.checkpoint_info(path) or {}).get("world_size")
+        if saved_world != world:  # generators are per rank: on another world size they start afresh
+            run_state["rng"] = False
+            if rank == 0:
+                print(f"{path} was saved by {saved_world} ranks, this run has {world}: the checkpoint's random "
+                      f"generators are not restored (rng=False)", flush=True)
         start = sp.checkpoint.load(path, model, opt, **run_state)  # train_state is filled in place
+        run_state["rng"] = True
     elif args.resume == "auto" and rank == 0:
         print(f"no complete checkpoint in {args.checkpoint_dir}: starting at step 0", flush=True)
     end = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
