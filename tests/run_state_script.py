@@ -103,7 +103,10 @@ def main():
     sampler = DistributedSampler(data, num_replicas=plan.data_size, rank=plan.data_index(rank), shuffle=True, seed=3)
     try:
         from torchdata.stateful_dataloader import StatefulDataLoader
-        loader = StatefulDataLoader(data, batch_size=BATCH, sampler=sampler)
+        # [Note: a DataLoader draws its workers' base seed when an iterator starts, from its generator, by
+        # default torch's global one; a resumed run starts an iterator the uninterrupted run had started
+        # before the checkpoint, which would shift the restored global stream by one draw]
+        loader = StatefulDataLoader(data, batch_size=BATCH, sampler=sampler, generator=torch.Generator())
     except ImportError:
         loader = Loader(data, sampler, BATCH)
     state, ema = TrainState(), torch.zeros(())
