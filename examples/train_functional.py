@@ -67,7 +67,7 @@ def main(argv=None) -> list[float]:
         if not math.isfinite(mean):
             raise SystemExit(f"loss is {mean} at step {step}: lower --lr or raise --warmup")
         dt = time.perf_counter() - t0
-        log.log(step, loss=mean, grad_norm=norm.item(), lr=lr, step_time_s=dt, tokens_per_s=args.batch * args.seq / dt,
+        log.log(step + 1, loss=mean, grad_norm=norm.item(), lr=lr, step_time_s=dt, tokens_per_s=args.batch * args.seq / dt,
                 tokens_per_s_per_device=args.batch * args.seq / dt / world)
         if checkpoint_due(args, step + 1, end):
             sp.checkpoint.save_tree(sp.checkpoint.step_dir(args.checkpoint_dir, step + 1), plan,

@@ -8,14 +8,21 @@
 
     torchrun --nproc-per-node 2 examples/train_gpt.py --steps 1000 --lr-schedule warmup_cosine --warmup 100 \\
         --checkpoint-dir ckpt --checkpoint-every 100 --keep 3 --resume auto --metrics out.jsonl
+    torchrun --nproc-per-node 2 examples/train_gpt.py --eval-every 10 --wandb my-project     # WANDB_MODE=offline
+    torchrun --nproc-per-node 8 examples/train_gpt.py --config 1B --dtype bf16 --profile-steps 4:5 --memory-snapshot mem
 
 The text is generated here (sums written out, byte-level), so nothing is downloaded. Rank 0 prints the
-plan, then every --log-every steps: loss, grad norm, learning rate, step time, tokens/s (all devices and
-per device), MFU against the device's bf16 peak (n/a on CPU), peak memory (the device's, or the plan's
-per-rank bytes on CPU) and the ETA to --steps; on a terminal a progress bar too (tqdm or rich).
-A batch depends on (seed, step) only, so a run resumed from a checkpoint (--resume auto) reproduces the
-losses of an uninterrupted run exactly. --async-checkpoint saves with sp.checkpoint.async_save: training
-goes on while each checkpoint is written, and the run waits for the last one before it ends.
+plan, then every --log-every steps (numbered from 1): loss, grad norm, learning rate, step time, tokens/s
+(all devices and per device), achieved TFLOP/s and MFU against the device's bf16 peak (n/a on CPU), peak
+memory (the device's and its fraction of the device, or the plan's per-rank bytes on CPU), tokens seen
+and the ETA to --steps; on a terminal a progress bar too (tqdm or rich). The same records go to
+--metrics (JSON lines, with timestamps), --tensorboard, --wandb and --mlflow (docs/metrics.md).
+A batch depends on (seed, step) only, and a checkpoint holds the lr scheduler, every rank's generators and
+the tokens seen beside the model and optimizer, so a run resumed from one (--resume auto) reproduces the
+losses of an uninterrupted run exactly; its metrics file gets a restart marker. --async-checkpoint saves
+with sp.checkpoint.async_save: training goes on while each checkpoint is written, and the run waits for
+the last one before it ends. --profile-steps A:B writes a torch.profiler trace per rank, --memory-snapshot
+the CUDA allocator's history, --eval-every N a held-out loss every N steps.
 """
 
 from __future__ import annotations
@@ -143,6 +150,22 @@ def parse_args(argv=None):
                     help="the device's peak TFLOP/s for MFU (default: the bf16 dense peak of known GPUs; n/a on CPU)")
     ap.add_argument("--progress", default="auto", choices=("auto", "tqdm", "rich", "none"),
                     help="a progress bar on a terminal (auto: tqdm or rich if installed)")
+    ap.add_argument("--wandb", default=None, metavar="PROJECT",
+                    help="log to Weights & Biases (needs wandb; WANDB_MODE=offline writes locally)")
+    ap.add_argument("--mlflow", default=None, metavar="EXPERIMENT",
+                    help="log to MLflow (needs mlflow; the tracking URI from --mlflow-uri or MLFLOW_TRACKING_URI)")
+    ap.add_argument("--mlflow-uri", default=None, metavar="URI", help="MLflow tracking URI, e.g. file:./mlruns")
+    ap.add_argument("--flops", default="formula", choices=("formula", "count"),
+                    help="FLOPs per token: 6 x weights + attention (formula), or counted op by op on the first "
+                         "step by torch's FlopCounterMode (count)")
+    ap.add_argument("--profile-steps", default=None, metavar="A:B",
+                    help="write a torch.profiler trace of steps A to B (from 1) to --profile-dir/rank<r>.trace.json")
+    ap.add_argument("--profile-dir", default="profile", metavar="DIR")
+    ap.add_argument("--memory-snapshot", default=None, metavar="DIR",
+                    help="write the CUDA allocator's history up to --snapshot-step to DIR/rank<r>.pickle (GPU only)")
+    ap.add_argument("--snapshot-step", type=int, default=3, metavar="N")
+    ap.add_argument("--eval-every", type=int, default=0, metavar="N", help="held-out loss every N steps (0: never)")
+    ap.add_argument("--eval-batches", type=int, default=2, metavar="K", help="held-out batches per evaluation")
     return ap.parse_args(argv)
 
 
@@ -177,6 +200,47 @@ def launch(args, script: str):
     return cuda, dist.get_rank(), world, rules
 
 
+def evaluate(model, args, index: int, count: int, cuda: bool, cp: int, mesh, rank: int) -> float:
+    """The mean loss over --eval-batches held-out global batches (their own stream: seed + 1), every rank's
+    slice, without gradients (the plan's inference program gathers and frees each unit)."""
+    data = corpus(200_000, seed=args.seed + 1)
+    per = args.batch // count
+    total = torch.zeros((), device="cuda" if cuda else "cpu")
+    model.eval()
+    with torch.no_grad():
+        for k in range(args.eval_batches):
+            x, y = global_batch(data, args.batch, args.seq, args.seed + 1, k)
+            x, y = x[index * per:(index + 1) * per], y[index * per:(index + 1) * per]
+            if cuda:
+                x, y = x.cuda(), y.cuda()
+            if cp > 1:
+                pos = sp.context_parallel.positions(args.seq, cp, mesh.axis_index(rank, ("cp",)), device=x.device)
+                total += model(x[:, pos], y[:, pos], positions=pos).float()
+            else:
+                total += model(x, y).float()
+    model.train()
+    dist.all_reduce(total)
+    return total.item() / (args.eval_batches * dist.get_world_size())
+
+
+def sinks_of(args, rank: int) -> list:
+    """--wandb and --mlflow as metric sinks (rank 0 builds them; every rank checks the package first, so a
+    missing one stops the whole run with one message)."""
+    for flag, module in (("wandb", "wandb"), ("mlflow", "mlflow")):
+        if getattr(args, flag) and not sp.metrics.sink_available(module):
+            raise SystemExit(f"--{flag}: the {module} package is not installed (pip install {module}, or "
+                             f"pip install shardplan[{flag}])")
+    if rank != 0:
+        return []
+    sinks = []
+    config = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
+    if args.wandb:
+        sinks.append(sp.metrics.WandbSink(project=args.wandb, config=config))
+    if args.mlflow:
+        sinks.append(sp.metrics.MLflowSink(experiment=args.mlflow, tracking_uri=args.mlflow_uri, params=config))
+    return sinks
+
+
 def main(argv=None) -> list[float]:
     args = parse_args(argv)
     cuda, rank, world, rules = launch(args, "train_gpt.py")
@@ -196,63 +260,108 @@ def main(argv=None) -> list[float]:
         print(plan, flush=True)
     model = sp.shard(model, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    lr_sched = sp.optim.as_lr_scheduler(opt, schedule_of(args))  # the learning rate is a function of the step
+    train_state = {"tokens_seen": 0}  # user state a checkpoint carries (extra=)
+    run_state = dict(lr_scheduler=lr_sched, rng=True, extra=train_state)  # what a checkpoint holds besides
     start, path = 0, resume_path(args)
     if path:
-        start = sp.checkpoint.load(path, model, opt)
+        saved_world = (sp.checkpoint.checkpoint_info(path) or {}).get("world_size")
+        if saved_world != world:  # generators are per rank: on another world size they start afresh
+            run_state["rng"] = False
+            if rank == 0:
+                print(f"{path} was saved by {saved_world} ranks, this run has {world}: the checkpoint's random "
+                      f"generators are not restored (rng=False)", flush=True)
+        start = sp.checkpoint.load(path, model, opt, **run_state)  # train_state is filled in place
+        run_state["rng"] = True
     elif args.resume == "auto" and rank == 0:
         print(f"no complete checkpoint in {args.checkpoint_dir}: starting at step 0", flush=True)
-    lr_sched = sp.optim.as_lr_scheduler(opt, schedule_of(args), step=start)  # the learning rate is a function of the step
     end = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
     peak = args.peak_tflops or (sp.metrics.peak_tflops() if cuda else None)
     meter = sp.metrics.Meter(args.batch * args.seq, world, flops_per_token=flops_per_token, peak_tflops=peak,
                              total_steps=args.steps, start_step=start)
     log = sp.metrics.TrainLog(args.steps, rank=rank, start_step=start, metrics_path=args.metrics,
-                              tensorboard_dir=args.tensorboard, progress=args.progress)
+                              tensorboard_dir=args.tensorboard, sinks=sinks_of(args, rank), progress=args.progress)
     if path:
         log.print(f"resumed from {path} at step {start}")
+        log.restart(start, path)  # the metrics' restart marker: records after it come from this run
     if start >= args.steps:
         log.print(f"the checkpoint is at step {start}, at or past --steps {args.steps}: nothing to train")
+    profiler = sp.metrics.StepProfiler(args.profile_steps, args.profile_dir, rank) if args.profile_steps else None
+    snapshot = None
+    if args.memory_snapshot:
+        if not cuda:
+            raise SystemExit("--memory-snapshot records the CUDA caching allocator and needs a GPU (on CPU, "
+                             "the plan's memory per rank is what `shardplan plan` prints)")
+        snapshot = sp.metrics.MemorySnapshot(args.memory_snapshot, rank, at_step=args.snapshot_step)
     losses, times = [], []
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     for step, x, y in local_batches(args, plan.data_index(rank), plan.data_size, start, cuda, end):
+        done = step + 1  # steps are numbered from 1: this is step `done`
+        if profiler:
+            profiler.begin(done)
         lr = opt.param_groups[0]["lr"]
-        if cp > 1:  # this rank's two chunks of each sequence, at their full-sequence positions
-            pos = sp.context_parallel.positions(args.seq, cp, mesh.axis_index(rank, ("cp",)), device=x.device)
-            loss = model(x[:, pos], y[:, pos], positions=pos)
+
+        def forward_backward():
+            if cp > 1:  # this rank's two chunks of each sequence, at their full-sequence positions
+                pos = sp.context_parallel.positions(args.seq, cp, mesh.axis_index(rank, ("cp",)), device=x.device)
+                out = model(x[:, pos], y[:, pos], positions=pos)
+            else:
+                out = model(x, y)
+            out.backward()
+            return out
+
+        if args.flops == "count" and done == start + 1:  # every op of this rank's first step, counted
+            loss, flops = sp.metrics.count_flops(forward_backward)
+            total = torch.tensor(float(flops), dtype=torch.float64, device=x.device)
+            dist.all_reduce(total)  # every rank's share
+            meter.flops_per_token = total.item() / (args.batch * args.seq)
         else:
-            loss = model(x, y)
-        loss.backward()
+            loss = forward_backward()
         norm = sp.clip_grad_norm_(model, 1.0)
         opt.step()
         lr_sched.step()
         opt.zero_grad()
-        if (step + 1) % args.log_every == 0 or step + 1 == end:  # by step number: a resumed run logs the same steps
+        train_state["tokens_seen"] += args.batch * args.seq
+        eval_due = bool(args.eval_every and done % args.eval_every == 0)  # the evaluation hook
+        if done % args.log_every == 0 or done == end or eval_due:  # by step number: a resumed run logs the same steps
             mean = loss.detach().float().clone()
             dist.all_reduce(mean)  # reading it synchronises the device: the meter's clock is honest
             mean = mean.item() / world
             if not math.isfinite(mean):
-                raise SystemExit(f"loss is {mean} at step {step}: lower --lr or raise --warmup")
-            timing = meter.update(step)
-            mem, source = sp.metrics.peak_memory_gib(plan, rank)
-            log.log(step, loss=mean, grad_norm=norm.item(), lr=lr, **timing, mem_gib=mem, mem_source=source)
+                raise SystemExit(f"loss is {mean} at step {done}: lower --lr or raise --warmup")
+            timing = meter.update(done)
+            fields = dict(loss=mean, grad_norm=norm.item(), lr=lr, **timing, **sp.metrics.memory(plan, rank),
+                          tokens_seen=train_state["tokens_seen"])
+            if eval_due:
+                fields["eval_loss"] = evaluate(model, args, plan.data_index(rank), plan.data_size, cuda, cp, mesh, rank)
+                meter.reset_clock()  # the evaluation is not a training step
+            log.log(done, **fields)
             losses.append(mean)
             times.append(timing["step_time_s"])
-        if checkpoint_due(args, step + 1, end):
-            where = sp.checkpoint.step_dir(args.checkpoint_dir, step + 1)
+        if profiler and profiler.end(done):  # after the step's timing: writing the trace is not a step
+            log.print(f"profiler trace of steps {args.profile_steps}: {profiler.path} (open in https://ui.perfetto.dev)")
+            meter.reset_clock()
+        if snapshot and snapshot.end(done):
+            log.print(f"memory snapshot after step {done}: {snapshot.path} (drag onto https://pytorch.org/memory_viz)")
+            meter.reset_clock()
+        if checkpoint_due(args, done, end):
+            where = sp.checkpoint.step_dir(args.checkpoint_dir, done)
             if args.async_checkpoint:  # waits for the previous one, copies the state, writes in the background
-                sp.checkpoint.async_save(where, model, opt, step=step + 1)
+                sp.checkpoint.async_save(where, model, opt, step=done, **run_state)
             else:
-                sp.checkpoint.save(where, model, opt, step=step + 1)
+                sp.checkpoint.save(where, model, opt, step=done, **run_state)
             removed = sp.checkpoint.prune(args.checkpoint_dir, keep=args.keep)
             log.print(("saving checkpoint {} in the background" if args.async_checkpoint else "saved checkpoint {}")
                       .format(where) + (f" (removed {len(removed)} older)" if removed else ""))
             meter.reset_clock()  # the save is not a training step
     log.close()
+    if profiler and profiler.close():  # the run ended inside --profile-steps
+        print(f"profiler trace (cut short at step {end}): {profiler.path}", flush=True)
     if args.async_checkpoint and sp.checkpoint.wait():  # the last one written and published (or its error)
         sp.checkpoint.prune(args.checkpoint_dir, keep=args.keep)
     if args.save:
-        sp.checkpoint.save(args.save, model, opt, step=end)
+        sp.checkpoint.save(args.save, model, opt, step=end, **run_state)
         if rank == 0:
             print(f"saved checkpoint to {args.save}", flush=True)
     if rank == 0 and len(losses) > 1:

@@ -8,7 +8,9 @@ over an ``ep`` mesh axis (expert parallelism), everything else sharded over ever
 The flags are examples/train_gpt.py's; ``--rules rules`` (the default) means examples/moe.py's
 ``rules_for(mesh)``, a ``.py`` file gives its own ``rules`` (and ``UNITS``). The batch of a step depends on
 (seed, step) only and is split over ``plan.data_size`` slices (``ep`` splits it like ``dp``), so every
-mesh trains on the same global batch as one process does.
+mesh trains on the same global batch as one process does. The TFLOP/s it logs come from the first step's
+FLOPs counted op by op (sp.metrics.count_flops: torch's FlopCounterMode), since the dense formula does not
+describe routed experts.
 """
 
 from __future__ import annotations
@@ -65,8 +67,13 @@ def main(argv=None) -> list[float]:
     losses = []
     for step, x, y in T.local_batches(args, plan.data_index(rank), plan.data_size, start, cuda, end):
         lr = opt.param_groups[0]["lr"]
-        loss = model(x, y)
-        loss.backward()
+        if step == start:  # the dense formula does not describe routed experts: count this rank's first step
+            loss, flops = sp.metrics.count_flops(lambda: _forward_backward(model, x, y))
+            total = torch.tensor(float(flops), dtype=torch.float64, device=x.device)
+            dist.all_reduce(total)  # every rank's share (each routes its own tokens)
+            meter.flops_per_token = total.item() / (args.batch * args.seq)
+        else:
+            loss = _forward_backward(model, x, y)
         norm = sp.clip_grad_norm_(model, 1.0)
         opt.step()
         lr_sched.step()
@@ -77,7 +84,7 @@ def main(argv=None) -> list[float]:
             mean = mean.item() / world
             if not math.isfinite(mean):
                 raise SystemExit(f"loss is {mean} at step {step}: lower --lr or raise --warmup")
-            log.log(step, loss=mean, grad_norm=norm.item(), lr=lr, **meter.update(step))
+            log.log(step + 1, loss=mean, grad_norm=norm.item(), lr=lr, **meter.update(step + 1))  # steps from 1
             losses.append(mean)
         if T.checkpoint_due(args, step + 1, end):
             sp.checkpoint.save(sp.checkpoint.step_dir(args.checkpoint_dir, step + 1), model, opt, step=step + 1)
@@ -89,6 +96,12 @@ def main(argv=None) -> list[float]:
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
     dist.destroy_process_group()
     return losses
+
+
+def _forward_backward(model, x, y):
+    loss = model(x, y)
+    loss.backward()
+    return loss
 
 
 if __name__ == "__main__":

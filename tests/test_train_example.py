@@ -45,7 +45,8 @@ def _records(path):
 
 
 def _losses(path):
-    return {r["step"]: r["loss"] for r in _records(path)}
+    """``{step: loss}`` of the logged steps (steps numbered from 1; event records such as a restart marker left out)."""
+    return {r["step"]: r["loss"] for r in _records(path) if "event" not in r}
 
 
 # A slow file system for the killed runs: publishing a checkpoint (its completion marker, then the rename of
@@ -129,7 +130,7 @@ def test_killed_runs_resume_with_the_losses_of_an_uninterrupted_run(tmp_path):
     full = tmp_path / "full.jsonl"
     _run(2, *steps, "--metrics", str(full))
     reference = _losses(full)
-    assert sorted(reference) == list(range(12))
+    assert sorted(reference) == list(range(1, 13))
 
     ck = tmp_path / "ck"
     ckpt = [*steps, "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--keep", "2", "--resume", "auto"]
@@ -144,11 +145,16 @@ def test_killed_runs_resume_with_the_losses_of_an_uninterrupted_run(tmp_path):
                      lambda: os.path.exists(b) and any(r["step"] >= 8 for r in _records(b)), tmp_path / "slow")
     assert killed, "the resumed run finished before it could be killed"
     first_b = min(_losses(b))
-    assert first_b == 4, f"resumed at step {first_b}, expected the newest complete checkpoint (step 4)"
+    assert first_b == 5, f"resumed after step {first_b - 1}, expected the newest complete checkpoint (step 4)"
+    marker = _records(b)[0]  # the resumed run's metrics start with the restart marker
+    assert marker["event"] == "restart" and marker["step"] == 4 and marker["checkpoint"].endswith("step_00000004")
     # 3. resumed again (from step 8 or later, whatever was complete when it died), to the end
     c = tmp_path / "c.jsonl"
     out = _run(2, *ckpt, "--metrics", str(c))
     assert "resumed from" in out.stdout
+    assert [r["event"] for r in _records(c) if "event" in r] == ["restart"]
+    tokens = {r["step"]: r["tokens_seen"] for part in (b, c) for r in _records(part) if "event" not in r}
+    assert all(t == s * 8 * 64 for s, t in tokens.items()), tokens  # the checkpoint's extra= state, restored
     seen = set()
     for part in (tmp_path / "a.jsonl", b, c):  # exactly: every step's mean loss, bit for bit
         losses = _losses(part)
@@ -161,21 +167,42 @@ def test_killed_runs_resume_with_the_losses_of_an_uninterrupted_run(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_metrics_jsonl_log_fields_and_missing_tensorboard(tmp_path):
+def test_metrics_jsonl_log_fields_eval_profile_and_missing_tensorboard(tmp_path):
     metrics = tmp_path / "m.jsonl"
+    t0 = time.time()
     out = _run(2, "--steps", "6", "--quiet-plan", "--log-every", "2", "--metrics", str(metrics),
-               "--tensorboard", str(tmp_path / "tb"), "--progress", "none")
+               "--tensorboard", str(tmp_path / "tb"), "--progress", "none", "--eval-every", "3", "--flops", "count",
+               "--profile-steps", "2:3", "--profile-dir", str(tmp_path / "prof"))
     records = _records(metrics)
-    assert [r["step"] for r in records] == [1, 3, 5]
-    fields = {"loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "mem_gib",
-              "mem_source", "eta_s"}
+    assert [r["step"] for r in records] == [2, 3, 4, 6]  # steps from 1; step 3 for the evaluation hook
+    fields = {"time", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "tokens_per_s_per_device", "tflops",
+              "mfu", "mem_gib", "mem_source", "mem_frac", "tokens_seen", "eta_s"}
     assert all(fields <= set(r) for r in records)
+    assert [r["step"] for r in records if "eval_loss" in r] == [3, 6]
+    assert all(t0 <= r["time"] <= time.time() for r in records)
     r = records[-1]
-    assert r["mfu"] is None and r["mem_source"] == "plan" and r["eta_s"] == 0
+    assert r["mfu"] is None and r["mem_source"] == "plan" and r["mem_frac"] is None and r["eta_s"] == 0
     assert r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"] / 2)
     assert r["tokens_per_s"] == pytest.approx(8 * 64 / r["step_time_s"])
+    # --flops count: torch's FlopCounterMode on the first step, every rank's share summed: the count of the
+    # whole global batch on one unsharded model
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import gpt
+    import train_gpt
+    import shardplan as sp
+    model = gpt.build("tiny", max_seq=64)
+    x, y = train_gpt.global_batch(train_gpt.corpus(200_000), 8, 64, 0, 0)
+    _, flops = sp.metrics.count_flops(lambda: model(x, y).backward())
+    assert r["tflops"] == pytest.approx(flops / x.numel() * r["tokens_per_s"] / 2 / 1e12, rel=1e-6)
+    formula = sp.metrics.flops_per_token(model, seq=64, layers=model.config.layers, dim=model.config.dim)
+    assert flops / x.numel() > formula  # (the CPU attention's backward recomputes the scores: more than the formula)
+    assert sorted(os.listdir(tmp_path / "prof")) == ["rank0.trace.json", "rank1.trace.json"]
+    with open(tmp_path / "prof" / "rank0.trace.json") as f:
+        steps = {e["name"] for e in json.load(f)["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
+    assert steps == {"ProfilerStep#2", "ProfilerStep#3"}
     lines = [line for line in out.stdout.splitlines() if line.startswith("step ")]
-    assert len(lines) == 3 and "tok/s" in lines[0] and "mfu n/a" in lines[0] and "eta" in lines[0]
+    assert len(lines) == 4 and "tok/s" in lines[0] and "mfu n/a" in lines[0] and "eta" in lines[0]
+    assert "eval_loss" in lines[1] and "TFLOP/s" in lines[0]
     if importlib.util.find_spec("tensorboard") is not None:
         assert glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
     else:

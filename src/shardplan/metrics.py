@@ -1,14 +1,19 @@
-"""What a training log reports: FLOPs and MFU, throughput and ETA, peak memory, and one logger that writes
-lines (or a progress bar on a terminal), JSON lines and TensorBoard scalars.
+"""What a training log reports: FLOPs (a formula, or counted by torch's ``FlopCounterMode``), MFU and TFLOP/s,
+throughput and ETA, peak memory (and its fraction of the device), and one logger that writes lines (or a
+progress bar on a terminal) and hands every logged step to sinks: JSON lines, TensorBoard, Weights & Biases,
+MLflow, or your own.
 
 >>> fpt = sp.metrics.flops_per_token(model, seq=2048, layers=16, dim=2048)   # before sp.shard: full shapes
 >>> meter = sp.metrics.Meter(tokens_per_step=batch * seq, devices=world, flops_per_token=fpt,
 ...                          peak_tflops=sp.metrics.peak_tflops(), total_steps=steps)
->>> log = sp.metrics.TrainLog(total_steps=steps, rank=rank, metrics_path="out.jsonl", tensorboard_dir=None)
->>> log.log(step, loss=2.3, lr=3e-4, grad_norm=0.9, **meter.update(step), mem_gib=sp.metrics.peak_memory_gib(plan, rank))
+>>> log = sp.metrics.TrainLog(total_steps=steps, rank=rank, metrics_path="out.jsonl",
+...                           sinks=[sp.metrics.WandbSink(project="gpt")])
+>>> log.log(step, loss=2.3, lr=3e-4, **meter.update(step), **sp.metrics.memory(plan, rank))   # step: 1, 2, ...
 
-Nothing here talks to other ranks: the caller reduces the loss. torch, tqdm, rich and tensorboard are
-imported only when used (tqdm, rich and tensorboard are optional: ``pip install shardplan[train]``).
+Steps are numbered from 1 (the number of optimizer steps done), as torchtitan's logs are. Nothing here
+talks to other ranks: the caller reduces the loss. torch, tqdm, rich, tensorboard, wandb and mlflow are
+imported only when used (all optional: ``pip install shardplan[train]``, ``shardplan[wandb]``,
+``shardplan[mlflow]``). docs/metrics.md shows every field and sink.
 """
 
 from __future__ import annotations
@@ -100,13 +105,73 @@ def peak_memory_gib(plan=None, rank: int = 0, device: Optional[torch.device] = N
     return float("nan"), "n/a"
 
 
+def memory_fraction(device: Optional[torch.device] = None) -> Optional[float]:
+    """The peak memory this process took from the device (``torch.cuda.max_memory_reserved``: what the
+    caching allocator holds, the figure an out-of-memory error is about) as a fraction of the device's
+    total memory; ``None`` on a CPU."""
+    import torch
+    if not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
+        return None
+    return torch.cuda.max_memory_reserved(device) / torch.cuda.get_device_properties(device).total_memory
+
+
+def memory(plan=None, rank: int = 0, device: Optional[torch.device] = None) -> dict:
+    """The log's memory fields: ``mem_gib`` and ``mem_source`` (:func:`peak_memory_gib`) and ``mem_frac``
+    (:func:`memory_fraction`; ``None`` on a CPU).
+
+    >>> log.log(step, loss=loss, **sp.metrics.memory(plan, rank))
+    """
+    gib, source = peak_memory_gib(plan, rank, device)
+    return {"mem_gib": gib, "mem_source": source, "mem_frac": memory_fraction(device)}
+
+
+def count_flops(fn, *args, **kwargs) -> tuple:
+    """``(fn(*args, **kwargs), flops)``: the floating-point operations ``fn`` ran on this process, counted
+    op by op by ``torch.utils.flop_counter.FlopCounterMode`` (matmuls, convolutions, attention; a backward
+    inside ``fn`` counts too). For models the formula of :func:`flops_per_token` does not describe (mixtures
+    of experts, convolutions, other attention): count one training step and divide by its tokens.
+
+    >>> _, flops = sp.metrics.count_flops(lambda: model(x, y).backward())
+    >>> fpt = flops / x.numel()            # this rank's FLOPs per token (sum over ranks for the run's)
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+    counter = FlopCounterMode(display=False, custom_mapping=_cpu_attention_formulas())
+    with counter:
+        out = fn(*args, **kwargs)
+    return out, counter.get_total_flops()
+
+
+def _cpu_attention_formulas() -> dict:
+    """FLOP formulas for the CPU kernels of ``scaled_dot_product_attention``, which torch's counter has none
+    for (it counts the CUDA ones): the same counts as its flash-attention formulas, so a CPU step counts what
+    a GPU step (and the meta device) does. Passed through ``FlopCounterMode(custom_mapping=...)``."""
+    import torch
+    from torch.utils import flop_counter as fc
+    aten = torch.ops.aten
+    out = {}
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        def forward(query, key, value, *args, out_shape=None, **kwargs):
+            return fc.sdpa_flop_count(query, key, value)
+
+        def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
+            return fc.sdpa_backward_flop_count(grad_out, query, key, value)
+
+        out[aten._scaled_dot_product_flash_attention_for_cpu] = forward
+        if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
+            out[aten._scaled_dot_product_flash_attention_for_cpu_backward] = backward
+    return out
+
+
 class Meter:
-    """Throughput, MFU and ETA from the wall time between logged steps (so that unlogged steps need no
-    device sync). Call :meth:`update` at each logged step, after something synchronised the device (reading
-    the loss does).
+    """Throughput, TFLOP/s, MFU and ETA from the wall time between logged steps (so that unlogged steps need no
+    device sync). Call :meth:`update` at each logged step with the number of steps done (1 after the first),
+    after something synchronised the device (reading the loss does).
 
     >>> meter = Meter(tokens_per_step=8 * 64, devices=2, flops_per_token=fpt, peak_tflops=None, total_steps=40)
-    >>> meter.update(step)   # {"step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "eta_s"}
+    >>> meter.update(step)   # {"step_time_s", "tokens_per_s", "tokens_per_s_per_device", "tflops", "mfu", "eta_s"}
+
+    ``tflops`` is the achieved TFLOP/s per device (``flops_per_token`` x tokens/s / devices), ``mfu`` that
+    over ``peak_tflops``; both ``None`` without the FLOPs (or the peak).
     """
 
     def __init__(self, tokens_per_step: int, devices: int, *, flops_per_token: Optional[float] = None,
@@ -115,8 +180,8 @@ class Meter:
         self.tokens_per_step, self.devices = tokens_per_step, devices
         self.flops_per_token, self.peak_tflops, self.total_steps = flops_per_token, peak_tflops, total_steps
         self.clock = clock
-        self.last_step, self.last_time = start_step - 1, clock()
-        self.first_step = start_step
+        self.last_step, self.last_time = start_step, clock()
+        self.windows = 0
         self.steady_time, self.steady_steps = 0.0, 0
 
     def reset_clock(self) -> None:
@@ -127,17 +192,21 @@ class Meter:
         now = self.clock()
         steps = max(step - self.last_step, 1)
         dt = (now - self.last_time) / steps
-        if self.last_step >= self.first_step:  # the first window holds the warm-up: the ETA leaves it out
+        if self.windows:  # the first window holds the warm-up: the ETA leaves it out
             self.steady_time += now - self.last_time
             self.steady_steps += steps
+        self.windows += 1
         self.last_step, self.last_time = step, now
         tps = self.tokens_per_step / dt if dt > 0 else float("nan")
-        out = {"step_time_s": dt, "tokens_per_s": tps, "tokens_per_s_per_device": tps / self.devices, "mfu": None}
-        if self.flops_per_token and self.peak_tflops:
-            out["mfu"] = self.flops_per_token * tps / (self.devices * self.peak_tflops * 1e12)
+        out = {"step_time_s": dt, "tokens_per_s": tps, "tokens_per_s_per_device": tps / self.devices,
+               "tflops": None, "mfu": None}
+        if self.flops_per_token:
+            out["tflops"] = self.flops_per_token * tps / (self.devices * 1e12)
+            if self.peak_tflops:
+                out["mfu"] = out["tflops"] / self.peak_tflops
         if self.total_steps is not None:
             mean = self.steady_time / self.steady_steps if self.steady_steps else dt
-            out["eta_s"] = max(self.total_steps - step - 1, 0) * mean
+            out["eta_s"] = max(self.total_steps - step, 0) * mean
         return out
 
 
@@ -156,6 +225,8 @@ def format_line(step: int, total: Optional[int], fields: dict) -> str:
     f = fields.get
     if f("loss") is not None:
         parts.append(f"loss {f('loss'):.4f}")
+    if f("eval_loss") is not None:
+        parts.append(f"eval_loss {f('eval_loss'):.4f}")
     if f("grad_norm") is not None:
         parts.append(f"grad_norm {f('grad_norm'):.3f}")
     if f("lr") is not None:
@@ -164,56 +235,322 @@ def format_line(step: int, total: Optional[int], fields: dict) -> str:
         parts.append(f"{1000 * f('step_time_s'):.1f} ms")
     if f("tokens_per_s") is not None:
         parts.append(f"{f('tokens_per_s'):,.0f} tok/s ({f('tokens_per_s_per_device'):,.0f}/dev)")
+    if f("tflops") is not None:
+        parts.append(f"{f('tflops'):.1f} TFLOP/s")
     if "mfu" in fields:
         parts.append("mfu n/a" if f("mfu") is None else f"mfu {100 * f('mfu'):.1f}%")
     if f("mem_gib") is not None and math.isfinite(f("mem_gib")):
         gib = f("mem_gib")
         size = f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.2f} MiB" if gib >= 1 / 1024 else f"{gib * 2**20:.1f} KiB"
-        parts.append(f"mem {size}" + (" (plan)" if f("mem_source") == "plan" else ""))
+        parts.append(f"mem {size}" + (" (plan)" if f("mem_source") == "plan" else "")
+                     + (f" {100 * f('mem_frac'):.0f}%" if f("mem_frac") is not None else ""))
     if "eta_s" in fields:
         parts.append(f"eta {_duration(f('eta_s'))}")
     return "  ".join(parts)
 
 
+# -- looking inside a run: a profiler trace of chosen steps, the allocator's memory snapshot -----------------
+
+def parse_steps(text: str) -> tuple[int, int]:
+    """``"3:5"`` -> ``(3, 5)``: steps 3 to 5, both included, numbered from 1; ``"4"`` is ``(4, 4)``."""
+    from .errors import ShardingError
+    a, _, b = str(text).partition(":")
+    try:
+        first, last = int(a), int(b or a)
+    except ValueError:
+        raise ShardingError(f"steps {text!r}: write FIRST:LAST, e.g. 3:5 (steps numbered from 1)") from None
+    if first < 1 or last < first:
+        raise ShardingError(f"steps {text!r}: need 1 <= FIRST <= LAST (steps are numbered from 1), e.g. 3:5")
+    return first, last
+
+
+class StepProfiler:
+    """A ``torch.profiler`` trace of steps ``first`` to ``last`` (numbered from 1), one Chrome-trace JSON per
+    rank (``out_dir/rank<r>.trace.json``; CPU ops, and CUDA kernels and memory copies on a GPU). Open it in
+    https://ui.perfetto.dev (or ``chrome://tracing``).
+
+    >>> prof = sp.metrics.StepProfiler("3:4", "profile", rank)
+    >>> for step in range(1, steps + 1):
+    ...     prof.begin(step); train_step(); prof.end(step)     # end() returns the trace's path after `last`
+    """
+
+    def __init__(self, steps, out_dir: str, rank: int = 0, *, record_shapes: bool = True, with_stack: bool = False):
+        self.first, self.last = parse_steps(steps) if not isinstance(steps, tuple) else steps
+        self.path = os.path.join(out_dir, f"rank{rank}.trace.json")
+        self.record_shapes, self.with_stack = record_shapes, with_stack
+        self._prof = self._range = None
+
+    @property
+    def active(self) -> bool:
+        return self._prof is not None
+
+    def begin(self, step: int) -> None:
+        """Before step ``step`` runs: starts the profiler at ``first``; each traced step is a range named
+        ``ProfilerStep#<step>`` (torch's own name for steps, which trace viewers and analysers group by)."""
+        import torch
+        if step == self.first and self._prof is None:
+            from torch.profiler import ProfilerActivity, profile
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self._prof = profile(activities=activities, record_shapes=self.record_shapes, with_stack=self.with_stack)
+            self._prof.__enter__()
+        if self._prof is not None and self._range is None:
+            self._range = torch.profiler.record_function(f"ProfilerStep#{step}")
+            self._range.__enter__()
+
+    def end(self, step: int) -> Optional[str]:
+        """After step ``step`` ran: closes the step's range; at ``last`` stops and writes the trace (its path)."""
+        if self._prof is None:
+            return None
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
+        return self.close() if step >= self.last else None
+
+    def close(self) -> Optional[str]:
+        """Stop and write the trace now (a run that ends inside the range); its path, or ``None``."""
+        if self._prof is None:
+            return None
+        prof, self._prof = self._prof, None
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
+        prof.__exit__(None, None, None)
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        prof.export_chrome_trace(self.path)
+        return self.path
+
+
+class MemorySnapshot:
+    """The CUDA caching allocator's history (every allocation and free, with its Python stack) from when it is
+    built to step ``at_step``, written as ``out_dir/rank<r>.pickle`` (``torch.cuda.memory._dump_snapshot``).
+    Drag the file onto https://pytorch.org/memory_viz, or render it offline:
+    ``python -m torch.cuda._memory_viz trace_plot rank0.pickle -o rank0.html``. Needs a CUDA device
+    (the CPU allocator keeps no history): elsewhere it raises :class:`~shardplan.errors.ShardingError`.
+
+    >>> snap = sp.metrics.MemorySnapshot("memory", rank, at_step=3)    # before the first step
+    >>> snap.end(step)     # after each step; writes (and stops recording) after step 3
+    """
+
+    def __init__(self, out_dir: str, rank: int = 0, *, at_step: int = 3, max_entries: int = 100_000):
+        import torch
+        from .errors import ShardingError
+        if not torch.cuda.is_available():
+            raise ShardingError("a memory snapshot records the CUDA caching allocator's history and needs a GPU; on "
+                                "a CPU the plan's per-rank memory is in plan.memory(rank) (shardplan plan ... --memory)")
+        if at_step < 1:
+            raise ShardingError(f"at_step={at_step}: the snapshot is written after a step, numbered from 1")
+        self.path, self.at_step = os.path.join(out_dir, f"rank{rank}.pickle"), at_step
+        torch.cuda.memory._record_memory_history(max_entries=max_entries)
+        self._recording = True
+
+    def end(self, step: int) -> Optional[str]:
+        """After step ``step``: at ``at_step`` writes the snapshot and stops recording (its path)."""
+        return self.close() if self._recording and step >= self.at_step else None
+
+    def close(self) -> Optional[str]:
+        if not self._recording:
+            return None
+        import torch
+        self._recording = False
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        torch.cuda.memory._dump_snapshot(self.path)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        return self.path
+
+
+# -- sinks: where logged steps go ------------------------------------------------------------------------
+
+class Sink:
+    """Where a :class:`TrainLog` sends each logged step (rank 0 only). Subclass it, or pass any object with
+    these methods: ``write(step, record)`` (``record``: ``{"time": unix seconds, field: value}``, values are
+    numbers, ``None`` or short strings), ``event(name, step, info)`` (a restart, say) and ``close()``.
+
+    >>> class Print(sp.metrics.Sink):
+    ...     def write(self, step, record): print(step, record["loss"])
+    """
+
+    def write(self, step: int, record: dict) -> None:
+        raise NotImplementedError
+
+    def event(self, name: str, step: int, info: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _numbers(record: dict) -> dict:
+    """The finite numbers of a record (what scalar dashboards take), ``time`` left out."""
+    return {k: v for k, v in record.items()
+            if k != "time" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+class JsonLinesSink(Sink):
+    """One JSON object per logged step, ``{"step": 1, "time": ..., "loss": ...}``, and one per event,
+    ``{"event": "restart", "step": ..., "time": ..., ...}``. ``append``: add to an existing file (a resumed
+    run) instead of rewriting it."""
+
+    def __init__(self, path: str, *, append: bool = False):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path, self._f = path, open(path, "a" if append else "w")
+
+    def _line(self, obj: dict) -> None:
+        self._f.write(json.dumps(obj) + "\n")
+        self._f.flush()
+
+    def write(self, step: int, record: dict) -> None:
+        self._line({"step": step, **{k: _jsonable(v) for k, v in record.items()}})
+
+    def event(self, name: str, step: int, info: dict) -> None:
+        self._line({"event": name, "step": step, **{k: _jsonable(v) for k, v in info.items()}})
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class TensorBoardSink(Sink):
+    """Scalars under ``train/<field>`` (``torch.utils.tensorboard``; needs the tensorboard package); an event
+    is a text entry. ``purge_step``: a resumed run's first step (TensorBoard drops what a killed run logged
+    after it)."""
+
+    def __init__(self, logdir: str, *, purge_step: Optional[int] = None):
+        from torch.utils.tensorboard import SummaryWriter  # ImportError when tensorboard is missing
+        self.writer = SummaryWriter(log_dir=logdir, purge_step=purge_step)
+
+    def write(self, step: int, record: dict) -> None:
+        for k, v in _numbers(record).items():
+            self.writer.add_scalar(f"train/{k}", v, step, walltime=record.get("time"))
+
+    def event(self, name: str, step: int, info: dict) -> None:
+        self.writer.add_text(f"events/{name}", json.dumps({k: _jsonable(v) for k, v in info.items()}), step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _require(module: str, sink: str, extra: str):
+    """``import module``, or a :class:`~shardplan.errors.ShardingError` that says how to install it."""
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        from .errors import ShardingError
+        raise ShardingError(f"{sink} needs the {module} package, which is not installed: pip install {module} "
+                            f"(or pip install shardplan[{extra}]); or leave {sink} out") from exc
+
+
+def sink_available(module: str) -> bool:
+    """Whether ``wandb`` / ``mlflow`` can be imported (without importing it): check it on every rank before
+    building a sink on rank 0, so that a missing package stops every rank, not rank 0 alone."""
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
+
+
+class WandbSink(Sink):
+    """Weights & Biases through its own library: ``wandb.init(project=..., **init)`` when built, ``run.log``
+    per logged step (at the run's step), ``run.finish()`` at close. Offline: ``WANDB_MODE=offline``
+    (or ``mode="offline"``), then ``wandb sync`` the directory it wrote. An event lands in the run's
+    summary (``restart_step``, ``restart_checkpoint``).
+
+    >>> log = sp.metrics.TrainLog(steps, rank=rank, sinks=[sp.metrics.WandbSink(project="gpt", config=vars(args))])
+    """
+
+    def __init__(self, project: Optional[str] = None, **init):
+        wandb = _require("wandb", "WandbSink", "wandb")
+        self.run = wandb.init(project=project, **init)
+
+    def write(self, step: int, record: dict) -> None:
+        self.run.log(_numbers(record), step=step, commit=True)  # one record per step: committed now (a killed run keeps it)
+
+    def event(self, name: str, step: int, info: dict) -> None:
+        self.run.summary[f"{name}_step"] = step
+        for k, v in info.items():
+            self.run.summary[f"{name}_{k}"] = _jsonable(v)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MLflowSink(Sink):
+    """MLflow through its own library: a run started when built (``tracking_uri``: e.g. ``file:/tmp/mlruns``
+    or a server; default: ``MLFLOW_TRACKING_URI``), ``log_metrics(..., step=)`` per logged step, ``end_run``
+    at close; ``params`` are logged once. An event is a tag (``restart_step``, ...).
+
+    >>> sink = sp.metrics.MLflowSink(experiment="gpt", tracking_uri="file:./mlruns", params=vars(args))
+    """
+
+    def __init__(self, experiment: Optional[str] = None, *, tracking_uri: Optional[str] = None,
+                 run_name: Optional[str] = None, params: Optional[dict] = None, tags: Optional[dict] = None):
+        mlflow = _require("mlflow", "MLflowSink", "mlflow")
+        from mlflow.tracking import MlflowClient
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        name = experiment or "shardplan"
+        found = self.client.get_experiment_by_name(name)
+        exp_id = found.experiment_id if found is not None else self.client.create_experiment(name)
+        self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=tags or {}).info.run_id
+        self._mlflow = mlflow
+        if params:
+            for k, v in params.items():
+                self.client.log_param(self.run_id, k, v)
+
+    def write(self, step: int, record: dict) -> None:
+        from mlflow.entities import Metric
+        ms = int(1000 * record.get("time", time.time()))
+        metrics = [Metric(k, float(v), ms, step) for k, v in _numbers(record).items()]
+        if metrics:
+            self.client.log_batch(self.run_id, metrics=metrics)
+
+    def event(self, name: str, step: int, info: dict) -> None:
+        self.client.set_tag(self.run_id, f"{name}_step", str(step))
+        for k, v in info.items():
+            self.client.set_tag(self.run_id, f"{name}_{k}", str(v))
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+# -- the log -------------------------------------------------------------------------------------------
+
 class TrainLog:
     """Logged steps to a terminal (lines, and a progress bar when stdout is a terminal and tqdm or rich is
-    installed), to a JSON-lines file (one object per logged step) and to TensorBoard. Only ``rank`` 0
-    writes; other ranks' calls do nothing.
+    installed) and to sinks: ``metrics_path`` (JSON lines), ``tensorboard_dir`` (TensorBoard scalars) and
+    any :class:`Sink` in ``sinks`` (:class:`WandbSink`, :class:`MLflowSink`, yours). Only ``rank`` 0
+    writes; other ranks' calls do nothing (build sinks on rank 0 only).
 
-    ``progress``: ``"auto"`` (a bar on a terminal if tqdm or rich is installed), ``"tqdm"``, ``"rich"`` or
-    ``"none"``. ``metrics_path`` is appended to when ``start_step > 0`` (a resumed run), else rewritten.
+    Steps are numbered from 1: ``log(step)`` takes the number of steps done. ``start_step``: the steps a
+    resumed run starts after (its checkpoint's step); the JSON-lines file is then appended to, else
+    rewritten, and :meth:`restart` puts a marker in it. ``progress``: ``"auto"`` (a bar on a terminal if tqdm
+    or rich is installed), ``"tqdm"``, ``"rich"`` or ``"none"``. Every record carries ``time`` (Unix seconds).
 
     >>> log = TrainLog(total_steps=1000, rank=rank, metrics_path="out.jsonl")
-    >>> log.log(step, loss=2.31, lr=3e-4)       # a line (above the bar), a JSON object, TensorBoard scalars
+    >>> log.restart(start, "ckpt/step_00000100")   # after --resume: {"event": "restart", "step": 100, ...}
+    >>> log.log(step, loss=2.31, lr=3e-4)       # a line (above the bar), a record to every sink
     >>> log.print("saved checkpoint")           # a message that does not break the bar
     >>> log.close()
     """
 
     def __init__(self, total_steps: Optional[int] = None, *, rank: int = 0, start_step: int = 0,
                  metrics_path: Optional[str] = None, tensorboard_dir: Optional[str] = None,
-                 progress: str = "auto", stream: Optional[IO[str]] = None):
+                 sinks: Optional[list] = None, progress: str = "auto", stream: Optional[IO[str]] = None,
+                 clock=time.time):
         self.total, self.rank, self.start = total_steps, rank, start_step
         self.stream = stream if stream is not None else sys.stdout
-        self._jsonl = self._tb = self._bar = None
+        self.clock = clock
+        self.sinks: list = []
+        self._bar = None
         self._bar_kind = None
         if rank != 0:
             return
         if metrics_path:
-            os.makedirs(os.path.dirname(os.path.abspath(metrics_path)), exist_ok=True)
-            self._jsonl = open(metrics_path, "a" if start_step > 0 else "w")
+            self.sinks.append(JsonLinesSink(metrics_path, append=start_step > 0))
         if tensorboard_dir:
-            self._tb = self._tensorboard(tensorboard_dir)
+            try:
+                self.sinks.append(TensorBoardSink(tensorboard_dir, purge_step=start_step + 1 if start_step > 0 else None))
+            except ImportError:  # torch's module raises ImportError when the tensorboard package is missing
+                self.print(f"--tensorboard {tensorboard_dir}: tensorboard is not installed (pip install tensorboard); "
+                           f"training goes on without TensorBoard scalars")
+        self.sinks.extend(sinks or [])
         self._open_bar(progress)
-
-    # -- sinks ----------------------------------------------------------------------------------------
-    def _tensorboard(self, logdir: str):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # torch's module raises ImportError when the tensorboard package is missing
-            self.print(f"--tensorboard {logdir}: tensorboard is not installed (pip install tensorboard); "
-                       f"training goes on without TensorBoard scalars")
-            return None
-        return SummaryWriter(log_dir=logdir, purge_step=self.start if self.start > 0 else None)
 
     def _open_bar(self, progress: str) -> None:
         if progress not in ("auto", "tqdm", "rich", "none"):
@@ -257,25 +594,36 @@ class TrainLog:
             print(text, file=self.stream, flush=True)
 
     def log(self, step: int, **fields) -> None:
-        """One logged step: numbers (``None`` for unknown, as MFU on a CPU) and short strings."""
+        """One logged step (``step``: steps done, 1 for the first): numbers (``None`` for unknown, as MFU on a
+        CPU) and short strings."""
         if self.rank != 0:
             return
         self.print(format_line(step, self.total, fields))
         if self._bar_kind == "tqdm":
-            self._bar.update(step + 1 - self._bar.n)
+            self._bar.update(step - self._bar.n)
             if fields.get("loss") is not None:
                 self._bar.set_postfix(loss=f"{fields['loss']:.4f}", refresh=False)
         elif self._bar_kind == "rich":
             info = f"loss {fields['loss']:.4f}" if fields.get("loss") is not None else ""
-            self._bar.update(self._task, completed=step + 1, info=info)
-        if self._jsonl is not None:
-            record = {"step": step, **{k: _jsonable(v) for k, v in fields.items()}}
-            self._jsonl.write(json.dumps(record) + "\n")
-            self._jsonl.flush()
-        if self._tb is not None:
-            for k, v in fields.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                    self._tb.add_scalar(f"train/{k}", v, step)
+            self._bar.update(self._task, completed=step, info=info)
+        record = {"time": self.clock(), **{k: _jsonable(v) for k, v in fields.items()}}
+        for sink in self.sinks:
+            sink.write(step, record)
+
+    def event(self, name: str, step: int, **info) -> None:
+        """Something that happened at ``step`` besides training (a restart, an evaluation's start): to every
+        sink (a JSON line ``{"event": name, "step": step, "time": ...}``)."""
+        if self.rank != 0:
+            return
+        info = {"time": self.clock(), **info}
+        for sink in self.sinks:
+            if hasattr(sink, "event"):
+                sink.event(name, step, info)
+
+    def restart(self, step: int, checkpoint: Optional[str] = None) -> None:
+        """The restart marker of a resumed run: ``{"event": "restart", "step": step, "checkpoint": ...}``
+        (steps after it come from the resumed run; records of the killed run after ``step`` are stale)."""
+        self.event("restart", step, checkpoint=checkpoint)
 
     def close(self) -> None:
         if self._bar_kind == "tqdm":
@@ -283,12 +631,9 @@ class TrainLog:
         elif self._bar_kind == "rich":
             self._bar.stop()
         self._bar = self._bar_kind = None
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close()
 
     def __enter__(self):
         return self

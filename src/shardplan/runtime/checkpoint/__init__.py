@@ -5,6 +5,8 @@
 >>> shardplan.checkpoint.save(path, model, opt, step=100)   # atomic: written aside, then published
 >>> fut = shardplan.checkpoint.async_save(path, model, opt, step=100)  # the same, written in the background
 >>> step = shardplan.checkpoint.load(path, model, opt)      # any world size, strategy, rules or units
+>>> shardplan.checkpoint.save(path, model, opt, step=100, lr_scheduler=sched, dataloader=loader, rng=True,
+...                           extra={"train_state": state})   # the whole run (load takes the same keywords)
 
 One job per module:
 
@@ -15,6 +17,8 @@ One job per module:
 * :mod:`.async_io` -- ``async_save``: host copies, DCP's background write, publish once every rank wrote
   (``async_save``, ``wait``, ``CheckpointFuture``);
 * :mod:`.full` -- full (unsharded) export and import (``full_state_dict``, ``load_full_state_dict``);
+* :mod:`.run_state` -- the rest of a run beside the model: lr scheduler, data loader position, generators per
+  rank, the user's ``extra`` state (``RunState``; what ``save``/``async_save`` store and ``load`` restores);
 * :mod:`.steps` -- a run's checkpoints: one directory per step, the newest complete one, the last K kept
   (``step_dir``, ``latest``, ``prune``);
 * :mod:`.diagnose` -- what a checkpoint that does not fit holds instead, and how to load or convert it.

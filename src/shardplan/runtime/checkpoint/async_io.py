@@ -44,6 +44,7 @@ from .. import collectives as C
 from ..builder import engine_of
 from .values import quiet_sharded_tensor, state_dict
 from . import dcp_io
+from .run_state import RunState, saved_entries
 
 _ALIGN = 64  # bytes: where each staged tensor starts in the host buffer
 
@@ -311,7 +312,8 @@ def _guard(optimizer, event) -> None:
 # -- async_save ---------------------------------------------------------------------------------------------
 
 def async_save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
-               step: int = 0) -> CheckpointFuture:
+               step: int = 0, lr_scheduler=None, dataloader=None, rng: bool = False,
+               extra: Optional[dict] = None) -> CheckpointFuture:
     """:func:`~.dcp_io.save` in the background: returns once the state is copied to host memory (on a GPU:
     once the copies are queued), while DCP writes it; the future's ``result()`` is ``path`` once every rank's
     files are written and the directory is published, or raises :class:`CheckpointError`.
@@ -319,8 +321,10 @@ def async_save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opti
     >>> fut = sp.checkpoint.async_save(sp.checkpoint.step_dir("ckpt", step), model, opt, step=step)
     >>> fut.result()      # later: the path, published
 
-    Same checkpoint as ``save`` (``load`` reads either). A second call waits for the first to finish.
+    Same checkpoint as ``save`` (``load`` reads either), the run's state (``lr_scheduler``, ``dataloader``,
+    ``rng``, ``extra``) included, taken when ``async_save`` is called. A second call waits for the first to finish.
     """
+    run = RunState(lr_scheduler, dataloader, rng, extra)
     settle(raise_unobserved=True)
     eng = engine_of(model)
     pg = checkpoint_group()
@@ -328,6 +332,7 @@ def async_save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opti
     with quiet_sharded_tensor():
         sd = state_dict(model, optimizer)
     sd["extra"] = {"step": torch.tensor(step)}
+    sd.update(saved_entries(run, eng.plan, eng.groups.world, eng.rank))  # objects as bytes: nothing to stage
     tmp = f"{path.rstrip('/')}.tmp-{uuid.uuid4().hex[:8]}"
     tmp = C.broadcast_object(tmp, pg)
     copies = _COPIES.get(model)
@@ -348,7 +353,7 @@ def async_save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opti
             _guard(optimizer, writer.copied)
         else:
             writer.copied.synchronize()  # nothing would wait for the copies: finish them now
-    marker = {**dcp_io._about(eng.plan, step, "module", optimizer), "world_size": eng.groups.world.size}
+    marker = {**dcp_io._about(eng.plan, step, "module", optimizer, run), "world_size": eng.groups.world.size}
     with _LOCK:
         _INFLIGHT[:] = [fut]
     threading.Thread(target=_publish_when_written, args=(fut, written, tmp, path, pg, rank, marker),

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
 import torch.nn as nn
 
 from ...errors import CheckpointError
@@ -25,6 +26,7 @@ from .. import collectives as C
 from ..builder import engine_of
 from . import diagnose
 from .diagnose import MARKER
+from .run_state import RunState, report, requested, saved_entries
 from .values import (init_optimizer_state, load_state_dict, local_of, model_buffers, quiet_sharded_tensor, state_dict,
                      tree_state_dict)
 from ...rules import leaves_with_paths
@@ -50,10 +52,23 @@ def _dcp_save(sd: dict, path: str) -> None:
         raise _dcp_failure(exc, "writing checkpoint files into", path) from exc
 
 
+class _LoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner without its guess at checkpoints written by torch <= 2.3.
+
+    [Note: when the checkpoint holds keys this load does not ask for (another rank's ``rng.rank_1``, parts
+    left out), DCP re-flattens the state dict the 2.3 way, which keeps a dict of non-tensors (``{"rank_0":
+    bytes}``) as one key ``rng`` that the checkpoint does not have. shardplan needs torch >= 2.6, so its
+    checkpoints are never of that format]
+    """
+
+    def create_local_plan(self):
+        return create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
+
+
 def _dcp_load(sd: dict, path: str) -> None:
     try:
         with quiet_sharded_tensor():
-            dcp.load(sd, checkpoint_id=path)
+            dcp.load(sd, checkpoint_id=path, planner=_LoadPlanner())
     except CheckpointException as exc:
         raise _dcp_failure(exc, "loading checkpoint", path) from exc
 
@@ -132,28 +147,46 @@ def checkpoint_info(path: str) -> Optional[dict]:
 
 # -- modules --------------------------------------------------------------------------------------------
 
-def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, step: int = 0) -> None:
+def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, step: int = 0,
+         lr_scheduler=None, dataloader=None, rng: bool = False, extra: Optional[dict] = None) -> None:
     """Save atomically (written aside, then renamed into place); loads at any world size, strategy,
     rules or units with :func:`load`.
 
     >>> shardplan.checkpoint.save("ckpt/latest", model, opt, step=100)
+    >>> shardplan.checkpoint.save("ckpt/latest", model, opt, step=100, lr_scheduler=sched, dataloader=loader,
+    ...                           rng=True, extra={"train_state": state})     # the whole run
+
+    ``lr_scheduler``, ``dataloader`` (a stateful loader, e.g. torchdata's ``StatefulDataLoader``; one per
+    data-parallel slice), ``rng`` (every rank's generators) and ``extra`` (named tensors, objects with
+    ``state_dict()``, or picklable values) are saved beside the model: see :mod:`.run_state`.
     """
     eng = engine_of(model)
+    run = RunState(lr_scheduler, dataloader, rng, extra)
     sd = state_dict(model, optimizer)
     sd["extra"] = {"step": torch.tensor(step)}
-    publish_atomic(sd, path, eng.groups.world, eng.rank, marker=_about(eng.plan, step, "module", optimizer))
+    sd.update(saved_entries(run, eng.plan, eng.groups.world, eng.rank))
+    publish_atomic(sd, path, eng.groups.world, eng.rank, marker=_about(eng.plan, step, "module", optimizer, run))
 
 
-def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, strict: bool = True) -> int:
+def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, strict: bool = True,
+         lr_scheduler=None, dataloader=None, rng: bool = False, extra: Optional[dict] = None) -> int:
     """Load a checkpoint written by :func:`save` (any world size, strategy, rules, units); returns its step.
 
     >>> step = shardplan.checkpoint.load("ckpt/latest", model, opt)
+    >>> step = shardplan.checkpoint.load("ckpt/latest", model, opt, lr_scheduler=sched, dataloader=loader,
+    ...                                  rng=True, extra=extra)   # extra: a dict, filled in place
+
+    ``lr_scheduler``, ``dataloader``, ``rng`` and ``extra`` restore what :func:`save` stored of them (the
+    loader's position needs the same number of data-parallel slices, the generators the same world size).
 
     Names and shapes are checked against the checkpoint first: a mismatch raises before anything is
     loaded, listing every difference (``strict=False`` loads what fits and warns about the rest).
     """
+    run = RunState(lr_scheduler, dataloader, rng, extra)
     _settle(raise_unobserved=False)  # an asynchronous save in flight still reads the tensors
     meta = _metadata(path)
+    eng = engine_of(model)
+    wanted = requested(run, eng.plan, eng.groups.world.size, eng.rank, meta, path)
     if optimizer is not None:
         init_optimizer_state(optimizer)
     sd = state_dict(model, optimizer)
@@ -168,18 +201,27 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
         found = diagnose.differences(_flatten(sd), meta, _aliases(model))
     if found.problems and strict:
         raise CheckpointError(found.message(path, checkpoint_info(path), optimizer is not None))
+    report(wanted.problems, path, strict)  # the run's state: raises (strict) before anything loaded
     if found.problems:
         warnings.warn(f"checkpoint {path}: skipped {len(found.skip)} entries:\n" + found.listing())
         sd = _drop(sd, set(found.skip))
+    sd.update(wanted.entries)
     _dcp_load(sd, path)
     load_state_dict(model, sd, optimizer, strict=False)
+    wanted.apply(sd)  # DCP filled the entries (opaque ones replaced in the dict): hand them to their owners
     return int(sd["extra"]["step"])
 
 
-def _about(plan, step: int, form: str, optimizer) -> dict:
-    return {"step": int(step), "form": form, "mesh": repr(plan.mesh), "strategy": str(plan.strategy),
-            "optimizer": type(optimizer).__name__ if optimizer is not None else None,
-            "params": len(plan.params)}
+def _about(plan, step: int, form: str, optimizer, run: Optional[RunState] = None) -> dict:
+    about = {"step": int(step), "form": form, "mesh": repr(plan.mesh), "strategy": str(plan.strategy),
+             "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+             "params": len(plan.params)}
+    if run is not None and not run.empty:  # what else the checkpoint holds (for people and tools reading it)
+        about["run"] = {"lr_scheduler": type(run.lr_scheduler).__name__ if run.lr_scheduler is not None else None,
+                        "dataloader": type(run.dataloader).__name__ if run.dataloader is not None else None,
+                        "data_slices": plan.data_size if run.dataloader is not None else None,
+                        "rng": bool(run.rng), "extra": sorted(run.extra or {})}
+    return about
 
 
 def _aliases(model) -> dict[str, str]:
