@@ -253,7 +253,6 @@ def format_line(step: int, total: Optional[int], fields: dict) -> str:
 
 def parse_steps(text: str) -> tuple[int, int]:
     """``"3:5"`` -> ``(3, 5)``: steps 3 to 5, both included, numbered from 1; ``"4"`` is ``(4, 4)``."""
-    from .errors import ShardingError
     a, _, b = str(text).partition(":")
     try:
         first, last = int(a), int(b or a)
@@ -333,7 +332,6 @@ class MemorySnapshot:
 
     def __init__(self, out_dir: str, rank: int = 0, *, at_step: int = 3, max_entries: int = 100_000):
         import torch
-        from .errors import ShardingError
         if not torch.cuda.is_available():
             raise ShardingError("a memory snapshot records the CUDA caching allocator's history and needs a GPU; on "
                                 "a CPU the plan's per-rank memory is in plan.memory(rank) (shardplan plan ... --memory)")
@@ -434,7 +432,6 @@ def _require(module: str, sink: str, extra: str):
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        from .errors import ShardingError
         raise ShardingError(f"{sink} needs the {module} package, which is not installed: pip install {module} "
                             f"(or pip install shardplan[{extra}]); or leave {sink} out") from exc
 

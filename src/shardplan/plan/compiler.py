@@ -236,6 +236,8 @@ def plan(model_or_tree: Any, rules: RulesLike, mesh: Mesh, *,
                             f"tensor-parallel over {tp_of[name].axis!r}; one compute axis per parameter: keep "
                             f"{tp_of[name].axis!r} out of its spec")
         tp_of[name] = c
+    if trace is not None and module is not None:  # first: its errors name the op that computes per-rank pieces
+        CPX.check_flow(module, trace, mesh, tp_modules)  # what cp or a colwise output would compute per rank
     partial_of: dict[str, str] = {}  # replicated parameters read on tensor-parallel-sharded activations
     if tp_modules and any(mesh.axis_size(m.axis) > 1 for m in tp_modules):
         replicated = {i.name for i in infos if tp_of[i.name] is None and i.name not in ep_of and i.requires_grad}
@@ -367,8 +369,6 @@ def plan(model_or_tree: Any, rules: RulesLike, mesh: Mesh, *,
         traced = CPX.trace_calls(module, trace, itemsize(compute) if compute else None, mesh)
         context_calls = CPX.place(module, CPX.per_rank(traced, tp_modules, mesh), unit_plans)
         choices.append(CPX.calls_note(context_calls, mesh))
-    if trace is not None and module is not None:
-        CPX.check_flow(module, trace, mesh, tp_modules)  # what cp or a colwise output would compute per rank
     profile = None
     param_plans, units_ = tuple(params[i.name] for i in infos), tuple(unit_plans)
     if trace is not None:

@@ -26,7 +26,6 @@ from .tensor_parallel import Anchor, ModuleOps, anchors
 from .values import Op
 from .tensor_parallel import LINEAR
 from ..units import run_traced, trace_args
-from ..flow import check
 
 CONTEXT_AXIS = "cp"
 
@@ -102,6 +101,7 @@ def check_flow(model, trace, mesh: Mesh, tp_modules=(), error=PlanError) -> None
     if cp <= 1 and not colwise:
         return
     args, kwargs = trace_args(trace)
+    from ..flow import check  # (keeps import shardplan torch-free: flow.py imports torch)
     check(model, args, kwargs, error, colwise, rowwise, cp, _through_attention,
           run=lambda: run_traced(model, trace, {}, grad=False))
 
