@@ -66,8 +66,12 @@ def vocab_of(config):
 
 
 def build(config, dev, seed=0):
+    if config == "hf_llama":  # built on the device by its own init: its buffers (RoPE's inv_freq) need values too
+        torch.manual_seed(seed)
+        with torch.device(dev):
+            return HFCausalLM()
     with torch.device("meta"):
-        model = HFCausalLM() if config == "hf_llama" else gpt.build(config)
+        model = gpt.build(config)
     model.to_empty(device=dev)
     g = torch.Generator(device=dev).manual_seed(seed)
     with torch.no_grad():
@@ -264,6 +268,10 @@ def _parity_cases(args, dev, cases):
             else:
                 le, pe, _ = train(c["face"], args.config, dev, c["dtype"], batches, False, **kw)
                 lc, pc, replays = train(c["face"], args.config, dev, c["dtype"], batches, True, **kw)
+                if args.control:  # eager twice: is the eager step itself repeatable on this GPU?
+                    l2, p2, _ = train(c["face"], args.config, dev, c["dtype"], batches, False, **kw)
+                    rec["eager_repeatable"] = l2 == le and all(torch.equal(pe[n], p2[n]) for n in pe)
+                    rec["eager_vs_eager_max_diff"] = max(float((pe[n].float() - p2[n].float()).abs().max()) for n in pe)
             rec.update(losses_equal=le == lc, params_equal=all(torch.equal(pe[n], pc[n]) for n in pe),
                        max_param_diff=max(float((pe[n].float() - pc[n].float()).abs().max()) for n in pe),
                        first_losses=le[:3], last_loss_eager=le[-1], last_loss_captured=lc[-1], replays=replays)
@@ -360,6 +368,9 @@ def timing(args, dev):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--parity", action="store_true")
+    ap.add_argument("--control", action="store_true", help="parity: also train eagerly twice (repeatability)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="torch.use_deterministic_algorithms(True) (CUBLAS_WORKSPACE_CONFIG=:4096:8)")
     ap.add_argument("--cases", default="all", help="all (every face and feature) | big (accumulation, bf16 and fp32)")
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--config", default="small")
@@ -373,6 +384,9 @@ def main():
                                          "functional_captured,fsdp2")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.deterministic:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        torch.use_deterministic_algorithms(True, warn_only=True)
     start()
     dev = torch.device("cuda", 0)
     result = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, args=vars(args))
