@@ -260,10 +260,14 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
     >>> print(r)            # per step: time and peak memory, measured and planned; per unit: compute time
 
     ``model_fn()`` builds the model (called under ``torch.device("meta")``: only this rank's shards are
-    ever materialised, one unit at a time, by ``init_fn`` or each module's ``reset_parameters``). Each step
+    ever materialised, one unit at a time, each module by ``init_fn``, else a Hugging Face model's own
+    ``_init_weights``, else its ``reset_parameters``, else a generic init: :class:`RehearsalInit`, which the
+    notes report). ``batch``'s T must fit a table of positions the model has (:func:`position_limit`). Each step
     feeds ``batch = (B, T)`` random tokens (``inputs_fn(model, tokens)`` gives the model's arguments
     otherwise: see :func:`shardplan.activations.token_inputs`), differentiates
-    :func:`shardplan.activations.scalar_of` of the output, and steps ``optimizer_fn(params)`` (AdamW).
+    :func:`shardplan.activations.scalar_of` of the output, and steps ``optimizer_fn(params)`` (AdamW;
+    ``shardplan.offload_optimizer`` for a plan with CPU offload). ``host_peak`` reports the process's RSS
+    growth (on a CPU, after fixing glibc's mmap threshold: :func:`fix_host_allocator`).
     ``checkpoint=True`` checkpoints every unit (activation checkpointing); compare with
     ``plan.memory(rank, recompute=True)``. Must run in a process without a process group of its own.
     """
