@@ -317,3 +317,151 @@ def test_benchmark_tiny(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     d = json.loads(out.read_text())
     assert len(d["cases"]) == 4 and all(c["states_peak_measured"] == c["states_peak_planned"] for c in d["cases"])
+
+
+# -- Hugging Face configs, initialisation, positions, host memory -------------------------------------------
+
+HF_CONFIGS = {  # tiny config.json contents, every other argument at its default (use_cache=True, sdpa)
+    "llama": dict(model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+    "qwen2_moe": dict(model_type="qwen2_moe", vocab_size=97, hidden_size=32, intermediate_size=64,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_experts=4,
+                      num_experts_per_tok=2),
+    "gpt2": dict(model_type="gpt2", vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64),
+    "t5": dict(model_type="t5", vocab_size=97, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+               decoder_start_token_id=0, pad_token_id=0),
+}
+
+
+def _hf_rehearse_worker(_rank, _world, path, checkpoint):
+    torch.set_num_threads(1)
+    from shardplan.hf import model_from_config
+    plan = traced_plan(lambda: model_from_config(path), sp.Mesh(dp=4), batch=(2, 16))
+    r = sp.rehearse(lambda: model_from_config(path), plan, rank=1, batch=(2, 16), steps=2, checkpoint=checkpoint)
+    return r.to_dict(), str(r)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,checkpoint", [("llama", True), ("qwen2_moe", False), ("gpt2", True), ("t5", False)])
+def test_rehearse_hf_configs(tmp_path, name, checkpoint):
+    """HF models rehearse under their defaults (checkpointed too: no KV cache appended twice), initialised by
+    HF's own _init_weights one module at a time (norms and GPT-2's Conv1D have no reset_parameters), and say so."""
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(HF_CONFIGS[name]))
+    d, text = run(_hf_rehearse_worker, 1, str(path), checkpoint, init=False, timeout=280)[0]
+    assert d["states_peak_measured"] == d["states_peak_planned"] > 0 and d["checkpoint"] == checkpoint
+    init = next(n for n in d["notes"] if n.startswith("initialisation:"))
+    assert "Hugging Face's own" in init and "._init_weights, one module at a time" in init and "generic" not in init
+    assert "note: initialisation: Hugging Face's own" in text
+    assert d["host_peak"] is not None and "host memory (RSS): peak" in text
+
+
+class NoInit(nn.Module):
+    """A module with parameters and no reset_parameters (as HF's norms and Conv1D)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d))
+        self.proj = nn.Parameter(torch.zeros(d, d))
+
+    def forward(self, x):
+        return (x * self.weight + self.bias) @ self.proj
+
+
+class Custom(nn.Module):
+    def __init__(self, vocab=64, d=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(d, d), NoInit(d)) for _ in range(2)])
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+def _generic_worker(_rank, _world):
+    torch.set_num_threads(1)
+    plan = traced_plan(Custom, sp.Mesh(dp=2), batch=(2, 8), units=[r"layers\.\d+"])
+    r = sp.rehearse(Custom, plan, rank=0, batch=(2, 8), steps=1)
+    return r.notes
+
+
+@pytest.mark.timeout(120)
+def test_rehearse_generic_init_is_said():
+    notes = run(_generic_worker, 1, init=False, timeout=110)[0]
+    init = next(n for n in notes if n.startswith("initialisation:"))
+    assert "reset_parameters() for" in init
+    assert "generic rehearsal initialisation (normal(0, 0.02) for matrices" in init
+    assert "layers.0.1 (NoInit: weight, bias, proj)" in init and "layers.1.1 (NoInit" in init
+
+
+def test_shard_meta_without_reset_parameters_names_the_module():
+    """shard() of a meta module: the module without reset_parameters is named with its own parameters only,
+    before anything is materialised, with the fixes."""
+    from shardplan.errors import RuntimeShardingError
+    from shardplan.runtime.init import materialize_unit
+    with torch.device("meta"):
+        lin, odd = nn.Linear(4, 4), NoInit(4)
+    names = ["a.weight", "a.bias", "b.weight", "b.bias", "b.proj"]
+    owners = [lin, lin, odd, odd, odd]
+    with pytest.raises(RuntimeShardingError, match=r"parameters \['b.weight', 'b.bias', 'b.proj'\] .*\(NoInit\) has no "
+                                                   r"reset_parameters.*init_fn=fn.*model._init_weights"):
+        materialize_unit(owners, names, {}, None, torch.device("cpu"))
+    assert lin.weight.device.type == "meta"  # refused before materialising anything
+
+
+def _positions_worker(_rank, _world):
+    plan = traced_plan(gpt.tiny, sp.Mesh(dp=2), batch=(2, 16))
+    with pytest.raises(RehearsalError, match=r"batch 2x9999: 9999 tokens per sequence, but GPT has 64 positions "
+                                             r"\(pos_embeddings: nn.Embedding\(64, 64\); config.max_seq = 64\).*--batch 2x64"):
+        sp.rehearse(gpt.tiny, plan, rank=0, batch=(2, 9999), steps=1)
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_batch_longer_than_positions():
+    assert run(_positions_worker, 1, init=False, timeout=110) == [True]
+
+
+@pytest.mark.timeout(300)
+def test_cli_rehearse_hf(tmp_path):
+    """`shardplan rehearse hf:CONFIG` runs and says its initialisation; a batch past GPT-2's positions is one
+    line naming them; --help offers only what runs."""
+    pytest.importorskip("transformers")
+    path = tmp_path / "gpt2.json"
+    path.write_text(json.dumps(HF_CONFIGS["gpt2"]))
+    p = _cli("rehearse", f"hf:{path}", "--mesh", "dp=4", "--rank", "2", "--batch", "2x16", "--steps", "2", timeout=280)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "note: initialisation: Hugging Face's own GPT2LMHeadModel._init_weights" in p.stdout
+    assert "host memory (RSS): peak" in p.stdout
+    bad = _cli("rehearse", f"hf:{path}", "--mesh", "dp=4", "--batch", "2x9999", "--steps", "1", timeout=280)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
+    assert "9999 tokens per sequence, but GPT2LMHeadModel has 64 positions (transformer.wpe" in bad.stderr
+    h = _cli("rehearse", "--help")
+    assert h.returncode == 0 and "--batch" in h.stdout and "--rank" in h.stdout
+    assert not any(o in h.stdout for o in ("--summary", "--schedule", "--explain"))  # a rehearsal cannot show them
+
+
+def _memory_worker(_rank, _world):
+    torch.set_num_threads(1)
+    kw = dict(dim=512, layers=40, heads=8, kv_heads=8, ffn=2048, vocab=512, max_seq=64, tie_embeddings=False)
+    build = lambda: gpt.build("124M", **kw)  # noqa: E731
+    plan = traced_plan(build, sp.Mesh(dp=64), batch=(1, 8), units=[r"layers\.\d+"])
+    r = sp.rehearse(build, plan, rank=0, batch=(1, 8), steps=1)
+    return r.host_peak, r.planned_peak, sum(p.numel for p in plan.params) * 4
+
+
+@pytest.mark.timeout(200)
+def test_rehearsal_host_memory_is_one_rank():
+    """Rank 0 of 64 of a model whose fp32 parameters take 670 MB: the process's RSS grows by the plan's peak
+    (this rank's shards and states, one or two gathered units, activations) plus a fixed overhead, never by
+    the model."""
+    host, planned, full = run(_memory_worker, 1, init=False, timeout=190)[0]
+    assert full > 600e6 and planned < full / 3
+    assert host is not None and host < planned + (96 << 20), (host, planned, full)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from .dtypes import to_torch
+from .metatrace import meta_trace, reraise, training_call
 from .optraffic import moved_bytes
 from .optraffic import tensors_in as _tensors
 from .units import entry_points, has_forward, trace_args, traced_step
@@ -317,12 +318,12 @@ def _run(model, trace, entries: dict[str, list[str]], checkpointed: bool,
     import torch.nn.functional as F
     _SDPA[:] = [F.scaled_dot_product_attention]
     F.scaled_dot_product_attention = _fused_attention
-    args, kwargs = trace_args(trace)
+    args, kwargs = training_call(model, *trace_args(trace))  # as a training step calls it (no KV cache)
     # a leaf input that takes a gradient stays one (its copy to meta would send the gradient back to its device)
     args, kwargs = tree_map(lambda x: x.detach().to("meta").requires_grad_(x.requires_grad)
                             if isinstance(x, torch.Tensor) else x, (args, kwargs))
     try:
-        with torch.enable_grad(), Mode():
+        with torch.enable_grad(), meta_trace(), Mode():
             for x in _tensors((args, kwargs), []):
                 tracker.add(x)
             mark("before_forward")
@@ -336,6 +337,8 @@ def _run(model, trace, entries: dict[str, list[str]], checkpointed: bool,
             for q in params:
                 q.grad = None
             mark("end_backward")
+    except Exception as exc:
+        reraise(model, exc, "the activation profile's traced step" + (" (every unit checkpointed)" if checkpointed else ""))
     finally:
         F.scaled_dot_product_attention = _SDPA[0]
         for h in handles:

@@ -268,9 +268,11 @@ examples:
 """
 
 
-def plan_options_parser() -> argparse.ArgumentParser:
+def plan_options_parser(views: bool = True) -> argparse.ArgumentParser:
     """The options that say which plan to build (TARGET, mesh, rules, strategy, ...) and the plan views
-    (--summary, --schedule, --json, --explain): ``shardplan plan`` and ``shardplan forecast`` share them."""
+    (--rank, --summary, --schedule, --json, --explain): ``shardplan plan`` and ``shardplan forecast`` share
+    them; ``shardplan rehearse`` takes the first without the views (``views=False``), which it cannot show,
+    and has its own --rank and --json."""
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     p.add_argument("target", help="path/to/file.py:fn or package.module:fn returning an nn.Module (e.g. "
                                   "shardplan.models.gpt:tiny), or hf:CONFIG: a Hugging Face config.json, a model folder "
@@ -321,6 +323,8 @@ def plan_options_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-tokens", default=None, metavar="BxT",
                    help="trace the forward once with a (B, T) token tensor on the meta device, e.g. 1x4096: the "
                         "unit order it takes and the tensor-parallel activation bytes per step")
+    if not views:
+        return p
     p.add_argument("--rank", type=int, default=0, metavar="R", help="rank whose local shapes and memory are shown")
     p.add_argument("--summary", action="store_true", help="sizes, memory and bytes only: no per-parameter table")
     p.add_argument("--schedule", action="store_true", help="also print the op schedule")
@@ -348,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.formatter_class, f.allow_abbrev, f.epilog = _Formatter, False, FORECAST_EXAMPLES
     f.description = textwrap.fill(f.description or "", 100)  # the examples keep their layout, so wrap this here
     f.add_argument("-h", "--help", action="help", help="show this help message and exit")  # the shared options have none
-    h = add_rehearse(sub, common)  # `shardplan rehearse` (src/shardplan/rehearsal/cli.py)
+    h = add_rehearse(sub, plan_options_parser(views=False))  # `shardplan rehearse` (src/shardplan/rehearsal/cli.py)
     h.formatter_class, h.allow_abbrev, h.epilog = _Formatter, False, REHEARSE_EXAMPLES
     h.description = textwrap.fill(h.description or "", 100)
     h.add_argument("-h", "--help", action="help", help="show this help message and exit")

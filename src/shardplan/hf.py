@@ -19,8 +19,9 @@ from .errors import PlanError
 
 
 def model_from_config(path: str, *, dtype: Optional[torch.dtype] = None) -> nn.Module:
-    """The ``transformers`` causal LM a ``config.json`` (or a folder holding one) describes, built on the
-    meta device; ``dtype`` overrides the config's ``torch_dtype``."""
+    """The ``transformers`` causal LM a ``config.json`` (or a folder holding one) describes (an
+    encoder-decoder's ``...ForConditionalGeneration`` for T5-like configs), built on the meta device;
+    ``dtype`` overrides the config's ``torch_dtype``."""
     try:
         import transformers
     except ImportError:
@@ -38,9 +39,18 @@ def model_from_config(path: str, *, dtype: Optional[torch.dtype] = None) -> nn.M
     if not isinstance(d, dict) or "model_type" not in d:
         raise PlanError(f"{path} has no model_type; it must be a Hugging Face config.json")
     cfg = transformers.AutoConfig.for_model(**d)
+    # a causal LM where the config has one (Llama, GPT-2, Mixtral, ...), else an encoder-decoder LM (T5, BART)
+    if type(cfg) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
+        auto = transformers.AutoModelForCausalLM
+    elif type(cfg) in transformers.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING:
+        auto = transformers.AutoModelForSeq2SeqLM
+    else:
+        raise PlanError(f"{path}: model_type {d['model_type']!r} has no causal or sequence-to-sequence LM class in "
+                        f"transformers {transformers.__version__}; build the model in a function and pass "
+                        f"path/to/file.py:fn instead")
     import torch._dynamo  # noqa: F401  (transformers imports it lazily; torch 2.6 cannot import it under meta)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        model = auto.from_config(cfg)
     if dtype is not None:
         model.to(dtype)
     return model

@@ -169,13 +169,16 @@ def run_traced(model, trace, hooks: dict, grad: bool = False) -> None:
     registered for that run only."""
     import torch
 
-    args, kwargs = trace_args(trace)
+    from .metatrace import meta_trace, reraise, training_call
+    args, kwargs = training_call(model, *trace_args(trace))  # as a training step calls it (no KV cache)
     modules = dict(model.named_modules())
     handles = [modules[path].register_forward_pre_hook(fn) if kind == "pre" else modules[path].register_forward_hook(fn)
                for path, (kind, fn) in hooks.items()]
     try:
-        with torch.set_grad_enabled(grad), traced_step():
+        with torch.set_grad_enabled(grad), traced_step(), meta_trace():
             model(*args, **kwargs)
+    except Exception as exc:
+        reraise(model, exc, "the traced forward")
     finally:
         for h in handles:
             h.remove()

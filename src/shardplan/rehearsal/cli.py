@@ -1,8 +1,10 @@
 """``shardplan rehearse TARGET --mesh dp=64 --rank 0 --batch 1x4096 [--steps 3] [--checkpoint] [--json]``: rank R of
 the plan ``shardplan plan`` builds from the same options, trained for a few steps on this machine.
 
-The subcommand takes every option of ``shardplan plan`` (it is built from that parser) plus its own; without
-``--trace-tokens`` the plan is traced on ``--batch`` (so its peak counts the step's activations).
+The subcommand takes the options of ``shardplan plan`` that build the plan (not its views: ``--summary``,
+``--schedule``, ``--explain``) plus its own; without ``--trace-tokens`` the plan is traced on ``--batch`` (so
+its peak counts the step's activations). A ``hf:config.json`` target rehearses with the model's own
+initialisation (the output says which was used).
 """
 
 from __future__ import annotations
@@ -15,21 +17,25 @@ from ..errors import RehearsalError
 from ..plan.facade import Plan
 
 OWN = ("batch", "steps", "checkpoint", "out")
-PLAN_ONLY = ("schedule", "summary", "explain")
 
 
 def add_parser(sub, plan_parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Register ``rehearse`` on the CLI's subparsers, with ``plan_parser``'s options and its own."""
-    # [Note: as `shardplan forecast`: the parent's actions are shared, so --json, --rank and -h are the plan's]
+    # [Note: the parent is a parser of the plan options without the plan's views (--summary, --schedule,
+    # --explain), which a rehearsal cannot show: --help offers only what runs; --rank and --json are ours]
     r = sub.add_parser("rehearse", parents=[plan_parser], add_help=False,
                        help="run one rank of an N-rank plan on this machine (collectives are local stand-ins)",
                        description="Train rank --rank of the plan for a few steps on this machine's device, every "
                                    "collective a local stand-in of the right shape: measured step time and peak "
                                    "memory beside the plan's, compute time per unit. For one rank only; the loss is "
-                                   "not meaningful. The plan options are those of `shardplan plan`.")
-    r.add_argument("--batch", required=True, metavar="BxT", help="tokens per rank per step, e.g. 1x4096")
+                                   "not meaningful. The plan options are those of `shardplan plan` that build the plan.")
+    r.add_argument("--rank", type=int, default=0, metavar="R", help="the rank of the plan to rehearse")
+    r.add_argument("--batch", required=True, metavar="BxT",
+                   help="tokens per rank per step, e.g. 1x4096 (T at most the model's positions, where it has a table "
+                        "of them)")
     r.add_argument("--steps", type=int, default=3, metavar="N", help="training steps to run (the first warms up)")
     r.add_argument("--checkpoint", action="store_true", help="checkpoint every unit (activation checkpointing)")
+    r.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
     r.add_argument("--out", default=None, metavar="FILE.json",
                    help="also write the results as JSON to FILE (`shardplan forecast --compute FILE` reads it)")
     return r
@@ -49,9 +55,6 @@ def run(args: argparse.Namespace, plan_text: Callable[[argparse.Namespace], str]
     same plan from the same options, as ``shardplan forecast`` builds it), ``build_model(target,
     param_dtype)`` its model builder (passed in: this module cannot import shardplan.cli, which imports it)."""
     from .run import rehearse  # (keeps `shardplan --help` torch-free: run.py imports torch)
-    for name in PLAN_ONLY:
-        if getattr(args, name, None):
-            raise RehearsalError(f"--{name} is an option of `shardplan plan`; run that for it")
     batch = parse_batch(args.batch)
     plan_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in OWN})
     plan_args.command, plan_args.json, plan_args.explain, plan_args.schedule, plan_args.summary = "plan", True, None, False, False

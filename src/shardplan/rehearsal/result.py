@@ -67,6 +67,11 @@ class Rehearsal:
     # stream: the forward's and autograd's backward thread), measured by releasing them; they are in the
     # measured peak and not in the plan. ``None``: not measured (CPU)
     library_workspace: Optional[int] = None
+    # host memory (RSS, Linux): the most the process held during start-up and the steps above what it held
+    # before the model was built (``host_baseline``); ``None``: not measured. On a CPU the device is the host,
+    # so it compares with ``planned_peak``; on a GPU it shows that the host never held the model
+    host_peak: Optional[int] = None
+    host_baseline: Optional[int] = None
 
     @property
     def median_step_s(self) -> float:
@@ -134,6 +139,10 @@ class Rehearsal:
                           if self.peak_ratio_with_workspace is not None else ""))
         else:
             out.append(f"measured peak: not measured ({self.peak_source})")
+        if self.host_peak is not None:
+            out.append(f"host memory (RSS): peak {_gib(self.host_peak)} above the {_gib(self.host_baseline)} the process "
+                       f"held before the model was built" + (" (on a CPU it holds the plan's peak too)"
+                                                             if self.measured_peak is None else ""))
         if self.states_peak_measured is not None:
             out.append(f"parameters and gradients held by the runtime: peak {_gib(self.states_peak_measured)}, "
                        f"planned {_gib(self.states_peak_planned)}")

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from ..activations import checkpoint_units, scalar_of, token_inputs, undo_checkpoint, unit_entries
-from ..errors import RehearsalError
+from ..errors import RehearsalError, ShardingError
 from ..plan import Plan
 from ..plan.render import fmt_bytes
 from ..plan.schedule import ROOT
@@ -20,6 +20,7 @@ from .result import Rehearsal, UnitTime
 from .timing import Clock, UnitTimer, unit_times
 from ..runtime.api import engine_of, memory_stats, reset_peak, shard
 from ..units import trace_args
+from ..metatrace import training_call
 
 START_UP_NOTE = ("start-up checked this rank only: the cross-rank exchange (plans and parameter values equal on "
                  "every rank) is skipped in a rehearsal")
@@ -84,6 +85,150 @@ def _fill_meta_buffers(model: nn.Module, device: torch.device) -> list[str]:
     return filled
 
 
+GENERIC_INIT = ("normal(0, 0.02) for matrices, ones for the weights and scales of vectors (norms), zeros for biases "
+                "and other vectors")
+
+
+class RehearsalInit:
+    """How the rehearsal initialises each module it materialises (``init_fn(module)`` of :func:`shard`, called
+    once per module that owns parameters, one unit at a time): ``init_fn`` when given; else a Hugging Face
+    model's own ``_init_weights(module)`` (what ``post_init`` runs, one module at a time instead of the whole
+    model); else the module's ``reset_parameters()``; and a parameter none of these wrote (a norm without
+    ``reset_parameters``, GPT-2's ``Conv1D``, a module HF's ``_init_weights`` does not know) gets the generic
+    rehearsal initialisation (:data:`GENERIC_INIT`). :meth:`describe` says which, for the output.
+
+    [Note: what was written] every floating-point parameter of the module is filled with NaN first; one
+    still NaN after the module's own initialisation was not written by it. The values cannot change a
+    rehearsal's memory or time, but uninitialised memory can hold NaNs and denormals, which can."""
+
+    def __init__(self, model: nn.Module, init_fn: Optional[Callable[[nn.Module], None]] = None):
+        self.user = init_fn
+        hf = getattr(model, "_init_weights", None)
+        self.hf = hf if callable(hf) and hasattr(model, "config") else None
+        self.model_name = type(model).__name__
+        self.paths = {id(m): n for n, m in model.named_modules()}
+        self.counts = {"init_fn": 0, "hf": 0, "reset": 0}
+        self.generic: list[str] = []  # "path (Class)" of the modules with parameters the generic init wrote
+
+    def __call__(self, m: nn.Module) -> None:
+        if self.user is not None:
+            self.user(m)
+            self.counts["init_fn"] += 1
+            return
+        own = [(n, p) for n, p in m.named_parameters(recurse=False) if p.is_floating_point()]
+        for _, p in own:
+            p.fill_(float("nan"))
+        if self.hf is not None:
+            self.hf(m)
+            self.counts["hf"] += 1
+        elif callable(getattr(m, "reset_parameters", None)):
+            m.reset_parameters()
+            self.counts["reset"] += 1
+        left = [(n, p) for n, p in own if bool(torch.isnan(p).any())]
+        for n, p in left:
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02)
+            elif n in ("weight", "scale", "gamma", "g"):
+                p.fill_(1.0)
+            else:
+                p.zero_()
+        if left:
+            path = self.paths.get(id(m), "?") or "<root>"
+            self.generic.append(f"{path} ({type(m).__name__}: {', '.join(n for n, _ in left)})")
+
+    def describe(self) -> str:
+        """One line: which initialisation the rehearsal used, and where the generic one."""
+        parts = []
+        if self.counts["init_fn"]:
+            parts.append(f"init_fn for {self.counts['init_fn']} module(s)")
+        if self.counts["hf"]:
+            parts.append(f"Hugging Face's own {self.model_name}._init_weights, one module at a time, for "
+                         f"{self.counts['hf']} module(s)")
+        if self.counts["reset"]:
+            parts.append(f"reset_parameters() for {self.counts['reset']} module(s)")
+        if self.generic:
+            shown = ", ".join(self.generic[:4]) + (f" and {len(self.generic) - 4} more" if len(self.generic) > 4 else "")
+            parts.append(f"the generic rehearsal initialisation ({GENERIC_INIT}) for {len(self.generic)} module(s) "
+                         f"with no initialisation of their own, or parameters it left unwritten: {shown}")
+        return "initialisation: " + ("; ".join(parts) if parts else "no parameters were materialised")
+
+
+def position_limit(model: nn.Module) -> Optional[tuple[int, str]]:
+    """``(positions, where)`` when ``model`` looks its positions up in a table (GPT-2's ``wpe``, a learned
+    ``pos_embeddings``): an ``nn.Embedding`` named for positions, or one whose size is the config's
+    ``max_position_embeddings`` / ``n_positions`` / ``max_seq`` / ``block_size``. Rotary and relative
+    positions (Llama, T5) have no table: ``None``."""
+    cfg = getattr(model, "config", None)
+    sizes = {}
+    for attr in ("max_position_embeddings", "n_positions", "max_seq_len", "max_seq", "block_size"):
+        v = getattr(cfg, attr, None)
+        if isinstance(v, int) and v > 0:
+            sizes.setdefault(v, attr)
+    for path, m in model.named_modules():
+        if not isinstance(m, nn.Embedding):
+            continue
+        leaf = path.rsplit(".", 1)[-1].lower()
+        named = leaf in ("wpe", "pos_emb") or "pos" in leaf
+        if named or (m.num_embeddings in sizes and leaf not in ("wte", "embed_tokens", "tok_embeddings")):
+            via = f"; config.{sizes[m.num_embeddings]} = {m.num_embeddings}" if m.num_embeddings in sizes else ""
+            return m.num_embeddings, f"{path}: nn.Embedding({m.num_embeddings}, {m.embedding_dim}){via}"
+    return None
+
+
+def _host_rss(field: str = "VmRSS") -> Optional[int]:
+    """This process's resident memory (``VmRSS``) or its high-water mark (``VmHWM``) in bytes (Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_host_peak() -> bool:
+    """Reset the process's RSS high-water mark (``VmHWM``), so that it measures from now (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+HOST_MMAP_THRESHOLD = 128 * 1024  # glibc's initial M_MMAP_THRESHOLD, kept fixed
+
+
+def fix_host_allocator() -> Optional[str]:
+    """On glibc, fix malloc's mmap threshold at its initial 128 KiB for the rest of this process, so that a
+    freed tensor's memory goes back to the system; returns a note saying so (``None``: not glibc, nothing done).
+
+    [Note: glibc keeps the model] glibc raises its mmap threshold to the size of each mmapped block freed
+    (up to 32 MiB). After the first unit's full tensors are freed, tensors of that size come from the heap,
+    and the next unit's, interleaved with the shards and states that stay, cannot be handed back: rank 0 of
+    64 of a GPT whose fp32 parameters take 673 MB grew by 1.7 GB (by the model during start-up, and again in
+    the first step) while the runtime held 124 MiB and the plan's peak was 145 MiB; with the threshold fixed
+    it grows by 135 MB. ``malloc_trim`` shows the memory was free, not held: the allocator's, not the
+    runtime's. [A setting of the whole process, as ``MALLOC_MMAP_THRESHOLD_=131072`` in the environment
+    would make it; only a CPU rehearsal, whose host memory is the device memory it measures, sets it.]"""
+    import ctypes
+    import sys
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.gnu_get_libc_version  # glibc only (musl has no dynamic threshold to fix)
+    except (OSError, AttributeError):
+        return None
+    M_MMAP_THRESHOLD = -3  # malloc.h
+    if libc.mallopt(M_MMAP_THRESHOLD, HOST_MMAP_THRESHOLD) != 1:
+        return None
+    return ("host allocator: glibc's mmap threshold is fixed at 128 KiB in this process (mallopt M_MMAP_THRESHOLD), "
+            "so freed tensors go back to the system; its dynamic threshold kept each unit's freed full tensors in "
+            "the heap, and the process grew by about the model's size")
+
+
 @contextlib.contextmanager
 def fake_world(rank: int, world: int):
     """This process as rank ``rank`` of ``world`` ranks whose collectives are local stand-ins."""
@@ -118,10 +263,14 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
     >>> print(r)            # per step: time and peak memory, measured and planned; per unit: compute time
 
     ``model_fn()`` builds the model (called under ``torch.device("meta")``: only this rank's shards are
-    ever materialised, one unit at a time, by ``init_fn`` or each module's ``reset_parameters``). Each step
+    ever materialised, one unit at a time, each module by ``init_fn``, else a Hugging Face model's own
+    ``_init_weights``, else its ``reset_parameters``, else a generic init: :class:`RehearsalInit`, which the
+    notes report). ``batch``'s T must fit a table of positions the model has (:func:`position_limit`). Each step
     feeds ``batch = (B, T)`` random tokens (``inputs_fn(model, tokens)`` gives the model's arguments
     otherwise: see :func:`shardplan.activations.token_inputs`), differentiates
-    :func:`shardplan.activations.scalar_of` of the output, and steps ``optimizer_fn(params)`` (AdamW).
+    :func:`shardplan.activations.scalar_of` of the output, and steps ``optimizer_fn(params)`` (AdamW;
+    ``shardplan.offload_optimizer`` for a plan with CPU offload). ``host_peak`` reports the process's RSS
+    growth (on a CPU, after fixing glibc's mmap threshold: :func:`fix_host_allocator`).
     ``checkpoint=True`` checkpoints every unit (activation checkpointing); compare with
     ``plan.memory(rank, recompute=True)``. Must run in a process without a process group of its own.
     """
@@ -137,18 +286,40 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
     if plan.activations is None:
         notes.append("the plan was not traced: its peak counts model states only (plan with trace=example inputs, "
                      "CLI --trace-tokens, to count activations)")
+    # [Note: host memory] the process's RSS before the model exists is the baseline; its high-water mark is
+    # reset here, so ``host_peak`` is what start-up and the steps added: this rank's shards, one gathered unit
+    # at a time, the optimizer states, the activations (on a CPU), and what the allocators keep
+    if device.type == "cpu":
+        fixed = fix_host_allocator()
+        if fixed:
+            notes.append(fixed)
+    host_base = _host_rss()
+    host_measured = host_base is not None and _reset_host_peak()
     with fake_world(rank, plan.mesh.size):
         with torch.device("meta"):
             model = model_fn()
         if not isinstance(model, nn.Module):
             raise RehearsalError(f"model_fn returned {type(model).__name__}, not an nn.Module")
+        limit = position_limit(model)
+        if limit is not None and t > limit[0]:
+            raise RehearsalError(f"batch {b}x{t}: {t} tokens per sequence, but {type(model).__name__} has {limit[0]} "
+                                 f"positions ({limit[1]}); rehearse with at most {limit[0]} tokens, e.g. "
+                                 f"--batch {b}x{limit[0]}")
         model.train()
-        shard(model, plan, init_fn=init_fn)
+        how = RehearsalInit(model, init_fn)
+        shard(model, plan, init_fn=how)
+        notes.append(how.describe())
         filled = _fill_meta_buffers(model, device)
         if filled:
             notes.append(f"{len(filled)} buffer(s) built on the meta device were filled with ones "
                          f"({', '.join(filled[:3])}{' ...' if len(filled) > 3 else ''})")
-        opt = (optimizer_fn or (lambda ps: _default_optimizer(ps, device)))(model.parameters())
+        if optimizer_fn is not None:
+            opt = optimizer_fn(model.parameters())
+        elif plan.offload:  # host master shards and moments: the offloading AdamW steps them
+            from ..runtime.offload_optim import offload_optimizer
+            opt = offload_optimizer(model, lr=1e-4)
+        else:
+            opt = _default_optimizer(model.parameters(), device)
         units = [u.name for u in plan.units if u.name != ROOT]
         entries = unit_entries(model, [(u.name, u.module_paths) for u in plan.units if u.name != ROOT])
         undo = checkpoint_units(model, entries) if checkpoint else []
@@ -157,11 +328,11 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
         exe = engine_of(model)
         gen = torch.Generator(device="cpu").manual_seed(rank)
         vocab = _vocab(model)
-        step_s, peaks, per_unit, opt_s, host_s, states, workspace = [], [], [], [], [], None, None
+        step_s, peaks, per_unit, opt_s, host_s, states, workspace, host_peak = [], [], [], [], [], None, None, None
         try:
             for i in range(steps):
                 tokens = torch.randint(0, vocab, (b, t), generator=gen).to(device)
-                args, kwargs = _as_call(inputs_fn(model, tokens) if inputs_fn else token_inputs(model, tokens))
+                args, kwargs = _as_call(model, inputs_fn(model, tokens) if inputs_fn else token_inputs(model, tokens))
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats(device)
@@ -187,6 +358,7 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
                 if device.type == "cuda":
                     peaks.append(int(torch.cuda.max_memory_allocated(device)))
             states = memory_stats(model)["peak"]
+            host_peak = _host_rss("VmHWM") - host_base if host_measured else None
             workspace = _library_workspace(device)
         finally:
             timer.remove()
@@ -208,7 +380,8 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
         activation_inputs=plan.activations.inputs if plan.activations is not None else "",
         states_peak_measured=states, states_peak_planned=mem.states_peak - mem.optimizer, units=times,
         host_s_per_unit=statistics.median(host_s[measured_from]) / max(len(unit_list), 1),
-        optimizer_s=statistics.median(opt_s[measured_from]), notes=tuple(notes), library_workspace=workspace)
+        optimizer_s=statistics.median(opt_s[measured_from]), notes=tuple(notes), library_workspace=workspace,
+        host_peak=host_peak, host_baseline=host_base if host_measured else None)
 
 
 def _library_workspace(device: torch.device) -> Optional[int]:
@@ -223,8 +396,13 @@ def _library_workspace(device: torch.device) -> Optional[int]:
     return max(0, before - torch.cuda.memory_allocated(device))
 
 
-def _as_call(inputs) -> tuple[tuple, dict]:
-    return trace_args(inputs)
+def _as_call(model: nn.Module, inputs) -> tuple[tuple, dict]:
+    """The step's call, as the plan's trace makes it (``use_cache=False`` where the forward takes it: see
+    :mod:`shardplan.metatrace`; a cache would be appended to twice under ``checkpoint=True``)."""
+    try:
+        return training_call(model, *trace_args(inputs), where="the rehearsal's step")
+    except ShardingError as exc:
+        raise RehearsalError(str(exc)) from None
 
 
 def _device_name(device: torch.device) -> str:
