@@ -264,7 +264,7 @@ def test_shipped_models_rules_and_configs_run_outside_a_checkout(tmp_path, monke
     assert out.returncode == 0 and "Mesh(replica=2, shard=2)" in out.stdout, out.stderr
     out = cli("plan", "hf:llama3_8b", "--mesh", "dp=8", "--summary")
     assert out.returncode == 0 and "291 parameters" in out.stdout, out.stderr
-    assert bundled_hf_configs() == ["llama3_70b", "llama3_8b", "mixtral_8x7b", "qwen2_7b"]
+    assert bundled_hf_configs() == ["gpt2_tiny", "llama3_70b", "llama3_8b", "mixtral_8x7b", "qwen2_7b"]
     import pathlib
     root = pathlib.Path(__file__).resolve().parent.parent
     sys.path.insert(0, str(root))

@@ -9,6 +9,7 @@ from typing import Any, Optional, Sequence
 
 from .errors import PlanError, PlanWarning, RuleError
 from .rules import leaves_with_paths
+from .metatrace import meta_trace, reraise, training_call
 
 ROOT = "<root>"
 
@@ -169,7 +170,6 @@ def run_traced(model, trace, hooks: dict, grad: bool = False) -> None:
     registered for that run only."""
     import torch
 
-    from .metatrace import meta_trace, reraise, training_call
     args, kwargs = training_call(model, *trace_args(trace))  # as a training step calls it (no KV cache)
     modules = dict(model.named_modules())
     handles = [modules[path].register_forward_pre_hook(fn) if kind == "pre" else modules[path].register_forward_hook(fn)

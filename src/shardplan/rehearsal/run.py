@@ -19,6 +19,7 @@ from ..runtime import collectives as C
 from .result import Rehearsal, UnitTime
 from .timing import Clock, UnitTimer, unit_times
 from ..runtime.api import engine_of, memory_stats, reset_peak, shard
+from ..runtime.offload_optim import offload_optimizer
 from ..units import trace_args
 from ..metatrace import training_call
 
@@ -316,7 +317,6 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
         if optimizer_fn is not None:
             opt = optimizer_fn(model.parameters())
         elif plan.offload:  # host master shards and moments: the offloading AdamW steps them
-            from ..runtime.offload_optim import offload_optimizer
             opt = offload_optimizer(model, lr=1e-4)
         else:
             opt = _default_optimizer(model.parameters(), device)
