@@ -5,22 +5,24 @@ Lightning is an optional extra (pip install shardplan[lightning]): without it th
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from distributed import run
 
-lightning = pytest.importorskip("lightning", reason="Lightning is not installed (pip install shardplan[lightning])")
-transformers = pytest.importorskip("transformers")
-
-pytestmark = pytest.mark.slow
+needs_lightning = pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
+                                     reason="Lightning is not installed (pip install shardplan[lightning])")
 
 STEPS = 4  # optimizer steps
 
 
 def _llama():
+    import transformers
     cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=72, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                    tie_word_embeddings=False)
@@ -168,6 +170,8 @@ def _ref_full(module):
             for k, v in module.state_dict().items()}
 
 
+@needs_lightning
+@pytest.mark.slow
 def test_lightning_strategy_trains_like_lightnings_fsdp(tmp_path):
     """A LightningModule unchanged but for Trainer(strategy=ShardplanStrategy(rules)): its losses and final
     parameters equal Lightning's FSDP2 (ModelParallelStrategy, the module sharding itself in configure_model)
@@ -186,3 +190,18 @@ def test_lightning_strategy_trains_like_lightnings_fsdp(tmp_path):
     _close(*zero["plain_full"], "plain steps against FSDP2")
     _close(*zero["accumulate_full"], "accumulation and clipping against DDP")
     _close(*zero["resume_full"], "resumed against straight")
+
+
+def test_without_lightning_the_import_says_how_to_install_it():
+    """``import shardplan`` never imports Lightning; the integration without it raises ShardingError naming the
+    extra (runs whether or not Lightning is installed: the child process hides it)."""
+    code = ("import sys; sys.modules['lightning'] = None\n"
+            "import shardplan\n"
+            "assert not any(m.split('.')[0] in ('lightning', 'pytorch_lightning') for m in sys.modules if sys.modules[m])\n"
+            "try:\n"
+            "    import shardplan.integrations.lightning\n"
+            "except shardplan.ShardingError as exc:\n"
+            "    print('REFUSED', exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "REFUSED" in out.stdout and "pip install 'shardplan[lightning]'" in out.stdout, out.stdout
