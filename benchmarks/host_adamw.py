@@ -3,7 +3,7 @@
     python benchmarks/host_adamw.py                               # 16M fp32 elements, every variant, 1..N threads
     python benchmarks/host_adamw.py --numel 60000000 --threads 4,8,12,16 --worker --out host_adamw.json
 
-The offloaded optimizer (runtime/offload.py) steps one flat host tensor per buffer with
+The offloaded optimizer (runtime/offload/) steps one flat host tensor per buffer with
 ``torch.optim.adamw.adamw``; which kernel runs is ``fused`` (torch's ``_fused_adamw_``, CPU since 2.4),
 ``foreach`` (``_foreach_*`` over a list of tensors: here the buffer cut into ``--pieces`` views, as the
 per-parameter state would be) or ``single`` (the for-loop over tensors). Each step reads param, grad and

@@ -443,7 +443,7 @@ def _overlap_worker(rank, world, cases):
     they still run) against an unsharded torch.optim.AdamW run on the whole batch; and the worker's order."""
     import time
     import torch.distributed as dist
-    import shardplan.runtime.offload as off
+    import shardplan.runtime.offload.kernels as off  # (the host steps call kernels._host_compute)
 
     order: list = []
     plain = off._host_compute
@@ -627,7 +627,7 @@ def _tensor_lr_worker(rank, world):
     step must use its own step's lr (against unsharded torch.optim.AdamW, slowed host steps)."""
     import time
     import torch.distributed as dist
-    import shardplan.runtime.offload as off
+    import shardplan.runtime.offload.kernels as off  # (the host steps call kernels._host_compute)
     plain = off._host_compute
 
     def slow(hb, *a):

@@ -181,7 +181,7 @@ def host_step_bytes(buffers: Sequence[BufferPlan], optimizer_states: int) -> int
 
     [Note: the host step's bound] The fused CPU AdamW is bound by the host's memory bandwidth, so the host
     step takes about ``host_step_bytes / bandwidth``; it overlaps backward and the next forward
-    (runtime/offload.py, [Note: the host step overlaps the next forward]) but cannot shrink: a training step
+    (runtime/offload/, [Note: the host step overlaps the next forward]) but cannot shrink: a training step
     takes at least ``max(device step, host step)``."""
     return sum(shard_bytes(b) * (3 + 2 * optimizer_states) for b in buffers if b.offload and b.requires_grad)
 

@@ -144,7 +144,7 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
         them. ZeRO-1/2 gather every unit at ``before_forward`` after a step (``stale``), so every copy comes
         first; ZeRO-3 copies each unit in just before its first forward gather (``always``: a no-op but
         after a step), so the next forward waits for unit k's host step only ([Note: the host step overlaps
-        the next forward], runtime/offload.py)."""
+        the next forward], runtime/offload/)."""
         mine = bufs(u, lambda b: b.offload == Offload.OPTIMIZER)
         return [op(COPY_H2D, u, PARAMS, event, at, mine, lambda b: (),
                    sum(b.shard_numel * b.itemsize for b in mine), pf, when)] if mine else []
@@ -189,7 +189,7 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
         if hosted:
             nbytes = sum(b.shard_numel * b.itemsize for b in hosted)
             out.append(op(COPY_D2H, u, GRADS, event, at, hosted, lambda b: (), nbytes, when=SYNC))
-            # ... and the host steps it while backward goes on (runtime/offload.py: [Note: the overlapped step])
+            # ... and the host steps it while backward goes on (runtime/offload/: [Note: the overlapped step])
             out.append(op(OPTIM_STEP, u, PARAMS, event, at, hosted, lambda b: (), nbytes, when=SYNC))
         transient = [b for b in grads if not b.keeps_grads]
         if transient:

@@ -302,7 +302,7 @@ def _patch_torch_norms() -> None:
     different factor: silently wrong. Routed once: given local shards' gradients, it returns the global norm
     (one collective: every rank must call it, as with DTensors); any other tensors go to torch unchanged.
 
-    The code of torch's function is swapped (as for ``register_fsdp_forward_method``, see dropin.py), not
+    The code of torch's function is swapped (as for ``register_fsdp_forward_method``, see dropin/), not
     only the module attributes: a name bound before the first ``shard()`` (``from torch.nn.utils import
     get_total_norm`` at the top of a training script) is the same function object, and it would otherwise
     keep returning this rank's norm."""

@@ -36,8 +36,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .executor import Executor
 
 ATTR = "_shardplan"  # module.__dict__ key of the executor shard() attaches
-FULLY_SHARD_MARK = "_shardplan_fully_shard"  # module.__dict__ key of fully_shard's options (dropin._MARK)
-FIRST_USE: list = []  # fully_shard's compile at first use, registered by dropin.py (which every mark comes from)
+FULLY_SHARD_MARK = "_shardplan_fully_shard"  # module.__dict__ key of fully_shard's options (dropin/marks.py: _MARK)
+FIRST_USE: list = []  # fully_shard's compile at first use, registered by dropin/compile.py
 _GROUPS: dict[str, tuple[object, C.Groups]] = {}
 FUNCTIONAL_ATTR = "_shardplan_functional"
 """module.__dict__ key of {plan fingerprint: the functional face's runtime of that pair} (runtime/functional.py).
@@ -74,7 +74,7 @@ def engine_of(module: nn.Module, plan: Optional[Plan] = None) -> "Executor":
     module = unwrap_compiled(module)  # torch.compile(model): the module it wraps
     eng = module.__dict__.get(ATTR)
     if eng is None and FULLY_SHARD_MARK in module.__dict__:
-        # [Note: a fully_shard model before its first use] its plan compiles at the first use (dropin.py); a
+        # [Note: a fully_shard model before its first use] its plan compiles at the first use (dropin/compile.py); a
         # shardplan function (full_state_dict, checkpoint.save, ...) is a use, as FSDP2 allows them right after
         # fully_shard
         for compile_plan in FIRST_USE:

@@ -97,7 +97,7 @@ class Executor:
                         (ALL_REDUCE, SCALES): self._scales}
         self.replay_forward = False  # a no-grad forward ran after a forward whose backward is pending
         self.fsdp2_inputs = False  # the drop-in fully_shard: cast inputs at every unit, as FSDP2 (hooks.py)
-        self.offload = None  # [offload hook] runtime/offload.py's OffloadState, set by shard() for offloading plans
+        self.offload = None  # [offload hook] runtime/offload/: OffloadState, set by shard() for offloading plans
         self.partial_check = None  # tensor parallelism: runtime/tensor_parallel.py's PartialCheck, set by the faces
 
     @property
@@ -413,7 +413,7 @@ class Executor:
         self.face.unused(unused)
 
     def _offload_copy(self, op: Op) -> None:
-        """[offload hook] copy_d2h / copy_h2d / optim_step: CPU offload's ops (runtime/offload.py)."""
+        """[offload hook] copy_d2h / copy_h2d / optim_step: CPU offload's ops (runtime/offload/)."""
         if self.offload is None:
             raise RuntimeShardingError("shardplan: this plan offloads to host memory (plan(offload=...)), which runs "
                                        "with shardplan.shard(model, plan) only; plan without offload for this face")

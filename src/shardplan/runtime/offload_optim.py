@@ -22,7 +22,8 @@ import torch.nn as nn
 
 from ..errors import RuntimeShardingError
 from .builder import engine_of
-from .offload import STATS, _by_step, adamw  # noqa: F401  (the kernel both sides share)
+from .offload.host import STATS
+from .offload.kernels import _by_step, adamw  # noqa: F401  (the kernel both sides share)
 from .api import clip_grad_norm_
 
 
@@ -39,7 +40,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._model = weakref.ref(model)
         self._host = eng.offload
         self.fused = fused
-        self.overlap = bool(overlap)  # host steps during backward ([Note: the overlapped step], runtime/offload.py)
+        self.overlap = bool(overlap)  # host steps during backward ([Note: the overlapped step], runtime/offload/)
         # ... and into the next forward: step() returns before the host steps end (opt in: see offload_optimizer)
         self.overlap_forward = self.overlap and bool(overlap_forward)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -98,7 +99,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 else:
                     self._host.host_step(hb, group, self.fused)
         if self._host is not None:
-            # [Note: the host step overlaps the next forward] (runtime/offload.py): with overlap, no wait here;
+            # [Note: the host step overlaps the next forward] (runtime/offload/): with overlap, no wait here;
             # each unit's copy_h2d before its next gather waits for that unit's step
             self._host.harvest() if self.overlap else self._host.finish_step()
             if self.overlap and not self.overlap_forward:  # torch's contract: after step() the parameters are new
