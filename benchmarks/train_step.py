@@ -302,21 +302,11 @@ class CapturedSystem:
     """A captured step (``sp.capture``) behind train_step's loop: calling it runs the whole step (forward, backward,
     clipping off, optimizer) as one replay; ``backward``, ``step`` and ``zero_grad`` are inside it."""
 
-    class _Loss:
-        def __init__(self, value):
-            self.value = value
-
-        def backward(self):
-            pass
-
-        def detach(self):
-            return self.value
-
     def __init__(self, step, parameters):
         self.step_fn, self.parameters = step, parameters
 
     def __call__(self, x, y):
-        return self._Loss(self.step_fn(x, y))
+        return FunctionalSystem._Loss(self.step_fn(x, y))  # the loss the loop sees: backward() ran inside
 
     def step(self):
         pass

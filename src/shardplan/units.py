@@ -150,6 +150,27 @@ def tracing() -> bool:
     return _TRACING[0] > 0
 
 
+_CP_ATTENTION = [0]  # how many sp.context_parallel.attention calls are running (the traced step's plain path)
+
+
+class cp_attention:
+    """``with cp_attention(): ...``: :func:`in_cp_attention` is true inside. ``sp.context_parallel.attention``
+    marks its plain call so, and the planner's traced step tells its attention from one a model makes itself."""
+
+    def __enter__(self):
+        _CP_ATTENTION[0] += 1
+        return self
+
+    def __exit__(self, *exc):
+        _CP_ATTENTION[0] -= 1
+        return False
+
+
+def in_cp_attention() -> bool:
+    """Whether the scaled-dot-product attention running now was called by ``sp.context_parallel.attention``."""
+    return _CP_ATTENTION[0] > 0
+
+
 class traced_step:
     """``with traced_step(): model(...)``: :func:`tracing` is true inside.
 

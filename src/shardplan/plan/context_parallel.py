@@ -25,7 +25,7 @@ from .kinds import ACTIVATIONS, ALL_GATHER, MODULE_BACKWARD, MODULE_FORWARD, RED
 from .tensor_parallel import Anchor, ModuleOps, anchors
 from .values import Op
 from .tensor_parallel import LINEAR
-from ..units import run_traced, trace_args
+from ..units import in_cp_attention, run_traced, trace_args
 
 CONTEXT_AXIS = "cp"
 
@@ -49,21 +49,9 @@ def axis_size(mesh: Mesh) -> int:
     return mesh.axis_size(CONTEXT_AXIS) if CONTEXT_AXIS in mesh.axis_names else 1
 
 
-_ATTENTION = ("shardplan.runtime.context_parallel", "attention")
-
-
-def _through_attention() -> bool:
-    """Whether the attention call being traced comes from ``sp.context_parallel.attention``.
-    [Note: read off the Python stack by module and function name: the planner does not import the runtime,
-    and only that function gathers keys and values over cp; a model calling F.scaled_dot_product_attention
-    itself would silently attend over its local chunks]"""
-    import sys
-    f = sys._getframe(1)
-    while f is not None:
-        if (f.f_globals.get("__name__"), f.f_code.co_name) == _ATTENTION:
-            return True
-        f = f.f_back
-    return False
+# [Note: which attention the traced step sees] sp.context_parallel.attention marks its plain call (units.cp_attention);
+# a model calling F.scaled_dot_product_attention itself would silently attend over its local chunks
+_through_attention = in_cp_attention
 
 
 HF_ATTENTION = "shardplan_cp"  # runtime.context_parallel.HF_ATTENTION (the planner does not import the runtime)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..errors import RuntimeShardingError, ShardingError
 from ..plan.kinds import MODULE_BACKWARD, RECOMPUTE
-from ..units import tracing
+from ..units import cp_attention, tracing
 from . import collectives as C
 
 CONTEXT_AXIS = "cp"
@@ -248,8 +248,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None,
     """
     g = active()
     if g is None or tracing():  # (the planner's traced step: one rank's shapes, no collective)
-        return _sdpa()(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                       **kwargs)
+        with cp_attention():
+            return _sdpa()(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                           **kwargs)
     if attn_mask is not None:
         raise RuntimeShardingError("context-parallel attention got an attn_mask: a mask over the full sequence cannot "
                                    "be honoured on sequence chunks here; use is_causal=True (or no mask), or train "
