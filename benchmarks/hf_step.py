@@ -74,10 +74,11 @@ def make(name, args, dev, world):
             ctx = lambda: torch.autocast(dev.type, dtype=dt, cache_enabled=not captured)  # noqa: E731
     else:
         raise SystemExit(f"unknown system {name}")
+    kind = {"fused": True} if args.adamw == "fused" else {"foreach": True}
     if captured:
-        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-4, device=dev), foreach=True, capturable=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-4, device=dev), capturable=True, **kind)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **kind)
 
     def step(x):
         with ctx():
@@ -87,6 +88,22 @@ def make(name, args, dev, world):
         opt.zero_grad(set_to_none=True)
         return loss.detach()
     return (sp.capture(step) if captured else step), info
+
+
+def kernels(step, data, top=30):
+    """The device kernels of ``len(data)`` steps under torch's profiler: the ``top`` by device time (ms per step)
+    and the total, so that an eager and a captured step can be compared kernel by kernel."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for x in data:
+            step(x)
+        torch.cuda.synchronize()
+    rows = [(e.key, getattr(e, "self_device_time_total", 0) / 1e3 / len(data), e.count // len(data))
+            for e in prof.key_averages()]
+    rows = [r for r in rows if r[1] > 0]
+    rows.sort(key=lambda r: -r[1])
+    return {"total_ms": sum(r[1] for r in rows), "count": sum(r[2] for r in rows),
+            "top": [{"kernel": k[:120], "ms": round(ms, 3), "n": n} for k, ms, n in rows[:top]]}
 
 
 def run(step, data, dev):
@@ -114,6 +131,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tiny", action="store_true", help="a two-layer model of the same kind (CPU smoke runs)")
     ap.add_argument("--snapshot", action="store_true", help="GPU: what is live at each system's peak (last round)")
+    ap.add_argument("--adamw", choices=("foreach", "fused"), default="foreach", help="AdamW's implementation (all systems)")
+    ap.add_argument("--kernels", action="store_true", help="GPU: each system's top kernels over two steps (last round)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cuda, dev = start_world()
@@ -135,6 +154,8 @@ def main():
             with _memsnap.recording() if snap else contextlib.nullcontext():
                 step, info = make(s, args, dev, world)
                 times, losses = run(step, data, dev)
+                if cuda and args.kernels and k == args.rounds - 1:
+                    res[s]["kernels"] = kernels(step, data[-2:])
                 if snap:
                     res[s]["live_at_peak"] = _memsnap.live_at_peak(torch.cuda.memory._snapshot())
             r = res[s]
@@ -146,13 +167,13 @@ def main():
                 r["requested"].append(torch.cuda.memory_stats()["requested_bytes.all.peak"])
             del step
     out = {"model": "HF LlamaForCausalLM, Llama-3.2-1B shapes" + (" (tiny)" if args.tiny else ""),
-           "world": world, "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "torch": torch.__version__,
+           "world": world, "adamw": args.adamw, "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "torch": torch.__version__,
            "device": torch.cuda.get_device_name() if cuda else "cpu", "systems": {}}
     for s, r in res.items():
         out["systems"][s] = {"median_step_ms": 1e3 * statistics.median(r["times"]),
                              "peak_gib": max(r["peak"]) / 2**30 if r["peak"] else None,
                              "peak_requested_gib": max(r["requested"]) / 2**30 if r["requested"] else None,
-                             "losses": r["losses"], **{k: r[k] for k in ("units", "plan_peak", "live_at_peak") if k in r}}
+                             "losses": r["losses"], **{k: r[k] for k in ("units", "plan_peak", "live_at_peak", "kernels") if k in r}}
     for ref in ("fsdp2", "unsharded"):  # every system's step time against the references that ran
         if ref in out["systems"]:
             out[f"x_{ref}"] = {k: v["median_step_ms"] / out["systems"][ref]["median_step_ms"]

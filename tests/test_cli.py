@@ -127,12 +127,12 @@ import contextlib, io, sys
 sys.modules["numpy"] = None        # numpy is no dependency: without it, nothing is printed either
 import shardplan as sp
 assert "torch" not in sys.modules
-assert callable(sp.plan) and sp.plan.__module__ == "shardplan.plan.compiler"
+assert callable(sp.plan) and sp.plan.__module__ == "shardplan.planner.compiler"
 from shardplan.cli import main
 with contextlib.redirect_stdout(io.StringIO()):
     assert main(["plan", "examples/gpt.py:tiny", "--mesh", "dp=2", "--summary"]) == 0
 mods = [m for m in sys.modules if m.startswith("shardplan")]
-assert "torch" in sys.modules and "shardplan.plan.render" in mods and callable(sp.plan)
+assert "torch" in sys.modules and "shardplan.planner.render" in mods and callable(sp.plan)
 assert not [m for m in mods if m.startswith(("shardplan.runtime", "shardplan.dropin", "shardplan.tree",
                                              "shardplan.optim"))], mods    # `plan` imports the planner only
 assert callable(sp.shard) and sp.checkpoint.save and sp.optim.adamw and sp.runtime.api

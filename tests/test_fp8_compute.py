@@ -76,7 +76,7 @@ def test_float8_gathers_in_the_plan():
     assert m.gathered_peak < m0.gathered_peak                           # the gathered weights are float8 codes
     text = str(plan)
     assert "all-gathered as float8 codes" in text and "absmax all-reduce" in text
-    from shardplan.plan.render import render_schedule
+    from shardplan.planner.render import render_schedule
     sched = render_schedule(plan)
     # the absmax all-reduce is an op of its own (every collective is), just before its unit's all-gather
     assert "absmax (max) of float8 weights, then their scales: all_reduce scales layers.0 over dp, 28 B" in sched

@@ -58,7 +58,7 @@ def test_plan_shows_quantized_gathers():
     plan = _plan(gather="float8_e4m3fn", compute_dtype="bf16")
     text = str(plan)
     assert "gathered as float8_e4m3fn" in text and "fp32 block scales" in text
-    from shardplan.plan.render import render_schedule
+    from shardplan.planner.render import render_schedule
     sched = render_schedule(plan)
     assert "quantize float8_e4m3fn" in sched and "dequantize float8_e4m3fn -> compute dtype" in sched
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
 import shardplan as sp
-from shardplan.plan.kinds import COPY_D2H, COPY_H2D, GRADS, OPTIM_STEP, PARAMS, WAIT
+from shardplan.planner.kinds import COPY_D2H, COPY_H2D, GRADS, OPTIM_STEP, PARAMS, WAIT
 
 from distributed import run
 from models import Toy, batches, toy_rules
@@ -57,7 +57,7 @@ def test_device_bytes_move_to_the_host(strategy):
 
 @pytest.mark.parametrize("strategy,mode", [(3, "optimizer"), (1, "optimizer"), (3, "params")])
 def test_auto_fraction_is_the_smallest_that_fits(strategy, mode):
-    from shardplan.plan.offload import prefix_fractions
+    from shardplan.planner.offload import prefix_fractions
     full = _plan(strategy, mode)
     fractions = prefix_fractions(full.buffers, full.units)
     peaks = [max(_plan(strategy, mode, f).memory(r).peak for r in range(4)) for f in fractions]
@@ -79,7 +79,7 @@ def test_auto_fraction_is_the_smallest_that_fits(strategy, mode):
 
 
 def test_balanced_fraction_fits_the_host_step_in_the_window():
-    from shardplan.plan.offload import offloaded_share, prefix_fractions
+    from shardplan.planner.offload import offloaded_share, prefix_fractions
     full = _plan()
     fractions = prefix_fractions(full.buffers, full.units)
     host = 0.3  # seconds per step with everything offloaded: linear in the fraction
@@ -529,8 +529,8 @@ def test_the_next_forward_sees_the_updated_parameters():
 # -- host memory: what the runtime allocates is what the plan says ----------------------------------------
 
 def test_pinned_slabs_are_powers_of_two_and_hold_every_buffer():
-    """[Note: slabs] (plan/offload.py): the layout the runtime allocates, a pure function of the sizes."""
-    from shardplan.plan.offload import slab_layout
+    """[Note: slabs] (planner/offload.py): the layout the runtime allocates, a pure function of the sizes."""
+    from shardplan.planner.offload import slab_layout
     gib = 2**30
     for need in ({0: 3 << 20, 1: 1 << 20}, {i: n for i, n in enumerate([int(2.0 * gib)] * 2 + [int(1.7 * gib)] * 40)},
                  {0: 1000, 1: 24, 2: 0}, {7: 5}):
@@ -551,7 +551,7 @@ def test_pinned_slabs_are_powers_of_two_and_hold_every_buffer():
 
 
 def _pinned_worker(rank, world, cases):
-    from shardplan.plan.offload import slab_layout
+    from shardplan.planner.offload import slab_layout
     out = []
     for strategy, fraction, mode in cases:
         model = Toy()

@@ -7,7 +7,7 @@ import ast
 import inspect
 import pathlib
 
-from shardplan.plan.schedule import PRE_FORWARD
+from shardplan.planner.schedule import PRE_FORWARD
 from shardplan.runtime import executor, faces
 from shardplan.runtime.cursor import Cursor, Facts
 

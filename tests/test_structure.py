@@ -1,4 +1,4 @@
-"""The package's import graph: no module of ``shardplan.plan`` takes part in an import cycle, and (once the
+"""The package's import graph: no module of ``shardplan.planner`` takes part in an import cycle, and (once the
 runtime's cycle is gone) no module of ``shardplan`` does. Imports are read with ``ast`` at any depth (inside
 functions too, where cycles hide), except those under ``if TYPE_CHECKING:`` (annotations only)."""
 
@@ -63,7 +63,7 @@ def edges(mods: dict[str, Path]) -> dict[str, set[str]]:
                 # package already being imported (the parent of X.name), not a dependency of its own]
                 targets = [f"{target}.{a.name}" if f"{target}.{a.name}" in mods else target for a in node.names]
             for t in targets:
-                while t and t not in mods and "." in t:  # `import shardplan.plan.x.y`: the deepest module named
+                while t and t not in mods and "." in t:  # `import shardplan.planner.x.y`: the deepest module named
                     t = t.rpartition(".")[0]
                 if t in mods and t != mod:
                     graph[mod].add(t)
@@ -138,9 +138,9 @@ def test_the_walker_sees_function_level_imports_and_skips_type_checking(tmp_path
 
 def test_plan_package_has_no_import_cycle():
     graph = edges(modules())
-    assert "shardplan.plan.facade" in graph and "shardplan.plan.values" in graph["shardplan.plan.facade"]
-    bad = [c for c in cycles(graph) if any(m.startswith(f"{PACKAGE}.plan.") or m == f"{PACKAGE}.plan" for m in c)]
-    assert not bad, "import cycles through shardplan.plan:\n" + _describe(bad, graph)
+    assert "shardplan.planner.facade" in graph and "shardplan.planner.values" in graph["shardplan.planner.facade"]
+    bad = [c for c in cycles(graph) if any(m.startswith(f"{PACKAGE}.planner.") or m == f"{PACKAGE}.planner" for m in c)]
+    assert not bad, "import cycles through shardplan.planner:\n" + _describe(bad, graph)
 
 
 # the planner's layers, bottom up: a module imports (at run time) only modules of ``plan`` in lower layers,
@@ -160,9 +160,9 @@ def test_plan_modules_are_layered():
     """Values at the bottom (``kinds``, then ``values``: no function module); function modules import values,
     never the facade; the facade (:class:`Plan`) above them, the compiler above it."""
     graph = edges(modules())
-    layer = {f"{PACKAGE}.plan" + (f".{m}" if m else ""): k for k, names in enumerate(LAYERS) for m in names}
-    assert set(layer) == {m for m in graph if m == f"{PACKAGE}.plan" or m.startswith(f"{PACKAGE}.plan.")}, \
-        "a new module of shardplan.plan: give it a layer in LAYERS"
+    layer = {f"{PACKAGE}.planner" + (f".{m}" if m else ""): k for k, names in enumerate(LAYERS) for m in names}
+    assert set(layer) == {m for m in graph if m == f"{PACKAGE}.planner" or m.startswith(f"{PACKAGE}.planner.")}, \
+        "a new module of shardplan.planner: give it a layer in LAYERS"
     for mod, k in layer.items():
         for dep in graph[mod]:
             if dep in layer:
@@ -171,16 +171,16 @@ def test_plan_modules_are_layered():
 
 
 def test_plan_imports_nothing_above_it():
-    """``shardplan.plan`` imports only itself and the floor below it (``BELOW_PLAN``), and that floor imports
+    """``shardplan.planner`` imports only itself and the floor below it (``BELOW_PLAN``), and that floor imports
     neither the planner nor anything above it (at any depth: function-level imports count)."""
     graph = edges(modules())
     below = {f"{PACKAGE}.{m}" for m in BELOW_PLAN}
-    plan = {m for m in graph if m == f"{PACKAGE}.plan" or m.startswith(f"{PACKAGE}.plan.")}
+    plan = {m for m in graph if m == f"{PACKAGE}.planner" or m.startswith(f"{PACKAGE}.planner.")}
     assert below <= set(graph)
     up = sorted((m, d) for m in plan for d in graph[m] - plan - below)
-    assert not up, "shardplan.plan imports modules above it (forecast, runtime, ...): " + repr(up)
+    assert not up, "shardplan.planner imports modules above it (forecast, runtime, ...): " + repr(up)
     up = sorted((m, d) for m in below for d in graph[m] - below)
-    assert not up, "the floor below shardplan.plan imports the planner or above: " + repr(up)
+    assert not up, "the floor below shardplan.planner imports the planner or above: " + repr(up)
 
 
 def test_whole_package_has_no_import_cycle():
@@ -262,8 +262,8 @@ def test_every_public_name_is_typed_with_a_docstring_and_an_example():
 
 
 def test_the_op_docstring_names_every_kind_and_subject():
-    from shardplan.plan.kinds import OpKind, Subject
-    from shardplan.plan.values import Op
+    from shardplan.planner.kinds import OpKind, Subject
+    from shardplan.planner.values import Op
     doc = " ".join(Op.__doc__.split())
     missing = [m.value for m in (*OpKind, *Subject) if m.value not in doc]
     assert not missing, f"Op's docstring does not name {missing}"
@@ -271,7 +271,7 @@ def test_the_op_docstring_names_every_kind_and_subject():
 
 def test_every_module_is_on_the_map():
     """docs/architecture.md names every module of ``src/`` (as `` `name.py` ``) in the section of its package:
-    ``## ... (`src/shardplan/plan/`)`` for ``plan/``, ``(`src/shardplan/`)`` for the top level; a module of a
+    ``## ... (`src/shardplan/planner/`)`` for ``planner/``, ``(`src/shardplan/`)`` for the top level; a module of a
     subpackage of these (``runtime/checkpoint/``) in its parent's section."""
     import re
     text = (SRC.parent / "docs" / "architecture.md").read_text()
@@ -376,3 +376,19 @@ def test_function_level_imports_are_few_and_say_why():
 if __name__ == "__main__":
     for k, v in figures().items():
         print(f"{k:24} {v}")
+
+
+def test_planner_package_is_not_shadowed_and_old_deep_imports_work():
+    """The planner package is ``shardplan.planner`` (``sp.plan`` is the function, and stays the function); deep
+    imports written for the old package name give the same module objects, not copies."""
+    code = ("import shardplan as sp, shardplan.planner as pl, shardplan.plan\n"
+            "from shardplan.plan.render import render_schedule\n"
+            "from shardplan.plan.values import Op\n"
+            "import shardplan.planner.render as r, shardplan.planner.values as v, sys\n"
+            "assert callable(sp.plan) and sp.plan is pl.plan and not isinstance(sp.plan, type(sys))\n"
+            "assert render_schedule is r.render_schedule and Op is v.Op and sp.Plan is pl.Plan\n"
+            "assert r.__spec__.name == 'shardplan.planner.render' and 'torch' not in sys.modules\n"
+            "import pickle; assert pickle.loads(pickle.dumps(v.Op)) is v.Op\n")
+    import subprocess
+    import sys
+    subprocess.run([sys.executable, "-c", code], check=True, env={"PYTHONPATH": str(SRC), "PATH": ""}, timeout=120)

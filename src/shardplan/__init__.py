@@ -11,25 +11,57 @@ that ``import shardplan`` and the ``shardplan`` command start at once.
 
 ``dir(shardplan)`` is the everyday surface (``__all__``); the rest lives in its subpackage: the errors in
 ``shardplan.errors``, the checkpoint functions in ``shardplan.checkpoint``, the plan's values (``Op``,
-``ParamPlan``, ...) in ``shardplan.plan``, ``clip_by_global_norm`` in ``shardplan.optim``, the FSDP2 extras in
+``ParamPlan``, ...) in ``shardplan.planner``, ``clip_by_global_norm`` in ``shardplan.optim``, the FSDP2 extras in
 ``shardplan.dropin``. Every name that was once at the top level still is (``sp.PlanError``, ``sp.state_dict``,
 ...): ``_MOVED`` below resolves it from its subpackage on first use.
 """
 
 import importlib as _importlib
+import sys as _sys
 from importlib.util import find_spec as _find_spec
 
 from .dtypes import import_torch as _import_torch  # torch-free: it imports torch when called
 from .errors import ShardingError
 from .mesh import Mesh
-from .plan import Plan, plan
+from .planner import Plan, plan
 from .rules import Rules, explain, match
 from .spec import P
 from .auto import auto_rules
 from . import errors
-from . import forecast  # torch-free; registers plan.forecast(...) (plan/facade.py: the planner never imports it)
+from . import forecast  # torch-free; registers plan.forecast(...) (planner/facade.py: the planner never imports it)
 
 __version__ = "0.1.0"
+
+
+class _PlannerAlias:
+    """[Note: the planner package was once ``shardplan.plan``, a name the function ``sp.plan`` shadows
+    (``import shardplan.plan as pp`` gave the function); it is ``shardplan.planner``. Deep imports written for
+    the old name (``from shardplan.plan.render import render_schedule``, pickled plans) keep working: the
+    old package name is the new package in ``sys.modules`` (so the attribute ``sp.plan`` stays the function),
+    and this finder hands out ``shardplan.planner.X`` for ``shardplan.plan.X`` (one module, not a copy)]"""
+
+    OLD, NEW = "shardplan.plan.", "shardplan.planner."
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if not name.startswith(cls.OLD):
+            return None
+        from importlib.machinery import ModuleSpec
+        return ModuleSpec(name, cls, origin=cls.NEW + name[len(cls.OLD):])
+
+    @classmethod
+    def create_module(cls, spec):
+        module = _importlib.import_module(spec.origin)
+        spec.loader_state = module.__spec__  # importlib sets __spec__ to the alias's: exec_module puts it back
+        return module
+
+    @staticmethod
+    def exec_module(module):
+        module.__spec__ = module.__spec__.loader_state
+
+
+_sys.modules.setdefault("shardplan.plan", _sys.modules["shardplan.planner"])
+_sys.meta_path.insert(0, _PlannerAlias)
 
 # name -> the module that defines it, imported (with torch) when the name is first read
 _LAZY = {
@@ -53,7 +85,7 @@ _MOVED = {
     **dict.fromkeys(("CheckpointError", "CollectiveError", "FP8UnavailableError", "ForecastError", "MeshError",
                      "PlanError", "PlanWarning", "RehearsalError", "RuleError", "RuntimeShardingError", "SpecError",
                      "UnmatchedParametersError", "UnusedRuleWarning", "CaptureError"), "errors"),
-    **dict.fromkeys(("BufferPlan", "Memory", "Op", "ParamPlan", "UnitPlan"), "plan"),
+    **dict.fromkeys(("BufferPlan", "Memory", "Op", "ParamPlan", "UnitPlan"), "planner"),
     **dict.fromkeys(("full_state_dict", "load_full_state_dict", "load_state_dict", "state_dict"), "runtime.checkpoint"),
     "mark_shards_changed": "runtime",
     "assemble": "tree",
@@ -63,7 +95,7 @@ _MOVED = {
     "Rehearsal": "rehearsal",
     "CapturedStep": "runtime.capture",
 }
-_TORCH_FREE = ("errors", "plan")  # _MOVED modules that load without torch
+_TORCH_FREE = ("errors", "planner")  # _MOVED modules that load without torch
 
 
 def __getattr__(name: str):

@@ -7,7 +7,7 @@ allocates and follows each storage until it dies; parameters are left out (the p
 own layout), their gradients are counted as they form, until their unit completes (``Activations.grads``). At each event the runtime reports (``pre_forward(u)``,
 ``post_backward(u)``, ...) the profile records the activation bytes alive and the most alive since the
 previous event, and the bytes the ops in between that are not matmuls moved (:mod:`shardplan.optraffic`:
-what the forecast times at the memory bandwidth); :func:`shardplan.plan.accounting.memory` adds them to the model states at the same events.
+what the forecast times at the memory bandwidth); :func:`shardplan.planner.accounting.memory` adds them to the model states at the same events.
 
 >>> acts = profile(model, trace=(tokens, tokens), units=plan.units, compute_dtype="bfloat16")
 >>> acts.plain[-1].event, acts.recompute[-1].event
@@ -379,7 +379,7 @@ def profile(model, trace, units: Sequence[tuple[str, Sequence[str]]], compute_dt
     parallelism ``local_shapes`` and ``styles`` make it one tp rank's step (:func:`_tensor_parallel`).
     ``recomputed``: ``{module path: False}``, set to ``True`` for each module whose forward the checkpointed
     step's recompute ran to its end (torch's default early stop ends a recompute once backward has every
-    saved tensor: see [Note: checkpoint early stop] in plan/tensor_parallel.py)."""
+    saved tensor: see [Note: checkpoint early stop] in planner/tensor_parallel.py)."""
     import torch
     meta = copy.deepcopy(model).to("meta") if any(p.device.type != "meta" for p in model.parameters()) \
         else copy.deepcopy(model)

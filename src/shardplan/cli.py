@@ -31,12 +31,12 @@ from .errors import ShardingError
 from .forecast.cli import add_parser as add_forecast
 from .forecast.cli import run as run_forecast
 from .mesh import Mesh
-from .plan import plan, strategy_level
-from .plan.render import nothing_sharded, render, render_schedule
+from .planner import plan, strategy_level
+from .planner.render import nothing_sharded, render, render_schedule
 from .rehearsal.cli import add_parser as add_rehearse
 from .rehearsal.cli import run as run_rehearse
 from .rules import explain
-from .plan.render import fmt_bytes
+from .planner.render import fmt_bytes
 from .errors import did_you_mean
 from .dtypes import itemsize
 

@@ -22,7 +22,7 @@ from .errors import PlanError
 
 INT8, FLOAT8 = "int8", "float8_e4m3fn"
 FORMATS = (INT8, FLOAT8)
-# [Note: FP8 compute's gathers] (sp.plan(..., fp8="torchao"), plan/float8.py) send float8_e4m3fn codes of the
+# [Note: FP8 compute's gathers] (sp.plan(..., fp8="torchao"), planner/float8.py) send float8_e4m3fn codes of the
 # torchao Float8Linear weights with one scale per parameter (448 / its absmax over the whole weight, one all-reduce
 # of the buffer's absmaxes before the gather), no block scales: the gathered codes are the weights torchao's matmul
 # reads, never dequantized. Not a gather_dtype= choice: the planner gives it to the float8 Linears' weights.

@@ -18,7 +18,7 @@ import optree
 import torch
 
 from .errors import ShardingError
-from .plan import Plan
+from .planner import Plan
 from .rules import leaves_with_paths
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import RuntimeShardingError, ShardingError
-from ..plan import Plan, plan as make_plan
+from ..planner import Plan, plan as make_plan
 from ..runtime.api import engine_of, shard
 from ..runtime.builder import FIRST_USE
 from .common import _dim0_rules, _mesh_from

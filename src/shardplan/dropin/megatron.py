@@ -10,8 +10,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ShardingError
-from ..plan import plan as make_plan
-from ..plan.schedule import STRATEGIES
+from ..planner import plan as make_plan
+from ..planner.schedule import STRATEGIES
 from ..runtime import collectives as C
 from ..runtime import state_dict as SD
 from ..runtime.api import engine_of, shard

@@ -11,7 +11,7 @@ import json
 from typing import Callable
 
 from ..errors import ForecastError
-from ..plan.facade import Plan
+from ..planner.facade import Plan
 from .compute import ComputeModel, compute_model
 from .network import network
 

@@ -13,7 +13,7 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..plan.facade import Plan
+    from ..planner.facade import Plan
 
 # [Note: the plan knows parameter names and shapes, not module types, so lookups and attention are named by
 # convention: torchtitan/examples (tok_embeddings, pos_embeddings, wq), Hugging Face (embed_tokens,

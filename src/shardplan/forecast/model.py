@@ -19,7 +19,7 @@ import math
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from ..errors import ForecastError
-from ..plan.kinds import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BEGIN_BACKWARD, GRADS, PARAMS, PARTIAL_GRADS, POST_FORWARD,
+from ..planner.kinds import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BEGIN_BACKWARD, GRADS, PARAMS, PARTIAL_GRADS, POST_FORWARD,
                           PRE_BACKWARD, PRE_FORWARD, SCALES, USED, WAIT)
 from ..units import ROOT
 from .compute import ComputeModel, compute_model
@@ -29,10 +29,10 @@ from .network import Network, Placement, Timing, check_fits, collective_time, ne
 from .result import CollectiveForecast, Forecast
 from .timeline import Comm, Issue, Item, Run, Wait, Work, simulate
 from .tp_comm import activation_collectives
-from ..plan.offload import HOST_GBPS
+from ..planner.offload import HOST_GBPS
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..plan.facade import Plan
+    from ..planner.facade import Plan
 
 
 def _batch(batch: Any) -> tuple[int, int]:
@@ -277,7 +277,7 @@ def forecast(plan: "Plan", network: Union[str, dict, Network], compute: Union[No
         if s.kind == "compute" and s.phase in phase_s:
             phase_s[s.phase] += s.end_s - s.start_s
     ordered = [places[a] for a in sorted(places, key=lambda a: [plan.mesh.axis_names.index(x) for x in a])]
-    if plan.offload:  # [Note: the host step's bound] (plan/offload.py): the step is at least the host step
+    if plan.offload:  # [Note: the host step's bound] (planner/offload.py): the step is at least the host step
         host_s = plan.host_step_s(HOST_GBPS)
         bound = "host-bound: the step takes at least the host step" if host_s > tl.step_s else \
             "the overlap can hide it (backward and the next forward)"

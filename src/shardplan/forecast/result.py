@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..mesh import Mesh
-from ..plan.render import fmt_bytes, write_trace
+from ..planner.render import fmt_bytes, write_trace
 from .compute import ComputeModel
 from .network import Network, Placement
 from .timeline import Span

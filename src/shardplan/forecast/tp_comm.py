@@ -1,5 +1,5 @@
 """The activation collectives tensor-parallel styles issue, one per traced call, with the unit and pass
-each belongs to: the same bytes :func:`shardplan.plan.tensor_parallel.activation_bytes` counts, itemised.
+each belongs to: the same bytes :func:`shardplan.planner.tensor_parallel.activation_bytes` counts, itemised.
 
 >>> [(a.unit, a.phase, a.kind, a.sent) for a in activation_collectives(plan)]
 """
@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..plan.tensor_parallel import EMBEDDING
+from ..planner.tensor_parallel import EMBEDDING
 from ..units import ROOT
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..plan.facade import Plan
+    from ..planner.facade import Plan
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,12 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Optional
 
-from ..plan.accounting import sizes
-from ..plan.kinds import ALL_GATHER, PARAMS
+from ..planner.accounting import sizes
+from ..planner.kinds import ALL_GATHER, PARAMS
 from ..units import ROOT
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..plan.facade import Plan
+    from ..planner.facade import Plan
 
 # [Note: the plan has parameter names, not module types: the head is named by convention (torchtitan and
 # examples: output; Hugging Face: lm_head), or is a tied embedding (a weight with aliases)]

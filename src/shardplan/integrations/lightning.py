@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from ..errors import CheckpointError, ShardingError
 from ..mesh import Mesh
-from ..plan import Plan, plan as make_plan
+from ..planner import Plan, plan as make_plan
 from ..runtime import collectives as C
 from ..runtime.api import no_sync, shard
 from ..runtime.checkpoint import dcp_io

@@ -14,7 +14,7 @@ import json
 from typing import Callable
 
 from ..errors import RehearsalError
-from ..plan.facade import Plan
+from ..planner.facade import Plan
 
 OWN = ("batch", "steps", "checkpoint", "out")
 

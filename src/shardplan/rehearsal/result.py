@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
-from ..plan.render import fmt_bytes
+from ..planner.render import fmt_bytes
 
 
 def _gib(n: Optional[float]) -> str:

@@ -12,9 +12,9 @@ import torch.nn as nn
 
 from ..activations import checkpoint_units, scalar_of, token_inputs, undo_checkpoint, unit_entries
 from ..errors import RehearsalError, ShardingError
-from ..plan import Plan
-from ..plan.render import fmt_bytes
-from ..plan.schedule import ROOT
+from ..planner import Plan
+from ..planner.render import fmt_bytes
+from ..planner.schedule import ROOT
 from ..runtime import collectives as C
 from .result import Rehearsal, UnitTime
 from .timing import Clock, UnitTimer, unit_times

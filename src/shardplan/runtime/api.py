@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import FP8UnavailableError, RuntimeShardingError
-from ..plan import Plan
+from ..planner import Plan
 from . import collectives as C
 from . import context_parallel as CP
 from . import expert_parallel as EP

@@ -1,7 +1,7 @@
 """Per-rank storage of one planned buffer: the local shard, the full parameters, the gradients.
 
 Which tensors exist and when they live follows the buffer's facts (``alias``, ``persistent``,
-``grad_alias``, ``keeps_grads``), decided by the planner; :mod:`shardplan.plan.accounting` counts the
+``grad_alias``, ``keeps_grads``), decided by the planner; :mod:`shardplan.planner.accounting` counts the
 same tensors. Layouts (see :mod:`shardplan.layout`): ``contiguous`` and ``replicated`` buffers are used
 in place (every full parameter is a view of the gathered buffer); ``interleaved`` buffers gather into a
 packed tensor and copy out into parameter layout (and copy gradients back in before reducing).
@@ -19,8 +19,8 @@ import torch.nn as nn
 from ..dtypes import to_torch
 from ..errors import RuntimeShardingError
 from ..lowp import BLOCK
-from ..plan import BufferPlan, Plan
-from ..plan.values import ParamPlan, Piece
+from ..planner import BufferPlan, Plan
+from ..planner.values import ParamPlan, Piece
 from . import capture as CAP
 from .quantize import (bad_blocks, dequantize_into, first_bad_block, first_bad_block_index, first_non_finite,
                        first_non_finite_index, quantize_into)
@@ -78,7 +78,7 @@ def _local_part(g: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 @dataclass(eq=False)
 class Member:
-    """One parameter of a buffer on this rank: its plan value, its piece (:class:`shardplan.plan.Piece`:
+    """One parameter of a buffer on this rank: its plan value, its piece (:class:`shardplan.planner.Piece`:
     which box of it this rank holds, where in the shard, where in the full parameters), and the tensors
     the runtime keeps over the buffer's storage."""
 

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..plan import Plan, UnitPlan
-from ..plan.schedule import ROOT
+from ..planner import Plan, UnitPlan
+from ..planner.schedule import ROOT
 from . import collectives as C
 from . import tensor_parallel as TP
 from .buffers import BufferState

@@ -223,7 +223,7 @@ class CapturedStep:
         return out
 
     def _agree(self, g: _Graph, s: _Session, capturing: bool) -> None:
-        # [Note: the used-parameter exchange under capture] (plan/capture.py): the set is replayed, so every
+        # [Note: the used-parameter exchange under capture] (planner/capture.py): the set is replayed, so every
         # warm-up call and the capture must agree on it
         if g.unused is None:
             g.unused = dict(s.unused)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
-from ..plan.schedule import PARTIAL_GRADS, REDUCE_SCATTER, Op
+from ..planner.schedule import PARTIAL_GRADS, REDUCE_SCATTER, Op
 from . import collectives as C
 from .buffers import BufferState
 from .streams import Streams
@@ -101,7 +101,7 @@ class CommEngine:
             u.reduce = PendingReduce(op, {i: [] for i in ins}, ins, {})
         rec = u.reduce
         cuda = self.streams.cuda
-        if op.what == PARTIAL_GRADS:  # [Note: partial gradients] (plan/tensor_parallel.py): summed in place first
+        if op.what == PARTIAL_GRADS:  # [Note: partial gradients] (planner/tensor_parallel.py): summed in place first
             group = self.groups.reduce(op.axes)
             if group.pg is None:
                 return

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import RuntimeShardingError, ShardingError
-from ..plan.kinds import MODULE_BACKWARD, RECOMPUTE
+from ..planner.kinds import MODULE_BACKWARD, RECOMPUTE
 from ..units import cp_attention, tracing
 from . import collectives as C
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Iterator, NamedTuple, Optional, Sequence
 
-from ..plan import Plan
-from ..plan.schedule import POST_BACKWARD, PRE_BACKWARD, Op, Step
+from ..planner import Plan
+from ..planner.schedule import POST_BACKWARD, PRE_BACKWARD, Op, Step
 
 
 class Facts(NamedTuple):

@@ -1,6 +1,6 @@
 """The executor: runs ``plan.schedule`` op by op. Hooks (or the functional face) only report events.
 
-A cursor walks the plan's program (:class:`shardplan.plan.Program`), forward steps then backward
+A cursor walks the plan's program (:class:`shardplan.planner.Program`), forward steps then backward
 steps, so every rank runs the same ops in the same order whatever its data does:
 
 * An event that arrives ahead of the cursor makes it run every step before it first: a unit the model
@@ -34,8 +34,8 @@ from typing import Optional
 import torch
 
 from ..errors import RuntimeShardingError
-from ..plan import Plan
-from ..plan.schedule import (ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, COPY_D2H, COPY_H2D, FREE, GRADS, OPTIM_STEP, PARAMS,
+from ..planner import Plan
+from ..planner.schedule import (ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, COPY_D2H, COPY_H2D, FREE, GRADS, OPTIM_STEP, PARAMS,
                              PARTIAL_GRADS, POST_BACKWARD, POST_FORWARD, PRE_FORWARD, PREPARE, REDUCE_SCATTER, ROOT, SCALES,
                              STALE, USED, WAIT,
                              Op, Step)

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import RuntimeShardingError
-from ..plan.kinds import ALL_TO_ALL, MODULE_BACKWARD, MODULE_FORWARD, RECOMPUTE
+from ..planner.kinds import ALL_TO_ALL, MODULE_BACKWARD, MODULE_FORWARD, RECOMPUTE
 from . import collectives as C
 
 ATTR = "_shardplan_experts"

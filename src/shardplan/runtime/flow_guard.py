@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import RuntimeShardingError
-from ..plan.context_parallel import CONTEXT_AXIS, check_hf_attention
-from ..plan.tensor_parallel import LINEAR
+from ..planner.context_parallel import CONTEXT_AXIS, check_hf_attention
+from ..planner.tensor_parallel import LINEAR
 from .context_parallel import active
 from ..flow import FlowCheck
 

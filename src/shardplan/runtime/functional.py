@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ShardingError
-from ..plan import Plan
+from ..planner import Plan
 from ..rules import leaves_with_paths
 from ..tree import check_tree, place, rebuild
 from . import collectives as C

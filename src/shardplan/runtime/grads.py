@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..errors import RuntimeShardingError
-from ..plan import Plan
+from ..planner import Plan
 from .unit import Grads, PendingUsed, UnitRuntime
 
 

@@ -21,7 +21,7 @@ import torch.nn as nn
 from ..dtypes import to_torch
 from ..errors import RuntimeShardingError
 from ..optraffic import tensors_in
-from ..plan.schedule import ROOT
+from ..planner.schedule import ROOT
 from ..units import entry_points, has_forward
 from .executor import Executor, in_backward_pass
 from .unit import UnitRuntime

@@ -12,9 +12,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import RuntimeShardingError, ShardingError
-from ..plan import Plan
+from ..planner import Plan
 from . import collectives as C
-from ..plan.validate import validate
+from ..planner.validate import validate
 
 Slots = dict[str, list[tuple[nn.Module, str]]]
 """plan name -> every (owner module, attribute) the parameter is registered at (tied: several)."""

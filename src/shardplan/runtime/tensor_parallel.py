@@ -1,6 +1,6 @@
 """Tensor-parallel execution of a plan's compute axes, with ``torch.distributed.tensor``.
 
-The plan decides everything (:mod:`shardplan.plan.tensor_parallel`): which modules run which style
+The plan decides everything (:mod:`shardplan.planner.tensor_parallel`): which modules run which style
 over which axis. Here each such module's full parameters become DTensors over the executor's own
 gathered storage (so FSDP gathers, frees and gradient reductions are untouched and gradients still
 accumulate straight into the flat buffers), and each module gets two thin hooks that give its input
@@ -16,9 +16,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from ..plan.tensor_parallel import EMBEDDING, TPModule, reads_shared_input
+from ..planner.tensor_parallel import EMBEDDING, TPModule, reads_shared_input
 from ..errors import PlanWarning
-from ..plan.values import Op
+from ..planner.values import Op
 from ..errors import RuntimeShardingError
 from . import collectives as C
 

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..plan import Op
+from ..planner import Op
 from .buffers import BufferState
 
 

@@ -2,7 +2,7 @@
 
 For every buffer the plan offloads (``BufferPlan.offload``) this rank keeps four flat host tensors the size
 of its shard, in the parameters' dtype (pinned on CUDA; views of a few power-of-two slabs, [Note: slabs]): the
-master shard, the gradient shard, and AdamW's two moments. :mod:`shardplan.plan.accounting` counts exactly
+master shard, the gradient shard, and AdamW's two moments. :mod:`shardplan.planner.accounting` counts exactly
 these (``plan.memory().host``).
 
 * ``copy_d2h grads`` (after the unit's reduction wait, ``sync`` backwards only): the local gradient shards

@@ -23,7 +23,7 @@ STATS = dict(host_step_s=0.0, kernel_s=0.0, exposed_s=0.0, steps=0, overlapped=0
 
 def _slabs(buffers: list, device: torch.device) -> dict:
     """``{buffer index: [4 zeroed host tensors of its shard's size]}`` (pinned on CUDA: master, gradient, two
-    moments), cut from the slabs of :func:`shardplan.plan.offload.slab_layout` ([Note: slabs] there: torch's
+    moments), cut from the slabs of :func:`shardplan.planner.offload.slab_layout` ([Note: slabs] there: torch's
     pinned allocator rounds every block up to a power of two, so on CUDA the slabs are powers of two
     themselves, each tensor placed on its own; on CPU one exact slab per dtype). ``plan.memory().host`` /
     ``host_pinned`` count the same slabs. Empty shards get empty tensors."""

@@ -1,5 +1,5 @@
 """The planner's passes, in the order ``compiler.plan`` runs them; each a pure function with one job, reading
-the checked :class:`~shardplan.plan.options.Options` and the earlier passes' frozen results:
+the checked :class:`~shardplan.planner.options.Options` and the earlier passes' frozen results:
 
 1. :func:`match_rules`: the model's leaves, the rule each matched, the unit each belongs to (in traced order);
 2. :func:`compute_axes`: tensor-parallel styles, expert modules, the traced flow check, partial gradients;
@@ -300,7 +300,7 @@ def _laid_unit(unit_members: list, ax: Axes, pr: Precision, opts: Options, mesh:
     partial axes)`` each."""
     # [Note: expert weights get buffers of their own: their gradients are not reduced over the expert axis
     # (every ep rank's tokens already reached them through the all-to-all), dense ones' are]
-    # [Note: partial gradients] (plan/tensor_parallel.py) replicated parameters read on sharded activations
+    # [Note: partial gradients] (planner/tensor_parallel.py) replicated parameters read on sharded activations
     # get buffers of their own too: their gradients are summed over the compute axis first
     level, compute, layout, compute_axes = opts.level, opts.compute, opts.layout, opts.compute_axes
     dense = [m for m in unit_members if m[0].name not in ax.ep_of and m[0].name not in ax.partial_of]

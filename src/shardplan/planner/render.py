@@ -232,7 +232,7 @@ def render_tp(plan: "Plan") -> list[str]:
 
 
 def fp8_line(plan: "Plan") -> str:
-    """FP8 compute: which Linears, what their gathers carry, and where the float8 matmuls pay (plan/float8.py)."""
+    """FP8 compute: which Linears, what their gathers carry, and where the float8 matmuls pay (planner/float8.py)."""
     mods = plan.fp8_modules
     pays = sorted(m.min_tokens for m in mods if m.min_tokens)
     gathered = tw = 0  # the bytes the float8 Linears' weights take in the all-gathers, per step and rank

@@ -62,7 +62,7 @@ def plan(model_or_tree: Any, rules: RulesLike, mesh: Mesh, *,
 
     ``compute_axes`` names mesh axes that shard *compute* (tensor parallelism): a spec naming one keeps
     that dimension sharded while computing, and the module runs a tensor-parallel style inferred from
-    the specs (or named in ``styles=[(module regex, style)]``); see :mod:`shardplan.plan.tensor_parallel`.
+    the specs (or named in ``styles=[(module regex, style)]``); see :mod:`shardplan.planner.tensor_parallel`.
 
     >>> plan = shardplan.plan(model, rules, Mesh(dp=2, tp=2), compute_axes=("tp",))
 
@@ -74,7 +74,7 @@ def plan(model_or_tree: Any, rules: RulesLike, mesh: Mesh, *,
     ``offload="optimizer"`` keeps the master shards and the optimizer state in host memory and steps them
     there (train with :func:`shardplan.offload_optimizer`); ``offload="params"`` (ZeRO-3) also keeps the
     parameter shards there, copied in ahead of each gather; ``offload_fraction=f`` offloads only that share
-    of the buffers (see :mod:`shardplan.plan.offload` and docs/offload.md); ``offload_fraction="auto"``
+    of the buffers (see :mod:`shardplan.planner.offload` and docs/offload.md); ``offload_fraction="auto"``
     with ``device_memory=`` (bytes per device) takes the smallest fraction whose device peak fits.
 
     >>> plan = shardplan.plan(model, rules, Mesh(dp=8), offload="optimizer")
@@ -83,7 +83,7 @@ def plan(model_or_tree: Any, rules: RulesLike, mesh: Mesh, *,
     ...                       device_memory=80 * 2**30)
 
     ``expert_axes`` (default: the mesh's ``ep`` axis, if any) splits the stacked weights of expert modules
-    by expert where a spec puts it first in dim 0 (expert parallelism, :mod:`shardplan.plan.expert_parallel`);
+    by expert where a spec puts it first in dim 0 (expert parallelism, :mod:`shardplan.planner.expert_parallel`);
     for every other parameter it is a data axis.
 
     >>> plan = shardplan.plan(moe, [(r".*experts\\.w\\d", P("ep", None, None)), (r".*", P("dp"))], Mesh(dp=2, ep=2))
@@ -120,7 +120,7 @@ def plan(model_or_tree: Any, rules: RulesLike, mesh: Mesh, *,
     notes = lv.notes + ax.notes + un.notes
     choices = lv.choices + ax.choices + un.choices + placed.choices
     fraction = opts.offload_fraction
-    if fraction == OFF.AUTO:  # [Note: the automatic fraction] in plan/offload.py
+    if fraction == OFF.AUTO:  # [Note: the automatic fraction] in planner/offload.py
         fraction, note = _auto_fraction(opts, mesh, lay, placed, un, notes, choices)
         choices += (note,)
     result = _assemble(opts, mesh, lay, placed, un, notes, choices, fraction)

@@ -52,7 +52,7 @@ class OpKind(Name):
 
 
 class Offload(Name):
-    """``plan(offload=...)``: what lives in host memory (see :mod:`shardplan.plan.offload`)."""
+    """``plan(offload=...)``: what lives in host memory (see :mod:`shardplan.planner.offload`)."""
 
     OPTIMIZER = "optimizer"  # the master shard copy and the optimizer state; the step runs on the host
     PARAMS = "params"        # also the parameter shard itself (ZeRO-3): copied in ahead of each gather
@@ -65,13 +65,13 @@ class Subject(Name):
     GRADS = "grads"
     USED = "used"
     SCALES = "scales"  # FP8 compute: the float8 weights' absmaxes, all-reduced (max) over the gather's group before
-    #                    their all-gather (plan/float8.py; the scales of the float8 codes come from them)
+    #                    their all-gather (planner/float8.py; the scales of the float8 codes come from them)
     PARTIAL_GRADS = "partial_grads"  # the gradients of replicated parameters that read tensor-parallel-sharded
     #                                  activations (a per-head q_norm): each compute rank's is a partial sum, summed
-    #                                  over the compute axis before the unit's reduction (plan/tensor_parallel.py)
+    #                                  over the compute axis before the unit's reduction (planner/tensor_parallel.py)
     ACTIVATIONS = "activations"  # moved inside a module's call: a tensor-parallel module's input gradient or
-    #                              output (plan/tensor_parallel.py), context-parallel attention's keys and values
-    #                              (plan/context_parallel.py), an expert module's tokens (plan/expert_parallel.py)
+    #                              output (planner/tensor_parallel.py), context-parallel attention's keys and values
+    #                              (planner/context_parallel.py), an expert module's tokens (planner/expert_parallel.py)
 
 
 class Event(Name):
@@ -87,7 +87,7 @@ class Event(Name):
 
 
 class Condition(Name):
-    """When an op runs (see :mod:`shardplan.plan.schedule`); ``ALWAYS`` is ``""`` and so falsy."""
+    """When an op runs (see :mod:`shardplan.planner.schedule`); ``ALWAYS`` is ``""`` and so falsy."""
 
     ALWAYS = ""
     STALE = "stale"
@@ -95,7 +95,7 @@ class Condition(Name):
     NO_GRAD = "no_grad"
     RECOMPUTE = "recompute"  # a forward recomputed in backward (activation checkpointing of the unit)
     RECOMPUTE_WHOLE = "recompute_whole"  # ... only when the whole unit is recomputed: torch's checkpoint early stop
-    #                                      (its default) ends the recompute before this op (plan/tensor_parallel.py)
+    #                                      (its default) ends the recompute before this op (planner/tensor_parallel.py)
 
 
 class Phase(Name):

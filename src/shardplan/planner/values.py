@@ -1,6 +1,6 @@
 """The plan's plain frozen values: parameters, buffers, units, ops, steps, pieces. No behaviour beyond
 properties of one value; everything that reads several lives in the function modules (``geometry``,
-``schedule``, ``accounting``, ...) and :class:`shardplan.plan.Plan` ties them together.
+``schedule``, ``accounting``, ...) and :class:`shardplan.planner.Plan` ties them together.
 
 >>> p = plan.param("layers.0.attention.wq.weight")      # a ParamPlan
 >>> p.global_shape, p.compute                             # e.g. (64, 64), Compute(dim=0, axis='tp', size=2)
@@ -180,7 +180,7 @@ class BufferPlan:
 
     @property
     def tensorwise(self) -> bool:
-        """FP8 compute's gather (plan/float8.py): float8 codes, bound as torchao float8 weights, no dequantize."""
+        """FP8 compute's gather (planner/float8.py): float8 codes, bound as torchao float8 weights, no dequantize."""
         return self.gather_dtype == lowp.FLOAT8_TW
 
     @property
@@ -272,7 +272,7 @@ class Memory:
     included); ``host`` / ``host_peak``: host memory of CPU offload (master shards, gradient shards and
     optimizer state of the offloaded buffers, and their step counts; every host tensor is kept for the whole run,
     so the two agree: what a CPU run allocates); ``host_pinned``: what a CUDA run allocates for the same
-    tensors, whose pinned slabs are rounded up to powers of two (``shardplan.plan.offload.slab_layout``)."""
+    tensors, whose pinned slabs are rounded up to powers of two (``shardplan.planner.offload.slab_layout``)."""
 
     params: int
     grads: int
@@ -303,9 +303,9 @@ class Op:
 
     >>> Op(kind=FREE, unit="layers.0", what=PARAMS, event=POST_FORWARD, at="layers.0", buffers=(2,))
 
-    ``kind`` (:class:`~shardplan.plan.kinds.OpKind`): all_gather | reduce_scatter | all_reduce | wait | free |
+    ``kind`` (:class:`~shardplan.planner.kinds.OpKind`): all_gather | reduce_scatter | all_reduce | wait | free |
     prepare | copy_d2h | copy_h2d | optim_step (CPU offload) | all_to_all (expert parallelism); ``what``
-    (:class:`~shardplan.plan.kinds.Subject`): params | grads | used | scales (FP8 compute's absmaxes) |
+    (:class:`~shardplan.planner.kinds.Subject`): params | grads | used | scales (FP8 compute's absmaxes) |
     partial_grads (replicated parameters read on tp-sharded activations: their gradients summed over tp) |
     activations (a tensor-parallel module's output in forward, its input's gradient in backward, attention's
     keys and values, an expert module's tokens: ``at`` names the module; these run inside the module's call,
@@ -356,7 +356,7 @@ class Op:
 
     def applies(self, *, stale: bool = True, grad: bool = True, sync: bool = True,
                 recompute: Union[bool, str] = False) -> bool:
-        """Whether the op runs in a step with these facts (see :mod:`shardplan.plan.schedule`); ``recompute``:
+        """Whether the op runs in a step with these facts (see :mod:`shardplan.planner.schedule`); ``recompute``:
         ``True`` (activation checkpointing with torch's default early stop), ``"whole"`` (the whole unit
         recomputed: ``set_checkpoint_early_stop(False)``) or ``False``."""
         if not grad and self.event in BACKWARD_EVENTS:

@@ -1,5 +1,5 @@
 """Per-rank geometry and layout policy: which buffer layout a spec gets, and which piece of every
-parameter each rank holds (:class:`~shardplan.plan.values.Piece`: its global box, its box in the
+parameter each rank holds (:class:`~shardplan.planner.values.Piece`: its global box, its box in the
 tensor-parallel-local tensor, where it sits in the rank's shard and in the gathered buffer). Pure
 functions over the plan's values; checkpoints are built on the pieces' boxes, never on the buffer layout.
 

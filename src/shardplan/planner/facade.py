@@ -35,7 +35,7 @@ from .values import Activations, BufferPlan, Memory, Op, ParamPlan, Piece, Progr
 if TYPE_CHECKING:  # annotations only
     from ..forecast import ComputeModel, Forecast, Network
 
-# [Note: the forecast sits above the planner: it reads plans, and nothing in plan/ imports it. ``Plan.forecast``
+# [Note: the forecast sits above the planner: it reads plans, and nothing in planner/ imports it. ``Plan.forecast``
 # calls the function :mod:`shardplan.forecast` registers here (:func:`register_forecast`) when it is imported;
 # ``import shardplan`` imports it (torch-free), so the method always works]
 _FORECAST: Optional[Callable[..., "Forecast"]] = None
@@ -263,7 +263,7 @@ class Plan:
     # -- the schedule as a program -----------------------------------------------------------------------
     @cached_property
     def program(self) -> Program:
-        """The schedule arranged per event, as the runtime executes it (see :mod:`shardplan.plan.schedule`)."""
+        """The schedule arranged per event, as the runtime executes it (see :mod:`shardplan.planner.schedule`)."""
         return S.program(self.units, self.schedule)
 
     def ops(self, *, stale: bool = True, grad: bool = True, sync: bool = True,
@@ -302,7 +302,7 @@ class Plan:
     @cached_property
     def capture_blockers(self) -> tuple:
         """What keeps this plan's training step from being captured and replayed (``shardplan.capture``), each a
-        :class:`~shardplan.plan.capture.Blocker` (``code``, ``reason``, ``fix``); empty when it can be.
+        :class:`~shardplan.planner.capture.Blocker` (``code``, ``reason``, ``fix``); empty when it can be.
 
         >>> [b.code for b in plan.with_order("dynamic").capture_blockers]
         ['dynamic_order']
@@ -385,7 +385,7 @@ class Plan:
     def host_step_s(self, gbps: float = HOST_GBPS) -> float:
         """Estimated seconds of the host optimizer step per training step at ``gbps`` GB/s of host memory
         bandwidth (``benchmarks/host_adamw.py`` measures a host's): the bytes it moves (28 per fp32 element
-        for AdamW) over the bandwidth ([Note: the host step's bound], plan/offload.py); 0 without offload.
+        for AdamW) over the bandwidth ([Note: the host step's bound], planner/offload.py); 0 without offload.
         A step takes at least ``max(device step, host step)``.
 
         >>> plan.host_step_s(gbps=91)   # the 1B fully offloaded on a 16-core H200 host: ~0.3 s
