@@ -29,3 +29,19 @@ def emit(out: dict, path: str | None, *, print_it: bool = True) -> None:
             with open(path, "w") as f:
                 json.dump(out, f, indent=1)
     dist.destroy_process_group()
+
+
+def top_kernels(call, calls: int = 2, top: int = 30) -> dict:
+    """The device kernels of ``calls`` calls of ``call()`` under torch's profiler: the ``top`` by device time
+    (ms per call, launches per call) and the totals, so that an eager and a captured step compare kernel by
+    kernel (kernels replayed from a CUDA graph are recorded too)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    rows = [(e.key, getattr(e, "self_device_time_total", 0) / 1e3 / calls, e.count / calls)
+            for e in prof.key_averages()]
+    rows = sorted((r for r in rows if r[1] > 0), key=lambda r: -r[1])
+    return {"total_ms": sum(r[1] for r in rows), "launches": sum(r[2] for r in rows),
+            "top": [{"kernel": k[:120], "ms": round(ms, 3), "n": n} for k, ms, n in rows[:top]]}

@@ -29,6 +29,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 import gpt  # noqa: E402
 
 import shardplan as sp  # noqa: E402
+sys.path.insert(0, HERE)
+from _report import top_kernels  # noqa: E402
 
 
 def start():
@@ -343,6 +345,8 @@ def timing(args, dev):
             out[name] = dict(step_ms=1e3 * statistics.median(times), host_cpu_ms=1e3 * statistics.median(cpu),
                              peak_gib=torch.cuda.max_memory_allocated() / 2**30,
                              peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30)
+            if args.kernels:
+                out[name]["kernels"] = top_kernels(lambda: f(x, y))
             if captured:
                 out[name]["replay_host_us"] = 1e6 * getattr(f, "host_seconds", 0) / max(getattr(f, "replays", 1), 1)
         except Exception as exc:  # noqa: BLE001
@@ -382,6 +386,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--systems", default="unsharded,unsharded_captured,shard,shard_captured,functional,"
                                          "functional_captured,fsdp2")
+    ap.add_argument("--kernels", action="store_true", help="--time: each system's top kernels over two steps")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.deterministic:

@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 import shardplan as sp  # noqa: E402
-from _report import emit, start_world  # noqa: E402
+from _report import emit, start_world, top_kernels  # noqa: E402
 import _memsnap  # noqa: E402
 from forecast_gpu import _llama_3_2_1b  # noqa: E402
 
@@ -90,22 +90,6 @@ def make(name, args, dev, world):
     return (sp.capture(step) if captured else step), info
 
 
-def kernels(step, data, top=30):
-    """The device kernels of ``len(data)`` steps under torch's profiler: the ``top`` by device time (ms per step)
-    and the total, so that an eager and a captured step can be compared kernel by kernel."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for x in data:
-            step(x)
-        torch.cuda.synchronize()
-    rows = [(e.key, getattr(e, "self_device_time_total", 0) / 1e3 / len(data), e.count // len(data))
-            for e in prof.key_averages()]
-    rows = [r for r in rows if r[1] > 0]
-    rows.sort(key=lambda r: -r[1])
-    return {"total_ms": sum(r[1] for r in rows), "count": sum(r[2] for r in rows),
-            "top": [{"kernel": k[:120], "ms": round(ms, 3), "n": n} for k, ms, n in rows[:top]]}
-
-
 def run(step, data, dev):
     times, losses = [], []
     for x in data:
@@ -155,7 +139,7 @@ def main():
                 step, info = make(s, args, dev, world)
                 times, losses = run(step, data, dev)
                 if cuda and args.kernels and k == args.rounds - 1:
-                    res[s]["kernels"] = kernels(step, data[-2:])
+                    res[s]["kernels"] = top_kernels(lambda x=data[-1]: step(x), calls=2)
                 if snap:
                     res[s]["live_at_peak"] = _memsnap.live_at_peak(torch.cuda.memory._snapshot())
             r = res[s]
