@@ -465,3 +465,42 @@ def test_rehearsal_host_memory_is_one_rank():
     host, planned, full = run(_memory_worker, 1, init=False, timeout=190)[0]
     assert full > 600e6 and planned < full / 3
     assert host is not None and host < planned + (96 << 20), (host, planned, full)
+
+
+# -- the captured step rehearsed ------------------------------------------------------------------------
+
+def _captured_worker(_rank, _world, dp, rank, checkpoint):
+    torch.set_num_threads(1)
+    plan = traced_plan(lambda: gpt.build("small"), sp.Mesh(dp=dp), units=[r"layers\.\d+"])
+    r = sp.rehearse(lambda: gpt.build("small"), plan, rank=rank, batch=(2, 32), steps=3, checkpoint=checkpoint,
+                    capture=True)
+    try:
+        sp.rehearse(lambda: gpt.build("small"), plan.with_order("dynamic"), rank=rank, batch=(2, 32), capture=True)
+    except RehearsalError as exc:
+        refused = str(exc)
+    else:
+        refused = None
+    return r.to_dict(), str(r), refused
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dp,rank,checkpoint", [(8, 5, False), (4, 0, True)])
+def test_rehearse_captured_step(dp, rank, checkpoint):
+    """``rehearse(capture=True)``: a larger plan's rank, its step warmed up, captured (CPU: the eager backend,
+    the same static inputs and checks) and replayed ``steps`` times on the fake process group; the runtime
+    held the plan's bytes; a plan that cannot be captured is refused naming the blocker and the fix."""
+    d, text, refused = run(_captured_worker, 1, dp, rank, checkpoint, init=False, timeout=110)[0]
+    assert d["captured"] and len(d["step_s"]) == 3 and d["units"] == []
+    assert d["states_peak_measured"] == d["states_peak_planned"] > 0
+    assert "captured step (replays)" in text and "not measured (one graph)" in text
+    assert any("captured step (eager)" in n and "replays" in n for n in d["notes"])
+    assert refused is not None and "dynamic_order" in refused and "fix:" in refused
+
+
+@pytest.mark.timeout(200)
+def test_cli_rehearse_capture():
+    p = _cli("rehearse", "examples/gpt.py:tiny", "--mesh", "dp=8", "--rank", "1", "--batch", "2x16", "--steps", "2",
+             "--capture", "--json")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["captured"] and len(d["step_s"]) == 2

@@ -16,7 +16,7 @@ from typing import Callable
 from ..errors import RehearsalError
 from ..planner.facade import Plan
 
-OWN = ("batch", "steps", "checkpoint", "out")
+OWN = ("batch", "steps", "checkpoint", "out", "capture")
 
 
 def add_parser(sub, plan_parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -35,6 +35,8 @@ def add_parser(sub, plan_parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         "of them)")
     r.add_argument("--steps", type=int, default=3, metavar="N", help="training steps to run (the first warms up)")
     r.add_argument("--checkpoint", action="store_true", help="checkpoint every unit (activation checkpointing)")
+    r.add_argument("--capture", action="store_true",
+                   help="rehearse the captured step (shardplan.capture): warm up, capture, then time --steps replays")
     r.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
     r.add_argument("--out", default=None, metavar="FILE.json",
                    help="also write the results as JSON to FILE (`shardplan forecast --compute FILE` reads it)")
@@ -63,7 +65,7 @@ def run(args: argparse.Namespace, plan_text: Callable[[argparse.Namespace], str]
         plan_args.trace_tokens = f"{batch[0]}x{batch[1]}"
     plan = Plan.from_json(plan_text(plan_args))
     r = rehearse(lambda: build_model(args.target, args.param_dtype), plan, rank=args.rank, batch=batch,
-                 steps=args.steps, checkpoint=args.checkpoint)
+                 steps=args.steps, checkpoint=args.checkpoint, capture=args.capture)
     if args.out:
         try:
             with open(args.out, "w") as f:

@@ -72,10 +72,13 @@ class Rehearsal:
     # so it compares with ``planned_peak``; on a GPU it shows that the host never held the model
     host_peak: Optional[int] = None
     host_baseline: Optional[int] = None
+    # the steps shown are replays of the captured step (``rehearse(capture=True)``): no per-unit times
+    captured: bool = False
 
     @property
     def median_step_s(self) -> float:
-        s = sorted(self.step_s[1:] if len(self.step_s) > 1 else self.step_s)  # step 0 warms up
+        # step 0 warms up (a captured rehearsal's steps are all replays)
+        s = sorted(self.step_s[1:] if len(self.step_s) > 1 and not self.captured else self.step_s)
         return s[len(s) // 2]
 
     @property
@@ -117,7 +120,8 @@ class Rehearsal:
     def __str__(self) -> str:
         b, t = self.batch
         out = [f"rehearsal of rank {self.rank} of {self.world} ({self.mesh}) on {self.device}, batch {b}x{t} per rank, "
-               f"activation checkpointing {'on' if self.checkpoint else 'off'}; plan {self.plan_fingerprint}",
+               f"activation checkpointing {'on' if self.checkpoint else 'off'}"
+               f"{', captured step (replays)' if self.captured else ''}; plan {self.plan_fingerprint}",
                "ONE RANK ONLY: collectives were local stand-ins (no communication, no waiting for other ranks); "
                "the loss is not meaningful and is not shown",
                "",
@@ -147,11 +151,18 @@ class Rehearsal:
             out.append(f"parameters and gradients held by the runtime: peak {_gib(self.states_peak_measured)}, "
                        f"planned {_gib(self.states_peak_planned)}")
         out.append("")
-        out.append(f"{'unit':<28} {'forward':>10} {'backward':>10}")
+        if self.units:
+            out.append(f"{'unit':<28} {'forward':>10} {'backward':>10}")
         for u in self.units:
             out.append(f"{u.unit:<28} {_ms(u.forward_s):>10} {_ms(u.backward_s):>10}")
-        out.append(f"optimizer step {_ms(self.optimizer_s)}; host time in shardplan's hooks {_ms(self.host_s_per_unit)} "
-                   f"per unit per step; median step {_ms(self.median_step_s)} (after the first; compute only: no communication)")
+        if self.captured:
+            out.append(f"per-unit and optimizer times: not measured (one graph); host time in shardplan per unit per "
+                       f"replay {_ms(self.host_s_per_unit)}; median replay {_ms(self.median_step_s)} (compute only: no "
+                       f"communication)")
+        else:
+            out.append(f"optimizer step {_ms(self.optimizer_s)}; host time in shardplan's hooks "
+                       f"{_ms(self.host_s_per_unit)} per unit per step; median step {_ms(self.median_step_s)} (after the "
+                       f"first; compute only: no communication)")
         if self.notes:
             out.append("")
             out += [f"note: {n}" for n in self.notes]

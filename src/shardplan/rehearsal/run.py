@@ -16,6 +16,7 @@ from ..planner import Plan
 from ..planner.render import fmt_bytes
 from ..planner.schedule import ROOT
 from ..runtime import collectives as C
+from . import captured as CAP
 from .result import Rehearsal, UnitTime
 from .timing import Clock, UnitTimer, unit_times
 from ..runtime.api import engine_of, memory_stats, reset_peak, shard
@@ -253,7 +254,7 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
              init_fn: Optional[Callable[[nn.Module], None]] = None,
              optimizer_fn: Optional[Callable[..., torch.optim.Optimizer]] = None,
              inputs_fn: Optional[Callable[[nn.Module, torch.Tensor], object]] = None,
-             device_memory: Optional[int] = None) -> Rehearsal:
+             device_memory: Optional[int] = None, capture: bool = False) -> Rehearsal:
     """Run ``steps`` training steps of ``rank`` of ``plan`` on this process's device (a GPU if there is one)
     and measure them; every collective is a local stand-in of the right shape and dtype (torch's fake
     process group), so one GPU (or a CPU) plays one rank of an N-rank job.
@@ -273,7 +274,10 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
     ``shardplan.offload_optimizer`` for a plan with CPU offload). ``host_peak`` reports the process's RSS
     growth (on a CPU, after fixing glibc's mmap threshold: :func:`fix_host_allocator`).
     ``checkpoint=True`` checkpoints every unit (activation checkpointing); compare with
-    ``plan.memory(rank, recompute=True)``. Must run in a process without a process group of its own.
+    ``plan.memory(rank, recompute=True)``. ``capture=True`` rehearses the captured step
+    (:func:`shardplan.capture`; :mod:`shardplan.rehearsal.captured`): two eager steps and the capture, then
+    ``steps`` replays, timed; per-unit times are not measured (one graph), the host time per replay is.
+    Must run in a process without a process group of its own.
     """
     b, t = (int(x) for x in batch)
     if b <= 0 or t <= 0:
@@ -282,6 +286,8 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
         raise RehearsalError(f"steps={steps}: rehearse at least one step")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     check(plan, rank, world, device, checkpoint, device_memory)
+    if capture:
+        CAP.check(plan)
     mem = plan.memory(rank, recompute=checkpoint)
     notes = [START_UP_NOTE]
     if plan.activations is None:
@@ -316,6 +322,8 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
                          f"({', '.join(filled[:3])}{' ...' if len(filled) > 3 else ''})")
         if optimizer_fn is not None:
             opt = optimizer_fn(model.parameters())
+        elif capture:
+            opt = CAP.capturable_optimizer(model.parameters(), device)
         elif plan.offload:  # host master shards and moments: the offloading AdamW steps them
             opt = offload_optimizer(model, lr=1e-4)
         else:
@@ -324,13 +332,25 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
         entries = unit_entries(model, [(u.name, u.module_paths) for u in plan.units if u.name != ROOT])
         undo = checkpoint_units(model, entries) if checkpoint else []
         clock = Clock(device)
-        timer = UnitTimer(model, entries, clock)
+        timer = None if capture else UnitTimer(model, entries, clock)
         exe = engine_of(model)
         gen = torch.Generator(device="cpu").manual_seed(rank)
         vocab = _vocab(model)
         step_s, peaks, per_unit, opt_s, host_s, states, workspace, host_peak = [], [], [], [], [], None, None, None
         try:
-            for i in range(steps):
+            if capture:
+                def batch(i):
+                    tokens = torch.randint(0, vocab, (b, t), generator=gen).to(device)
+                    return _as_call(model, inputs_fn(model, tokens) if inputs_fn else token_inputs(model, tokens))
+                if steps > 1:
+                    reset_peak(model)
+                replays = CAP.run(model, opt, batch, steps, device)
+                step_s, peaks = list(replays.step_s), list(replays.peaks)
+                host_s, opt_s = [replays.host_s_per_replay] * steps, [0.0] * steps
+                notes.append(f"captured step ({replays.backend}): {CAP.WARMUP} eager steps and the capture ran first "
+                             f"(not shown); the steps shown are replays; per-unit and optimizer times are not measured "
+                             f"inside one graph; host time per replay {replays.host_s_per_replay * 1e3:.3f} ms")
+            for i in range(0 if capture else steps):
                 tokens = torch.randint(0, vocab, (b, t), generator=gen).to(device)
                 args, kwargs = _as_call(model, inputs_fn(model, tokens) if inputs_fn else token_inputs(model, tokens))
                 if device.type == "cuda":
@@ -361,9 +381,11 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
             host_peak = _host_rss("VmHWM") - host_base if host_measured else None
             workspace = _library_workspace(device)
         finally:
-            timer.remove()
+            if timer is not None:
+                timer.remove()
             undo_checkpoint(undo)
-    measured_from = slice(1, None) if steps > 1 else slice(0, None)  # step 0 creates the optimizer state
+    # step 0 creates the optimizer state (a captured rehearsal shows replays only)
+    measured_from = slice(1, None) if steps > 1 and not capture else slice(0, None)
     measured = max(peaks[measured_from]) if peaks else None
     kept = [u for u in per_unit[measured_from] if u is not None]
     unit_list = [ROOT] + units
@@ -381,7 +403,7 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
         states_peak_measured=states, states_peak_planned=mem.states_peak - mem.optimizer, units=times,
         host_s_per_unit=statistics.median(host_s[measured_from]) / max(len(unit_list), 1),
         optimizer_s=statistics.median(opt_s[measured_from]), notes=tuple(notes), library_workspace=workspace,
-        host_peak=host_peak, host_baseline=host_base if host_measured else None)
+        host_peak=host_peak, host_baseline=host_base if host_measured else None, captured=capture)
 
 
 def _library_workspace(device: torch.device) -> Optional[int]:
