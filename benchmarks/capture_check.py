@@ -31,6 +31,8 @@ import gpt  # noqa: E402
 import shardplan as sp  # noqa: E402
 sys.path.insert(0, HERE)
 from _report import top_kernels  # noqa: E402
+import _memsnap  # noqa: E402
+import contextlib  # noqa: E402
 
 
 def start():
@@ -295,7 +297,9 @@ def timing(args, dev):
         os.environ["SHARDPLAN_SINGLETON_GROUPS"] = "0"
         face, _, mode = name.partition("_")
         captured = mode == "captured"
+        rec = _memsnap.recording() if args.snapshot else contextlib.nullcontext()
         try:
+            rec.__enter__()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             batches = data(args.config, args.batch, args.seq, 1, dev)
@@ -345,12 +349,16 @@ def timing(args, dev):
             out[name] = dict(step_ms=1e3 * statistics.median(times), host_cpu_ms=1e3 * statistics.median(cpu),
                              peak_gib=torch.cuda.max_memory_allocated() / 2**30,
                              peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30)
+            if args.snapshot:  # what is live at this system's peak, by allocation site
+                out[name]["live_at_peak"] = _memsnap.live_at_peak(torch.cuda.memory._snapshot(), top=15)
             if args.kernels:
                 out[name]["kernels"] = top_kernels(lambda: f(x, y))
             if captured:
                 out[name]["replay_host_us"] = 1e6 * getattr(f, "host_seconds", 0) / max(getattr(f, "replays", 1), 1)
         except Exception as exc:  # noqa: BLE001
             out[name] = dict(error=f"{type(exc).__name__}: {exc}"[:1500], traceback=traceback.format_exc()[-2500:])
+        finally:
+            rec.__exit__(None, None, None)
         print(name, json.dumps({k: v for k, v in out[name].items() if k != "traceback"}), flush=True)
         if "traceback" in out[name]:
             print(out[name]["traceback"], flush=True)
@@ -360,6 +368,9 @@ def timing(args, dev):
         import gc
         gc.collect()
         torch.cuda.empty_cache()
+    for a, b in (("functional", "shard"), ("functional_captured", "shard_captured")):
+        if "live_at_peak" in out.get(a, {}) and "live_at_peak" in out.get(b, {}):
+            out[f"peak_diff_{a}_vs_{b}"] = _memsnap.diff(out[a]["live_at_peak"], out[b]["live_at_peak"])
     base = out.get("unsharded", {}).get("step_ms")
     for k, v in out.items():
         if base and "step_ms" in v:
@@ -387,6 +398,7 @@ def main():
     ap.add_argument("--systems", default="unsharded,unsharded_captured,shard,shard_captured,functional,"
                                          "functional_captured,fsdp2")
     ap.add_argument("--kernels", action="store_true", help="--time: each system's top kernels over two steps")
+    ap.add_argument("--snapshot", action="store_true", help="--time: what is live at each system's peak, by site")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.deterministic:
