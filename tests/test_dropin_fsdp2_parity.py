@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import register_fsdp_forward_method  # bound before shardplan's drop-in is imported
 from torch.nn.utils import get_total_norm as early_total_norm  # bound before shardplan routes torch's norm
 
@@ -239,6 +240,9 @@ def c_forward_method(kind, rank, world):
         fully_shard(b)
     fully_shard(m)
     register_fsdp_forward_method(m, "generate")
+    # torch's own function, unmodified, on an FSDPModule (shardplan's modules subclass torch's public class)
+    torch_own = register_fsdp_forward_method.__code__.co_filename.endswith("_fully_shard.py")
+    is_fsdp_module = isinstance(m, FSDPModule) and isinstance(m.blocks[0], FSDPModule)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     out = [_step(m, opt, *d[0])]
     with torch.no_grad():  # one forward per call (each unit once): the static plan's order
@@ -261,7 +265,7 @@ def c_forward_method(kind, rank, world):
         opt.step()
         opt.zero_grad()
         out.append(two.item())
-    return dict(out=out, p=_params(m), g=_params(g))
+    return dict(out=out, p=_params(m), g=_params(g), torch_own=torch_own, is_fsdp_module=is_fsdp_module)
 
 
 @dataclass

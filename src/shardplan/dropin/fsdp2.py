@@ -14,6 +14,7 @@ from ..errors import ShardingError
 from ..runtime.api import engine_of
 from .common import _unsupported
 from .compile import _compile_root, _ensure_compiled
+from .forward_methods import FORWARD_STATE
 from .marks import _COMPILING, _MARK, _SYNC_SET, _check_sync_flags, _marked, _marked_of_root
 
 
@@ -31,11 +32,33 @@ class MixedPrecisionPolicy:
     cast_forward_inputs: bool = True
 
 
-class ShardPlanModule:
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # pragma: no cover - torch without FSDP2
+    FSDPModule = object
+
+
+class ShardPlanModule(FSDPModule):
     """Mixed into the class of a module ``fully_shard`` was called on (as FSDP2 does): the first use of
-    its parameters or forward compiles the plan if no call on an ancestor did. It has FSDP2's ``FSDPModule``
-    methods: each is honoured, or is a scheduling hint the plan's schedule already decides (accepted, the
-    numbers cannot change), or raises a :class:`ShardingError` naming itself and what to do instead."""
+    its parameters or forward compiles the plan if no call on an ancestor did. It is a subclass of torch's
+    public ``FSDPModule`` (so ``isinstance(m, FSDPModule)`` holds, and torch's ``register_fsdp_forward_method``
+    takes it) and overrides every method ``FSDPModule`` defines: each is honoured, or is a scheduling hint the
+    plan's schedule already decides (accepted, the numbers cannot change), or raises a :class:`ShardingError`
+    naming itself and what to do instead. Nothing of FSDP2's own state or code runs on it."""
+
+    def __new__(cls, *args, **kwargs):
+        # not FSDPModule's __new__ (which builds the class two places down its MRO, its own layout's): an
+        # ordinary instance of this class, as object's __new__ makes one (``copy.deepcopy`` before the plan compiles)
+        new = super(FSDPModule, cls).__new__
+        return new(cls) if new is object.__new__ else new(cls, *args, **kwargs)
+
+    def _get_fsdp_state(self):
+        """What torch's ``register_fsdp_forward_method`` calls: :class:`~shardplan.dropin.forward_methods.ForwardState`."""
+        return FORWARD_STATE
+
+    def _set_unshard_async_op(self, async_op: bool):
+        raise ShardingError("FSDPModule._set_unshard_async_op() is not supported by shardplan: each unit is gathered "
+                            "by the plan's schedule (shardplan.plan_of(model) shows it). Remove the call")
 
     def parameters(self, recurse: bool = True):
         _ensure_compiled(self)
@@ -52,7 +75,7 @@ class ShardPlanModule:
             _ensure_compiled(self)
             if "_apply" in self.__dict__:
                 return self.__dict__["_apply"](fn, recurse)
-        return super()._apply(fn, recurse)
+        return super(FSDPModule, self)._apply(fn, recurse)  # nn.Module's (FSDPModule's would reshard first)
 
     def to_empty(self, *, device, recurse: bool = True):
         """FSDP2's (torchtitan's) start-up: ``fully_shard`` the blocks, then the root, of a model built under
@@ -210,13 +233,12 @@ def _unsupported_method(name: str):
 
 
 def _fill_fsdp_module_api() -> None:
-    """Every other public method of torch's ``FSDPModule`` raises naming itself, not ``AttributeError``."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
+    """Every other method torch's ``FSDPModule`` defines raises naming itself: none of FSDP2's code runs on a
+    shardplan module (each would look for FSDP2's own state)."""
+    if FSDPModule is object:  # pragma: no cover - torch without FSDP2
         return
-    for name in dir(FSDPModule):
-        if not name.startswith("_") and callable(getattr(FSDPModule, name)) and not hasattr(ShardPlanModule, name):
+    for name, v in vars(FSDPModule).items():
+        if not name.startswith("__") and callable(v) and name not in vars(ShardPlanModule):
             setattr(ShardPlanModule, name, _unsupported_method(name))
 
 

@@ -173,6 +173,8 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
     optimizer.__dict__["_shardplan_dtensor_state"] = preproc_state_dict_for_dcp_ckpt
     if preproc_state_dict_for_dcp_ckpt:
         SD.install_optimizer(optimizer, eng)
+    else:  # Megatron-FSDP's opt-out: torch's own state dict (this rank's local shards), no DTensor hooks later
+        optimizer._shardplan_dcp_hooks = True
     return optimizer
 
 

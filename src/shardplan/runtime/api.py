@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import weakref
 from typing import Callable, Iterator, Optional
 
@@ -21,6 +20,7 @@ from . import expert_parallel as EP
 from . import flow_guard as FG
 from . import tensor_parallel as TP
 from . import state_dict as SD
+from . import norms as NORMS
 from .builder import ATTR as _ATTR, build, engine_of
 from .executor import Executor
 from .startup import device_for, tp_local
@@ -114,8 +114,8 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     offload.attach(exe)  # CPU offload: host master shards and optimizer state (None without it)
     for lp in face.by_index.values():
         lp._shardplan_engine = weakref.ref(exe)  # who steps it (fully_shard_optimizer checks)
-    _LIVE.add(exe)
-    _patch_torch_norms()  # torch.nn.utils.clip_grad_norm_ on the local shards: the global norm, as with DTensors
+    for b in exe.buffer.values():  # torch.nn.utils.clip_grad_norm_ on the local gradients: the global norm (norms.py)
+        b.grad_owner = exe
     meshes = rt.meshes
     exe.handles = install(module, exe, rt.modules_of) + TP.install_styles(module, plan, meshes, exe)
     exe.handles += SD.install(module, exe, meshes)  # model.state_dict() in DTensors, as FSDP2 gives it
@@ -211,136 +211,6 @@ def compile_units(module: nn.Module, **compile_kwargs) -> nn.Module:
     return module
 
 
-# -- torch's own gradient norm over local shards --------------------------------------------------------
-
-_LIVE: "weakref.WeakSet" = weakref.WeakSet()  # the executors of every sharded module alive
-_TORCH_NORM: list = []  # torch.nn.utils' get_total_norm, before it was wrapped
-
-
-def _owners(tensors: list) -> Optional[tuple]:
-    """``(executor, [parameter name per tensor])`` when every tensor is the gradient of one sharded model's
-    local shard; ``None`` when none is; raises when some are (or they span several models)."""
-    owner = {}
-    for exe in list(_LIVE):
-        for name, lp in exe.local_params().items():
-            if lp.grad is not None:
-                owner[id(lp.grad)] = (exe, name)
-    found = [owner.get(id(t)) for t in tensors]
-    if not any(found):
-        return None
-    engines = {id(f[0]) for f in found if f is not None}
-    if None in found or len(engines) > 1:
-        raise RuntimeShardingError(
-            "torch.nn.utils.clip_grad_norm_ / get_total_norm: the gradients given mix local shards of a shardplan-"
-            "sharded model with other tensors (or with another sharded model's); their norm would be neither this "
-            "rank's nor the global one. Clip each sharded model on its own: shardplan.clip_grad_norm_(model, "
-            "max_norm) or torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)")
-    return found[0][0], [f[1] for f in found]
-
-
-def _sharded_total_norm(exe, grads: list, names: list, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
-    """The norm of the full gradients whose local shards are ``grads``, over every rank (each element once)."""
-    if getattr(exe, "offload", None) is not None:
-        raise RuntimeShardingError("torch.nn.utils.clip_grad_norm_ on a model whose optimizer is offloaded: the host "
-                                   "copies of the gradients must be scaled too; use shardplan.clip_grad_norm_(model, "
-                                   "max_norm)")
-    if not (norm_type > 0):  # -inf, 0 and negative orders have no sum of powers over the ranks' pieces
-        raise RuntimeShardingError(f"torch.nn.utils.clip_grad_norm_ / get_total_norm over a sharded model's gradients: "
-                                   f"norm_type={norm_type} is not supported; use a positive order or inf")
-    held = [(g.detach(), n) for g, n in zip(grads, names) if g.numel()]
-    total = _global_norm(exe, [held] if held else [], norm_type)
-    # torch's dtype: that of the per-tensor norms stacked (promoted over the gradients' dtypes)
-    floats = {g.dtype for g in grads if g.is_floating_point()}
-    total = total.to(functools.reduce(torch.promote_types, floats) if floats else torch.float32)
-    if error_if_nonfinite and not torch.isfinite(total).item():
-        raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
-                           f"cannot be clipped. To disable this error and scale the gradients by the non-finite norm "
-                           f"anyway, set `error_if_nonfinite=False`")
-    return total
-
-
-def _norm_weights(eng, names: tuple, dtype, dev) -> torch.Tensor:
-    """``1 / replicas`` per parameter, on the device: made once per group of names (a host-to-device copy per step
-    would also stop a captured step, shardplan.capture, which cannot copy from pageable host memory)."""
-    cache = eng.__dict__.setdefault("_norm_weights", {})
-    key = (names, dtype, dev)
-    w = cache.get(key)
-    if w is None:
-        w = cache[key] = torch.tensor([1.0 / eng.plan.replicas(n) for n in names], dtype=dtype, device=dev)
-    return w
-
-
-def _global_norm(eng, groups: list, norm_type: float, foreach: Optional[bool] = None) -> torch.Tensor:
-    """The norm over every rank of the full gradients whose local pieces are in ``groups`` (lists of
-    ``(gradient, parameter name)``, each a buffer's): each element counts once, however many ranks hold it.
-    One collective: every rank calls it."""
-    dev, world = eng.device, eng.groups.world
-    if norm_type == math.inf:
-        total = torch.zeros((), device=dev)
-        for held in groups:
-            norms = torch._foreach_norm([g for g, _ in held], norm_type)
-            total = torch.maximum(total, torch.stack([t.float() for t in norms]).max())
-        C.all_reduce(total, world, async_op=False, op=dist.ReduceOp.MAX)
-        return total
-    acc = torch.zeros((), dtype=torch.float64 if dev.type == "cpu" else torch.float32, device=dev)
-    for held in groups:
-        gs = [g for g, _ in held]
-        norms = torch._foreach_norm(gs, norm_type) if foreach is not False else \
-            [torch.linalg.vector_norm(g, norm_type) for g in gs]
-        # each element is held by `replicas` ranks (copies across data replicas and compute axes that
-        # replicate it): count it once
-        weights = _norm_weights(eng, tuple(n for _, n in held), acc.dtype, dev)
-        acc = acc + (torch.stack([t.to(acc.dtype) for t in norms]).pow(norm_type) * weights).sum()
-    C.all_reduce(acc, world, async_op=False, op=dist.ReduceOp.SUM)
-    return acc.pow(1.0 / norm_type)
-
-
-def _patch_torch_norms() -> None:
-    """[Note: torch's clip_grad_norm_ on local shards] A shardplan model's parameters are this rank's shards as
-    plain tensors, not FSDP2's DTensors, so torch's ``clip_grad_norm_(model.parameters(), ...)`` (and
-    torchtitan's ``get_total_norm(grads)``) would return this rank's norm and clip each rank's shards by a
-    different factor: silently wrong. Routed once: given local shards' gradients, it returns the global norm
-    (one collective: every rank must call it, as with DTensors); any other tensors go to torch unchanged.
-
-    The code of torch's function is swapped (as for ``register_fsdp_forward_method``, see dropin/), not
-    only the module attributes: a name bound before the first ``shard()`` (``from torch.nn.utils import
-    get_total_norm`` at the top of a training script) is the same function object, and it would otherwise
-    keep returning this rank's norm."""
-    if _TORCH_NORM:
-        return
-    import types
-    from torch.nn.utils import clip_grad as CG
-    public = CG._get_total_norm  # torch's @_no_grad wrapper (every name torch exports is this object)
-    inner = getattr(public, "__wrapped__", None)
-    if isinstance(inner, types.FunctionType) and not inner.__code__.co_freevars and \
-            "_shardplan_total_norm" not in inner.__globals__:
-        orig = types.FunctionType(inner.__code__, inner.__globals__, inner.__name__, inner.__defaults__)
-    else:  # another torch layout: the module attributes only (names bound earlier keep torch's own)
-        inner, orig = None, public
-    _TORCH_NORM.append(orig)
-
-    def total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-        ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        found = _owners(ts) if _LIVE else None
-        if found is None:
-            return orig(ts, norm_type, error_if_nonfinite, foreach)
-        return _sharded_total_norm(found[0], ts, found[1], float(norm_type), error_if_nonfinite)
-
-    if inner is not None:
-        inner.__globals__["_shardplan_total_norm"] = total_norm
-
-        def routed(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):  # runs in torch's module
-            return _shardplan_total_norm(tensors, norm_type, error_if_nonfinite, foreach)  # noqa: F821
-
-        inner.__code__ = routed.__code__
-        return
-    get_total_norm = functools.wraps(public)(total_norm)
-    CG._get_total_norm = get_total_norm  # what clip_grad_norm_ calls
-    torch.nn.utils.get_total_norm = get_total_norm
-    if hasattr(CG, "get_total_norm"):
-        CG.get_total_norm = get_total_norm
-
-
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, foreach: Optional[bool] = None) -> torch.Tensor:
     """Clip the gradients of the local shards by the *global* norm over all ranks; returns that norm.
 
@@ -354,11 +224,12 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
               for b in eng.buffer.values()]
     groups = [g for g in groups if g]
     grads = [g for group in groups for g, _ in group]
-    total = _global_norm(eng, groups, norm_type, foreach)
+    total = NORMS.global_norm(eng, groups, norm_type, foreach)
     total = total.float()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     if grads:
-        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        with torch._C.DisableTorchFunctionSubclass():  # the gradients are norms.ShardGrad: plain here
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
     if getattr(eng, "offload", None) is not None:  # the host copies of the gradients are scaled alike
         eng.offload.grads_scaled(coef.to(grads[0].dtype) if grads else coef)
     return total

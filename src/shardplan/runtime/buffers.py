@@ -22,6 +22,7 @@ from ..lowp import BLOCK
 from ..planner import BufferPlan, Plan
 from ..planner.values import ParamPlan, Piece
 from . import capture as CAP
+from .norms import wrap as wrap_grad
 from .quantize import (bad_blocks, dequantize_into, first_bad_block, first_bad_block_index, first_non_finite,
                        first_non_finite_index, quantize_into)
 from .seams import detached_local
@@ -125,6 +126,7 @@ class BufferState:
         self.flat: Optional[torch.Tensor] = None  # the unsharded gradient, in compute dtype
         self.flat_window = -1
         self.lent = False  # the local shards' gradients are views of ``flat``
+        self.grad_owner = None  # shard()'s executor: local gradients are its norms.ShardGrad views (torch's norms)
         self.forming = False  # the unit's backward started: autograd is forming the gradients that will land
         self.flat_itemsize = torch.empty(0, dtype=self.cdtype).element_size()
         self.gappy = bp.grad_numel != sum(m.info.numel for m in self.members)  # padding between parameters
@@ -516,13 +518,14 @@ class BufferState:
                 g = result.as_strided(m.lshape, m.lstride, base + m.shard.start)
                 have = lp.grad
                 if have is None:
-                    lp.grad = g
+                    lp.grad = g if self.grad_owner is None else wrap_grad(self.grad_owner, g, m.name)
                     created.append(m.index)
                 else:  # accumulated into the existing .grad, all in one foreach add below
                     into.append(have)
                     adds.append(g)
             if into:
-                torch._foreach_add_(into, adds)
+                with torch._C.DisableTorchFunctionSubclass():  # ShardGrads: plain tensors here, no dispatch
+                    torch._foreach_add_(into, adds)
         except RuntimeError:
             # [Note: a child module's .to()/.half() after shard() replaced a local parameter's .data; torch's
             # own error here is a bare grad dtype/device mismatch. Diagnosed only on failure: no per-step cost.]

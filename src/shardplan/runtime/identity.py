@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..errors import RuntimeShardingError
-from .state_dict import install_torch_dcp_optimizer
+from .state_dict import install_torch_optimizer
 
 _REPLACED = "_shardplan_replaced"  # on an original parameter the runtime could not adopt: its plan name
 _generation = [0]                   # bumped by every shard(): optimizers are checked again once after it
@@ -94,8 +94,8 @@ def check_optimizer(opt: torch.optim.Optimizer, args, kwargs) -> None:
 
 
 def _install_dcp_hooks(opt: torch.optim.Optimizer) -> None:
-    """A plain torch optimizer over one sharded model's local shards gets the hooks that make torch's
-    ``get_state_dict`` / ``get_optimizer_state_dict`` give its states as DTensors (runtime/state_dict.py)."""
+    """A plain torch optimizer over one sharded model's local shards gets the hooks that make its
+    ``state_dict()`` give its states as DTensors, as FSDP2's do (runtime/state_dict.py)."""
     if getattr(opt, "_shardplan_dcp_hooks", False) or getattr(opt, "_shardplan_offload", False):
         return
     engines = set()
@@ -110,4 +110,4 @@ def _install_dcp_hooks(opt: torch.optim.Optimizer) -> None:
         eng = engines.pop()
         if eng.plan.offload:
             return
-        install_torch_dcp_optimizer(opt, eng)
+        install_torch_optimizer(opt, eng)

@@ -273,59 +273,33 @@ def install(module: nn.Module, exe, meshes: Optional[dict] = None) -> list:
     return exe.state_dict_hooks.install(module)
 
 
-_TORCH_DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
-
-
-def _called_by_torch_dcp() -> bool:
-    """Whether torch's ``get_state_dict`` / ``get_optimizer_state_dict`` / ``set_*`` (module
-    ``torch.distributed.checkpoint.state_dict``) is on the call stack."""
-    import sys
-    f = sys._getframe(1)
-    for _ in range(40):
-        if f is None:
-            return False
-        if f.f_globals.get("__name__") == _TORCH_DCP_STATE_DICT:
-            return True
-        f = f.f_back
-    return False
-
-
-def install_torch_dcp_optimizer(optimizer: torch.optim.Optimizer, exe) -> list:
-    """For a plain torch optimizer over a sharded model's local shards: inside torch's
-    ``get_state_dict`` / ``get_optimizer_state_dict`` (and ``set_*``), give and take its sharded states as
-    DTensors, as FSDP2's optimizers have them; ``optimizer.state_dict()`` called elsewhere stays torch's own
-    (this rank's local shards).
+def install_torch_optimizer(optimizer: torch.optim.Optimizer, exe) -> list:
+    """For a plain torch optimizer over a sharded model's local shards (installed at its first ``step()``, which
+    torch's ``get_state_dict`` itself runs on a fresh optimizer): ``optimizer.state_dict()`` gives its sharded
+    states as DTensors, as an optimizer over FSDP2's DTensor parameters has them, wherever it is called (torch's
+    ``get_state_dict`` / ``get_optimizer_state_dict``, ``dcp.save({"optim": opt.state_dict()})``), and
+    ``load_state_dict`` takes them back (DTensors, full tensors or this rank's local shards).
 
     [Note: without this, torch's helpers hand DCP plain tensors that differ per rank; DCP takes a plain
     tensor for a replicated value and keeps one rank's copy, so a load at the same world size gives every
-    rank rank 0's moments, silently (and ``full_state_dict=True`` returns local shards as if full). Where
-    the plan's layout cannot be described by DTensors, the helpers raise instead.]
+    rank rank 0's moments, silently (and ``full_state_dict=True`` returns local shards as if full). Where the
+    plan's layout cannot be described by DTensors, ``optimizer.state_dict()`` raises instead, as
+    ``model.state_dict()`` does: a state dict is either right for DCP or refused, whoever asks for it.]
     """
     if getattr(optimizer, "_shardplan_dcp_hooks", False):
         return []
-    optimizer._shardplan_dcp_hooks = True
     hooks = exe.state_dict_hooks
     if hooks.bad is not None:
-        def refuse(_opt, sd):
-            if _called_by_torch_dcp():
-                why = hooks.layout[hooks.bad][1]
-                raise CheckpointError(
-                    f"get_optimizer_state_dict / get_state_dict: the optimizer's states of parameter {hooks.bad!r} "
-                    f"cannot be given as DTensors ({why}), and as plain tensors DCP would keep one rank's copy. "
-                    f"To checkpoint this model, {_WAYS_OUT}")
-            return sd
-        return [optimizer.register_state_dict_post_hook(refuse)]
-    pre, post, load = _optimizer_hooks(optimizer, exe)
+        optimizer._shardplan_dcp_hooks = True
 
-    def pre_dcp(opt):
-        if _called_by_torch_dcp():
-            pre(opt)
-
-    def post_dcp(opt, sd):
-        return post(opt, sd) if _called_by_torch_dcp() else sd
-    # loading takes DTensors, full tensors and local shards alike: always on
-    return [optimizer.register_state_dict_pre_hook(pre_dcp), optimizer.register_state_dict_post_hook(post_dcp),
-            optimizer.register_load_state_dict_pre_hook(load)]
+        def refuse(_opt):
+            why = hooks.layout[hooks.bad][1]
+            raise CheckpointError(
+                f"optimizer.state_dict(): the optimizer's states of parameter {hooks.bad!r} cannot be given as "
+                f"DTensors ({why}), and as plain per-rank tensors DCP (and torch's get_optimizer_state_dict) would "
+                f"keep one rank's copy. To checkpoint this model, {_WAYS_OUT}")
+        return [optimizer.register_state_dict_pre_hook(refuse)]
+    return install_optimizer(optimizer, exe)
 
 
 def install_optimizer(optimizer: torch.optim.Optimizer, exe) -> list:
