@@ -23,7 +23,7 @@ from importlib.util import find_spec as _find_spec
 from .dtypes import import_torch as _import_torch  # torch-free: it imports torch when called
 from .errors import ShardingError
 from .mesh import Mesh
-from .planner import Plan, plan
+from .planner import Layout, Offload, Plan, Precision, Schedule, plan
 from .rules import Rules, explain, match
 from .spec import P
 from .auto import auto_rules
@@ -118,6 +118,8 @@ def __getattr__(name: str):
 __all__ = [
     # the language and the planner (no torch)
     "Mesh", "P", "Rules", "match", "explain", "auto_rules", "plan", "Plan",
+    # plan()'s options grouped by feature (the flat keywords mean the same)
+    "Precision", "Offload", "Schedule", "Layout",
     # the runtime: a module's face
     "shard", "no_sync", "clip_grad_norm_", "record_ops", "compile_units", "memory_stats", "reset_peak",
     # the functional face

@@ -7,6 +7,9 @@
   ``schedule``: the ops of a step (checked by ``validate``); ``accounting``: memory, bytes, warnings;
   ``serialize``: JSON; ``render``: printed views;
 * ``facade``: :class:`Plan`, the compiled plan, whose methods read the values through the modules above;
+* ``policies``: the options grouped by feature (``Precision``, ``Offload``, ``Schedule``, ``Layout``), checked
+  when made; ``options``: them and the flat keywords merged and checked against the mesh; ``passes``: the passes
+  ``plan`` runs over them;
 * ``compiler``: :func:`plan`, rules + a mesh + options -> a ``Plan``.
 
 Everything here is pure: no process group, no GPU.
@@ -16,9 +19,10 @@ from .compiler import plan
 from .facade import Plan
 from .kinds import (Condition, Event, LayoutChoice, OpKind, Order, Phase, Strategy, Subject,  # noqa: F401
                     strategy_level)
+from .policies import Layout, Offload, Policies, Precision, Schedule
 from .serialize import FORMAT_VERSION
 from .values import BufferPlan, Compute, Memory, Op, ParamPlan, Piece, Program, Step, UnitPlan
 
 __all__ = ["plan", "Plan", "ParamPlan", "BufferPlan", "UnitPlan", "Memory", "Op", "Program", "Step", "Piece",
            "Compute", "OpKind", "Subject", "Event", "Condition", "Phase", "Strategy", "Order", "LayoutChoice",
-           "strategy_level", "FORMAT_VERSION"]
+           "strategy_level", "FORMAT_VERSION", "Precision", "Offload", "Schedule", "Layout", "Policies"]

@@ -2,8 +2,8 @@
 
 :func:`plan` checks the options (``options.py``), runs the passes (``passes.py``: rules and leaves, compute axes,
 low precision, units, layouts and buffers, compute placement), then builds the schedule and the :class:`Plan`
-(:func:`_assemble`: with the offloaded buffers, the accounting's warnings), choosing the offload fraction first
-under ``offload_fraction="auto"``, and validates it."""
+(:func:`_assemble`: with the offloaded buffers, the accounting's warnings), lowers the offload fraction under
+``offload_fraction="auto"`` (:func:`_fit_device`), and validates it."""
 
 from __future__ import annotations
 
@@ -20,25 +20,28 @@ from . import passes
 from . import tensor_parallel as tp
 from .accounting import plan_warnings
 from .facade import Plan
-from .kinds import STRATEGIES, LayoutChoice, Offload, Order, Strategy
+from .kinds import STRATEGIES, LayoutChoice, Order, Strategy
+from .kinds import Offload as OffloadMode
 from .options import Options, check
-from .passes import Layout, Placed
+from .passes import Placed
+from .policies import Layout, Offload, Precision, Schedule
+from .policies import DtypeLike
 from .schedule import build_schedule
 from .validate import validate
 
 
 RulesLike = Union[Rules, Sequence[tuple[str, Any]]]  # a Rules, or its (regex, spec) pairs
-DtypeLike = Any  # a torch.dtype or its name ("bfloat16", "bf16"): the planner does not import torch
 
 
 def plan(model_or_tree: Any, rules: RulesLike, mesh: Mesh, *,
          strategy: Union[Strategy, str] = Strategy.OPTIM_GRADS_PARAMS, units: Optional[Sequence] = None,
+         precision: Optional[Precision] = None, offload: Union[None, Offload, OffloadMode, str] = None,
+         schedule: Optional[Schedule] = None, layout: Union[Layout, LayoutChoice, str] = LayoutChoice.AUTO,
          compute_dtype: Optional[DtypeLike] = None, reduce_dtype: Optional[DtypeLike] = None, prefetch: int = 1,
          reshard_after_forward: Union[bool, Mapping[str, bool]] = True, trace: Optional[Any] = None,
          optimizer_states: int = 2, world_size: Optional[int] = None,
          min_unit_bytes: Optional[int] = None, order: Union[Order, str] = Order.STATIC,
          compute_axes: Sequence[str] = (), styles: Optional[Sequence[tuple[str, str]]] = None,
-         layout: Union[LayoutChoice, str] = LayoutChoice.AUTO, offload: Optional[Union[Offload, str]] = None,
          offload_fraction: Union[float, str] = 1.0, device_memory: Optional[float] = None,
          expert_axes: Optional[Sequence[str]] = None,
          gather_dtype: Union[None, str, Sequence[tuple[str, Optional[str]]]] = None,
@@ -47,6 +50,16 @@ def plan(model_or_tree: Any, rules: RulesLike, mesh: Mesh, *,
 
     >>> plan = shardplan.plan(model, rules, Mesh(dp=8), units=[r"layers\\.\\d+"], compute_dtype=torch.bfloat16)
     >>> plan = shardplan.plan(model, rules, Mesh(dp=8), units=[LlamaDecoderLayer])   # units by class
+
+    The options come grouped by feature (:mod:`shardplan.planner.policies`), or as the flat keywords below, which
+    mean the same (``compute_dtype=x`` is ``precision=Precision(compute_dtype=x)``; a field set both ways raises):
+
+    >>> plan = shardplan.plan(model, rules, Mesh(dp=8), units=[r"layers\\.\\d+"],
+    ...                       precision=sp.Precision(compute_dtype="bfloat16", reduce_dtype="float32"),
+    ...                       offload=sp.Offload("optimizer", fraction=0.5),
+    ...                       schedule=sp.Schedule(prefetch=2), layout=sp.Layout("chunked"))
+    >>> plan.policies.precision.compute_dtype
+    'bfloat16'
 
     ``units``: regexes over module paths, module classes, or classes' import paths (or bare names).
     Not given (``None``): the model's repeated blocks (:func:`shardplan.auto.find_units`: the elements of
@@ -102,12 +115,12 @@ def plan(model_or_tree: Any, rules: RulesLike, mesh: Mesh, *,
     absmaxes first) and handed to torchao as float8 tensors, never dequantized; ``fp8_gather=False`` gathers
     them in the compute dtype instead (torchao casts after the gather).
     """
-    opts = check(mesh, world_size=world_size, strategy=strategy, offload=offload, offload_fraction=offload_fraction,
-                 device_memory=device_memory, prefetch=prefetch, order=order, layout=layout,
-                 min_unit_bytes=min_unit_bytes, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
-                 compute_axes=compute_axes, expert_axes=expert_axes, gather_dtype=gather_dtype, fp8=fp8,
-                 fp8_gather=fp8_gather, styles=styles, reshard_after_forward=reshard_after_forward,
-                 optimizer_states=optimizer_states)
+    opts = check(mesh, world_size=world_size, strategy=strategy, compute_axes=compute_axes, expert_axes=expert_axes,
+                 styles=styles, optimizer_states=optimizer_states, precision=precision, offload=offload,
+                 schedule=schedule, layout=layout, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
+                 gather_dtype=gather_dtype, fp8=fp8, fp8_gather=fp8_gather, offload_fraction=offload_fraction,
+                 device_memory=device_memory, prefetch=prefetch, order=order,
+                 reshard_after_forward=reshard_after_forward, min_unit_bytes=min_unit_bytes)
     lv = passes.match_rules(model_or_tree, rules, mesh, units, trace)
     _emit(lv.warned)
     ax = passes.compute_axes(lv, opts, mesh, trace)
@@ -119,11 +132,9 @@ def plan(model_or_tree: Any, rules: RulesLike, mesh: Mesh, *,
     placed = passes.place_compute(lv, ax, lay, opts, mesh, trace)
     notes = lv.notes + ax.notes + un.notes
     choices = lv.choices + ax.choices + un.choices + placed.choices
-    fraction = opts.offload_fraction
-    if fraction == OFF.AUTO:  # [Note: the automatic fraction] in planner/offload.py
-        fraction, note = _auto_fraction(opts, mesh, lay, placed, un, notes, choices)
-        choices += (note,)
-    result = _assemble(opts, mesh, lay, placed, un, notes, choices, fraction)
+    result = _assemble(opts, mesh, lay, placed, un, notes, choices)
+    if opts.offload_fraction == OFF.AUTO:  # [Note: the automatic fraction] in planner/offload.py
+        result = _fit_device(result, opts.device_memory)
     validate(result)  # the builder's own schedules obey the rules edited ones must
     return result
 
@@ -134,14 +145,12 @@ def _emit(warned) -> None:
         warnings.warn(message, category, stacklevel=3)
 
 
-def _assemble(opts: Options, mesh: Mesh, lay: Layout, placed: Placed, un, notes: tuple, choices: tuple,
-              fraction) -> Plan:
-    """The schedule and the :class:`Plan`, with ``fraction`` of the buffers offloaded (under ``offload=``)."""
-    buffers, units = lay.buffers, lay.units
-    if opts.offload is not None:
-        hosted = OFF.choose_offloaded(list(buffers), list(units), level=opts.level, offload=opts.offload,
-                                      fraction=fraction)
-        buffers = tuple(dataclasses.replace(b, offload=hosted.get(b.index, "")) for b in buffers)
+def _assemble(opts: Options, mesh: Mesh, lay: passes.Layout, placed: Placed, un, notes: tuple, choices: tuple) -> Plan:
+    """The schedule and the :class:`Plan`, with the share of the buffers ``offload_fraction`` says offloaded
+    (all of them under ``"auto"``, which :func:`_fit_device` then lowers)."""
+    fraction = 1.0 if opts.offload_fraction == OFF.AUTO else opts.offload_fraction
+    buffers, units = OFF.offloaded(lay.buffers, lay.units, level=opts.level, offload=opts.offload,
+                                   fraction=fraction), lay.units
     schedule = tp.with_activation_ops(
         build_schedule(list(units), list(buffers), mesh, opts.level, opts.prefetch, opts.order, len(lay.params)),
         list(units), placed.tp_modules, placed.activations, mesh,
@@ -159,16 +168,18 @@ def _assemble(opts: Options, mesh: Mesh, lay: Layout, placed: Placed, un, notes:
                 expert_calls=placed.expert_calls, context_calls=placed.context_calls, fp8_modules=un.fp8_modules)
 
 
-def _auto_fraction(opts: Options, mesh: Mesh, lay: Layout, placed: Placed, un, notes: tuple,
-                   choices: tuple) -> tuple[float, str]:
-    """``offload_fraction="auto"``: the smallest fraction whose device peak fits ``device_memory`` (on up to 64
-    ranks spread over the mesh), and the note that says so."""
+def _fit_device(plan: Plan, device_memory: float) -> Plan:
+    """``offload_fraction="auto"``: ``plan`` (everything offloaded) at the smallest fraction whose device peak fits
+    ``device_memory`` (on up to 64 ranks spread over the mesh), noted. A pass over the plan's buffers: each
+    candidate re-marks which buffers are offloaded and rebuilds the schedule only (:meth:`Plan._with_offload_fraction`)."""
+    mesh = plan.mesh
     ranks = range(mesh.size) if mesh.size <= 64 else sorted({r * (mesh.size - 1) // 63 for r in range(64)})
 
     def peak(f: float) -> tuple[int, int]:
-        p = _assemble(opts, mesh, lay, placed, un, notes, choices, f)
-        return max((p.memory(r).peak, r) for r in ranks)
+        candidate = plan._with_offload_fraction(f)
+        return max((candidate.memory(r).peak, r) for r in ranks)
 
-    fraction = OFF.smallest_fitting(OFF.prefix_fractions(list(lay.buffers), list(lay.units)), peak, opts.device_memory)
-    return fraction, (f"offload_fraction={fraction:.6g}: the smallest share of the trainable shard bytes "
-                      f"whose device peak fits device_memory={int(opts.device_memory):,d} B (offload_fraction='auto')")
+    fraction = OFF.smallest_fitting(OFF.prefix_fractions(plan.buffers, plan.units), peak, device_memory)
+    note = (f"offload_fraction={fraction:.6g}: the smallest share of the trainable shard bytes whose device peak "
+            f"fits device_memory={int(device_memory):,d} B (offload_fraction='auto')")
+    return dataclasses.replace(plan._with_offload_fraction(fraction), notes=plan.notes + (note,))

@@ -27,7 +27,8 @@ from . import context_parallel as CPX
 from . import expert_parallel as EP
 from . import float8 as F8
 from . import tensor_parallel as tp
-from .offload import HOST_GBPS, balanced_fraction, host_step_bytes
+from .policies import Layout as LayoutPolicy, Offload as OffloadPolicy, Policies, Precision, Schedule
+from .offload import HOST_GBPS, balanced_fraction, host_step_bytes, offloaded
 from .kinds import LayoutChoice, Offload, Order, Strategy, choose, strategy_level
 from .validate import normalised, validate
 from .values import Activations, BufferPlan, Memory, Op, ParamPlan, Piece, Program, UnitPlan
@@ -359,6 +360,13 @@ class Plan:
         validate(candidate)
         return candidate
 
+    def _with_offload_fraction(self, fraction: float) -> "Plan":
+        """The same plan offloading ``fraction`` of the trainable shard bytes (``plan(offload=...)``'s rule,
+        planner/offload.py), its schedule rebuilt; not validated (``offload_fraction="auto"``'s candidates)."""
+        buffers = offloaded(self.buffers, self.units, level=self.level, offload=self.offload, fraction=fraction)
+        base = dataclasses.replace(self, buffers=buffers, offload_fraction=fraction)
+        return dataclasses.replace(base, schedule=base._built_schedule)
+
     def _rebuilt(self, how: str, **changes) -> "Plan":
         if all(getattr(self, k) == v for k, v in changes.items()):
             return self
@@ -475,34 +483,56 @@ class Plan:
             return d
         return core(self) == core(other)
 
+    @property
+    def policies(self) -> Policies:
+        """The plan's options grouped by feature: the :class:`~shardplan.planner.policies.Precision`,
+        :class:`~shardplan.planner.policies.Offload` (``None``: no offload), :class:`~shardplan.planner.policies.Schedule`
+        and :class:`~shardplan.planner.policies.Layout` that rebuild it, with the numbers the planner chose
+        (``offload_fraction="auto"``'s fraction, ``min_unit_bytes``); read from the plan, so a plan loaded from JSON
+        has them too. The flat attributes (``plan.compute_dtype``, ``plan.offload_fraction``, ...) read the same.
+
+        >>> plan.policies.precision.compute_dtype, plan.policies.schedule.prefetch
+        ('bfloat16', 1)
+        >>> sp.plan(model, rules, mesh, units=units, **plan.policies.keywords())      # the same plan
+        """
+        gathers = [(re.escape(p.name), self.buffers[p.buffer].gather_dtype) for p in self.params
+                   if self.buffers[p.buffer].gather_dtype and not self.buffers[p.buffer].tensorwise]
+        # (the float8 Linears' tensorwise gathers follow from fp8= and fp8_gather=)
+        fp8 = [(re.escape(m.path), F8.TORCHAO) for m in self.fp8_modules]
+        precision = Precision(compute_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype,
+                              gather_dtype=tuple(gathers) or None, fp8=tuple(fp8) or None,
+                              fp8_gather=any(b.tensorwise for b in self.buffers) if fp8 else True)
+        rafs = {u.reshard_after_forward for u in self.units[1:]}
+        raf = rafs.pop() if len(rafs) == 1 else self.reshard_after_forward if not rafs \
+            else {u.name: False for u in self.units[1:] if not u.reshard_after_forward}
+        return Policies(precision=precision,
+                        offload=OffloadPolicy(self.offload, self.offload_fraction) if self.offload else None,
+                        schedule=Schedule(prefetch=self.prefetch, order=self.order, reshard_after_forward=raf),
+                        layout=LayoutPolicy(self.layout, self.min_unit_bytes))
+
     def declarative(self) -> dict[str, Any]:
         """Keyword arguments of :func:`shardplan.plan` that rebuild this plan from its module: rules (one
-        per parameter name, block indices generalised), units (exact module paths), options.
+        per parameter name, block indices generalised), units (exact module paths), options (the flat keywords
+        of :attr:`policies`).
 
         >>> sp.plan(model, **plan.declarative()).equivalent(plan)      # True (a traced order needs trace=)
         """
         specs = [(p.name, p.spec if self.level else self.param(p.name).spec) for p in self.params]
         paths = [m for u in self.units[1:] for m in u.module_paths]
-        rafs = {u.reshard_after_forward for u in self.units[1:]}
         tp_opts = dict(compute_axes=self.compute_axes,
                        styles=[(re.escape(m.path), m.style) for m in self.tp_modules]) if self.compute_axes else {}
+        pol = self.policies
+        pr, off = pol.precision, pol.offload
         return dict(rules=rules_from_specs(specs), mesh=self.mesh, strategy=self.strategy, **tp_opts,
                     units=[re.escape(m) for m in paths], compute_dtype=self.compute_dtype,
                     reduce_dtype=self.reduce_dtype, prefetch=self.prefetch,
-                    reshard_after_forward=rafs.pop() if len(rafs) == 1 else self.reshard_after_forward if not rafs
-                    else {u.name: False for u in self.units[1:] if not u.reshard_after_forward},
+                    reshard_after_forward=pol.schedule.reshard_after_forward,
                     optimizer_states=self.optimizer_states, min_unit_bytes=self.min_unit_bytes, order=self.order,
                     **({"layout": self.layout} if self.layout != LayoutChoice.AUTO else {}),
-                    **({"offload": self.offload} if self.offload else {}),
-                    **({"offload_fraction": self.offload_fraction} if self.offload_fraction != 1 else {}),
-                    **({"gather_dtype": [(re.escape(n), self.buffers[self.param(n).buffer].gather_dtype)
-                                         for n in (p.name for p in self.params)
-                                         if self.buffers[self.param(n).buffer].gather_dtype
-                                         and not self.buffers[self.param(n).buffer].tensorwise]}
-                       if any(b.gather_dtype and not b.tensorwise for b in self.buffers) else {}),
-                    # (the float8 Linears' tensorwise gathers follow from fp8= and fp8_gather=)
-                    **({"fp8": [(re.escape(m.path), F8.TORCHAO) for m in self.fp8_modules],
-                        "fp8_gather": any(b.tensorwise for b in self.buffers)} if self.fp8_modules else {}))
+                    **({"offload": self.offload} if off else {}),
+                    **({"offload_fraction": off.fraction} if off and off.fraction != 1 else {}),
+                    **({"gather_dtype": list(pr.gather_dtype)} if pr.gather_dtype else {}),
+                    **({"fp8": list(pr.fp8), "fp8_gather": pr.fp8_gather} if pr.fp8 else {}))
 
     def to_source(self) -> str:
         """A rules file that rebuilds this plan: ``rules``, ``UNITS`` (the exact modules of its units),

@@ -16,7 +16,9 @@ takes the smallest fraction whose plan fits: ``plan.memory(rank).peak <= B`` on 
 the mesh beyond 64 ranks; activations
 included when the plan is traced). The candidates are the fractions at which the rule above takes one
 more buffer (:func:`prefix_fractions`); the device peak does not grow as more is offloaded, so a binary
-search over them finds it with a few memory walks. The plan records the number chosen, so its JSON and
+search over them finds it with a few memory walks. It is a pass over the assembled plan (everything
+offloaded): a candidate only re-marks the buffers (:func:`offloaded`) and rebuilds the schedule from them,
+nothing before it (``compiler._fit_device``). The plan records the number chosen, so its JSON and
 ``to_source()`` rebuild the same plan without the budget.
 
 [Note: the balanced fraction] Offloading more saves device memory but the host step grows with the bytes
@@ -32,6 +34,7 @@ than one buffer. ``Plan.balanced_offload_fraction`` applies it to a plan.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, Optional, Sequence
 
@@ -43,9 +46,9 @@ from .values import BufferPlan, UnitPlan
 AUTO = "auto"
 
 
-def check(offload, fraction, level: int, device_memory=None):
+def check(offload, fraction, level: Optional[int] = None, device_memory=None):
     """``(offload, fraction)`` validated (``fraction`` a number, or ``"auto"``); a :class:`PlanError` naming
-    the fix otherwise.
+    the fix otherwise. ``level``: the strategy's (``None``: not known yet, ``offload="params"`` not checked).
 
     >>> check("optimizer", 1.0, 3)
     ('optimizer', 1.0)
@@ -70,7 +73,7 @@ def check(offload, fraction, level: int, device_memory=None):
             raise PlanError(f"offload_fraction={fraction!r} needs offload='optimizer' or offload='params'")
         return None, 1.0
     mode = choose(Offload, offload, "offload")
-    if mode == Offload.PARAMS and level != 3:
+    if mode == Offload.PARAMS and level is not None and level != 3:
         raise PlanError("offload='params' keeps parameter shards in host memory and copies them in before each "
                         "all-gather, so it needs strategy='optim_grads_params' (ZeRO-3); use offload='optimizer' "
                         "with this strategy")
@@ -107,6 +110,16 @@ def choose_offloaded(buffers: Sequence[BufferPlan], units: Sequence[UnitPlan], *
         params = offload == Offload.PARAMS and level == 3 and b.sharded and not b.alias
         out[b.index] = Offload.PARAMS.value if params else Offload.OPTIMIZER.value
     return out
+
+
+def offloaded(buffers: Sequence[BufferPlan], units: Sequence[UnitPlan], *, level: int, offload: Optional[Offload],
+              fraction: float) -> tuple[BufferPlan, ...]:
+    """``buffers`` with ``BufferPlan.offload`` marking those :func:`choose_offloaded` takes at ``fraction``
+    (the others cleared); ``buffers`` as they are without ``offload``."""
+    if offload is None:
+        return tuple(buffers)
+    hosted = choose_offloaded(list(buffers), list(units), level=level, offload=offload, fraction=fraction)
+    return tuple(dataclasses.replace(b, offload=hosted.get(b.index, "")) for b in buffers)
 
 
 def prefix_fractions(buffers: Sequence[BufferPlan], units: Sequence[UnitPlan]) -> list[float]:
