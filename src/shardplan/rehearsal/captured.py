@@ -18,6 +18,7 @@ import torch.nn as nn
 from ..activations import scalar_of
 from ..errors import RehearsalError
 from ..planner import Plan
+from ..runtime.capture import capture
 from .timing import Clock
 
 WARMUP = 2  # eager steps before the capture (``shardplan.capture``'s default)
@@ -56,7 +57,6 @@ def run(model: nn.Module, opt: torch.optim.Optimizer, batch_fn: Callable[[int], 
     """``WARMUP`` eager steps and the capture (not measured), then ``steps`` replays, timed one by one.
     ``batch_fn(i)`` gives step ``i``'s ``(args, kwargs)``; the captured step copies them into its static
     inputs. On a CPU the step runs eagerly through the same machinery (``backend="eager"``)."""
-    from ..runtime.capture import capture
     cuda = device.type == "cuda"
 
     def train_step(args, kwargs):
