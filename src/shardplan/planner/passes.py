@@ -329,7 +329,7 @@ def _laid_unit(unit_members: list, ax: Axes, pr: Precision, opts: Options, mesh:
     partial axes)`` each."""
     # [Note: expert weights get buffers of their own: their gradients are not reduced over the expert axis
     # (every ep rank's tokens already reached them through the all-to-all), dense ones' are]
-    # [Note: partial gradients] (planner/tensor_parallel.py) replicated parameters read on sharded activations
+    # [Note: partial gradients] (planner/tp_partial.py) replicated parameters read on sharded activations
     # get buffers of their own too: their gradients are summed over the compute axis first
     level, compute, layout, compute_axes = opts.level, opts.compute, opts.layout, opts.compute_axes
     dense = [m for m in unit_members if m[0].name not in ax.ep_of and m[0].name not in ax.partial_of]
