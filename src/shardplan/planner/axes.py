@@ -10,13 +10,14 @@ of an activation op, their part of the JSON. Each axis is one module implementin
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Optional, Sequence
 
 from ..errors import PlanError
 from . import context_parallel as CPX
 from . import expert_parallel as EP
 from . import tensor_parallel as tp
-from .axis import ComputeAxis, ModuleOps, with_activation_ops
+from .axis import ComputeAxis, ModuleOps, Placing, Resolving, with_activation_ops
 from .values import Op
 
 # [Note: the order is the planner's: tensor parallelism resolves first (its styles move biases' specs, which
@@ -44,6 +45,50 @@ def unregister(kind: str) -> None:
 def value(values: Sequence[Any], kind: str) -> Any:
     """The value of axis ``kind`` among a plan's ``axes`` (``None``: off in that plan)."""
     return next((v for v in values if v.kind == kind), None)
+
+
+def resolve(module, infos: Sequence[Any], specs: Sequence[Any], rule_of: Mapping[str, str], opts, mesh, trace):
+    """Every axis resolved in order: (compute placement per parameter (``None``: replicated compute), storage
+    spec per parameter, the placements whose axis gives them buffers of their own, each axis's value by kind)."""
+    compute: dict[str, Any] = {i.name: None for i in infos}
+    spec_of: dict[str, Any] = {i.name: s for i, s in zip(infos, specs)}
+    by: dict[str, ComputeAxis] = {}       # name -> the axis that placed it
+    separate: dict[str, Any] = {}
+    values: dict[str, Any] = {}
+    for axis in _AXES:
+        r = axis.resolve(Resolving(module, [(i, spec_of[i.name], rule_of[i.name]) for i in infos], opts, mesh, trace))
+        if r is None:
+            continue
+        spec_of.update(r.specs)
+        for name, c in r.compute.items():
+            if c is None:
+                continue
+            if compute[name] is not None:
+                prev = compute[name]
+                raise PlanError(f"parameter {name!r} (rule {rule_of[name]}) is {axis.phrase} {c.axis!r} and "
+                                f"{by[name].phrase} {prev.axis!r}; one compute axis per parameter: keep "
+                                f"{prev.axis!r} out of its spec")
+            compute[name], by[name] = c, axis
+            if axis.separate_buffers:
+                separate[name] = c
+        if r.value is not None:
+            values[axis.kind] = r.value
+    return compute, spec_of, separate, values
+
+
+def place(ctx: Placing, values: Mapping[str, Any]) -> tuple[dict, list]:
+    """Every axis traced and placed in order (each sees the values placed before it): ({kind: value} of the axes
+    on in the plan, their notes)."""
+    placed: dict[str, Any] = {}
+    notes = []
+    for axis in _AXES:
+        v = axis.place(dataclasses.replace(ctx, placed=dict(placed)), values.get(axis.kind))
+        if v is not None:
+            placed[axis.kind] = v
+            note = axis.note(v, ctx.mesh)
+            if note:
+                notes.append(note)
+    return placed, notes
 
 
 def module_ops(values: Sequence[Any], mesh) -> tuple[ModuleOps, ...]:

@@ -37,7 +37,7 @@ from . import context_parallel as CPX
 from . import float8 as F8
 from . import geometry
 from . import tensor_parallel as tp
-from .axis import Placing, Resolving
+from .axis import Placing
 from .options import Options
 from .schedule import ROOT
 from .values import BufferPlan, ParamPlan, UnitPlan, buffer_facts
@@ -119,38 +119,9 @@ class Axes:
         return v.modules if v is not None else ()
 
 
-def _resolve_axes(lv: Leaves, opts: Options, mesh: Mesh, trace: Any):
-    """Every axis resolved in order (:mod:`.axes`): (compute placement per parameter, specs, separate, values)."""
-    module, infos, rule_of = lv.module, lv.infos, lv.rule_of
-    tp_of: dict[str, Any] = {i.name: None for i in infos}
-    spec_of: dict[str, P] = {i.name: s for i, s in zip(infos, lv.specs)}
-    by: dict[str, Any] = {}       # name -> the axis that placed it
-    separate: dict[str, Any] = {}
-    values: dict[str, Any] = {}
-    for axis in AX.registered():
-        r = axis.resolve(Resolving(module, [(i, spec_of[i.name], rule_of[i.name]) for i in infos], opts, mesh, trace))
-        if r is None:
-            continue
-        spec_of.update(r.specs)
-        for name, c in r.compute.items():
-            if c is None:
-                continue
-            if tp_of[name] is not None:
-                prev = tp_of[name]
-                raise PlanError(f"parameter {name!r} (rule {rule_of[name]}) is {axis.phrase} {c.axis!r} and "
-                                f"{by[name].phrase} {prev.axis!r}; one compute axis per parameter: keep "
-                                f"{prev.axis!r} out of its spec")
-            tp_of[name], by[name] = c, axis
-            if axis.separate_buffers:
-                separate[name] = c
-        if r.value is not None:
-            values[axis.kind] = r.value
-    return tp_of, spec_of, separate, values
-
-
 def compute_axes(lv: Leaves, opts: Options, mesh: Mesh, trace: Any) -> Axes:
     module, infos = lv.module, lv.infos
-    tp_of, spec_of, ep_of, values = _resolve_axes(lv, opts, mesh, trace)
+    tp_of, spec_of, ep_of, values = AX.resolve(module, infos, lv.specs, lv.rule_of, opts, mesh, trace)
     tp_modules = values["tp"].modules if "tp" in values else ()
     if trace is not None and module is not None:  # first: its errors name the op that computes per-rank pieces
         CPX.check_flow(module, trace, mesh, tp_modules)  # what cp or a colwise output would compute per rank
@@ -419,15 +390,7 @@ class Placed:
 def place_compute(lv: Leaves, ax: Axes, lay: Layout, opts: Options, mesh: Mesh, trace: Any) -> Placed:
     module, unit_plans, compute = lv.module, list(lay.units), opts.compute
     width = itemsize(compute) if compute else None
-    placed: dict[str, Any] = {}
-    choices = []
-    for axis in AX.registered():
-        v = axis.place(Placing(module, unit_plans, mesh, trace, width, dict(placed)), ax.values.get(axis.kind))
-        if v is not None:
-            placed[axis.kind] = v
-            note = axis.note(v, mesh)
-            if note:
-                choices.append(note)
+    placed, choices = AX.place(Placing(module, unit_plans, mesh, trace, width, {}), ax.values)
     profile = None
     if trace is not None:
         # [Note: the activation profile] one more traced step, forward and backward on a meta copy, measures
