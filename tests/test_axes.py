@@ -182,3 +182,23 @@ def test_a_fake_axis_runs_its_ops_through_the_executor():
         assert handled == ["blocks.0.1", "blocks.1.1"]       # each through the executor's handler table
     # the first probe averaged the two ranks' activations: from there on they compute the same loss
     assert results[0][2] == pytest.approx(results[1][2], abs=1e-6)
+
+
+def test_a_plan_pickled_before_plan_axes_keeps_its_axes(monkeypatch):
+    """A plan pickled when its axes were seven fields of their own (compute_axes, tp_modules, ...) unpickles with
+    them as its axes: ``plan.tp_modules`` and the fingerprint are the ones it had."""
+    import pickle
+    from shardplan.models import gpt, gpt_rules_tp
+    x = torch.randint(0, 256, (2, 16))
+    plan = sp.plan(gpt.build("tiny"), gpt_rules_tp.tp_rules(), sp.Mesh(dp=2, tp=2), units=gpt_rules_tp.UNITS,
+                   compute_axes=("tp",), trace=(x, x))
+    assert pickle.loads(pickle.dumps(plan)) == plan
+    old = {k: v for k, v in plan.__dict__.items() if k != "axes" and not k.startswith("_")}
+    old.update(compute_axes=plan.compute_axes, tp_modules=plan.tp_modules, tp_activations=plan.tp_activations,
+               expert_axes=(), expert_modules=(), expert_calls=None, context_calls=None)
+    monkeypatch.setattr(sp.Plan, "__getstate__", lambda self: old, raising=False)
+    data = pickle.dumps(plan)
+    monkeypatch.undo()
+    back = pickle.loads(data)
+    assert back.tp_modules == plan.tp_modules and back.tp_activations == plan.tp_activations
+    assert back == plan and back.fingerprint() == plan.fingerprint()

@@ -87,6 +87,22 @@ class Plan:
     fp8_modules: tuple[F8.FP8Module, ...] = ()  # nn.Linears run in float8 by torchao (fp8="torchao"; sp.shard swaps them)
 
     # -- the compute axes (``axes``: one frozen value per axis, planner/axes.py), and their old names ----------
+    def __setstate__(self, state: dict) -> None:
+        """[Note: a plan pickled before ``plan.axes`` kept its axes in seven fields of their own (``compute_axes``,
+        ``tp_modules``, ...); unpickled, they become its axes, so ``plan.tp_modules`` still reads them]"""
+        if "axes" not in state:
+            state = dict(state)
+            old = {k: state.pop(k, None) for k in ("compute_axes", "tp_modules", "tp_activations", "expert_axes",
+                                                   "expert_modules", "expert_calls", "context_calls")}
+            state["axes"] = tuple(v for v in (
+                tp.TensorAxisPlan(tuple(old["compute_axes"]), tuple(old["tp_modules"] or ()), old["tp_activations"])
+                if old["compute_axes"] else None,
+                EP.ExpertAxisPlan(tuple(old["expert_axes"] or ()), tuple(old["expert_modules"]), old["expert_calls"])
+                if old["expert_modules"] else None,
+                CPX.ContextAxisPlan(tuple(old["context_calls"])) if old["context_calls"] is not None else None)
+                if v is not None)
+        self.__dict__.update(state)
+
     def axis(self, kind: str) -> Any:
         """The value of compute axis ``kind`` (``"tp"``, ``"ep"``, ``"cp"``, ...) in this plan, or ``None``.
 
