@@ -146,7 +146,9 @@ def test_plan_package_has_no_import_cycle():
 # the planner's layers, bottom up: a module imports (at run time) only modules of ``plan`` in lower layers,
 # or pure-function neighbours in its own layer (the cycle test above keeps those acyclic)
 LAYERS = (("kinds",), ("values",),
-          ("heads", "float8", "tensor_parallel", "expert_parallel", "context_parallel", "geometry", "offload", "schedule", "validate", "accounting", "serialize", "capture", "options", "policies", "passes",
+          ("heads", "float8", "axis", "tp_styles", "tp_partial", "tensor_parallel", "expert_parallel", "context_parallel",
+           "axes", "geometry", "offload", "schedule", "validate", "accounting", "serialize", "capture", "options",
+           "policies", "passes",
            "render"),
           ("facade",), ("compiler",), ("",))
 

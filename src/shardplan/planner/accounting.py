@@ -15,12 +15,10 @@ from .. import layout as L
 from ..dtypes import itemsize
 from ..units import natural_sorted
 from ..mesh import Mesh
-from . import tensor_parallel as tp
+from . import axes as AX
 from .kinds import ALL_GATHER, ALL_REDUCE, COPY_D2H, COPY_H2D, FREE, GRADS, PARAMS, PREPARE, REDUCE_SCATTER, SCALES, WAIT, Offload
 from .offload import host_bytes, pinned_host_bytes
 from .values import BufferPlan, ParamPlan, UnitPlan
-from . import expert_parallel as EP
-from . import context_parallel as CPX
 
 if TYPE_CHECKING:  # pragma: no cover
     from .facade import Plan
@@ -239,21 +237,10 @@ def comm_bytes(plan: "Plan") -> dict:
         # already in all_reduce and the total; this says how much of them they are
         out["fp8_amax"] = sum(op.bytes * 2 * (plan.mesh.axis_size(op.axes) - 1) // plan.mesh.axis_size(op.axes)
                               for op in plan.ops() if op.what == SCALES)
-    if plan.compute_axes:
-        acts = plan.tp_activations
-        out["tensor_parallel"] = None if acts is None else tp.activation_bytes(plan.tp_modules, acts, plan.mesh)
-        if acts is not None:
-            out["total"] += out["tensor_parallel"]
-    if plan.expert_modules:
-        calls = plan.expert_calls
-        out["expert_parallel"] = None if calls is None else EP.all_to_all_bytes(plan.expert_modules, calls, plan.mesh)
-        if calls is not None:
-            out["total"] += out["expert_parallel"]
-    if "cp" in plan.mesh.axis_names:
-        calls = plan.context_calls
-        out["context_parallel"] = None if calls is None else CPX.kv_bytes(calls, plan.mesh)
-        if calls is not None:
-            out["total"] += out["context_parallel"]
+    for key, sent in AX.comm_bytes(plan).items():  # each compute axis's in-module traffic (planner/axes.py)
+        out[key] = sent
+        if sent is not None:
+            out["total"] += sent
     if plan.offload:  # host<->device copies over PCIe, not the network: not in "total"
         out.update(copies)
     return out

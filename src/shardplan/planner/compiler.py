@@ -13,11 +13,9 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from ..mesh import Mesh
 from ..rules import Rules
-from . import context_parallel as CPX
-from . import expert_parallel as EP
+from . import axes as AX
 from . import offload as OFF
 from . import passes
-from . import tensor_parallel as tp
 from .accounting import plan_warnings
 from .facade import Plan
 from .kinds import STRATEGIES, LayoutChoice, Order, Strategy
@@ -151,21 +149,18 @@ def _assemble(opts: Options, mesh: Mesh, lay: passes.Layout, placed: Placed, un,
     fraction = 1.0 if opts.offload_fraction == OFF.AUTO else opts.offload_fraction
     buffers, units = OFF.offloaded(lay.buffers, lay.units, level=opts.level, offload=opts.offload,
                                    fraction=fraction), lay.units
-    schedule = tp.with_activation_ops(
+    schedule = AX.with_ops(
         build_schedule(list(units), list(buffers), mesh, opts.level, opts.prefetch, opts.order, len(lay.params)),
-        list(units), placed.tp_modules, placed.activations, mesh,
-        CPX.module_ops(placed.context_calls, mesh) + EP.module_ops(placed.expert_modules, placed.expert_calls))
+        list(units), placed.axes, mesh)
     return Plan(mesh=mesh, strategy=STRATEGIES[opts.level], compute_dtype=opts.compute, reduce_dtype=opts.reduce,
                 prefetch=opts.prefetch,
                 reshard_after_forward=all(u.reshard_after_forward for u in units[1:]) if lay.mixed_reshard
                 else opts.reshard_after_forward, optimizer_states=opts.optimizer_states, params=lay.params,
                 buffers=buffers, units=units, schedule=schedule,
                 warnings=tuple(notes) + plan_warnings(mesh, lay.params, buffers, units), order=opts.order,
-                notes=tuple(choices), min_unit_bytes=un.min_unit_bytes, compute_axes=opts.compute_axes,
-                tp_modules=placed.tp_modules, tp_activations=placed.activations, layout=opts.layout,
+                notes=tuple(choices), min_unit_bytes=un.min_unit_bytes, axes=placed.axes, layout=opts.layout,
                 offload=opts.offload, offload_fraction=fraction, activations=placed.profile,
-                expert_axes=opts.expert_axes if placed.expert_modules else (), expert_modules=placed.expert_modules,
-                expert_calls=placed.expert_calls, context_calls=placed.context_calls, fp8_modules=un.fp8_modules)
+                fp8_modules=un.fp8_modules)
 
 
 def _fit_device(plan: Plan, device_memory: float) -> Plan:

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from ..errors import PlanError
 from ..mesh import Mesh
-from .kinds import ACTIVATIONS, ALL_GATHER, MODULE_BACKWARD, MODULE_FORWARD, REDUCE_SCATTER
-from .tensor_parallel import Anchor, ModuleOps, anchors
-from .values import Op
-from .tensor_parallel import LINEAR
 from ..units import in_cp_attention, run_traced, trace_args
+from .axis import Anchor, ComputeAxis, ModuleOps, Placing, anchors
+from .kinds import ACTIVATIONS, ALL_GATHER, MODULE_BACKWARD, MODULE_FORWARD, REDUCE_SCATTER
+from .tp_styles import LINEAR
+from .values import Op
 
 CONTEXT_AXIS = "cp"
 
@@ -206,3 +206,59 @@ def kv_bytes(calls: Sequence[AttentionCall], mesh: Mesh) -> int:
 def calls_note(calls: Sequence[AttentionCall], mesh: Mesh) -> str:
     return (f"context parallelism: {len(calls)} attention calls per step, keys and values all-gathered over "
             f"{CONTEXT_AXIS!r} (cp={axis_size(mesh)}) and their gradients reduce-scattered")
+
+
+# -- the axis ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ContextAxisPlan:
+    """Context parallelism in a traced plan (``plan.axes``; ``plan.context_calls`` reads it): the attention
+    calls of one step, placed."""
+
+    calls: tuple[AttentionCall, ...]
+    kind = "cp"
+
+
+class ContextAxis(ComputeAxis):
+    """The ``cp`` axis: no parameter is computed sharded over it; a traced plan's attention calls gather keys
+    and values over it (their ops after the tensor-parallel ones of a step, before the expert ones)."""
+
+    kind, op_order = "cp", 1
+
+    def place(self, ctx: Placing, value: Any) -> Optional[ContextAxisPlan]:
+        if ctx.trace is None or CONTEXT_AXIS not in ctx.mesh.axis_names:
+            return None
+        tpv = ctx.placed.get("tp")
+        traced = trace_calls(ctx.module, ctx.trace, ctx.itemsize, ctx.mesh)
+        return ContextAxisPlan(place(ctx.module, per_rank(traced, tpv.modules if tpv is not None else (), ctx.mesh),
+                                     ctx.units))
+
+    def module_ops(self, value: Optional[ContextAxisPlan], mesh: Mesh) -> tuple[ModuleOps, ...]:
+        return module_ops(value.calls if value is not None else None, mesh)
+
+    def comm_bytes(self, plan, value: Optional[ContextAxisPlan]) -> dict:
+        if CONTEXT_AXIS not in plan.mesh.axis_names:
+            return {}
+        return {"context_parallel": None if value is None else kv_bytes(value.calls, plan.mesh)}
+
+    def note(self, value: Optional[ContextAxisPlan], mesh: Mesh) -> Optional[str]:
+        return calls_note(value.calls, mesh) if value is not None else None
+
+    def claims(self, op: Op) -> bool:
+        return tuple(op.axes) == (CONTEXT_AXIS,) and op.kind in (ALL_GATHER, REDUCE_SCATTER)
+
+    def check_op(self, plan, value: Optional[ContextAxisPlan], op: Op) -> Optional[str]:
+        if (op.at, op.unit) not in {(c.path, c.unit) for c in (value.calls if value is not None else ())}:
+            return (f"moves keys/values of attention in {op.at!r} (unit {op.unit!r}), which is no traced attention "
+                    f"call of the plan")
+        if (op.kind, op.event) not in ((ALL_GATHER, MODULE_FORWARD), (REDUCE_SCATTER, MODULE_BACKWARD)):
+            return ("context-parallel keys and values are all-gathered at module_forward and their gradients "
+                    "reduce-scattered at module_backward")
+        return None
+
+    def to_dict(self, value: Optional[ContextAxisPlan]) -> dict:
+        return {} if value is None else {"context_calls": [dataclasses.asdict(c) for c in value.calls]}
+
+    def from_dict(self, d: Mapping[str, Any]) -> Optional[ContextAxisPlan]:
+        calls = d.get("context_calls")
+        return None if calls is None else ContextAxisPlan(tuple(AttentionCall(**c) for c in calls))

@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from ..errors import PlanError, SpecError, did_you_mean
 from ..mesh import Mesh
-from ..units import expert_count  # noqa: F401 - (its home: below the planner, auto_rules reads it too)
 from ..spec import P
-from .kinds import ACTIVATIONS, ALL_TO_ALL, MODULE_BACKWARD, MODULE_FORWARD
-from .tensor_parallel import Anchor, ModuleOps, anchors
-from .values import Compute, Op
+from ..units import expert_count  # noqa: F401 - (its home: below the planner, auto_rules reads it too)
 from ..units import run_traced
+from .axis import Anchor, ComputeAxis, ModuleOps, Placing, Resolved, Resolving, anchors
+from .kinds import ACTIVATIONS, ALL_TO_ALL, MODULE_BACKWARD, MODULE_FORWARD
+from .values import Compute, Op
 
 EXPERT_AXIS = "ep"
 
@@ -197,3 +197,71 @@ def modules_note(modules: Sequence[ExpertModule]) -> str:
     return (f"expert parallelism: {len(modules)} expert modules split over {m.axis!r} ({m.local_experts} of "
             f"{m.num_experts} experts per rank); tokens reach them by all-to-all; expert gradients are reduced over "
             f"the other data axes only")
+
+
+# -- the axis ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ExpertAxisPlan:
+    """Expert parallelism in a plan (``plan.axes``; ``plan.expert_axes``, ``plan.expert_modules`` and
+    ``plan.expert_calls`` read it): the expert axes, the expert modules split over them (placed), their traced
+    token inputs (``None``: not traced)."""
+
+    axes: tuple[str, ...]
+    modules: tuple[ExpertModule, ...] = ()
+    calls: Optional[tuple[ExpertCall, ...]] = None
+    kind = "ep"
+
+
+class ExpertAxis(ComputeAxis):
+    """The ``ep`` axis (``expert_axes=``): stacked experts split by expert, tokens moved by all-to-all. Its
+    parameters get buffers of their own (``separate_buffers``): their gradients are not reduced over it."""
+
+    kind, op_order, phrase, separate_buffers = "ep", 2, "split over expert axis", True
+
+    def resolve(self, ctx: Resolving) -> Optional[Resolved]:
+        compute, modules = resolve(ctx.module, list(ctx.names_specs), ctx.opts.expert_axes, ctx.mesh)
+        return Resolved(ExpertAxisPlan(ctx.opts.expert_axes, modules) if modules else None, compute)
+
+    def place(self, ctx: Placing, value: Optional[ExpertAxisPlan]) -> Optional[ExpertAxisPlan]:
+        if value is None:
+            return None
+        calls = trace_calls(ctx.module, value.modules, ctx.trace, ctx.itemsize) if ctx.trace is not None else None
+        return dataclasses.replace(value, modules=place(ctx.module, value.modules, ctx.units), calls=calls)
+
+    def module_ops(self, value: Optional[ExpertAxisPlan], mesh: Mesh) -> tuple[ModuleOps, ...]:
+        return module_ops(value.modules, value.calls) if value is not None else ()
+
+    def comm_bytes(self, plan, value: Optional[ExpertAxisPlan]) -> dict:
+        if value is None:
+            return {}
+        calls = value.calls
+        return {"expert_parallel": None if calls is None else all_to_all_bytes(value.modules, calls, plan.mesh)}
+
+    def note(self, value: Optional[ExpertAxisPlan], mesh: Mesh) -> Optional[str]:
+        return modules_note(value.modules) if value is not None else None
+
+    def claims(self, op: Op) -> bool:
+        return op.kind == ALL_TO_ALL
+
+    def check_op(self, plan, value: Optional[ExpertAxisPlan], op: Op) -> Optional[str]:
+        m = next((m for m in (value.modules if value is not None else ()) if m.path == op.at), None)
+        if m is None:
+            return f"is an all_to_all of {op.at!r}, which is no expert module of the plan"
+        if op.event not in (MODULE_FORWARD, MODULE_BACKWARD) or tuple(op.axes) != (m.axis,) or op.unit != m.unit:
+            return (f"an expert module's all-to-alls run at module_forward/module_backward over ({m.axis!r},) in "
+                    f"unit {m.unit!r}")
+        return None
+
+    def to_dict(self, value: Optional[ExpertAxisPlan]) -> dict:
+        if value is None:
+            return {}
+        return {"expert_axes": list(value.axes), "expert_modules": [dataclasses.asdict(m) for m in value.modules],
+                "expert_calls": None if value.calls is None else [dataclasses.asdict(c) for c in value.calls]}
+
+    def from_dict(self, d: Mapping[str, Any]) -> Optional[ExpertAxisPlan]:
+        if not d.get("expert_modules"):
+            return None
+        calls = d.get("expert_calls")
+        return ExpertAxisPlan(tuple(d.get("expert_axes", ())), tuple(ExpertModule(**m) for m in d["expert_modules"]),
+                              None if calls is None else tuple(ExpertCall(**c) for c in calls))

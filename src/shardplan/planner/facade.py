@@ -23,6 +23,7 @@ from ..rules import regex_list_source
 from ..units import ROOT
 from . import accounting, capture, geometry, render, serialize
 from . import schedule as S
+from . import axes as AX
 from . import context_parallel as CPX
 from . import expert_parallel as EP
 from . import float8 as F8
@@ -79,18 +80,79 @@ class Plan:
     order: Order = Order.STATIC
     notes: tuple[str, ...] = field(default=())  # choices the planner made and why (unit sizing)
     min_unit_bytes: int = 0                     # the merging threshold used (chosen or given)
-    compute_axes: tuple[str, ...] = ()          # mesh axes that shard compute (tensor parallelism)
-    tp_modules: tuple[tp.TPModule, ...] = ()    # modules run tensor-parallel, with their styles
-    tp_activations: Optional[tuple[tp.Activation, ...]] = None  # traced activation sizes (None: not traced)
+    axes: tuple = ()                            # one value per compute axis on in this plan (planner/axes.py)
     layout: LayoutChoice = LayoutChoice.AUTO    # "chunked": torch.chunk pieces everywhere (DTensor-describable)
     offload: Optional[Offload] = None           # CPU offload: "optimizer" or "params" (which buffers: BufferPlan.offload)
     offload_fraction: float = 1.0               # the share of the trainable shard bytes offloaded
     activations: Optional[Activations] = None  # traced step's activation profile (None: not traced); memory() adds it
-    expert_axes: tuple[str, ...] = ()           # mesh axes that split stacked experts (expert parallelism)
-    expert_modules: tuple[EP.ExpertModule, ...] = ()        # modules whose experts they split
-    expert_calls: Optional[tuple[EP.ExpertCall, ...]] = None  # traced token inputs of those (None: not traced)
-    context_calls: Optional[tuple[CPX.AttentionCall, ...]] = None  # traced attention calls (None: not traced or no cp)
     fp8_modules: tuple[F8.FP8Module, ...] = ()  # nn.Linears run in float8 by torchao (fp8="torchao"; sp.shard swaps them)
+
+    # -- the compute axes (``axes``: one frozen value per axis, planner/axes.py), and their old names ----------
+    def __setstate__(self, state: dict) -> None:
+        """[Note: a plan pickled before ``plan.axes`` kept its axes in seven fields of their own (``compute_axes``,
+        ``tp_modules``, ...); unpickled, they become its axes, so ``plan.tp_modules`` still reads them]"""
+        if "axes" not in state:
+            state = dict(state)
+            old = {k: state.pop(k, None) for k in ("compute_axes", "tp_modules", "tp_activations", "expert_axes",
+                                                   "expert_modules", "expert_calls", "context_calls")}
+            state["axes"] = tuple(v for v in (
+                tp.TensorAxisPlan(tuple(old["compute_axes"]), tuple(old["tp_modules"] or ()), old["tp_activations"])
+                if old["compute_axes"] else None,
+                EP.ExpertAxisPlan(tuple(old["expert_axes"] or ()), tuple(old["expert_modules"]), old["expert_calls"])
+                if old["expert_modules"] else None,
+                CPX.ContextAxisPlan(tuple(old["context_calls"])) if old["context_calls"] is not None else None)
+                if v is not None)
+        self.__dict__.update(state)
+
+    def axis(self, kind: str) -> Any:
+        """The value of compute axis ``kind`` (``"tp"``, ``"ep"``, ``"cp"``, ...) in this plan, or ``None``.
+
+        >>> plan.axis("tp").modules == plan.tp_modules
+        True
+        """
+        return AX.value(self.axes, kind)
+
+    @property
+    def compute_axes(self) -> tuple[str, ...]:
+        """Mesh axes that shard compute (tensor parallelism)."""
+        v = self.axis("tp")
+        return v.axes if v is not None else ()
+
+    @property
+    def tp_modules(self) -> tuple[tp.TPModule, ...]:
+        """Modules run tensor-parallel, with their styles."""
+        v = self.axis("tp")
+        return v.modules if v is not None else ()
+
+    @property
+    def tp_activations(self) -> Optional[tuple[tp.Activation, ...]]:
+        """Traced activation sizes of the tensor-parallel modules (``None``: not traced)."""
+        v = self.axis("tp")
+        return v.activations if v is not None else None
+
+    @property
+    def expert_axes(self) -> tuple[str, ...]:
+        """Mesh axes that split stacked experts (expert parallelism)."""
+        v = self.axis("ep")
+        return v.axes if v is not None else ()
+
+    @property
+    def expert_modules(self) -> tuple[EP.ExpertModule, ...]:
+        """Modules whose experts the expert axes split."""
+        v = self.axis("ep")
+        return v.modules if v is not None else ()
+
+    @property
+    def expert_calls(self) -> Optional[tuple[EP.ExpertCall, ...]]:
+        """Traced token inputs of the expert modules (``None``: not traced)."""
+        v = self.axis("ep")
+        return v.calls if v is not None else None
+
+    @property
+    def context_calls(self) -> Optional[tuple[CPX.AttentionCall, ...]]:
+        """Traced attention calls (``None``: not traced, or no ``cp`` axis)."""
+        v = self.axis("cp")
+        return v.calls if v is not None else None
 
     # -- lookups -----------------------------------------------------------------------------------
     @cached_property
@@ -290,10 +352,8 @@ class Plan:
     # refuse an edited plan rather than silently drop the edit; a no-op change returns the plan itself.]
     @cached_property
     def _built_schedule(self) -> tuple[Op, ...]:
-        return tp.with_activation_ops(
-            S.build_schedule(self.units, self.buffers, self.mesh, self.level, self.prefetch, self.order,
-                             len(self.params)), self.units, self.tp_modules, self.tp_activations, self.mesh,
-            CPX.module_ops(self.context_calls, self.mesh) + EP.module_ops(self.expert_modules, self.expert_calls))
+        return AX.with_ops(S.build_schedule(self.units, self.buffers, self.mesh, self.level, self.prefetch, self.order,
+                                            len(self.params)), self.units, self.axes, self.mesh)
 
     @property
     def schedule_edited(self) -> bool:

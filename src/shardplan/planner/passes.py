@@ -2,11 +2,13 @@
 the checked :class:`~shardplan.planner.options.Options` and the earlier passes' frozen results:
 
 1. :func:`match_rules`: the model's leaves, the rule each matched, the unit each belongs to (in traced order);
-2. :func:`compute_axes`: tensor-parallel styles, expert modules, the traced flow check, partial gradients;
+2. :func:`compute_axes`: every compute axis resolved (:mod:`.axes`: tensor-parallel styles, expert modules), the
+   traced flow check, partial gradients;
 3. :func:`low_precision`: which parameters gather quantized, which ``nn.Linear``\\ s compute in FP8;
 4. :func:`group_units`: each unit's members, small units merged, their parents, the FP8 modules' final units;
 5. :func:`lay_out`: each unit's buffers (layouts, dtypes, axes) and each parameter's place in them;
-6. :func:`place_compute`: the compute axes' collectives placed in the units, the traced activation profile.
+6. :func:`place_compute`: every compute axis traced and placed in the units (``plan.axes``), the traced
+   activation profile.
 
 A pass returns what the plan notes (``choices``: ``plan.notes``), what it warns (``notes``: ``plan.warnings``) and
 the warnings ``plan()`` emits (``warned``: (message, category) pairs); it never warns itself, so that every
@@ -30,11 +32,12 @@ from ..mesh import Mesh
 from ..rules import as_rules, match_leaves, regex_list_source
 from ..spec import P
 from ..units import assign_units, check_entries, collect_leaves, module_classes, trace_order
+from . import axes as AX
 from . import context_parallel as CPX
-from . import expert_parallel as EP
 from . import float8 as F8
 from . import geometry
 from . import tensor_parallel as tp
+from .axis import Placing
 from .options import Options
 from .schedule import ROOT
 from .values import BufferPlan, ParamPlan, UnitPlan, buffer_facts
@@ -98,31 +101,28 @@ def match_rules(model_or_tree: Any, rules: Any, mesh: Mesh, units: Optional[Sequ
 @dataclass(frozen=True)
 class Axes:
     """Each parameter's compute placement (``tp_of``: tensor or expert parallel, or None) and storage spec, the
-    tensor-parallel and expert modules, and the replicated parameters whose gradients are partial
-    (``partial_of``: name -> the compute axis they are summed over)."""
+    parameters whose axis gives them buffers of their own (``ep_of``: expert parallelism), each axis's value
+    before placement (``values``: kind -> value, in the axes' order), and the replicated parameters whose
+    gradients are partial (``partial_of``: name -> the compute axis they are summed over)."""
     tp_of: Mapping[str, Any]
     spec_of: Mapping[str, P]
-    tp_modules: Any
     ep_of: Mapping[str, Any]
-    expert_modules: Any
+    values: Mapping[str, Any]
     partial_of: Mapping[str, str]
     notes: tuple
     choices: tuple
     warned: Warned
 
+    @property
+    def tp_modules(self) -> tuple:
+        v = self.values.get("tp")
+        return v.modules if v is not None else ()
+
 
 def compute_axes(lv: Leaves, opts: Options, mesh: Mesh, trace: Any) -> Axes:
-    module, infos, rule_of = lv.module, lv.infos, lv.rule_of
-    tp_of, spec_of, tp_modules = tp.resolve(module, [(i, s, rule_of[i.name]) for i, s in zip(infos, lv.specs)],
-                                            opts.compute_axes, mesh, opts.styles)
-    ep_of, expert_modules = EP.resolve(module, [(i, spec_of[i.name], rule_of[i.name]) for i in infos],
-                                       opts.expert_axes, mesh)
-    for name, c in ep_of.items():
-        if tp_of[name] is not None:
-            raise PlanError(f"parameter {name!r} (rule {rule_of[name]}) is split over expert axis {c.axis!r} and "
-                            f"tensor-parallel over {tp_of[name].axis!r}; one compute axis per parameter: keep "
-                            f"{tp_of[name].axis!r} out of its spec")
-        tp_of[name] = c
+    module, infos = lv.module, lv.infos
+    tp_of, spec_of, ep_of, values = AX.resolve(module, infos, lv.specs, lv.rule_of, opts, mesh, trace)
+    tp_modules = values["tp"].modules if "tp" in values else ()
     if trace is not None and module is not None:  # first: its errors name the op that computes per-rank pieces
         CPX.check_flow(module, trace, mesh, tp_modules)  # what cp or a colwise output would compute per rank
     partial_of: dict[str, str] = {}  # replicated parameters read on tensor-parallel-sharded activations
@@ -142,8 +142,8 @@ def compute_axes(lv: Leaves, opts: Options, mesh: Mesh, trace: Any) -> Axes:
         partial_of = {n: a for n, a in partial_of.items() if mesh.axis_size(a) > 1}
         if partial_of:
             choices.append(tp.partial_note(partial_of, trace is not None))
-    return Axes(tp_of=tp_of, spec_of=spec_of, tp_modules=tp_modules, ep_of=ep_of, expert_modules=expert_modules,
-                partial_of=partial_of, notes=tuple(notes), choices=tuple(choices), warned=tuple(warned))
+    return Axes(tp_of=tp_of, spec_of=spec_of, ep_of=ep_of, values=values, partial_of=partial_of, notes=tuple(notes),
+                choices=tuple(choices), warned=tuple(warned))
 
 
 # ---- 3. low precision: quantized gathers, FP8 compute ------------------------------------------------
@@ -300,7 +300,7 @@ def _laid_unit(unit_members: list, ax: Axes, pr: Precision, opts: Options, mesh:
     partial axes)`` each."""
     # [Note: expert weights get buffers of their own: their gradients are not reduced over the expert axis
     # (every ep rank's tokens already reached them through the all-to-all), dense ones' are]
-    # [Note: partial gradients] (planner/tensor_parallel.py) replicated parameters read on sharded activations
+    # [Note: partial gradients] (planner/tp_partial.py) replicated parameters read on sharded activations
     # get buffers of their own too: their gradients are summed over the compute axis first
     level, compute, layout, compute_axes = opts.level, opts.compute, opts.layout, opts.compute_axes
     dense = [m for m in unit_members if m[0].name not in ax.ep_of and m[0].name not in ax.partial_of]
@@ -380,13 +380,9 @@ def lay_out(lv: Leaves, ax: Axes, pr: Precision, un: Units, opts: Options, mesh:
 
 @dataclass(frozen=True)
 class Placed:
-    """The tensor-parallel, expert and context-parallel modules placed in the units (with their traced
-    activations, calls and bytes where the plan is traced), and the traced activation profile."""
-    tp_modules: Any
-    activations: Any
-    expert_modules: Any
-    expert_calls: Any
-    context_calls: Any
+    """Each axis's value placed in the units (``axes``: ``plan.axes``, with their traced calls and sizes where
+    the plan is traced), and the traced activation profile."""
+    axes: tuple
     profile: Any
     choices: tuple
 
@@ -394,24 +390,7 @@ class Placed:
 def place_compute(lv: Leaves, ax: Axes, lay: Layout, opts: Options, mesh: Mesh, trace: Any) -> Placed:
     module, unit_plans, compute = lv.module, list(lay.units), opts.compute
     width = itemsize(compute) if compute else None
-    tp_modules, expert_modules, choices = ax.tp_modules, ax.expert_modules, []
-    activations = None
-    if tp_modules:
-        choices.append(tp.modules_note(tp_modules))
-        if trace is not None:
-            activations = tp.trace_activations(module, tp_modules, trace, width)
-        tp_modules = tp.place(module, tp_modules, unit_plans, activations)
-    expert_calls = None
-    if expert_modules:
-        choices.append(EP.modules_note(expert_modules))
-        if trace is not None:
-            expert_calls = EP.trace_calls(module, expert_modules, trace, width)
-        expert_modules = EP.place(module, expert_modules, unit_plans)
-    context_calls = None
-    if trace is not None and CPX.CONTEXT_AXIS in mesh.axis_names:
-        traced = CPX.trace_calls(module, trace, width, mesh)
-        context_calls = CPX.place(module, CPX.per_rank(traced, tp_modules, mesh), unit_plans)
-        choices.append(CPX.calls_note(context_calls, mesh))
+    placed, choices = AX.place(Placing(module, unit_plans, mesh, trace, width, {}), ax.values)
     profile = None
     if trace is not None:
         # [Note: the activation profile] one more traced step, forward and backward on a meta copy, measures
@@ -419,11 +398,13 @@ def place_compute(lv: Leaves, ax: Axes, lay: Layout, opts: Options, mesh: Mesh, 
         # Under tensor parallelism the meta copy computes as one tp rank: tp-local parameter shapes, and the
         # activations each style moves (activations._tensor_parallel)
         # (expert-parallel parameters keep their global shapes: the model routes over every expert)
+        tpv = placed.get("tp")
+        tp_modules = tpv.modules if tpv is not None else ()
         local = {p.name: p.shape for p in lay.params if p.compute is not None and p.compute.axis in opts.compute_axes}
         styles = [(m.path, m.kind, m.style, mesh.axis_size(m.axis)) for m in tp_modules] if tp_modules else []
         finished = {m.path: False for m in tp_modules} if tp_modules else None
         profile = profile_activations(module, trace, [(u.name, u.module_paths) for u in unit_plans if u.name != ROOT],
                                       compute, local_shapes=local, styles=styles, recomputed=finished)
-        tp_modules = tp.with_recomputed(tp_modules, finished)  # [Note: checkpoint early stop] (tensor_parallel.py)
-    return Placed(tp_modules=tp_modules, activations=activations, expert_modules=expert_modules,
-                  expert_calls=expert_calls, context_calls=context_calls, profile=profile, choices=tuple(choices))
+        if tpv is not None:  # [Note: checkpoint early stop] (tensor_parallel.py)
+            placed["tp"] = dataclasses.replace(tpv, modules=tp.with_recomputed(tp_modules, finished))
+    return Placed(axes=tuple(placed.values()), profile=profile, choices=tuple(choices))

@@ -166,7 +166,7 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
         if not grads:
             return []
         out = []
-        # [Note: partial gradients] (planner/tensor_parallel.py) summed over their compute axis first
+        # [Note: partial gradients] (planner/tp_partial.py) summed over their compute axis first
         for ar in by_group([b for b in grads if b.partial_axes and mesh.axis_size(b.partial_axes) > 1],
                            lambda b: b.partial_axes):
             out.append(op(ALL_REDUCE, u, PARTIAL_GRADS, event, at, ar, lambda b: b.partial_axes,

@@ -9,10 +9,8 @@ from typing import TYPE_CHECKING, Any, Optional
 from ..errors import PlanError
 from ..mesh import Mesh
 from ..spec import P
-from . import context_parallel as CPX
-from . import expert_parallel as EP
+from . import axes as AX
 from . import float8 as F8
-from . import tensor_parallel as tp
 from .kinds import LayoutChoice, Offload, Order, Strategy, choose
 from .validate import normalised
 from .values import ActivationPoint, Activations, BufferPlan, Compute, Op, ParamPlan, UnitPlan
@@ -58,15 +56,7 @@ def to_dict(plan: "Plan") -> dict[str, Any]:
         # [Note: only a non-default layout is written, so plans made before the option keep their fingerprints]
         **({"layout": plan.layout} if plan.layout != "auto" else {}),
         **({"offload": plan.offload, "offload_fraction": plan.offload_fraction} if plan.offload else {}),
-        **({"compute_axes": list(plan.compute_axes), "tp_modules": [dataclasses.asdict(m) for m in plan.tp_modules],
-            "tp_activations": None if plan.tp_activations is None else [dataclasses.asdict(a) for a in plan.tp_activations]}
-           if plan.compute_axes else {}),
-        **({"expert_axes": list(plan.expert_axes),
-            "expert_modules": [dataclasses.asdict(m) for m in plan.expert_modules],
-            "expert_calls": None if plan.expert_calls is None else [dataclasses.asdict(c) for c in plan.expert_calls]}
-           if plan.expert_modules else {}),
-        **({"context_calls": [dataclasses.asdict(c) for c in plan.context_calls]}
-           if plan.context_calls is not None else {}),
+        **AX.to_dict(plan.axes),  # each compute axis's keys (compute_axes, tp_modules, expert_modules, context_calls, ...)
         **({"fp8_modules": [dataclasses.asdict(m) for m in plan.fp8_modules]} if plan.fp8_modules else {}),
         # [Note: written only for a plan traced with it, so older plans keep their JSON and fingerprints]
         **({"activations": _activations_dict(plan.activations)} if getattr(plan, "activations", None) is not None else {}),
@@ -127,16 +117,11 @@ def plan_fields(text: str) -> dict[str, Any]:
         units=tuple(UnitPlan(**{**u, "buffers": tup(u["buffers"]), "modules": tup(u["modules"])}) for u in d["units"]),
         schedule=normalised(Op(**{**o, "buffers": tup(o["buffers"]), "axes": tup(o["axes"])}) for o in d["schedule"]),
         warnings=tuple(d["warnings"]), notes=tuple(d.get("notes", ())), min_unit_bytes=d.get("min_unit_bytes", 0),
-        compute_axes=tuple(d.get("compute_axes", ())), tp_modules=tuple(tp.TPModule(**m) for m in d.get("tp_modules", ())),
-        tp_activations=None if d.get("tp_activations") is None else tuple(tp.Activation(**a) for a in d["tp_activations"]),
+        axes=AX.from_dict(d),
         layout=choose(LayoutChoice, d.get("layout", "auto"), "layout"),
         offload=choose(Offload, d["offload"], "offload") if d.get("offload") else None,
         offload_fraction=float(d.get("offload_fraction", 1.0)),
         activations=_activations(d.get("activations")),
-        expert_axes=tuple(d.get("expert_axes", ())),
-        expert_modules=tuple(EP.ExpertModule(**m) for m in d.get("expert_modules", ())),
-        expert_calls=None if d.get("expert_calls") is None else tuple(EP.ExpertCall(**c) for c in d["expert_calls"]),
-        context_calls=None if d.get("context_calls") is None else tuple(CPX.AttentionCall(**c) for c in d["context_calls"]),
         fp8_modules=tuple(F8.FP8Module(**m) for m in d.get("fp8_modules", ())),
     )
 

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Iterable
 
 from ..errors import PlanError
 from ..units import ROOT, natural_sorted
+from . import axes as AX
 from . import kinds as K
 from .kinds import (ACTIVATIONS, ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, COPY_D2H, COPY_H2D, END_BACKWARD, FREE, GRADS,
                     OPTIM_STEP, SYNC,
-                    MODULE_BACKWARD, Offload,
-                    MODULE_FORWARD, PARAMS, POST_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, PREPARE,
+                    Offload, PARAMS, POST_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, PREPARE,
                     PARTIAL_GRADS, REDUCE_SCATTER, SCALES, USED, WAIT)
 from .schedule import needs_gather
 from .values import Op, Program
@@ -100,34 +100,10 @@ def _check_op(plan: "Plan", units, i: int, op: Op) -> None:
         if tuple(op.axes) != want or len({plan.buffers[b].partial_axes for b in op.buffers}) > 1:
             raise _fail(i, op, f"runs over axes {tuple(op.axes)}; its buffers' gradients are partial over {want}")
         return
-    if op.what == ACTIVATIONS and op.kind == K.ALL_TO_ALL:
-        m = next((m for m in plan.expert_modules if m.path == op.at), None)
-        if m is None:
-            raise _fail(i, op, f"is an all_to_all of {op.at!r}, which is no expert module of the plan")
-        if op.event not in (MODULE_FORWARD, MODULE_BACKWARD) or tuple(op.axes) != (m.axis,) or op.unit != m.unit:
-            raise _fail(i, op, f"an expert module's all-to-alls run at module_forward/module_backward over "
-                               f"({m.axis!r},) in unit {m.unit!r}")
-        return
-    if op.what == ACTIVATIONS and tuple(op.axes) == ("cp",) and op.kind in (ALL_GATHER, REDUCE_SCATTER):
-        calls = {(c.path, c.unit) for c in plan.context_calls or ()}
-        if (op.at, op.unit) not in calls:
-            raise _fail(i, op, f"moves keys/values of attention in {op.at!r} (unit {op.unit!r}), which is no traced "
-                               f"attention call of the plan")
-        if (op.kind, op.event) not in ((ALL_GATHER, MODULE_FORWARD), (REDUCE_SCATTER, MODULE_BACKWARD)):
-            raise _fail(i, op, "context-parallel keys and values are all-gathered at module_forward and their "
-                               "gradients reduce-scattered at module_backward")
-        return
-    if op.what == ACTIVATIONS:
-        tpm = {m.path: m for m in plan.tp_modules}
-        m = tpm.get(op.at)
-        if m is None:
-            raise _fail(i, op, f"moves activations of {op.at!r}, which is no tensor-parallel module of the plan")
-        if op.kind not in (ALL_GATHER, ALL_REDUCE) or op.event not in (MODULE_FORWARD, MODULE_BACKWARD):
-            raise _fail(i, op, "a tensor-parallel module's activations are all-gathered or all-reduced at "
-                               "module_forward or module_backward")
-        if tuple(op.axes) != (m.axis,) or op.unit != m.unit:
-            raise _fail(i, op, f"runs over axes {tuple(op.axes)} in unit {op.unit!r}; the module computes over "
-                               f"({m.axis!r},) in unit {m.unit!r}")
+    if op.what == ACTIVATIONS:  # an op some compute axis runs inside a module's call (planner/axes.py)
+        why = AX.check_op(plan, op)
+        if why:
+            raise _fail(i, op, why)
         return
     if op.what not in (PARAMS, GRADS):
         raise _fail(i, op, f"unknown what {op.what!r}; use params, grads, partial_grads, used, scales or activations")

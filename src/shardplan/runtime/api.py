@@ -14,9 +14,8 @@ import torch.nn as nn
 
 from ..errors import FP8UnavailableError, RuntimeShardingError
 from ..planner import Plan
+from . import axes as AXES
 from . import collectives as C
-from . import context_parallel as CP
-from . import expert_parallel as EP
 from . import flow_guard as FG
 from . import tensor_parallel as TP
 from . import state_dict as SD
@@ -119,8 +118,7 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     meshes = rt.meshes
     exe.handles = install(module, exe, rt.modules_of) + TP.install_styles(module, plan, meshes, exe)
     exe.handles += SD.install(module, exe, meshes)  # model.state_dict() in DTensors, as FSDP2 gives it
-    EP.install(module, plan, rt.groups, exe)  # expert modules find their ep group (dispatch / combine)
-    exe.handles += CP.install(plan, rt.groups, module, exe)  # context-parallel attention finds the cp group
+    exe.handles += AXES.install(module, plan, rt.groups, exe)  # expert modules, cp attention, ... (runtime/axes.py)
     exe.handles += FG.install(module, plan, TP.active_modules(plan))  # what cp or tp would compute per rank
     module.__dict__[_ATTR] = exe
     if not hasattr(type(module), "set_requires_gradient_sync"):  # fully_shard's modules have their own

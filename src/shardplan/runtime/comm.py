@@ -101,7 +101,7 @@ class CommEngine:
             u.reduce = PendingReduce(op, {i: [] for i in ins}, ins, {})
         rec = u.reduce
         cuda = self.streams.cuda
-        if op.what == PARTIAL_GRADS:  # [Note: partial gradients] (planner/tensor_parallel.py): summed in place first
+        if op.what == PARTIAL_GRADS:  # [Note: partial gradients] (planner/tp_partial.py): summed in place first
             group = self.groups.reduce(op.axes)
             if group.pg is None:
                 return

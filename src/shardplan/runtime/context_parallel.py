@@ -27,43 +27,37 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import RuntimeShardingError, ShardingError
-from ..planner.kinds import MODULE_BACKWARD, RECOMPUTE
 from ..units import cp_attention, tracing
 from . import collectives as C
+from .axis_ops import BACKWARD, AxisOps
 
 CONTEXT_AXIS = "cp"
 
 
 @dataclass(frozen=True)
 class ContextGroup:
-    """The ``cp`` group of this rank: its size and this rank's index (``group.rank``); ``ops``: a traced
-    plan's K/V ops per (calling module, ``"forward"``/``"recompute"``/``"backward"``), which :meth:`record`
-    appends to the executor's recording (``record_ops``); ``calling``: the stack of those modules now
-    running (their forward hooks keep it)."""
+    """The ``cp`` group of this rank: its size and this rank's index (``group.rank``); ``ops``: a traced plan's
+    K/V ops by (calling module, phase), which :func:`attention` runs through the executor (runtime/axis_ops.py);
+    ``calling``: the stack of those modules now running (their forward hooks keep it)."""
 
     group: C.Group
-    ops: Mapping[tuple[str, str], tuple] = field(default_factory=dict)
-    engine: Optional[Callable[[], object]] = None   # a weak reference to the executor
+    ops: AxisOps = field(default_factory=AxisOps)
     calling: list = field(default_factory=list)
 
     @property
     def size(self) -> int:
         return self.group.size
 
-    def record(self, path: Optional[str], backward: bool = False) -> None:
-        exe = self.engine() if self.engine is not None else None
-        rec = None if exe is None or path is None else exe.record
-        if rec is None:
-            return
-        # [Note: a forward inside a backward pass is activation checkpointing's recompute]
-        phase = "backward" if backward else "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
-        rec.extend(self.ops.get((path, phase), ()))
+    @property
+    def engine(self) -> Optional[Callable[[], object]]:
+        """A weak reference to the executor (``None``: none records this group's ops)."""
+        return self.ops.engine
 
 
 _ACTIVE: Optional[ContextGroup] = None  # set by shard() for a plan whose mesh has cp > 1
@@ -141,17 +135,11 @@ def install(plan, groups, module=None, exe=None) -> list:
     g = groups.axis(CONTEXT_AXIS)
     if g.size == 1 and g.pg is None:
         return []
-    ops: dict = {}
-    for o in plan.schedule:
-        if o.in_module and tuple(o.axes) == (CONTEXT_AXIS,):
-            phase = "backward" if o.event == MODULE_BACKWARD else "recompute" if o.when == RECOMPUTE else "forward"
-            got = ops.setdefault((o.at, phase), [])
-            if len(got) < 2:  # one call's K and V (a module calling attention twice records its first call's)
-                got.append(o)
-    _ACTIVE = active = ContextGroup(g, {k: tuple(v) for k, v in ops.items()},
-                                    weakref.ref(exe) if exe is not None else None)
+    # one call's K and V (a module calling attention twice runs its first call's ops)
+    ops = AxisOps.of(plan, exe, lambda o: tuple(o.axes) == (CONTEXT_AXIS,), per_key=2)
+    _ACTIVE = active = ContextGroup(g, ops)
     F.scaled_dot_product_attention = _guarded_sdpa  # process-wide, as _ACTIVE is (see the Note above)
-    if module is None or not ops:
+    if module is None or not ops.ops:
         return []
     def enter(path: str):
         def hook(_m, _args) -> None:
@@ -162,7 +150,7 @@ def install(plan, groups, module=None, exe=None) -> list:
         active.calling.pop()
 
     handles = []
-    for path in sorted({p for p, _ in ops}):
+    for path in sorted({p for p, _ in ops.ops}):
         mod = module.get_submodule(path)
         handles += [mod.register_forward_pre_hook(enter(path)), mod.register_forward_hook(leave)]
     return handles
@@ -213,29 +201,41 @@ def loss_mean(loss: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class _GatherRows(torch.autograd.Function):
-    """All-gather along dim 0 over the cp group; backward: the summed gradients, this rank's block."""
+class _GatherKV(torch.autograd.Function):
+    """Keys and values all-gathered along dim 0 over the cp group, in one autograd node; backward: their summed
+    gradients reduce-scattered, this rank's block, keys' first (the plan's order). ``run(i, phase, work)``
+    runs the call's ``i``-th op of ``phase`` (0: keys, 1: values) through the executor (:class:`AxisOps`)."""
 
     @staticmethod
-    def forward(ctx, x, group, on_backward=None):
-        ctx.group, ctx.on_backward = group, on_backward
-        out = x.new_empty((x.shape[0] * group.size,) + tuple(x.shape[1:]))
-        C.all_gather_rows(out, x.contiguous(), group)
-        return out
+    def forward(ctx, k, v, group, run):
+        ctx.group, ctx.run = group, run
+        phase = AxisOps.phase()
+        out = []
+        for i, x in enumerate((k, v)):
+            def gather(x=x):
+                rows = x.new_empty((x.shape[0] * group.size,) + tuple(x.shape[1:]))
+                C.all_gather_rows(rows, x.contiguous(), group)
+                return rows
+            out.append(run(i, phase, gather))
+        return tuple(out)
 
     @staticmethod
-    def backward(ctx, grad):
-        out = grad.new_empty((grad.shape[0] // ctx.group.size,) + tuple(grad.shape[1:]))
-        C.reduce_scatter_rows_sum(out, grad.contiguous(), ctx.group)
-        if ctx.on_backward is not None:
-            ctx.on_backward()
-        return out, None, None
+    def backward(ctx, gk, gv):
+        group = ctx.group
+        out = []
+        for i, g in enumerate((gk, gv)):
+            def scatter(g=g):
+                part = g.new_empty((g.shape[0] // group.size,) + tuple(g.shape[1:]))
+                C.reduce_scatter_rows_sum(part, g.contiguous(), group)
+                return part
+            out.append(ctx.run(i, BACKWARD, scatter) if g is not None else None)
+        return out[0], out[1], None, None
 
 
-def _gather_seq(t: torch.Tensor, group: C.Group, on_backward=None) -> torch.Tensor:
-    """[b, h, t, d] on each rank -> [b, h, cp*t, d], ranks' sequence blocks in group order."""
-    rows = _GatherRows.apply(t.permute(2, 0, 1, 3).contiguous(), group, on_backward)
-    return rows.permute(1, 2, 0, 3)
+def _gather_kv(k: torch.Tensor, v: torch.Tensor, group: C.Group, run) -> tuple[torch.Tensor, torch.Tensor]:
+    """[b, h, t, d] on each rank -> [b, h, cp*t, d], ranks' sequence blocks in group order (keys, values)."""
+    keys, values = _GatherKV.apply(k.permute(2, 0, 1, 3).contiguous(), v.permute(2, 0, 1, 3).contiguous(), group, run)
+    return keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None, dropout_p: float = 0.0,
@@ -259,15 +259,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None,
     seq = t * g.size
     qpos = positions(seq, g.size, g.group.rank, device=q.device)
     path = g.calling[-1] if g.calling else None
-    # [Note: the plan's two backward ops of a call are recorded together, by the first gradient to arrive]
-    pending = [True]
-
-    def backward_done():
-        if pending:
-            pending.clear()
-            g.record(path, backward=True)
-    keys, values = _gather_seq(k, g.group, backward_done), _gather_seq(v, g.group, backward_done)
-    g.record(path)
+    keys, values = _gather_kv(k, v, g.group, lambda i, phase, work: g.ops.run(path, phase, i, work))
     mask = None
     if is_causal:
         kpos = torch.cat([positions(seq, g.size, j, device=q.device) for j in range(g.size)])

@@ -35,6 +35,7 @@ import torch
 
 from ..errors import RuntimeShardingError
 from ..planner import Plan
+from ..planner.kinds import ACTIVATIONS, ALL_TO_ALL
 from ..planner.schedule import (ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, COPY_D2H, COPY_H2D, FREE, GRADS, OPTIM_STEP, PARAMS,
                              PARTIAL_GRADS, POST_BACKWARD, POST_FORWARD, PRE_FORWARD, PREPARE, REDUCE_SCATTER, ROOT, SCALES,
                              STALE, USED, WAIT,
@@ -95,6 +96,9 @@ class Executor:
                         (COPY_D2H, GRADS): self._offload_copy, (COPY_H2D, PARAMS): self._offload_copy,
                         (OPTIM_STEP, PARAMS): self._offload_copy,  # [offload hook]
                         (ALL_REDUCE, SCALES): self._scales}
+        # the compute axes' in-module collectives: run inside module calls (run_in_module), never by the cursor
+        self._run_op.update({(kind, ACTIVATIONS): self._in_module
+                             for kind in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL)})
         self.replay_forward = False  # a no-grad forward ran after a forward whose backward is pending
         self.fsdp2_inputs = False  # the drop-in fully_shard: cast inputs at every unit, as FSDP2 (hooks.py)
         self.offload = None  # [offload hook] runtime/offload/: OffloadState, set by shard() for offloading plans
@@ -318,17 +322,29 @@ class Executor:
         for op, fn in todo:
             self.run(op, fn)
 
-    def run(self, op: Op, fn=None) -> None:
+    def run(self, op: Op, fn=None):
         if self.record is not None:
             self.record.append(op)
         fn = fn or self._run_op[(op.kind, op.what)]
         if _profiling():
             with torch.profiler.record_function(f"shardplan.{op.kind} {op.what} unit={op.unit} at={op.trigger}"):
-                fn(op)
+                out = fn(op)
         else:
-            fn(op)
+            out = fn(op)
         if self.track_memory:
             self._account()
+        return out
+
+    def run_in_module(self, op: Op, collective):
+        """Run in-module op ``op`` (a compute axis's, ``what="activations"``) through its handler: ``collective`` is
+        its work, which only the module call that issues it can do (runtime/axis_ops.py); returns its result."""
+        return self.run(op, lambda o: self._run_op[(o.kind, o.what)](o, collective))
+
+    def _in_module(self, op: Op, collective=None):
+        if collective is None:
+            raise RuntimeShardingError(f"shardplan: {op.kind} {op.what} at {op.at!r} runs inside that module's call "
+                                       f"(Executor.run_in_module), not from a step of the schedule")
+        return collective()
 
     def _all_gather(self, op: Op) -> None:
         u = self.units[op.unit]

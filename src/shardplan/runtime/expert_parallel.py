@@ -25,16 +25,16 @@ factors are powers of two for the usual sizes: exact).]
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
 from ..errors import RuntimeShardingError
-from ..planner.kinds import ALL_TO_ALL, MODULE_BACKWARD, MODULE_FORWARD, RECOMPUTE
+from ..planner.kinds import ALL_TO_ALL
 from . import collectives as C
+from .axis_ops import BACKWARD, FORWARD, RECOMPUTING, AxisOps
 
 ATTR = "_shardplan_experts"
 _DISPATCHED = "_shardplan_dispatched"  # set by dispatch() during the module's forward (see _guard)
@@ -44,48 +44,41 @@ _DISPATCHED = "_shardplan_dispatched"  # set by dispatch() during the module's f
 class ExpertGroup:
     """Where a module's experts live: the ``ep`` group (its size and this rank's index) and how many
     experts the whole module has; ``ops``: the plan's all-to-all ops of the module by (``"dispatch"`` or
-    ``"combine"``, ``"forward"``/``"recompute"``/``"backward"``), which :meth:`record` appends to the
-    executor's recording (``record_ops``) as they run."""
+    ``"combine"``, phase), which :func:`dispatch` and :func:`combine` run through the executor
+    (runtime/axis_ops.py)."""
 
     group: C.Group
     num_experts: int
-    ops: Mapping[tuple[str, str], object] = field(default_factory=dict)
-    engine: Optional[Callable[[], object]] = None   # a weak reference to the executor
+    ops: AxisOps = field(default_factory=AxisOps)
 
     @property
     def local_experts(self) -> int:
         return self.num_experts // self.group.size
 
-    def record(self, which: str, backward: bool = False) -> None:
-        exe = self.engine() if self.engine is not None else None
-        rec = None if exe is None else exe.record
-        if rec is None:
-            return
-        # [Note: a forward inside a backward pass is activation checkpointing's recompute]
-        phase = "backward" if backward else "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
-        op = self.ops.get((which, phase))
-        if op is not None:
-            rec.append(op)
-
 
 class _AllToAll(torch.autograd.Function):
     """Rows out by ``in_splits``, rows in by ``out_splits``; backward sends the gradients back the other way,
-    scaled by ``grad_scale``."""
+    scaled by ``grad_scale``. ``run(phase, work)`` runs the call's op of ``phase`` through the executor."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, grad_scale, on_backward=None):
-        ctx.splits, ctx.group, ctx.scale, ctx.on_backward = (out_splits, in_splits), group, grad_scale, on_backward
-        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        C.all_to_all_single(out, x.contiguous(), group, out_splits, in_splits)
-        return out
+    def forward(ctx, x, out_splits, in_splits, group, grad_scale, run):
+        ctx.splits, ctx.group, ctx.scale, ctx.run = (out_splits, in_splits), group, grad_scale, run
+
+        def send():
+            out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+            C.all_to_all_single(out, x.contiguous(), group, out_splits, in_splits)
+            return out
+        return run(AxisOps.phase(), send)
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
-        back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
-        C.all_to_all_single(back, grad.contiguous(), ctx.group, in_splits, out_splits)
-        if ctx.on_backward is not None:
-            ctx.on_backward()
+
+        def send_back():
+            back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
+            C.all_to_all_single(back, grad.contiguous(), ctx.group, in_splits, out_splits)
+            return back
+        back = ctx.run(BACKWARD, send_back)
         if ctx.scale != 1:
             back = back * ctx.scale
         return back, None, None, None, None, None
@@ -140,8 +133,8 @@ def dispatch(module: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor) -> Ro
     recv = recv.view(size, local)
     sent = counts.view(size, local).sum(1).tolist()
     received = recv.sum(1).tolist()
-    got = _AllToAll.apply(rows, received, sent, eg.group, float(size), lambda: eg.record("dispatch", backward=True))
-    eg.record("dispatch")
+    got = _AllToAll.apply(rows, received, sent, eg.group, float(size),
+                          lambda phase, work: eg.ops.run("dispatch", phase, 0, work))
     # the rows arrive by source rank, then by local expert; the experts want them by local expert
     expert_of_row = torch.repeat_interleave(torch.arange(local, device=recv.device).repeat(size), recv.reshape(-1))
     regroup = torch.argsort(expert_of_row, stable=True)
@@ -156,8 +149,7 @@ def combine(routed: Routed, y: torch.Tensor) -> torch.Tensor:
         back[routed._regroup] = torch.arange(routed._regroup.numel(), device=back.device)
         eg = routed._group
         y = _AllToAll.apply(y[back], routed._sent, routed._received, eg.group, 1.0 / eg.group.size,
-                            lambda: eg.record("combine", backward=True))
-        eg.record("combine")
+                            lambda phase, work: eg.ops.run("combine", phase, 0, work))
     inverse = torch.empty_like(routed._order)
     inverse[routed._order] = torch.arange(routed._order.numel(), device=inverse.device)
     n, k = routed._shape
@@ -167,19 +159,18 @@ def combine(routed: Routed, y: torch.Tensor) -> torch.Tensor:
 def install(module: nn.Module, plan, groups, exe=None) -> None:
     """Give each expert module the plan splits its ``ep`` group (``group_of`` reads it), with its ops in the
     plan for ``record_ops`` (one call per step: a module called several times records its first call's)."""
-    engine = weakref.ref(exe) if exe is not None else None
     for m in plan.expert_modules:
-        mine = [o for o in plan.schedule if o.kind == ALL_TO_ALL and o.at == m.path]
-        fwd = [o for o in mine if o.event == MODULE_FORWARD and o.when != RECOMPUTE][:2]
-        again = [o for o in mine if o.when == RECOMPUTE][:2]
-        back = [o for o in mine if o.event == MODULE_BACKWARD][:2]
-        ops = {}
-        for which, i in (("dispatch", 0), ("combine", 1)):
-            for phase, found in (("forward", fwd), ("recompute", again), ("backward", back[::-1])):
-                if len(found) == 2:
-                    ops[(which, phase)] = found[i]
+        # forward: dispatch then combine; backward: combine's then dispatch's
+        ops = AxisOps.of(plan, exe, lambda o, _p=m.path: o.kind == ALL_TO_ALL and o.at == _p, key=lambda o: "",
+                         per_key=2)
+        mine = {}
+        for phase in (FORWARD, RECOMPUTING, BACKWARD):
+            got = ops.ops.get(("", phase), ())
+            if len(got) == 2:
+                first, second = got if phase != BACKWARD else got[::-1]
+                mine.update({("dispatch", phase): (first,), ("combine", phase): (second,)})
         mod = module.get_submodule(m.path)
-        eg = mod.__dict__[ATTR] = ExpertGroup(groups.axis(m.axis), m.num_experts, ops, engine)
+        eg = mod.__dict__[ATTR] = ExpertGroup(groups.axis(m.axis), m.num_experts, AxisOps(mine, ops.engine))
         if eg.group.size > 1:
             if is_hf_experts(mod) and not getattr(mod.forward, "_shardplan_ep_guard", False):
                 _hf_dispatching(mod)

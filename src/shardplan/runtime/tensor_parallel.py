@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -21,6 +21,7 @@ from ..errors import PlanWarning
 from ..planner.values import Op
 from ..errors import RuntimeShardingError
 from . import collectives as C
+from .axis_ops import BACKWARD, AxisOps
 
 
 def _dt():
@@ -112,46 +113,41 @@ class _SharedInputs:
 
 
 class _Ops:
-    """The plan's activation ops of each module, and the executor whose ``record`` list (``record_ops``)
-    receives them as they run."""
+    """The plan's activation ops of each module (:class:`AxisOps` by (path, phase)), and the executor that runs
+    them (``exe``: ``None`` when no executor records them)."""
 
     def __init__(self, plan, exe):
         self.exe = exe
-        self.forward: dict = {}
-        self.recompute: dict = {}
-        self.backward: dict = {}
-        for o in plan.schedule:
-            if o.in_module:
-                table = self.backward if o.event == "module_backward" else \
-                    self.recompute if o.when in ("recompute", "recompute_whole") else self.forward
-                table.setdefault(o.at, o)
+        self.axis = AxisOps.of(plan, exe, lambda o: True, per_key=1)
         self.warned: set = set()
-
-    def recording(self) -> Optional[list]:
-        return None if self.exe is None else self.exe.record
 
     def expect(self, op, x: torch.Tensor) -> torch.Tensor:
         """A view of ``x`` (the module's input) whose gradient is exactly what ``op`` (a
-        ``module_backward`` op) forms: its hook fires right after the collective, records the op and
-        lets the unit's post_backward step run (the executor waits for it: ``expect_activation``).
+        ``module_backward`` op) forms: its hook fires right after the collective, runs the op through the
+        executor (DTensor's backward did its work: ``run_in_module`` records it) and lets the unit's
+        post_backward step run (the executor waits for it: ``expect_activation``).
         [Note: the hook sits on a view, not on ``x``: ``x``'s gradient may take other contributions
         (a residual path, the next unit's backward) and complete later than the collective.]"""
         exe = self.exe
         if op.unit not in exe.units:
             return x
         exe.expect_activation(op.unit)
-        rec, me = exe.record, weakref.ref(exe)  # weak: a tensor hook lives in C++, out of the collector's sight
+        me = weakref.ref(exe)  # weak: a tensor hook lives in C++, out of the collector's sight
 
-        def done(_grad, _op=op, _rec=rec):
+        def done(_grad, _op=op):
             e = me()
             if e is None:
                 return
-            if _rec is not None:
-                _rec.append(_op)
+            e.run_in_module(_op, _done_inside)
             e.on_activation(_op.unit)
         source = x.view_as(x)
         source.register_hook(done)
         return source
+
+
+def _done_inside() -> None:
+    """The work of a tensor-parallel op DTensor ran inside the module's autograd (its input's gradient)."""
+    return None
 
 
 def install_styles(module: nn.Module, plan, meshes: dict, exe=None) -> list:
@@ -184,7 +180,7 @@ def _input_hook(m: TPModule, mesh, shared: _SharedInputs, ops: _Ops, after: int)
     split = m.style == "rowwise_split" and m.kind != EMBEDDING
     shares = reads_shared_input(m)
     group = m.shares_with or m.path
-    bop = ops.backward.get(m.path)
+    bop = ops.axis.op(m.path, BACKWARD)
 
     @torch._dynamo.disable
     def hook(_mod, args):
@@ -238,22 +234,20 @@ def _not_gathered(m: TPModule, w: torch.Tensor):
 def _output_hook(m: TPModule, mesh, ops: _Ops):
     DTensor, Replicate, Shard = _dt()
     leaves = [Shard(-1)] if m.output_sharded else [Replicate()]
-    fop, rop = ops.forward.get(m.path), ops.recompute.get(m.path)
 
     @torch._dynamo.disable
     def hook(_mod, _args, out):
         if not isinstance(out, DTensor):
             return None
-        if tuple(out.placements) != tuple(leaves):
-            out = out.redistribute(mesh, leaves)  # all-reduce of partial sums, or all-gather
-        # [Note: recorded whether it ran here or inside the forward: a module that computes on its output
-        # (Gemma3's scaled embedding multiplies the partial sums by a plain tensor) makes DTensor reduce them
-        # there, once, and hands the hook a replicated output; the style's op ran all the same]
-        rec = ops.recording()
-        if rec is not None:
-            op = rop if torch._C._current_graph_task_id() != -1 else fop
-            if op is not None:
-                rec.append(op)
+
+        def style_output(out=out):
+            if tuple(out.placements) != tuple(leaves):
+                out = out.redistribute(mesh, leaves)  # all-reduce of partial sums, or all-gather
+            return out
+        # [Note: run through the executor whether the collective runs here or ran inside the forward: a module that
+        # computes on its output (Gemma3's scaled embedding multiplies the partial sums by a plain tensor) makes
+        # DTensor reduce them there, once, and hands the hook a replicated output; the style's op ran all the same]
+        out = ops.axis.run(m.path, AxisOps.phase(), 0, style_output)
         return out.to_local()
 
     return hook
