@@ -275,11 +275,7 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
     ``checkpoint=True`` checkpoints every unit (activation checkpointing); compare with
     ``plan.memory(rank, recompute=True)``. Must run in a process without a process group of its own.
     """
-    b, t = (int(x) for x in batch)
-    if b <= 0 or t <= 0:
-        raise RehearsalError(f"batch {tuple(batch)}: expected (B, T) tokens per rank with positive integers, e.g. (1, 4096)")
-    if steps < 1:
-        raise RehearsalError(f"steps={steps}: rehearse at least one step")
+    b, t = _check_batch(batch, steps)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     check(plan, rank, world, device, checkpoint, device_memory)
     mem = plan.memory(rank, recompute=checkpoint)
@@ -297,38 +293,98 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
     host_base = _host_rss()
     host_measured = host_base is not None and _reset_host_peak()
     with fake_world(rank, plan.mesh.size):
-        with torch.device("meta"):
-            model = model_fn()
-        if not isinstance(model, nn.Module):
-            raise RehearsalError(f"model_fn returned {type(model).__name__}, not an nn.Module")
-        limit = position_limit(model)
-        if limit is not None and t > limit[0]:
-            raise RehearsalError(f"batch {b}x{t}: {t} tokens per sequence, but {type(model).__name__} has {limit[0]} "
-                                 f"positions ({limit[1]}); rehearse with at most {limit[0]} tokens, e.g. "
-                                 f"--batch {b}x{limit[0]}")
-        model.train()
-        how = RehearsalInit(model, init_fn)
-        shard(model, plan, init_fn=how)
-        notes.append(how.describe())
-        filled = _fill_meta_buffers(model, device)
-        if filled:
-            notes.append(f"{len(filled)} buffer(s) built on the meta device were filled with ones "
-                         f"({', '.join(filled[:3])}{' ...' if len(filled) > 3 else ''})")
-        if optimizer_fn is not None:
-            opt = optimizer_fn(model.parameters())
-        elif plan.offload:  # host master shards and moments: the offloading AdamW steps them
-            opt = offload_optimizer(model, lr=1e-4)
-        else:
-            opt = _default_optimizer(model.parameters(), device)
-        units = [u.name for u in plan.units if u.name != ROOT]
+        model, opt = _start_up(model_fn, plan, (b, t), device, init_fn, optimizer_fn, notes)
+        run = _Steps(model, plan, rank, (b, t), device, checkpoint, inputs_fn)
+        run.measure(opt, steps, host_base if host_measured else None)
+    measured_from = slice(1, None) if steps > 1 else slice(0, None)  # step 0 creates the optimizer state
+    measured = max(run.peaks[measured_from]) if run.peaks else None
+    kept = [u for u in run.per_unit[measured_from] if u is not None]
+    unit_list = [ROOT] + run.units
+    times = tuple(UnitTime(u, statistics.median(k[u][0] for k in kept), statistics.median(k[u][1] for k in kept))
+                  for u in unit_list) if kept else ()
+    if device.type != "cuda":
+        notes.append("peak device memory is not measured on the CPU; the parameters and gradients the runtime held "
+                     "are compared with the plan instead")
+    peaks = run.peaks
+    return Rehearsal(
+        rank=rank, world=plan.mesh.size, mesh=repr(plan.mesh), device=_device_name(device), batch=(b, t),
+        checkpoint=checkpoint, plan_fingerprint=plan.fingerprint(), step_s=tuple(run.step_s), measured_peak=measured,
+        measured_peaks=tuple(peaks), peak_source="torch.cuda.max_memory_allocated" if peaks else "CPU",
+        planned_peak=mem.peak, planned_states_peak=mem.states_peak, planned_activations=mem.activations,
+        activation_inputs=plan.activations.inputs if plan.activations is not None else "",
+        states_peak_measured=run.states, states_peak_planned=mem.states_peak - mem.optimizer, units=times,
+        host_s_per_unit=statistics.median(run.host_s[measured_from]) / max(len(unit_list), 1),
+        optimizer_s=statistics.median(run.opt_s[measured_from]), notes=tuple(notes), library_workspace=run.workspace,
+        host_peak=run.host_peak, host_baseline=host_base if host_measured else None)
+
+
+def _check_batch(batch, steps: int) -> tuple[int, int]:
+    b, t = (int(x) for x in batch)
+    if b <= 0 or t <= 0:
+        raise RehearsalError(f"batch {tuple(batch)}: expected (B, T) tokens per rank with positive integers, e.g. (1, 4096)")
+    if steps < 1:
+        raise RehearsalError(f"steps={steps}: rehearse at least one step")
+    return b, t
+
+
+def _start_up(model_fn: Callable[[], nn.Module], plan: Plan, batch: tuple[int, int], device: torch.device,
+              init_fn, optimizer_fn, notes: list[str]) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model built on meta, checked against ``batch``'s length, sharded (meta start-up), its meta buffers
+    filled, and its optimizer; ``notes`` gains how it was initialised."""
+    b, t = batch
+    with torch.device("meta"):
+        model = model_fn()
+    if not isinstance(model, nn.Module):
+        raise RehearsalError(f"model_fn returned {type(model).__name__}, not an nn.Module")
+    limit = position_limit(model)
+    if limit is not None and t > limit[0]:
+        raise RehearsalError(f"batch {b}x{t}: {t} tokens per sequence, but {type(model).__name__} has {limit[0]} "
+                             f"positions ({limit[1]}); rehearse with at most {limit[0]} tokens, e.g. "
+                             f"--batch {b}x{limit[0]}")
+    model.train()
+    how = RehearsalInit(model, init_fn)
+    shard(model, plan, init_fn=how)
+    notes.append(how.describe())
+    filled = _fill_meta_buffers(model, device)
+    if filled:
+        notes.append(f"{len(filled)} buffer(s) built on the meta device were filled with ones "
+                     f"({', '.join(filled[:3])}{' ...' if len(filled) > 3 else ''})")
+    if optimizer_fn is not None:
+        opt = optimizer_fn(model.parameters())
+    elif plan.offload:  # host master shards and moments: the offloading AdamW steps them
+        opt = offload_optimizer(model, lr=1e-4)
+    else:
+        opt = _default_optimizer(model.parameters(), device)
+    return model, opt
+
+
+class _Steps:
+    """The measured steps of a sharded model: per step its time, the optimizer's, the hooks' host time, each
+    unit's forward and backward time and (on a GPU) the peak memory; after them the model states' peak, the
+    host's (its RSS high-water mark over ``host_base``, when measured) and the libraries' workspace."""
+
+    def __init__(self, model: nn.Module, plan: Plan, rank: int, batch: tuple[int, int], device: torch.device,
+                 checkpoint: bool, inputs_fn):
+        self.model, self.plan, self.rank, self.batch, self.device = model, plan, rank, batch, device
+        self.checkpoint, self.inputs_fn = checkpoint, inputs_fn
+        self.units = [u.name for u in plan.units if u.name != ROOT]
+        self.step_s: list = []
+        self.peaks: list = []
+        self.per_unit: list = []
+        self.opt_s: list = []
+        self.host_s: list = []
+        self.states = self.workspace = self.host_peak = None
+
+    def measure(self, opt, steps: int, host_base: Optional[int]) -> None:
+        model, plan, device, inputs_fn = self.model, self.plan, self.device, self.inputs_fn
+        b, t = self.batch
         entries = unit_entries(model, [(u.name, u.module_paths) for u in plan.units if u.name != ROOT])
-        undo = checkpoint_units(model, entries) if checkpoint else []
+        undo = checkpoint_units(model, entries) if self.checkpoint else []
         clock = Clock(device)
         timer = UnitTimer(model, entries, clock)
         exe = engine_of(model)
-        gen = torch.Generator(device="cpu").manual_seed(rank)
+        gen = torch.Generator(device="cpu").manual_seed(self.rank)
         vocab = _vocab(model)
-        step_s, peaks, per_unit, opt_s, host_s, states, workspace, host_peak = [], [], [], [], [], None, None, None
         try:
             for i in range(steps):
                 tokens = torch.randint(0, vocab, (b, t), generator=gen).to(device)
@@ -351,37 +407,18 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
                 opt.zero_grad(set_to_none=True)
                 clock.mark("step1")
                 marks = clock.read()
-                host_s.append(exe.hook_seconds - hooks0)
-                step_s.append(marks["step1"])
-                opt_s.append(marks["step1"] - marks["backward1"])
-                per_unit.append(unit_times(marks, units, ROOT))
+                self.host_s.append(exe.hook_seconds - hooks0)
+                self.step_s.append(marks["step1"])
+                self.opt_s.append(marks["step1"] - marks["backward1"])
+                self.per_unit.append(unit_times(marks, self.units, ROOT))
                 if device.type == "cuda":
-                    peaks.append(int(torch.cuda.max_memory_allocated(device)))
-            states = memory_stats(model)["peak"]
-            host_peak = _host_rss("VmHWM") - host_base if host_measured else None
-            workspace = _library_workspace(device)
+                    self.peaks.append(int(torch.cuda.max_memory_allocated(device)))
+            self.states = memory_stats(model)["peak"]
+            self.host_peak = _host_rss("VmHWM") - host_base if host_base is not None else None
+            self.workspace = _library_workspace(device)
         finally:
             timer.remove()
             undo_checkpoint(undo)
-    measured_from = slice(1, None) if steps > 1 else slice(0, None)  # step 0 creates the optimizer state
-    measured = max(peaks[measured_from]) if peaks else None
-    kept = [u for u in per_unit[measured_from] if u is not None]
-    unit_list = [ROOT] + units
-    times = tuple(UnitTime(u, statistics.median(k[u][0] for k in kept), statistics.median(k[u][1] for k in kept))
-                  for u in unit_list) if kept else ()
-    if device.type != "cuda":
-        notes.append("peak device memory is not measured on the CPU; the parameters and gradients the runtime held "
-                     "are compared with the plan instead")
-    return Rehearsal(
-        rank=rank, world=plan.mesh.size, mesh=repr(plan.mesh), device=_device_name(device), batch=(b, t),
-        checkpoint=checkpoint, plan_fingerprint=plan.fingerprint(), step_s=tuple(step_s), measured_peak=measured,
-        measured_peaks=tuple(peaks), peak_source="torch.cuda.max_memory_allocated" if peaks else "CPU",
-        planned_peak=mem.peak, planned_states_peak=mem.states_peak, planned_activations=mem.activations,
-        activation_inputs=plan.activations.inputs if plan.activations is not None else "",
-        states_peak_measured=states, states_peak_planned=mem.states_peak - mem.optimizer, units=times,
-        host_s_per_unit=statistics.median(host_s[measured_from]) / max(len(unit_list), 1),
-        optimizer_s=statistics.median(opt_s[measured_from]), notes=tuple(notes), library_workspace=workspace,
-        host_peak=host_peak, host_baseline=host_base if host_measured else None)
 
 
 def _library_workspace(device: torch.device) -> Optional[int]:
