@@ -16,6 +16,8 @@ from ..planner import Plan
 from ..planner.render import fmt_bytes
 from ..planner.schedule import ROOT
 from ..runtime import collectives as C
+from .host import _host_rss, _reset_host_peak, fix_host_allocator
+from .init import RehearsalInit, _fill_meta_buffers
 from .result import Rehearsal, UnitTime
 from .timing import Clock, UnitTimer, unit_times
 from ..runtime.api import engine_of, memory_stats, reset_peak, shard
@@ -70,90 +72,6 @@ def _vocab(model: nn.Module) -> int:
     return emb.num_embeddings if emb is not None else 2
 
 
-def _fill_meta_buffers(model: nn.Module, device: torch.device) -> list[str]:
-    """Non-parameter buffers still on the meta device (the rehearsal built the model there) get ones on
-    ``device``: their values cannot matter to a rehearsal's memory and time, nor to a loss it does not show."""
-    filled = []
-    for path, mod in model.named_modules():
-        for name, b in list(mod._buffers.items()):
-            if b is None:
-                continue
-            if b.device.type == "meta":
-                mod._buffers[name] = torch.ones(b.shape, dtype=b.dtype, device=device)
-                filled.append(f"{path}.{name}" if path else name)
-            elif b.device != device:
-                mod._buffers[name] = b.to(device)
-    return filled
-
-
-GENERIC_INIT = ("normal(0, 0.02) for matrices, ones for the weights and scales of vectors (norms), zeros for biases "
-                "and other vectors")
-
-
-class RehearsalInit:
-    """How the rehearsal initialises each module it materialises (``init_fn(module)`` of :func:`shard`, called
-    once per module that owns parameters, one unit at a time): ``init_fn`` when given; else a Hugging Face
-    model's own ``_init_weights(module)`` (what ``post_init`` runs, one module at a time instead of the whole
-    model); else the module's ``reset_parameters()``; and a parameter none of these wrote (a norm without
-    ``reset_parameters``, GPT-2's ``Conv1D``, a module HF's ``_init_weights`` does not know) gets the generic
-    rehearsal initialisation (:data:`GENERIC_INIT`). :meth:`describe` says which, for the output.
-
-    [Note: what was written] every floating-point parameter of the module is filled with NaN first; one
-    still NaN after the module's own initialisation was not written by it. The values cannot change a
-    rehearsal's memory or time, but uninitialised memory can hold NaNs and denormals, which can."""
-
-    def __init__(self, model: nn.Module, init_fn: Optional[Callable[[nn.Module], None]] = None):
-        self.user = init_fn
-        hf = getattr(model, "_init_weights", None)
-        self.hf = hf if callable(hf) and hasattr(model, "config") else None
-        self.model_name = type(model).__name__
-        self.paths = {id(m): n for n, m in model.named_modules()}
-        self.counts = {"init_fn": 0, "hf": 0, "reset": 0}
-        self.generic: list[str] = []  # "path (Class)" of the modules with parameters the generic init wrote
-
-    def __call__(self, m: nn.Module) -> None:
-        if self.user is not None:
-            self.user(m)
-            self.counts["init_fn"] += 1
-            return
-        own = [(n, p) for n, p in m.named_parameters(recurse=False) if p.is_floating_point()]
-        for _, p in own:
-            p.fill_(float("nan"))
-        if self.hf is not None:
-            self.hf(m)
-            self.counts["hf"] += 1
-        elif callable(getattr(m, "reset_parameters", None)):
-            m.reset_parameters()
-            self.counts["reset"] += 1
-        left = [(n, p) for n, p in own if bool(torch.isnan(p).any())]
-        for n, p in left:
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.02)
-            elif n in ("weight", "scale", "gamma", "g"):
-                p.fill_(1.0)
-            else:
-                p.zero_()
-        if left:
-            path = self.paths.get(id(m), "?") or "<root>"
-            self.generic.append(f"{path} ({type(m).__name__}: {', '.join(n for n, _ in left)})")
-
-    def describe(self) -> str:
-        """One line: which initialisation the rehearsal used, and where the generic one."""
-        parts = []
-        if self.counts["init_fn"]:
-            parts.append(f"init_fn for {self.counts['init_fn']} module(s)")
-        if self.counts["hf"]:
-            parts.append(f"Hugging Face's own {self.model_name}._init_weights, one module at a time, for "
-                         f"{self.counts['hf']} module(s)")
-        if self.counts["reset"]:
-            parts.append(f"reset_parameters() for {self.counts['reset']} module(s)")
-        if self.generic:
-            shown = ", ".join(self.generic[:4]) + (f" and {len(self.generic) - 4} more" if len(self.generic) > 4 else "")
-            parts.append(f"the generic rehearsal initialisation ({GENERIC_INIT}) for {len(self.generic)} module(s) "
-                         f"with no initialisation of their own, or parameters it left unwritten: {shown}")
-        return "initialisation: " + ("; ".join(parts) if parts else "no parameters were materialised")
-
-
 def position_limit(model: nn.Module) -> Optional[tuple[int, str]]:
     """``(positions, where)`` when ``model`` looks its positions up in a table (GPT-2's ``wpe``, a learned
     ``pos_embeddings``): an ``nn.Embedding`` named for positions, or one whose size is the config's
@@ -174,60 +92,6 @@ def position_limit(model: nn.Module) -> Optional[tuple[int, str]]:
             via = f"; config.{sizes[m.num_embeddings]} = {m.num_embeddings}" if m.num_embeddings in sizes else ""
             return m.num_embeddings, f"{path}: nn.Embedding({m.num_embeddings}, {m.embedding_dim}){via}"
     return None
-
-
-def _host_rss(field: str = "VmRSS") -> Optional[int]:
-    """This process's resident memory (``VmRSS``) or its high-water mark (``VmHWM``) in bytes (Linux)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _reset_host_peak() -> bool:
-    """Reset the process's RSS high-water mark (``VmHWM``), so that it measures from now (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-HOST_MMAP_THRESHOLD = 128 * 1024  # glibc's initial M_MMAP_THRESHOLD, kept fixed
-
-
-def fix_host_allocator() -> Optional[str]:
-    """On glibc, fix malloc's mmap threshold at its initial 128 KiB for the rest of this process, so that a
-    freed tensor's memory goes back to the system; returns a note saying so (``None``: not glibc, nothing done).
-
-    [Note: glibc keeps the model] glibc raises its mmap threshold to the size of each mmapped block freed
-    (up to 32 MiB). After the first unit's full tensors are freed, tensors of that size come from the heap,
-    and the next unit's, interleaved with the shards and states that stay, cannot be handed back: rank 0 of
-    64 of a GPT whose fp32 parameters take 673 MB grew by 1.7 GB (by the model during start-up, and again in
-    the first step) while the runtime held 124 MiB and the plan's peak was 145 MiB; with the threshold fixed
-    it grows by 135 MB. ``malloc_trim`` shows the memory was free, not held: the allocator's, not the
-    runtime's. [A setting of the whole process, as ``MALLOC_MMAP_THRESHOLD_=131072`` in the environment
-    would make it; only a CPU rehearsal, whose host memory is the device memory it measures, sets it.]"""
-    import ctypes
-    import sys
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.gnu_get_libc_version  # glibc only (musl has no dynamic threshold to fix)
-    except (OSError, AttributeError):
-        return None
-    M_MMAP_THRESHOLD = -3  # malloc.h
-    if libc.mallopt(M_MMAP_THRESHOLD, HOST_MMAP_THRESHOLD) != 1:
-        return None
-    return ("host allocator: glibc's mmap threshold is fixed at 128 KiB in this process (mallopt M_MMAP_THRESHOLD), "
-            "so freed tensors go back to the system; its dynamic threshold kept each unit's freed full tensors in "
-            "the heap, and the process grew by about the model's size")
 
 
 @contextlib.contextmanager
