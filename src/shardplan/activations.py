@@ -206,114 +206,10 @@ class _Tracker:
 def _run(model, trace, entries: dict[str, list[str]], checkpointed: bool,
          finished: Optional[dict] = None) -> tuple[ActivationPoint, ...]:
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_map
 
-    params = [p for p in model.parameters()]
-    tracker = _Tracker({p.untyped_storage()._cdata for p in params})
-    points: list[ActivationPoint] = []
-    state = {"backward": False}
-
-    def mark(event: str) -> None:
-        points.append(tracker.point(event))
-
-    class Mode(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            tracker.moved += moved_bytes(func, args, kwargs or {}, out)
-            for t in _tensors(out, []):
-                if t.device.type == "meta":
-                    tracker.add(t)
-            tracker.after_op()
-            return out
-
-    handles = []
-    pending = {u: 0 for u in entries}
-    owner = {}
-    for u, paths in entries.items():
-        for p in paths:
-            for q in model.get_submodule(p).parameters():
-                if q.requires_grad and id(q) not in owner:
-                    owner[id(q)] = u
-                    pending[u] += 1
-    waiting = dict(pending)
-    started = set()
-
-    def tail(u):
-        # [Note: a unit's backward ends with its input's gradient, which may form after its parameters'
-        # gradients (post_backward(u)): the bytes moved in between (the first norm's input gradient, the
-        # residual's add) are added to post_backward(u)'s point, so its ``moved`` is the whole backward]
-        def hook(_g):
-            if points and points[-1].event == f"post_backward({u})" and tracker.moved:
-                points[-1] = dataclasses.replace(points[-1], moved=points[-1].moved + tracker.moved)
-                tracker.moved = 0
-        return hook
-
-    def fwd_pre(u):
-        def hook(_m, _a):
-            if not state["backward"] and u not in started:
-                started.add(u)
-                mark(f"pre_forward({u})")
-                if _a and isinstance(_a[0], torch.Tensor) and _a[0].requires_grad:
-                    _a[0].register_hook(tail(u))
-        return hook
-
-    def fwd_post(u, last):
-        def hook(_m, _a, out):
-            if state["backward"]:
-                return out
-            if last:
-                mark(f"post_forward({u})")
-            fired = []
-
-            def grad_hook(_g):
-                if not fired:
-                    fired.append(1)
-                    mark(f"pre_backward({u})")
-            for t in _tensors(out, []):
-                if t.requires_grad:
-                    t.register_hook(grad_hook)
-            return out
-        return hook
-
-    # [Note: gradients as they form] a parameter's gradient is counted from the op that forms it until
-    # its unit completes, as autograd holds it on ``.grad`` until the runtime lands it in the unit's flat
-    # gradient (``BufferState.collect_grads``); the plan's walk then leaves a unit's unsharded gradient
-    # out of the peak until its reduction (``Activations.grads``). Counting the whole flat gradient from
-    # ``prepare`` instead counted the root's (embeddings and head: 2 GiB at Llama-3 8B shapes) through
-    # the head's backward, before any of it exists, and the head's weight gradient twice.
-    members: dict = {u: [q for q in params if owner.get(id(q)) == u] for u in entries}
-
-    def release(u) -> None:
-        for q in members[u] if u is not None else [q for q in params if id(q) not in owner]:
-            q.grad = None
-
-    def on_grad(u):
-        def hook(p):
-            waiting[u] -= 1
-            if waiting[u] == 0:
-                release(u)
-                mark(f"post_backward({u})")
-        return hook
-
-    def recomputed(path):  # the module's forward ran to its end inside a recompute (backward)
-        def hook(_m, _a, _out):
-            if state["backward"]:
-                finished[path] = True
-        return hook
-
-    for path in finished or ():
-        handles.append(model.get_submodule(path).register_forward_hook(recomputed(path)))
-    for u, paths in entries.items():
-        for k, p in enumerate(paths):
-            m = model.get_submodule(p)
-            handles.append(m.register_forward_pre_hook(fwd_pre(u)))
-            handles.append(m.register_forward_hook(fwd_post(u, k == len(paths) - 1)))
-    for q in params:
-        if q.requires_grad:
-            u = owner.get(id(q))
-            if u:
-                handles.append(q.register_post_accumulate_grad_hook(on_grad(u)))
+    run = _Run(model, entries, finished)
+    handles = run.hooks()
     undo = checkpoint_units(model, entries) if checkpointed else []
     import torch.nn.functional as F
     _SDPA[:] = [F.scaled_dot_product_attention]
@@ -323,20 +219,7 @@ def _run(model, trace, entries: dict[str, list[str]], checkpointed: bool,
     args, kwargs = tree_map(lambda x: x.detach().to("meta").requires_grad_(x.requires_grad)
                             if isinstance(x, torch.Tensor) else x, (args, kwargs))
     try:
-        with torch.enable_grad(), meta_trace(), Mode():
-            for x in _tensors((args, kwargs), []):
-                tracker.add(x)
-            mark("before_forward")
-            loss = scalar_of(model(*args, **kwargs))
-            mark(f"post_forward({ROOT})")
-            state["backward"] = True
-            mark("begin_backward")
-            loss.backward()
-            del loss
-            release(None)  # the root's gradients: landed when the backward ends
-            for q in params:
-                q.grad = None
-            mark("end_backward")
+        run.step(args, kwargs)
     except Exception as exc:
         reraise(model, exc, "the activation profile's traced step" + (" (every unit checkpointed)" if checkpointed else ""))
     finally:
@@ -344,7 +227,149 @@ def _run(model, trace, entries: dict[str, list[str]], checkpointed: bool,
         for h in handles:
             h.remove()
         undo_checkpoint(undo)
-    return tuple(points)
+    return tuple(run.points)
+
+
+class _Run:
+    """One traced step's profile in the making: the tracker, the points recorded at each event, and the
+    hooks that record them (each unit's forward and backward, its parameters' gradients as they form);
+    ``finished``: {module path: whether its forward ran to its end inside a recompute}, filled in."""
+
+    def __init__(self, model, entries: dict[str, list[str]], finished: Optional[dict]):
+        self.model, self.entries, self.finished = model, entries, finished
+        self.params = [p for p in model.parameters()]
+        self.tracker = _Tracker({p.untyped_storage()._cdata for p in self.params})
+        self.points: list[ActivationPoint] = []
+        self.backward = False
+        pending = {u: 0 for u in entries}
+        self.owner: dict = {}
+        for u, paths in entries.items():
+            for p in paths:
+                for q in model.get_submodule(p).parameters():
+                    if q.requires_grad and id(q) not in self.owner:
+                        self.owner[id(q)] = u
+                        pending[u] += 1
+        self.waiting = dict(pending)
+        self.started: set = set()
+        # [Note: gradients as they form] a parameter's gradient is counted from the op that forms it until
+        # its unit completes, as autograd holds it on ``.grad`` until the runtime lands it in the unit's flat
+        # gradient (``BufferState.collect_grads``); the plan's walk then leaves a unit's unsharded gradient
+        # out of the peak until its reduction (``Activations.grads``). Counting the whole flat gradient from
+        # ``prepare`` instead counted the root's (embeddings and head: 2 GiB at Llama-3 8B shapes) through
+        # the head's backward, before any of it exists, and the head's weight gradient twice.
+        self.members: dict = {u: [q for q in self.params if self.owner.get(id(q)) == u] for u in entries}
+
+    def mark(self, event: str) -> None:
+        self.points.append(self.tracker.point(event))
+
+    def mode(self):
+        """The dispatch mode that sees every tensor the step allocates and the bytes each op moves."""
+        from torch.utils._python_dispatch import TorchDispatchMode
+        tracker = self.tracker
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                tracker.moved += moved_bytes(func, args, kwargs or {}, out)
+                for t in _tensors(out, []):
+                    if t.device.type == "meta":
+                        tracker.add(t)
+                tracker.after_op()
+                return out
+        return Mode()
+
+    def tail(self, u):
+        # [Note: a unit's backward ends with its input's gradient, which may form after its parameters'
+        # gradients (post_backward(u)): the bytes moved in between (the first norm's input gradient, the
+        # residual's add) are added to post_backward(u)'s point, so its ``moved`` is the whole backward]
+        points, tracker = self.points, self.tracker
+
+        def hook(_g):
+            if points and points[-1].event == f"post_backward({u})" and tracker.moved:
+                points[-1] = dataclasses.replace(points[-1], moved=points[-1].moved + tracker.moved)
+                tracker.moved = 0
+        return hook
+
+    def fwd_pre(self, u):
+        import torch
+
+        def hook(_m, _a):
+            if not self.backward and u not in self.started:
+                self.started.add(u)
+                self.mark(f"pre_forward({u})")
+                if _a and isinstance(_a[0], torch.Tensor) and _a[0].requires_grad:
+                    _a[0].register_hook(self.tail(u))
+        return hook
+
+    def fwd_post(self, u, last):
+        def hook(_m, _a, out):
+            if self.backward:
+                return out
+            if last:
+                self.mark(f"post_forward({u})")
+            fired = []
+
+            def grad_hook(_g):
+                if not fired:
+                    fired.append(1)
+                    self.mark(f"pre_backward({u})")
+            for t in _tensors(out, []):
+                if t.requires_grad:
+                    t.register_hook(grad_hook)
+            return out
+        return hook
+
+    def release(self, u) -> None:
+        for q in self.members[u] if u is not None else [q for q in self.params if id(q) not in self.owner]:
+            q.grad = None
+
+    def on_grad(self, u):
+        def hook(p):
+            self.waiting[u] -= 1
+            if self.waiting[u] == 0:
+                self.release(u)
+                self.mark(f"post_backward({u})")
+        return hook
+
+    def recomputed(self, path):  # the module's forward ran to its end inside a recompute (backward)
+        def hook(_m, _a, _out):
+            if self.backward:
+                self.finished[path] = True
+        return hook
+
+    def hooks(self) -> list:
+        model, handles = self.model, []
+        for path in self.finished or ():
+            handles.append(model.get_submodule(path).register_forward_hook(self.recomputed(path)))
+        for u, paths in self.entries.items():
+            for k, p in enumerate(paths):
+                m = model.get_submodule(p)
+                handles.append(m.register_forward_pre_hook(self.fwd_pre(u)))
+                handles.append(m.register_forward_hook(self.fwd_post(u, k == len(paths) - 1)))
+        for q in self.params:
+            if q.requires_grad:
+                u = self.owner.get(id(q))
+                if u:
+                    handles.append(q.register_post_accumulate_grad_hook(self.on_grad(u)))
+        return handles
+
+    def step(self, args, kwargs) -> None:
+        """One forward and backward of the meta model on ``args, kwargs`` (already on meta), marked."""
+        import torch
+        with torch.enable_grad(), meta_trace(), self.mode():
+            for x in _tensors((args, kwargs), []):
+                self.tracker.add(x)
+            self.mark("before_forward")
+            loss = scalar_of(self.model(*args, **kwargs))
+            self.mark(f"post_forward({ROOT})")
+            self.backward = True
+            self.mark("begin_backward")
+            loss.backward()
+            del loss
+            self.release(None)  # the root's gradients: landed when the backward ends
+            for q in self.params:
+                q.grad = None
+            self.mark("end_backward")
 
 
 def _tensor_parallel(meta, local_shapes: dict, styles: Sequence[tuple[str, str, str, int]]) -> None:

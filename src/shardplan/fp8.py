@@ -75,7 +75,7 @@ def config():
 
     [Note: not torchao's float8 all-gather] ``enable_fsdp_float8_all_gather`` makes the weight a tensor subclass
     with FSDP2's ``fsdp_pre_all_gather`` hooks; shardplan gathers flat buffers itself (float8 codes, its own
-    absmax all-reduce: runtime/buffers.py, tensorwise buffers) and binds the gathered weights as torchao float8
+    absmax all-reduce: runtime/scales.py, tensorwise buffers) and binds the gathered weights as torchao float8
     tensors (:func:`weight_maker`), so the flag stays off."""
     return torchao_float8().Float8LinearConfig(enable_fsdp_float8_all_gather=False)
 

@@ -18,15 +18,21 @@ imported only when used (all optional: ``pip install shardplan[train]``, ``shard
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
 import sys
 import time
 from typing import IO, TYPE_CHECKING, Optional
 
 from .errors import ShardingError
+# [Note: the profilers and the sinks live in metrics_profile.py and metrics_sinks.py; ``sp.metrics`` names them
+# here, as it always has (``__all__`` is the module's surface, the page docs/api.md renders)]
+from .metrics_profile import MemorySnapshot, StepProfiler, parse_steps
+from .metrics_sinks import JsonLinesSink, MLflowSink, Sink, TensorBoardSink, WandbSink, _jsonable, sink_available
+
+__all__ = ["PEAK_BF16_TFLOPS", "peak_tflops", "peak_of_name", "flops_per_token", "peak_memory_gib", "memory_fraction",
+           "memory", "count_flops", "Meter", "format_line", "parse_steps", "StepProfiler", "MemorySnapshot", "Sink",
+           "JsonLinesSink", "TensorBoardSink", "sink_available", "WandbSink", "MLflowSink", "TrainLog"]
 
 if TYPE_CHECKING:
     import torch
@@ -251,261 +257,6 @@ def format_line(step: int, total: Optional[int], fields: dict) -> str:
 
 # -- looking inside a run: a profiler trace of chosen steps, the allocator's memory snapshot -----------------
 
-def parse_steps(text: str) -> tuple[int, int]:
-    """``"3:5"`` -> ``(3, 5)``: steps 3 to 5, both included, numbered from 1; ``"4"`` is ``(4, 4)``."""
-    a, _, b = str(text).partition(":")
-    try:
-        first, last = int(a), int(b or a)
-    except ValueError:
-        raise ShardingError(f"steps {text!r}: write FIRST:LAST, e.g. 3:5 (steps numbered from 1)") from None
-    if first < 1 or last < first:
-        raise ShardingError(f"steps {text!r}: need 1 <= FIRST <= LAST (steps are numbered from 1), e.g. 3:5")
-    return first, last
-
-
-class StepProfiler:
-    """A ``torch.profiler`` trace of steps ``first`` to ``last`` (numbered from 1), one Chrome-trace JSON per
-    rank (``out_dir/rank<r>.trace.json``; CPU ops, and CUDA kernels and memory copies on a GPU). Open it in
-    https://ui.perfetto.dev (or ``chrome://tracing``).
-
-    >>> prof = sp.metrics.StepProfiler("3:4", "profile", rank)
-    >>> for step in range(1, steps + 1):
-    ...     prof.begin(step); train_step(); prof.end(step)     # end() returns the trace's path after `last`
-    """
-
-    def __init__(self, steps, out_dir: str, rank: int = 0, *, record_shapes: bool = True, with_stack: bool = False):
-        self.first, self.last = parse_steps(steps) if not isinstance(steps, tuple) else steps
-        self.path = os.path.join(out_dir, f"rank{rank}.trace.json")
-        self.record_shapes, self.with_stack = record_shapes, with_stack
-        self._prof = self._range = None
-
-    @property
-    def active(self) -> bool:
-        return self._prof is not None
-
-    def begin(self, step: int) -> None:
-        """Before step ``step`` runs: starts the profiler at ``first``; each traced step is a range named
-        ``ProfilerStep#<step>`` (torch's own name for steps, which trace viewers and analysers group by)."""
-        import torch
-        if step == self.first and self._prof is None:
-            from torch.profiler import ProfilerActivity, profile
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-            self._prof = profile(activities=activities, record_shapes=self.record_shapes, with_stack=self.with_stack)
-            self._prof.__enter__()
-        if self._prof is not None and self._range is None:
-            self._range = torch.profiler.record_function(f"ProfilerStep#{step}")
-            self._range.__enter__()
-
-    def end(self, step: int) -> Optional[str]:
-        """After step ``step`` ran: closes the step's range; at ``last`` stops and writes the trace (its path)."""
-        if self._prof is None:
-            return None
-        if self._range is not None:
-            self._range.__exit__(None, None, None)
-            self._range = None
-        return self.close() if step >= self.last else None
-
-    def close(self) -> Optional[str]:
-        """Stop and write the trace now (a run that ends inside the range); its path, or ``None``."""
-        if self._prof is None:
-            return None
-        prof, self._prof = self._prof, None
-        if self._range is not None:
-            self._range.__exit__(None, None, None)
-            self._range = None
-        prof.__exit__(None, None, None)
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        prof.export_chrome_trace(self.path)
-        return self.path
-
-
-class MemorySnapshot:
-    """The CUDA caching allocator's history (every allocation and free, with its Python stack) from when it is
-    built to step ``at_step``, written as ``out_dir/rank<r>.pickle`` (``torch.cuda.memory._dump_snapshot``).
-    Drag the file onto https://pytorch.org/memory_viz, or render it offline:
-    ``python -m torch.cuda._memory_viz trace_plot rank0.pickle -o rank0.html``. Needs a CUDA device
-    (the CPU allocator keeps no history): elsewhere it raises :class:`~shardplan.errors.ShardingError`.
-
-    >>> snap = sp.metrics.MemorySnapshot("memory", rank, at_step=3)    # before the first step
-    >>> snap.end(step)     # after each step; writes (and stops recording) after step 3
-    """
-
-    def __init__(self, out_dir: str, rank: int = 0, *, at_step: int = 3, max_entries: int = 100_000):
-        import torch
-        if not torch.cuda.is_available():
-            raise ShardingError("a memory snapshot records the CUDA caching allocator's history and needs a GPU; on "
-                                "a CPU the plan's per-rank memory is in plan.memory(rank) (shardplan plan ... --memory)")
-        if at_step < 1:
-            raise ShardingError(f"at_step={at_step}: the snapshot is written after a step, numbered from 1")
-        self.path, self.at_step = os.path.join(out_dir, f"rank{rank}.pickle"), at_step
-        torch.cuda.memory._record_memory_history(max_entries=max_entries)
-        self._recording = True
-
-    def end(self, step: int) -> Optional[str]:
-        """After step ``step``: at ``at_step`` writes the snapshot and stops recording (its path)."""
-        return self.close() if self._recording and step >= self.at_step else None
-
-    def close(self) -> Optional[str]:
-        if not self._recording:
-            return None
-        import torch
-        self._recording = False
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        torch.cuda.memory._dump_snapshot(self.path)
-        torch.cuda.memory._record_memory_history(enabled=None)
-        return self.path
-
-
-# -- sinks: where logged steps go ------------------------------------------------------------------------
-
-class Sink:
-    """Where a :class:`TrainLog` sends each logged step (rank 0 only). Subclass it, or pass any object with
-    these methods: ``write(step, record)`` (``record``: ``{"time": unix seconds, field: value}``, values are
-    numbers, ``None`` or short strings), ``event(name, step, info)`` (a restart, say) and ``close()``.
-
-    >>> class Print(sp.metrics.Sink):
-    ...     def write(self, step, record): print(step, record["loss"])
-    """
-
-    def write(self, step: int, record: dict) -> None:
-        raise NotImplementedError
-
-    def event(self, name: str, step: int, info: dict) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _numbers(record: dict) -> dict:
-    """The finite numbers of a record (what scalar dashboards take), ``time`` left out."""
-    return {k: v for k, v in record.items()
-            if k != "time" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
-
-
-class JsonLinesSink(Sink):
-    """One JSON object per logged step, ``{"step": 1, "time": ..., "loss": ...}``, and one per event,
-    ``{"event": "restart", "step": ..., "time": ..., ...}``. ``append``: add to an existing file (a resumed
-    run) instead of rewriting it."""
-
-    def __init__(self, path: str, *, append: bool = False):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self.path, self._f = path, open(path, "a" if append else "w")
-
-    def _line(self, obj: dict) -> None:
-        self._f.write(json.dumps(obj) + "\n")
-        self._f.flush()
-
-    def write(self, step: int, record: dict) -> None:
-        self._line({"step": step, **{k: _jsonable(v) for k, v in record.items()}})
-
-    def event(self, name: str, step: int, info: dict) -> None:
-        self._line({"event": name, "step": step, **{k: _jsonable(v) for k, v in info.items()}})
-
-    def close(self) -> None:
-        self._f.close()
-
-
-class TensorBoardSink(Sink):
-    """Scalars under ``train/<field>`` (``torch.utils.tensorboard``; needs the tensorboard package); an event
-    is a text entry. ``purge_step``: a resumed run's first step (TensorBoard drops what a killed run logged
-    after it)."""
-
-    def __init__(self, logdir: str, *, purge_step: Optional[int] = None):
-        from torch.utils.tensorboard import SummaryWriter  # ImportError when tensorboard is missing
-        self.writer = SummaryWriter(log_dir=logdir, purge_step=purge_step)
-
-    def write(self, step: int, record: dict) -> None:
-        for k, v in _numbers(record).items():
-            self.writer.add_scalar(f"train/{k}", v, step, walltime=record.get("time"))
-
-    def event(self, name: str, step: int, info: dict) -> None:
-        self.writer.add_text(f"events/{name}", json.dumps({k: _jsonable(v) for k, v in info.items()}), step)
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-def _require(module: str, sink: str, extra: str):
-    """``import module``, or a :class:`~shardplan.errors.ShardingError` that says how to install it."""
-    import importlib
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise ShardingError(f"{sink} needs the {module} package, which is not installed: pip install {module} "
-                            f"(or pip install shardplan[{extra}]); or leave {sink} out") from exc
-
-
-def sink_available(module: str) -> bool:
-    """Whether ``wandb`` / ``mlflow`` can be imported (without importing it): check it on every rank before
-    building a sink on rank 0, so that a missing package stops every rank, not rank 0 alone."""
-    import importlib.util
-    return importlib.util.find_spec(module) is not None
-
-
-class WandbSink(Sink):
-    """Weights & Biases through its own library: ``wandb.init(project=..., **init)`` when built, ``run.log``
-    per logged step (at the run's step), ``run.finish()`` at close. Offline: ``WANDB_MODE=offline``
-    (or ``mode="offline"``), then ``wandb sync`` the directory it wrote. An event lands in the run's
-    summary (``restart_step``, ``restart_checkpoint``).
-
-    >>> log = sp.metrics.TrainLog(steps, rank=rank, sinks=[sp.metrics.WandbSink(project="gpt", config=vars(args))])
-    """
-
-    def __init__(self, project: Optional[str] = None, **init):
-        wandb = _require("wandb", "WandbSink", "wandb")
-        self.run = wandb.init(project=project, **init)
-
-    def write(self, step: int, record: dict) -> None:
-        self.run.log(_numbers(record), step=step, commit=True)  # one record per step: committed now (a killed run keeps it)
-
-    def event(self, name: str, step: int, info: dict) -> None:
-        self.run.summary[f"{name}_step"] = step
-        for k, v in info.items():
-            self.run.summary[f"{name}_{k}"] = _jsonable(v)
-
-    def close(self) -> None:
-        self.run.finish()
-
-
-class MLflowSink(Sink):
-    """MLflow through its own library: a run started when built (``tracking_uri``: e.g. ``file:/tmp/mlruns``
-    or a server; default: ``MLFLOW_TRACKING_URI``), ``log_metrics(..., step=)`` per logged step, ``end_run``
-    at close; ``params`` are logged once. An event is a tag (``restart_step``, ...).
-
-    >>> sink = sp.metrics.MLflowSink(experiment="gpt", tracking_uri="file:./mlruns", params=vars(args))
-    """
-
-    def __init__(self, experiment: Optional[str] = None, *, tracking_uri: Optional[str] = None,
-                 run_name: Optional[str] = None, params: Optional[dict] = None, tags: Optional[dict] = None):
-        mlflow = _require("mlflow", "MLflowSink", "mlflow")
-        from mlflow.tracking import MlflowClient
-        self.client = MlflowClient(tracking_uri=tracking_uri)
-        name = experiment or "shardplan"
-        found = self.client.get_experiment_by_name(name)
-        exp_id = found.experiment_id if found is not None else self.client.create_experiment(name)
-        self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=tags or {}).info.run_id
-        self._mlflow = mlflow
-        if params:
-            for k, v in params.items():
-                self.client.log_param(self.run_id, k, v)
-
-    def write(self, step: int, record: dict) -> None:
-        from mlflow.entities import Metric
-        ms = int(1000 * record.get("time", time.time()))
-        metrics = [Metric(k, float(v), ms, step) for k, v in _numbers(record).items()]
-        if metrics:
-            self.client.log_batch(self.run_id, metrics=metrics)
-
-    def event(self, name: str, step: int, info: dict) -> None:
-        self.client.set_tag(self.run_id, f"{name}_step", str(step))
-        for k, v in info.items():
-            self.client.set_tag(self.run_id, f"{name}_{k}", str(v))
-
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
-
-
 # -- the log -------------------------------------------------------------------------------------------
 
 class TrainLog:
@@ -637,11 +388,3 @@ class TrainLog:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _jsonable(v):
-    if hasattr(v, "item") and hasattr(v, "numel"):  # a one-element tensor
-        v = v.item()
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)  # JSON has no NaN or infinity; "nan" / "inf" keep the line parseable
-    return v

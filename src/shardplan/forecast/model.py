@@ -158,29 +158,41 @@ def forecast(plan: "Plan", network: Union[str, dict, Network], compute: Union[No
     opt_s, opt_note = _optimizer_s(plan, cm, rank)
     notes += [opt_note] if opt_note else []
 
-    places: dict[tuple[str, ...], Placement] = {}
+    walk = _Walk(plan, net, rank, times, *_in_module_calls(plan, notes))
+    walk.program()
+    if not isinstance(scalar_all_reduces, int) or scalar_all_reduces < 0:
+        raise ForecastError(f"scalar_all_reduces must be a non-negative integer; got {scalar_all_reduces!r}")
+    for _ in range(scalar_all_reduces):
+        walk.issue("all_reduce", "scalar", "", tuple(plan.mesh.axis_names), 8, "compute", -1)
+    walk.items.append(Run(Work("optimizer step", "", "optimizer", opt_s)))
 
-    def where(axes: tuple[str, ...]) -> Placement:
-        if axes not in places:
-            places[axes] = placement(net, plan.mesh, rank, axes)
-        return places[axes]
+    tl = simulate(walk.items, overlap=net.overlap)
+    spans = {c.id: c for c in tl.comms}
+    collectives = tuple(CollectiveForecast(**r, issued_s=spans[k].issued_s, start_s=spans[k].start_s,
+                                           end_s=spans[k].end_s) for k, r in enumerate(walk.records))
+    sent = _sent(plan, collectives)
+    phase_s = {"forward": 0.0, "backward": 0.0}
+    for s in tl.compute:
+        if s.kind == "compute" and s.phase in phase_s:
+            phase_s[s.phase] += s.end_s - s.start_s
+    places = walk.places
+    ordered = [places[a] for a in sorted(places, key=lambda a: [plan.mesh.axis_names.index(x) for x in a])]
+    if plan.offload:
+        notes.append(_host_step_note(plan, tl.step_s))
+    return Forecast(
+        network=net, compute=cm, batch=batch, rank=rank, mesh=plan.mesh, strategy=str(plan.strategy),
+        prefetch=plan.prefetch, fingerprint=plan.fingerprint(), step_s=tl.step_s, forward_s=phase_s["forward"],
+        backward_s=phase_s["backward"], optimizer_s=opt_s, exposed_s=tl.exposed_s,
+        tokens_per_step=batch[0] * batch[1] * plan.data_size * _cp(plan), flops_per_step=model_flops(plan, batch),
+        collectives=collectives, spans=tl.compute, placements=tuple(ordered), bytes=tuple(sent.items()),
+        notes=tuple(notes), matmul_s=parts.get("matmul_s"), memory_s=parts.get("memory_s"),
+        copies_s=parts.get("copies_s"), memory_bytes=parts.get("memory_bytes"), traffic=parts.get("traffic", "measured"))
 
-    records: list[dict] = []   # per collective, in issue order; index = the simulator's id
-    items: list[Item] = []
 
-    def issue(kind: str, what: str, unit: str, axes: tuple[str, ...], payload: int, stream: str, index: int) -> int:
-        w = where(axes)
-        t: Timing = collective_time(net, kind, payload, w)
-        n = w.size
-        sent = payload * (2 if kind == ALL_REDUCE else 1) * (n - 1) // n
-        cid = len(records)
-        records.append(dict(index=index, kind=str(kind), what=str(what), unit=unit, axes=tuple(axes), stream=stream,
-                            link=w.link, group=n, algorithm=t.algorithm, busbw=t.busbw, payload=payload, sent=sent,
-                            latency_s=t.latency_s, transfer_s=t.transfer_s))
-        name = f"{kind} {what} {unit}".strip()
-        items.append(Issue(Comm(cid, name, stream, w.link if t.transfer_s > 0 else None, t.latency_s, t.transfer_s)))
-        return cid
-
+def _in_module_calls(plan: "Plan", notes: list[str]) -> tuple[list, dict[tuple[str, str], list]]:
+    """The collectives that run inside a unit's compute: the tensor-parallel activation ones, and the
+    context- and expert-parallel ones of the schedule ({(unit, phase): [(op, what)]}); ``notes`` gains a
+    line for each kind a plan without ``trace=`` cannot forecast."""
     tp_calls = activation_collectives(plan)
     if plan.compute_axes and plan.tp_activations is None:
         notes.append("tensor-parallel activations not forecast: plan with trace= example inputs (CLI: --trace-tokens)")
@@ -202,54 +214,86 @@ def forecast(plan: "Plan", network: Union[str, dict, Network], compute: Union[No
                     continue
                 phase = "forward" if op.phase == "forward" else "backward"
                 other_calls.setdefault((op.unit, phase), []).append((op, what))
+    return tp_calls, other_calls
 
-    def run(unit: str, phase: str) -> None:
-        fwd, bwd = times[unit]
-        items.append(Run(Work(f"{phase} {unit}", unit, phase, fwd if phase == "forward" else bwd)))
-        for a in tp_calls:  # [Note: activation collectives sit inside the unit's compute; blocking, so after it]
+
+class _Walk:
+    """``plan.program`` walked into timeline items: ``items`` (issues, waits, compute runs, in order),
+    ``records`` (one per collective issued; its index is the simulator's id) and ``places`` (where each
+    group of axes sits on the network, for ``rank``)."""
+
+    def __init__(self, plan: "Plan", net: Network, rank: int, times: dict[str, tuple[float, float]], tp_calls,
+                 other_calls: dict[tuple[str, str], list]):
+        self.plan, self.net, self.rank, self.times = plan, net, rank, times
+        self.tp_calls, self.other_calls = tp_calls, other_calls
+        self.places: dict[tuple[str, ...], Placement] = {}
+        self.records: list[dict] = []   # per collective, in issue order; index = the simulator's id
+        self.items: list[Item] = []
+
+    def where(self, axes: tuple[str, ...]) -> Placement:
+        if axes not in self.places:
+            self.places[axes] = placement(self.net, self.plan.mesh, self.rank, axes)
+        return self.places[axes]
+
+    def issue(self, kind: str, what: str, unit: str, axes: tuple[str, ...], payload: int, stream: str, index: int) -> int:
+        w = self.where(axes)
+        t: Timing = collective_time(self.net, kind, payload, w)
+        n = w.size
+        sent = payload * (2 if kind == ALL_REDUCE else 1) * (n - 1) // n
+        cid = len(self.records)
+        self.records.append(dict(index=index, kind=str(kind), what=str(what), unit=unit, axes=tuple(axes), stream=stream,
+                                 link=w.link, group=n, algorithm=t.algorithm, busbw=t.busbw, payload=payload, sent=sent,
+                                 latency_s=t.latency_s, transfer_s=t.transfer_s))
+        name = f"{kind} {what} {unit}".strip()
+        self.items.append(Issue(Comm(cid, name, stream, w.link if t.transfer_s > 0 else None, t.latency_s,
+                                     t.transfer_s)))
+        return cid
+
+    def run(self, unit: str, phase: str) -> None:
+        fwd, bwd = self.times[unit]
+        self.items.append(Run(Work(f"{phase} {unit}", unit, phase, fwd if phase == "forward" else bwd)))
+        for a in self.tp_calls:  # [Note: activation collectives sit inside the unit's compute; blocking, so after it]
             if a.unit == unit and a.phase == phase:
-                issue(a.kind, "activations", unit, (a.axis,), a.payload, "compute", -1)
-        for op, what in other_calls.get((unit, phase), ()):
-            issue(op.kind, what, unit, tuple(op.axes), op.bytes, "compute", -1)
+                self.issue(a.kind, "activations", unit, (a.axis,), a.payload, "compute", -1)
+        for op, what in self.other_calls.get((unit, phase), ()):
+            self.issue(op.kind, what, unit, tuple(op.axes), op.bytes, "compute", -1)
 
-    schedule = plan.schedule
-    pending: dict[tuple[str, str], list[int]] = {}
-    for step in plan.program.canonical():
-        if step.event == POST_FORWARD and step.at == ROOT:
-            run(ROOT, "forward")
-        for i in step.ops:
-            op = schedule[i]
-            if not op.applies():
-                continue
-            if op.is_collective:
-                cid = issue(op.kind, op.what, op.unit, tuple(op.axes), op.bytes, _stream(op.kind, op.what), i)
-                # (FP8 compute's scales: the unit's wait for its parameters waits for them too)
-                # (partial gradients: the unit's wait for its gradients waits for their sum too)
-                key = PARAMS if op.what == SCALES else GRADS if op.what == PARTIAL_GRADS else op.what
-                pending.setdefault((op.unit, key), []).append(cid)
-            elif op.kind == WAIT:
-                ids = tuple(pending.pop((op.unit, op.what), ()))
-                if ids:
-                    items.append(Wait(ids, f"wait {op.what} {op.unit}".strip()))
-        if step.event == PRE_FORWARD and step.at != ROOT:
-            run(step.at, "forward")
-        elif step.event == BEGIN_BACKWARD:
-            run(ROOT, "backward")
-        elif step.event == PRE_BACKWARD:
-            run(step.at, "backward")
-    leftover = [cid for ids in pending.values() for cid in ids]
-    if leftover:  # a schedule edited to leave a collective unwaited: the step still ends with it
-        items.append(Wait(tuple(leftover), "end of step"))
-    if not isinstance(scalar_all_reduces, int) or scalar_all_reduces < 0:
-        raise ForecastError(f"scalar_all_reduces must be a non-negative integer; got {scalar_all_reduces!r}")
-    for _ in range(scalar_all_reduces):
-        issue("all_reduce", "scalar", "", tuple(plan.mesh.axis_names), 8, "compute", -1)
-    items.append(Run(Work("optimizer step", "", "optimizer", opt_s)))
+    def program(self) -> None:
+        """Every step of the program in order: its ops (collectives issued, waits), then the compute its
+        event starts; a collective left unwaited is waited for at the end of the step."""
+        plan = self.plan
+        schedule = plan.schedule
+        pending: dict[tuple[str, str], list[int]] = {}
+        for step in plan.program.canonical():
+            if step.event == POST_FORWARD and step.at == ROOT:
+                self.run(ROOT, "forward")
+            for i in step.ops:
+                op = schedule[i]
+                if not op.applies():
+                    continue
+                if op.is_collective:
+                    cid = self.issue(op.kind, op.what, op.unit, tuple(op.axes), op.bytes, _stream(op.kind, op.what), i)
+                    # (FP8 compute's scales: the unit's wait for its parameters waits for them too)
+                    # (partial gradients: the unit's wait for its gradients waits for their sum too)
+                    key = PARAMS if op.what == SCALES else GRADS if op.what == PARTIAL_GRADS else op.what
+                    pending.setdefault((op.unit, key), []).append(cid)
+                elif op.kind == WAIT:
+                    ids = tuple(pending.pop((op.unit, op.what), ()))
+                    if ids:
+                        self.items.append(Wait(ids, f"wait {op.what} {op.unit}".strip()))
+            if step.event == PRE_FORWARD and step.at != ROOT:
+                self.run(step.at, "forward")
+            elif step.event == BEGIN_BACKWARD:
+                self.run(ROOT, "backward")
+            elif step.event == PRE_BACKWARD:
+                self.run(step.at, "backward")
+        leftover = [cid for ids in pending.values() for cid in ids]
+        if leftover:  # a schedule edited to leave a collective unwaited: the step still ends with it
+            self.items.append(Wait(tuple(leftover), "end of step"))
 
-    tl = simulate(items, overlap=net.overlap)
-    spans = {c.id: c for c in tl.comms}
-    collectives = tuple(CollectiveForecast(**r, issued_s=spans[k].issued_s, start_s=spans[k].start_s,
-                                           end_s=spans[k].end_s) for k, r in enumerate(records))
+
+def _sent(plan: "Plan", collectives) -> dict[str, Optional[int]]:
+    """Bytes this rank sends per step, by kind of collective and by compute axis, and their total."""
     sent = {str(ALL_GATHER): 0, "reduce_scatter": 0, str(ALL_REDUCE): 0}
     for c in collectives:
         if c.index >= 0:
@@ -272,24 +316,14 @@ def forecast(plan: "Plan", network: Union[str, dict, Network], compute: Union[No
                                                                                if c.what == "kv")
         if sent["context_parallel"] is not None:
             sent["total"] += sent["context_parallel"]
-    phase_s = {"forward": 0.0, "backward": 0.0}
-    for s in tl.compute:
-        if s.kind == "compute" and s.phase in phase_s:
-            phase_s[s.phase] += s.end_s - s.start_s
-    ordered = [places[a] for a in sorted(places, key=lambda a: [plan.mesh.axis_names.index(x) for x in a])]
-    if plan.offload:  # [Note: the host step's bound] (planner/offload.py): the step is at least the host step
-        host_s = plan.host_step_s(HOST_GBPS)
-        bound = "host-bound: the step takes at least the host step" if host_s > tl.step_s else \
-            "the overlap can hide it (backward and the next forward)"
-        notes.append(f"CPU offload: host step ~{1e3 * host_s:.1f} ms at {HOST_GBPS:g} GB/s of host memory bandwidth "
-                     f"(benchmarks/host_adamw.py measures yours) against a device step of {1e3 * tl.step_s:.1f} ms: "
-                     f"{bound}; not included in step_s")
-    return Forecast(
-        network=net, compute=cm, batch=batch, rank=rank, mesh=plan.mesh, strategy=str(plan.strategy),
-        prefetch=plan.prefetch, fingerprint=plan.fingerprint(), step_s=tl.step_s, forward_s=phase_s["forward"],
-        backward_s=phase_s["backward"], optimizer_s=opt_s, exposed_s=tl.exposed_s,
-        tokens_per_step=batch[0] * batch[1] * plan.data_size * _cp(plan), flops_per_step=model_flops(plan, batch),
-        collectives=collectives, spans=tl.compute, placements=tuple(ordered), bytes=tuple(sent.items()),
-        notes=tuple(notes), matmul_s=parts.get("matmul_s"), memory_s=parts.get("memory_s"),
-        copies_s=parts.get("copies_s"), memory_bytes=parts.get("memory_bytes"), traffic=parts.get("traffic", "measured"))
+    return sent
 
+
+def _host_step_note(plan: "Plan", step_s: float) -> str:
+    """[Note: the host step's bound] (planner/offload.py): under CPU offload the step is at least the host step."""
+    host_s = plan.host_step_s(HOST_GBPS)
+    bound = "host-bound: the step takes at least the host step" if host_s > step_s else \
+        "the overlap can hide it (backward and the next forward)"
+    return (f"CPU offload: host step ~{1e3 * host_s:.1f} ms at {HOST_GBPS:g} GB/s of host memory bandwidth "
+            f"(benchmarks/host_adamw.py measures yours) against a device step of {1e3 * step_s:.1f} ms: "
+            f"{bound}; not included in step_s")

@@ -60,7 +60,7 @@ def blockers(plan: "Plan") -> tuple[Blocker, ...]:
                                       f"shards between host and device as host work completes",
                            "capture without offload (offload=None), or run eagerly"))
     # quantized gathers and FP8 compute check their scales for NaN/inf: a captured step reads the flags after each
-    # replay instead ([Note: the non-finite check in a captured step], runtime/buffers.py): not a blocker
+    # replay instead ([Note: the non-finite check in a captured step], runtime/scales.py): not a blocker
     if plan.schedule_edited:
         out.append(Blocker("edited_schedule", "the schedule was edited by hand (with_schedule, or JSON of another "
                                               "plan): shardplan cannot prove it runs the same ops every step",

@@ -55,6 +55,14 @@ def activations_note(plan: "Plan", rank: int, m) -> str:
 
 def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
     """The parameter table, units, memory, bytes per step and warnings; ``max_rows=0`` for a summary."""
+    c = plan.comm_bytes(rank)
+    out = _param_table(plan, rank, max_rows) + [""] + _units(plan, max_rows) + _memory(plan, rank, c) \
+        + _sent(plan, c) + _axes(plan) + _closing(plan, rank)
+    return "\n".join(out)
+
+
+def _param_table(plan: "Plan", rank: int, max_rows: int) -> list[str]:
+    """The header, the parameter table (``max_rows`` of it), the totals and the packing."""
     tp = bool(plan.compute_axes or plan.expert_modules)  # then: the global shape, what a rank computes with, its shard
     head = ("parameter", "shape", "dtype", "spec") + ((("tp-local shape" if plan.compute_axes else "ep-local shape"),)
                                                       if tp else ()) + \
@@ -79,8 +87,12 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
     if packed:
         out.append(f"{packed} parameters are packed contiguously onto a subset of their group's ranks "
                    f"(zero copy-out; every rank still stores exactly S elements per buffer)")
-    out.append("")
-    out.append("units (forward order):")
+    return out
+
+
+def _units(plan: "Plan", max_rows: int) -> list[str]:
+    """Each unit's buffers, in forward order (the first 4 and last 2 of a summary's many)."""
+    out = ["units (forward order):"]
     shown = plan.units if max_rows or len(plan.units) <= 8 else plan.units[:4] + plan.units[-2:]
     for u in shown:
         bufs = [plan.buffers[i] for i in u.buffers]
@@ -90,13 +102,17 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
         out.append(f"  {u.name:<28} reshard_after_forward={u.reshard_after_forward!s:<5} {desc}")
     if len(shown) < len(plan.units):
         out.insert(len(out) - 2, f"  ... {len(plan.units) - len(shown)} more units")
+    return out
+
+
+def _memory(plan: "Plan", rank: int, c: dict) -> list[str]:
+    """Device memory on ``rank``; under offload, host memory and the host step."""
     m = plan.memory(rank)
-    out.append("")
+    out = [""]
     where = "device memory" if plan.offload else "memory"
     out.append(f"{where} on rank {rank}: params {fmt_bytes(m.params)}, grads {fmt_bytes(m.grads)}, "
                f"optimizer {fmt_bytes(m.optimizer)} ({states_said(plan)}), "
                f"gathered peak {fmt_bytes(m.gathered_peak)}, peak {fmt_bytes(m.peak)} " + activations_note(plan, rank, m))
-    c = plan.comm_bytes(rank)
     if plan.offload:
         hosted = [b for b in plan.buffers if b.offload]
         trainable = sum(b.shard_numel * b.itemsize for b in plan.buffers if b.requires_grad)
@@ -111,6 +127,12 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
                    f"traffic, ~{1e3 * plan.host_step_s(HOST_GBPS):.3g} ms at {HOST_GBPS:g} GB/s (measure yours: "
                    f"benchmarks/host_adamw.py); a step takes at least max(device step, host step): offload less "
                    f"(offload_fraction, plan.balanced_offload_fraction) where the device step is shorter")
+    return out
+
+
+def _sent(plan: "Plan", c: dict) -> list[str]:
+    """Bytes sent per step per rank, by kind and compute axis; the quantized gathers' share."""
+    out = []
     tp_part = ""
     if plan.compute_axes:
         tp_part = (f", tensor-parallel activations {fmt_bytes(c['tensor_parallel'])}" if c["tensor_parallel"] is not None
@@ -132,6 +154,12 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
         out.append(f"quantized gathers ({', '.join(sorted({b.gather_dtype for b in q}))}): {len(q)} buffers, all_gather "
                    f"includes {fmt_bytes(c['gather_scales'])} of fp32 block scales; their gathers carry "
                    f"{100 * wire / max(full, 1):.1f}% of the compute-dtype bytes")
+    return out
+
+
+def _axes(plan: "Plan") -> list[str]:
+    """FP8 compute, the expert, context and compute axes."""
+    out = []
     if plan.fp8_modules:
         out.append(fp8_line(plan))
     if plan.expert_modules:
@@ -149,6 +177,12 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
         out.append(f"compute axes {', '.join(plan.compute_axes)}: {len(plan.tp_modules)} modules tensor-parallel; the batch "
                    f"is split {plan.data_size} ways over {', '.join(plan.data_axes)}")
         out += render_tp(plan)
+    return out
+
+
+def _closing(plan: "Plan", rank: int) -> list[str]:
+    """The schedule's size, what keeps it from capture, the planner's choices and the warnings."""
+    out = []
     out.append(f"schedule: {len(plan.schedule)} ops ({sum(o.is_collective for o in plan.schedule)} collectives)")
     out.append(describe_capture(plan))
     if plan.notes:
@@ -160,7 +194,7 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
         out.append("")
         out.append("warnings:")
         out += [f"  - {w}" for w in said]
-    return "\n".join(out)
+    return out
 
 
 def states_said(plan: "Plan") -> str:

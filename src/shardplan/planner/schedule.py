@@ -96,19 +96,37 @@ def needs_gather(b: "BufferPlan") -> bool:
 def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"], mesh, level: int, prefetch: int,
                    order: Order = Order.STATIC, n_params: int = 0) -> tuple[Op, ...]:
     """The schedule of one training step. ``units``: root first, then forward order."""
-    by_name = {u.name: u for u in units}
     fwd_events, bwd_order, grad_order = skeleton(units)
     pre_order = [ROOT] + list(reversed(grad_order))
+    make = _Ops(units, buffers, mesh, prefetch)
+    ops = _forward(make, fwd_events, pre_order, level, order)
+    prev, backward = _backward(make, bwd_order, grad_order, level, order)
+    return tuple(ops + backward + _end_backward(make, prev, pre_order, level, n_params))
 
-    def bufs(u: str, pred) -> list["BufferPlan"]:
-        return [buffers[i] for i in by_name[u].buffers if pred(buffers[i])]
 
+class _Ops:
+    """The op makers of one schedule (each returns a list of ops for one unit at one event) and the one
+    piece of state the forward and the backward share: which units are gathered now (``gathered``)."""
+
+    def __init__(self, units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"], mesh, prefetch: int):
+        self.by_name = {u.name: u for u in units}
+        self.buffers, self.mesh, self.prefetch = buffers, mesh, prefetch
+        self.gathered: set[str] = set()
+
+    def bufs(self, u: str, pred) -> list["BufferPlan"]:
+        return [self.buffers[i] for i in self.by_name[u].buffers if pred(self.buffers[i])]
+
+    def mine(self, u: str) -> list["BufferPlan"]:
+        return [self.buffers[i] for i in self.by_name[u].buffers]
+
+    @staticmethod
     def op(kind, u, what, event, at, entries=(), axes_of=None, nbytes=0, prefetch_=False, when=ALWAYS) -> Op:
         entries = list(entries)
         axes = tuple(dict.fromkeys(a for b in entries for a in (axes_of(b) if axes_of else b.axes)))
         return Op(kind=kind, unit=u, what=what, event=event, at=at, buffers=tuple(b.index for b in entries), axes=axes,
                   bytes=nbytes, prefetch=prefetch_, when=when)
 
+    @staticmethod
     def by_group(entries, axes_of) -> list[list["BufferPlan"]]:
         """``entries`` split by the process group their collective runs over: one op names one group."""
         groups: dict = {}
@@ -116,12 +134,13 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
             groups.setdefault(tuple(axes_of(b)), []).append(b)
         return list(groups.values())
 
-    def gather(u, event, at, pf=False, when=ALWAYS) -> list[Op]:
-        entries = bufs(u, needs_gather)
+    def gather(self, u, event, at, pf=False, when=ALWAYS) -> list[Op]:
+        op = self.op
+        entries = self.bufs(u, needs_gather)
         if not entries:
             return []
         # a local cast (a replicated buffer computing in another dtype) rides with the first group's op
-        parts = by_group([b for b in entries if b.sharded], lambda b: b.axes) or [[]]
+        parts = self.by_group([b for b in entries if b.sharded], lambda b: b.axes) or [[]]
         parts[0] = [b for b in entries if not b.sharded] + parts[0]
         # CPU offload of the parameters: the shard is copied in from the host ahead of each of its gathers
         hosted = [b for b in entries if b.offload == Offload.PARAMS]
@@ -139,49 +158,51 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
                           sum(b.gather_bytes for b in p if b.sharded), pf, when))
         return out
 
-    def copy_back(u, event=BEFORE_FORWARD, at="", pf=False, when=STALE) -> list[Op]:
+    def copy_back(self, u, event=BEFORE_FORWARD, at="", pf=False, when=STALE) -> list[Op]:
         """CPU offload of the optimizer: the shards the host stepped are on the device before anything reads
         them. ZeRO-1/2 gather every unit at ``before_forward`` after a step (``stale``), so every copy comes
         first; ZeRO-3 copies each unit in just before its first forward gather (``always``: a no-op but
         after a step), so the next forward waits for unit k's host step only ([Note: the host step overlaps
         the next forward], runtime/offload/)."""
-        mine = bufs(u, lambda b: b.offload == Offload.OPTIMIZER)
-        return [op(COPY_H2D, u, PARAMS, event, at, mine, lambda b: (),
-                   sum(b.shard_numel * b.itemsize for b in mine), pf, when)] if mine else []
+        mine = self.bufs(u, lambda b: b.offload == Offload.OPTIMIZER)
+        return [self.op(COPY_H2D, u, PARAMS, event, at, mine, lambda b: (),
+                        sum(b.shard_numel * b.itemsize for b in mine), pf, when)] if mine else []
 
-    def wait_params(u, event, at, when=ALWAYS) -> list[Op]:
-        mine = [buffers[i] for i in by_name[u].buffers]
-        return [op(WAIT, u, PARAMS, event, at, mine, when=when)] if mine else []
+    def wait_params(self, u, event, at, when=ALWAYS) -> list[Op]:
+        mine = self.mine(u)
+        return [self.op(WAIT, u, PARAMS, event, at, mine, when=when)] if mine else []
 
-    def free_params(u, event, at, when=ALWAYS) -> list[Op]:
-        mine = [buffers[i] for i in by_name[u].buffers]
-        return [op(FREE, u, PARAMS, event, at, mine, when=when)] if mine else []
+    def free_params(self, u, event, at, when=ALWAYS) -> list[Op]:
+        mine = self.mine(u)
+        return [self.op(FREE, u, PARAMS, event, at, mine, when=when)] if mine else []
 
-    def prepare(u, event, at) -> list[Op]:
-        grads = bufs(u, lambda b: b.requires_grad)
-        return [op(PREPARE, u, GRADS, event, at, grads, lambda b: ())] if grads else []  # local: no group
+    def prepare(self, u, event, at) -> list[Op]:
+        grads = self.bufs(u, lambda b: b.requires_grad)
+        return [self.op(PREPARE, u, GRADS, event, at, grads, lambda b: ())] if grads else []  # local: no group
 
-    def reduce(u, event, at) -> list[Op]:
-        grads = bufs(u, lambda b: b.requires_grad)
+    def reduce(self, u, event, at) -> list[Op]:
+        op, mesh = self.op, self.mesh
+        grads = self.bufs(u, lambda b: b.requires_grad)
         if not grads:
             return []
         out = []
         # [Note: partial gradients] (planner/tp_partial.py) summed over their compute axis first
-        for ar in by_group([b for b in grads if b.partial_axes and mesh.axis_size(b.partial_axes) > 1],
-                           lambda b: b.partial_axes):
+        for ar in self.by_group([b for b in grads if b.partial_axes and mesh.axis_size(b.partial_axes) > 1],
+                                lambda b: b.partial_axes):
             out.append(op(ALL_REDUCE, u, PARTIAL_GRADS, event, at, ar, lambda b: b.partial_axes,
                           sum(b.gathered_numel * b.reduce_itemsize for b in ar), when=SYNC))
-        for rs in by_group([b for b in grads if b.sharded], lambda b: b.axes):
+        for rs in self.by_group([b for b in grads if b.sharded], lambda b: b.axes):
             out.append(op(REDUCE_SCATTER, u, GRADS, event, at, rs, None,
                           sum(b.reduce_bytes for b in rs), when=SYNC))
-        for ar in by_group([b for b in grads if b.replica_axes and mesh.axis_size(b.replica_axes) > 1],
-                           lambda b: b.replica_axes):
+        for ar in self.by_group([b for b in grads if b.replica_axes and mesh.axis_size(b.replica_axes) > 1],
+                                lambda b: b.replica_axes):
             out.append(op(ALL_REDUCE, u, GRADS, event, at, ar, lambda b: b.replica_axes,
                           sum(b.reduced_numel * b.reduce_itemsize for b in ar), when=SYNC))
         return out
 
-    def finish(u, event, at) -> list[Op]:
-        grads = bufs(u, lambda b: b.requires_grad)
+    def finish(self, u, event, at) -> list[Op]:
+        op = self.op
+        grads = self.bufs(u, lambda b: b.requires_grad)
         if not grads:
             return []
         out = [op(WAIT, u, GRADS, event, at, grads, when=SYNC)]
@@ -196,87 +217,101 @@ def build_schedule(units: Sequence["UnitPlan"], buffers: Sequence["BufferPlan"],
             out.append(op(FREE, u, GRADS, event, at, transient, when=SYNC))
         return out
 
-    gathered: set[str] = set()
-
-    def unshard(order_: list[str], u: str, event: str) -> list[Op]:
+    def unshard(self, order_: list[str], u: str, event: str) -> list[Op]:
         """Gather ``u`` unless a prefetch did, wait for it, and prefetch the next ``prefetch`` units."""
         out = []
         j = order_.index(u)
-        for k, v in enumerate(order_[j:j + 1 + prefetch]):
-            if v not in gathered:
+        for k, v in enumerate(order_[j:j + 1 + self.prefetch]):
+            if v not in self.gathered:
                 if event == PRE_FORWARD:  # (ZeRO-3) the stepped shards of v first
-                    out += copy_back(v, event, u, pf=k > 0, when=ALWAYS)
-                out += gather(v, event, u, pf=k > 0)
-                gathered.add(v)
+                    out += self.copy_back(v, event, u, pf=k > 0, when=ALWAYS)
+                out += self.gather(v, event, u, pf=k > 0)
+                self.gathered.add(v)
             if k == 0:
-                out += wait_params(u, event, u)
+                out += self.wait_params(u, event, u)
         return out
 
+
+def _forward(make: _Ops, fwd_events, pre_order: list[str], level: int, order: Order) -> list[Op]:
+    """The forward's ops: the parameter stream (copies in, gathers, waits, frees)."""
     ops: list[Op] = []
-    # -- forward: the parameter stream
     deferred: list[Op] = []
     for event, at in fwd_events:
         if event == BEFORE_FORWARD:
             if level != 3:
                 for u in pre_order:
-                    ops += copy_back(u)
+                    ops += make.copy_back(u)
             if level in (0, 1, 2):
                 for u in pre_order:
-                    ops += gather(u, event, at, when=STALE)
+                    ops += make.gather(u, event, at, when=STALE)
             continue
         if event == PRE_FORWARD:
-            ops += unshard(pre_order, at, event) if level == 3 else wait_params(at, event, at)
+            ops += make.unshard(pre_order, at, event) if level == 3 else make.wait_params(at, event, at)
             continue
         # post_forward
         if at == ROOT:
             ops += deferred
             for u in pre_order:
-                if level != 3 or u in gathered:
-                    ops += free_params(u, event, at, when=NO_GRAD)
+                if level != 3 or u in make.gathered:
+                    ops += make.free_params(u, event, at, when=NO_GRAD)
             continue
-        if level == 3 and by_name[at].reshard_after_forward:
-            freed = free_params(at, event, at)
+        if level == 3 and make.by_name[at].reshard_after_forward:
+            freed = make.free_params(at, event, at)
             if order == Order.DYNAMIC:  # keep units gathered until the forward ends: they may run again
                 deferred += [Op(kind=o.kind, unit=o.unit, what=o.what, event=POST_FORWARD, at=ROOT, buffers=o.buffers,
                                 axes=o.axes, bytes=o.bytes) for o in freed]
             else:
                 ops += freed
-            gathered.discard(at)
-    # -- backward: both streams, in the order they interleave for units run in plan order
+            make.gathered.discard(at)
+    return ops
+
+
+def _backward(make: _Ops, bwd_order: list[str], grad_order: list[str], level: int,
+              order: Order) -> tuple[Optional[str], list[Op]]:
+    """The backward's ops up to ``end_backward``'s own: both streams, in the order they interleave for units
+    run in plan order; and the unit whose reduction is still in flight at the end (``None``: none)."""
+    ops: list[Op] = []
     prev: Optional[str] = None
     late: list[Op] = []
-    ops += prepare(ROOT, BEGIN_BACKWARD, "")  # the root's gradients may arrive at any point of backward
+    ops += make.prepare(ROOT, BEGIN_BACKWARD, "")  # the root's gradients may arrive at any point of backward
     for event, u in interleave(bwd_order, grad_order):
         if event == PRE_BACKWARD:
             if level == 3:
-                ops += unshard(bwd_order, u, event)
-            ops += prepare(u, event, u)  # before any gradient of the unit is accumulated
+                ops += make.unshard(bwd_order, u, event)
+            ops += make.prepare(u, event, u)  # before any gradient of the unit is accumulated
             continue
         # the gradient stream keeps one reduction in flight: the previous one completes first. Under
         # order="dynamic" units may finish their backward in any order, so it all runs at end_backward
         ev, at = (END_BACKWARD, "") if order == Order.DYNAMIC else (event, u)
-        if any(buffers[i].requires_grad for i in by_name[u].buffers):
+        if any(make.buffers[i].requires_grad for i in make.by_name[u].buffers):
             if prev is not None:
-                late += finish(prev, ev, at)
-            late += reduce(u, ev, at)
+                late += make.finish(prev, ev, at)
+            late += make.reduce(u, ev, at)
             prev = u
         if level == 3:
-            late += free_params(u, ev, at)
-            gathered.discard(u)
+            late += make.free_params(u, ev, at)
+            make.gathered.discard(u)
         if order != Order.DYNAMIC:
             ops += late
             late = []
     ops += late
+    return prev, ops
+
+
+def _end_backward(make: _Ops, prev: Optional[str], pre_order: list[str], level: int, n_params: int) -> list[Op]:
+    """``end_backward``'s own ops: the used-parameter exchange, the last reductions, the last frees."""
+    ops: list[Op] = []
     # every gradient has arrived: which parameters got one is known, and its exchange overlaps the rest
-    ops.append(Op(kind=ALL_REDUCE, unit="", what=USED, event=END_BACKWARD, axes=mesh.axis_names, bytes=n_params, when=SYNC))
+    ops.append(Op(kind=ALL_REDUCE, unit="", what=USED, event=END_BACKWARD, axes=make.mesh.axis_names, bytes=n_params,
+                  when=SYNC))
     if prev is not None:
-        ops += finish(prev, END_BACKWARD, "")
-    ops += reduce(ROOT, END_BACKWARD, "")
-    ops += finish(ROOT, END_BACKWARD, "")
+        ops += make.finish(prev, END_BACKWARD, "")
+    ops += make.reduce(ROOT, END_BACKWARD, "")
+    ops += make.finish(ROOT, END_BACKWARD, "")
     ops.append(Op(kind=WAIT, unit="", what=USED, event=END_BACKWARD, when=SYNC))
     for u in ([ROOT] if level == 3 else pre_order):
-        ops += free_params(u, END_BACKWARD, "")
-    return tuple(ops)
+        ops += make.free_params(u, END_BACKWARD, "")
+    return ops
 
 
 def program(units: Sequence["UnitPlan"], schedule: Sequence[Op]) -> Program:

@@ -75,36 +75,54 @@ def _check_op(plan: "Plan", units, i: int, op: Op) -> None:
     if op.when not in K.CONDITIONS:
         raise _fail(i, op, f"unknown condition; conditions are {K.CONDITIONS}")
     if op.what == USED:
-        if op.kind not in (ALL_REDUCE, WAIT) or op.event != END_BACKWARD:
-            raise _fail(i, op, "the used-parameter exchange is an all_reduce and a wait at end_backward")
-        if op.kind == ALL_REDUCE and tuple(op.axes) != plan.mesh.axis_names:
-            raise _fail(i, op, f"the used-parameter exchange runs over every mesh axis {plan.mesh.axis_names}")
-        return
+        return _check_used(plan, i, op)
     if op.what == SCALES:  # FP8 compute: the float8 weights' absmaxes before their gather
-        bad = [b for b in op.buffers if not (0 <= b < len(plan.buffers)) or not plan.buffers[b].amax_bytes
-               or plan.buffers[b].unit != op.unit]
-        if op.kind != ALL_REDUCE or bad or not op.buffers:
-            raise _fail(i, op, f"the scales of float8 gathers are an all_reduce of unit {op.unit!r}'s float8 buffers "
-                               f"(buffers {bad or list(op.buffers)} are not)")
-        want = tuple(dict.fromkeys(a for b in op.buffers for a in plan.buffers[b].axes))
-        if tuple(op.axes) != want:
-            raise _fail(i, op, f"runs over axes {tuple(op.axes)}; its buffers are gathered over {want}")
-        return
+        return _check_scales(plan, i, op)
     if op.what == PARTIAL_GRADS:  # replicated parameters read on sharded activations: summed over the compute axis
-        bad = [b for b in op.buffers if not (0 <= b < len(plan.buffers)) or not plan.buffers[b].partial_axes
-               or not plan.buffers[b].requires_grad or plan.buffers[b].unit != op.unit]
-        if op.kind != ALL_REDUCE or bad or not op.buffers:
-            raise _fail(i, op, f"partial gradients are an all_reduce of unit {op.unit!r}'s buffers whose gradients are "
-                               f"partial sums over a compute axis (buffers {bad or list(op.buffers)} are not)")
-        want = tuple(dict.fromkeys(a for b in op.buffers for a in plan.buffers[b].partial_axes))
-        if tuple(op.axes) != want or len({plan.buffers[b].partial_axes for b in op.buffers}) > 1:
-            raise _fail(i, op, f"runs over axes {tuple(op.axes)}; its buffers' gradients are partial over {want}")
-        return
-    if op.what == ACTIVATIONS:  # an op some compute axis runs inside a module's call (planner/axes.py)
-        why = AX.check_op(plan, op)
-        if why:
-            raise _fail(i, op, why)
-        return
+        return _check_partial_grads(plan, i, op)
+    if op.what == ACTIVATIONS:
+        return _check_activations(plan, i, op)
+    _check_buffer_op(plan, units, i, op)
+
+
+def _check_used(plan: "Plan", i: int, op: Op) -> None:
+    if op.kind not in (ALL_REDUCE, WAIT) or op.event != END_BACKWARD:
+        raise _fail(i, op, "the used-parameter exchange is an all_reduce and a wait at end_backward")
+    if op.kind == ALL_REDUCE and tuple(op.axes) != plan.mesh.axis_names:
+        raise _fail(i, op, f"the used-parameter exchange runs over every mesh axis {plan.mesh.axis_names}")
+
+
+def _check_scales(plan: "Plan", i: int, op: Op) -> None:
+    bad = [b for b in op.buffers if not (0 <= b < len(plan.buffers)) or not plan.buffers[b].amax_bytes
+           or plan.buffers[b].unit != op.unit]
+    if op.kind != ALL_REDUCE or bad or not op.buffers:
+        raise _fail(i, op, f"the scales of float8 gathers are an all_reduce of unit {op.unit!r}'s float8 buffers "
+                           f"(buffers {bad or list(op.buffers)} are not)")
+    want = tuple(dict.fromkeys(a for b in op.buffers for a in plan.buffers[b].axes))
+    if tuple(op.axes) != want:
+        raise _fail(i, op, f"runs over axes {tuple(op.axes)}; its buffers are gathered over {want}")
+
+
+def _check_partial_grads(plan: "Plan", i: int, op: Op) -> None:
+    bad = [b for b in op.buffers if not (0 <= b < len(plan.buffers)) or not plan.buffers[b].partial_axes
+           or not plan.buffers[b].requires_grad or plan.buffers[b].unit != op.unit]
+    if op.kind != ALL_REDUCE or bad or not op.buffers:
+        raise _fail(i, op, f"partial gradients are an all_reduce of unit {op.unit!r}'s buffers whose gradients are "
+                           f"partial sums over a compute axis (buffers {bad or list(op.buffers)} are not)")
+    want = tuple(dict.fromkeys(a for b in op.buffers for a in plan.buffers[b].partial_axes))
+    if tuple(op.axes) != want or len({plan.buffers[b].partial_axes for b in op.buffers}) > 1:
+        raise _fail(i, op, f"runs over axes {tuple(op.axes)}; its buffers' gradients are partial over {want}")
+
+
+def _check_activations(plan: "Plan", i: int, op: Op) -> None:
+    """An op some compute axis runs inside a module's call (planner/axes.py: each axis checks its own)."""
+    why = AX.check_op(plan, op)
+    if why:
+        raise _fail(i, op, why)
+
+
+def _check_buffer_op(plan: "Plan", units, i: int, op: Op) -> None:
+    """An op on a unit's own buffers (params or grads): those buffers, and the group its kind runs over."""
     if op.what not in (PARAMS, GRADS):
         raise _fail(i, op, f"unknown what {op.what!r}; use params, grads, partial_grads, used, scales or activations")
     if op.unit not in units:
@@ -114,7 +132,14 @@ def _check_op(plan: "Plan", units, i: int, op: Op) -> None:
     if bad:
         raise _fail(i, op, f"touches buffer(s) {bad}, which belong to unit(s) "
                            f"{natural_sorted({plan.buffers[b].unit for b in bad if 0 <= b < len(plan.buffers)})}, not {op.unit!r}")
-    bufs = [plan.buffers[b] for b in op.buffers]
+    want = _group_of(plan, mine, i, op, [plan.buffers[b] for b in op.buffers])
+    if want is not None and tuple(op.axes) != want:
+        raise _fail(i, op, f"runs over axes {tuple(op.axes)} but its buffers' group is {want}")
+
+
+def _group_of(plan: "Plan", mine: set, i: int, op: Op, bufs) -> "tuple | None":
+    """The axes an op of this kind on ``bufs`` must run over (``()``: local), after the checks of its kind;
+    ``None`` for a kind with no group to check (wait, free)."""
     if op.kind == ALL_GATHER:
         if op.what != PARAMS:
             raise _fail(i, op, "all_gather gathers params")
@@ -159,9 +184,8 @@ def _check_op(plan: "Plan", units, i: int, op: Op) -> None:
             raise _fail(i, op, "prepare runs at begin_backward (the root) or at the unit's pre_backward")
         want = ()
     else:
-        return
-    if tuple(op.axes) != want:
-        raise _fail(i, op, f"runs over axes {tuple(op.axes)} but its buffers' group is {want}")
+        return None
+    return want
 
 
 def _needed_reductions(plan: "Plan", bs) -> set:
@@ -179,146 +203,185 @@ def _needed_reductions(plan: "Plan", bs) -> set:
 
 
 def _simulate(plan: "Plan", units, prog: Program, *, stale: bool, grad: bool, sync: bool) -> None:
-    bufs = {name: [plan.buffers[i] for i in u.buffers] for name, u in units.items()}
-    gathers = {n: any(needs_gather(b) for b in bs) for n, bs in bufs.items()}
-    to_gather = {n: {b.index for b in bs if needs_gather(b)} for n, bs in bufs.items()}
-    gathering: dict[str, set] = {n: set() for n in units}
-    transient = {n: any(not b.persistent for b in bs) for n, bs in bufs.items()}
-    reductions = {n: _needed_reductions(plan, bs) for n, bs in bufs.items()}
-    has_grads = {n: any(b.requires_grad for b in bs) for n, bs in bufs.items()}
-    state = {n: "sharded" for n in units}
-    in_use: set[str] = set()
-    complete: set[str] = set()
-    issued: dict[str, set] = {n: set() for n in units}
-    waited: set[str] = set()
-    prepared: set[str] = set()
-    hosted = {n: {b.index for b in bs if b.offload == Offload.PARAMS} for n, bs in bufs.items()}
-    staged: set[int] = set()   # offloaded parameter shards copied to the device, not yet gathered
-    copied_grads: set[str] = set()
-    copied_bufs: set[int] = set()  # offloaded buffers whose reduced gradient reached the host this step
-    hosted_grads = {n: any(b.offload and b.requires_grad for b in bs) for n, bs in bufs.items()}
-    used_issued = used_waited = False
-    scaled: set[int] = set()  # float8 buffers whose scales were all-reduced for their next gather
-    mode = f"(in a step with stale={stale}, grad={grad}, sync={sync})"
+    sim = _Sim(plan, units, f"(in a step with stale={stale}, grad={grad}, sync={sync})")
     steps = list(prog.forward) if not grad else prog.canonical()
     for step in steps:
-        if step.event == POST_FORWARD:
-            if step.at != ROOT or not grad:
-                in_use.discard(step.at)
-        elif step.event == POST_BACKWARD:
-            in_use.discard(step.at)
-            complete.add(step.at)
-        elif step.event == END_BACKWARD:
-            in_use.discard(ROOT)
-            complete.add(ROOT)
+        sim.enter(step, grad)
         for i in step.ops:
             op = plan.schedule[i]
-            if not op.applies(stale=stale, grad=grad, sync=sync):
-                continue
-            u = op.unit
-            if op.what == USED:
-                if op.kind == ALL_REDUCE:
-                    used_issued = True
-                elif not used_issued:
-                    raise _fail(i, op, f"waits for the used-parameter exchange before it is issued {mode}")
-                else:
-                    used_waited = True
-                continue
-            if op.what == SCALES:
-                scaled |= set(op.buffers)
-                continue
-            if op.what == PARTIAL_GRADS:
-                if u not in complete:
-                    raise _fail(i, op, f"sums unit {u!r}'s partial gradients before they are complete (before "
-                                       f"{'end_backward' if u == ROOT else f'post_backward({u})'}) {mode}")
-                late = sorted(b for b in op.buffers if any((k, b) in issued[u] for k in (REDUCE_SCATTER, ALL_REDUCE)))
-                if late:
-                    raise _fail(i, op, f"sums the partial gradients of buffer(s) {late} after their reduction was "
-                                       f"issued {mode}: put it before the unit's reduce_scatter / all_reduce")
-                issued[u].update((PARTIAL_GRADS, b) for b in op.buffers)
-                continue
-            if op.kind == PREPARE:
-                prepared.add(u)
-            elif op.kind == COPY_H2D:
-                staged |= set(op.buffers) & hosted[u]
-            elif op.kind == COPY_D2H:
-                if u not in waited:
-                    raise _fail(i, op, f"copies unit {u!r}'s gradients to the host before their reduction completed "
-                                       f"{mode}: put it after the unit's wait for grads")
-                copied_grads.add(u)
-                copied_bufs |= set(op.buffers)
-            elif op.kind == OPTIM_STEP:
-                missing = sorted(set(op.buffers) - copied_bufs)
-                if missing:
-                    raise _fail(i, op, f"steps buffer(s) {missing} on the host before their gradient was copied there "
-                                       f"{mode}: put it after the unit's copy_d2h of grads")
-            elif op.kind == ALL_GATHER:  # one op per process group: a unit may take several
-                unscaled = sorted(b for b in op.buffers if plan.buffers[b].amax_bytes and b not in scaled)
-                if unscaled:
-                    raise _fail(i, op, f"gathers float8 buffer(s) {unscaled} of unit {u!r} with no all_reduce of their "
-                                       f"scales before it {mode}: add one at the same trigger")
-                scaled -= set(op.buffers)
-                missing = hosted[u] & set(op.buffers) - staged
-                if missing:
-                    raise _fail(i, op, f"gathers buffer(s) {sorted(missing)} of unit {u!r}, whose shards live on the "
-                                       f"host, with no copy_h2d before it {mode}: add one at the same trigger")
-                if state[u] == "gathering" and not gathering[u] & set(op.buffers):
-                    gathering[u] |= set(op.buffers)
-                    continue
-                if state[u] != "sharded" and transient[u]:
-                    raise _fail(i, op, f"gathers unit {u!r} again while it is gathered {mode}; free it first")
-                state[u], gathering[u] = "gathering", set(op.buffers)
-            elif op.kind == WAIT and op.what == PARAMS:
-                if state[u] == "sharded" and gathers[u] and transient[u]:
-                    raise _fail(i, op, f"reads unit {u!r}'s buffers before their gather {mode}: add an all_gather "
-                                       f"of {u!r} before it")
-                if state[u] == "gathering" and gathering[u] != to_gather[u]:
-                    raise _fail(i, op, f"binds unit {u!r}'s parameters, but its buffer(s) "
-                                       f"{sorted(to_gather[u] - gathering[u])} were not gathered {mode}")
-                state[u] = "bound"
-                staged -= hosted[u]
-            elif op.kind == FREE and op.what == PARAMS:
-                if u in in_use:
-                    raise _fail(i, op, f"frees unit {u!r}'s parameters while {u!r} still computes {mode}")
-                state[u] = "sharded"
-            elif op.kind in (REDUCE_SCATTER, ALL_REDUCE):
-                if u not in complete:
-                    raise _fail(i, op, f"reduces unit {u!r}'s gradients before they are complete (before "
-                                       f"{'end_backward' if u == ROOT else f'post_backward({u})'}) {mode}")
-                issued[u].update((op.kind, b) for b in op.buffers)
-            elif op.kind == WAIT and op.what == GRADS:
-                missing = sorted(reductions[u] - issued[u], key=str)
-                if missing:
-                    what = ", ".join(f"{k} of buffer #{b}" for k, b in missing)
-                    raise _fail(i, op, f"waits for unit {u!r}'s gradients but its {what} was never issued {mode}: "
-                                       f"that gradient would stay unreduced")
-                waited.add(u)
-            elif op.kind == FREE and op.what == GRADS:
-                if u not in waited:
-                    raise _fail(i, op, f"frees unit {u!r}'s gradient before its reduction completed {mode}")
+            if op.applies(stale=stale, grad=grad, sync=sync):
+                sim.run(i, op)
+        sim.compute(step)
+    sim.end(grad, sync)
+
+
+class _Sim:
+    """One step simulated op by op: each unit's state (``sharded``, ``gathering``, ``bound``), which units
+    compute now, which reductions were issued and waited for, what offload staged or copied; every method
+    raises the :class:`PlanError` naming the op (or the step) that breaks the step. ``mode`` says which step
+    (its facts) in each message."""
+
+    def __init__(self, plan: "Plan", units, mode: str):
+        self.plan, self.units, self.mode = plan, units, mode
+        bufs = self.bufs = {name: [plan.buffers[i] for i in u.buffers] for name, u in units.items()}
+        self.gathers = {n: any(needs_gather(b) for b in bs) for n, bs in bufs.items()}
+        self.to_gather = {n: {b.index for b in bs if needs_gather(b)} for n, bs in bufs.items()}
+        self.gathering: dict[str, set] = {n: set() for n in units}
+        self.transient = {n: any(not b.persistent for b in bs) for n, bs in bufs.items()}
+        self.reductions = {n: _needed_reductions(plan, bs) for n, bs in bufs.items()}
+        self.has_grads = {n: any(b.requires_grad for b in bs) for n, bs in bufs.items()}
+        self.state = {n: "sharded" for n in units}
+        self.in_use: set[str] = set()
+        self.complete: set[str] = set()
+        self.issued: dict[str, set] = {n: set() for n in units}
+        self.waited: set[str] = set()
+        self.prepared: set[str] = set()
+        self.hosted = {n: {b.index for b in bs if b.offload == Offload.PARAMS} for n, bs in bufs.items()}
+        self.staged: set[int] = set()   # offloaded parameter shards copied to the device, not yet gathered
+        self.copied_grads: set[str] = set()
+        self.copied_bufs: set[int] = set()  # offloaded buffers whose reduced gradient reached the host this step
+        self.hosted_grads = {n: any(b.offload and b.requires_grad for b in bs) for n, bs in bufs.items()}
+        self.used_issued = self.used_waited = False
+        self.scaled: set[int] = set()  # float8 buffers whose scales were all-reduced for their next gather
+
+    def enter(self, step, grad: bool) -> None:
+        """What the step's event ends before its ops run: a unit's compute, its gradients' arrival."""
+        if step.event == POST_FORWARD:
+            if step.at != ROOT or not grad:
+                self.in_use.discard(step.at)
+        elif step.event == POST_BACKWARD:
+            self.in_use.discard(step.at)
+            self.complete.add(step.at)
+        elif step.event == END_BACKWARD:
+            self.in_use.discard(ROOT)
+            self.complete.add(ROOT)
+
+    def run(self, i: int, op: Op) -> None:
+        u, mode = op.unit, self.mode
+        if op.what == USED:
+            if op.kind == ALL_REDUCE:
+                self.used_issued = True
+            elif not self.used_issued:
+                raise _fail(i, op, f"waits for the used-parameter exchange before it is issued {mode}")
+            else:
+                self.used_waited = True
+            return
+        if op.what == SCALES:
+            self.scaled |= set(op.buffers)
+            return
+        if op.what == PARTIAL_GRADS:
+            return self.partial_grads(i, op)
+        if op.kind == PREPARE:
+            self.prepared.add(u)
+        elif op.kind == COPY_H2D:
+            self.staged |= set(op.buffers) & self.hosted[u]
+        elif op.kind == COPY_D2H:
+            if u not in self.waited:
+                raise _fail(i, op, f"copies unit {u!r}'s gradients to the host before their reduction completed "
+                                   f"{mode}: put it after the unit's wait for grads")
+            self.copied_grads.add(u)
+            self.copied_bufs |= set(op.buffers)
+        elif op.kind == OPTIM_STEP:
+            missing = sorted(set(op.buffers) - self.copied_bufs)
+            if missing:
+                raise _fail(i, op, f"steps buffer(s) {missing} on the host before their gradient was copied there "
+                                   f"{mode}: put it after the unit's copy_d2h of grads")
+        elif op.kind == ALL_GATHER:  # one op per process group: a unit may take several
+            self.all_gather(i, op)
+        elif op.kind == WAIT and op.what == PARAMS:
+            self.wait_params(i, op)
+        elif op.kind == FREE and op.what == PARAMS:
+            if u in self.in_use:
+                raise _fail(i, op, f"frees unit {u!r}'s parameters while {u!r} still computes {mode}")
+            self.state[u] = "sharded"
+        elif op.kind in (REDUCE_SCATTER, ALL_REDUCE):
+            if u not in self.complete:
+                raise _fail(i, op, f"reduces unit {u!r}'s gradients before they are complete (before "
+                                   f"{'end_backward' if u == ROOT else f'post_backward({u})'}) {mode}")
+            self.issued[u].update((op.kind, b) for b in op.buffers)
+        elif op.kind == WAIT and op.what == GRADS:
+            missing = sorted(self.reductions[u] - self.issued[u], key=str)
+            if missing:
+                what = ", ".join(f"{k} of buffer #{b}" for k, b in missing)
+                raise _fail(i, op, f"waits for unit {u!r}'s gradients but its {what} was never issued {mode}: "
+                                   f"that gradient would stay unreduced")
+            self.waited.add(u)
+        elif op.kind == FREE and op.what == GRADS:
+            if u not in self.waited:
+                raise _fail(i, op, f"frees unit {u!r}'s gradient before its reduction completed {mode}")
+
+    def partial_grads(self, i: int, op: Op) -> None:
+        u, mode = op.unit, self.mode
+        if u not in self.complete:
+            raise _fail(i, op, f"sums unit {u!r}'s partial gradients before they are complete (before "
+                               f"{'end_backward' if u == ROOT else f'post_backward({u})'}) {mode}")
+        late = sorted(b for b in op.buffers if any((k, b) in self.issued[u] for k in (REDUCE_SCATTER, ALL_REDUCE)))
+        if late:
+            raise _fail(i, op, f"sums the partial gradients of buffer(s) {late} after their reduction was "
+                               f"issued {mode}: put it before the unit's reduce_scatter / all_reduce")
+        self.issued[u].update((PARTIAL_GRADS, b) for b in op.buffers)
+
+    def all_gather(self, i: int, op: Op) -> None:
+        u, mode, state, gathering = op.unit, self.mode, self.state, self.gathering
+        unscaled = sorted(b for b in op.buffers if self.plan.buffers[b].amax_bytes and b not in self.scaled)
+        if unscaled:
+            raise _fail(i, op, f"gathers float8 buffer(s) {unscaled} of unit {u!r} with no all_reduce of their "
+                               f"scales before it {mode}: add one at the same trigger")
+        self.scaled -= set(op.buffers)
+        missing = self.hosted[u] & set(op.buffers) - self.staged
+        if missing:
+            raise _fail(i, op, f"gathers buffer(s) {sorted(missing)} of unit {u!r}, whose shards live on the "
+                               f"host, with no copy_h2d before it {mode}: add one at the same trigger")
+        if state[u] == "gathering" and not gathering[u] & set(op.buffers):
+            gathering[u] |= set(op.buffers)
+            return
+        if state[u] != "sharded" and self.transient[u]:
+            raise _fail(i, op, f"gathers unit {u!r} again while it is gathered {mode}; free it first")
+        state[u], gathering[u] = "gathering", set(op.buffers)
+
+    def wait_params(self, i: int, op: Op) -> None:
+        u, mode, state = op.unit, self.mode, self.state
+        if state[u] == "sharded" and self.gathers[u] and self.transient[u]:
+            raise _fail(i, op, f"reads unit {u!r}'s buffers before their gather {mode}: add an all_gather "
+                               f"of {u!r} before it")
+        if state[u] == "gathering" and self.gathering[u] != self.to_gather[u]:
+            raise _fail(i, op, f"binds unit {u!r}'s parameters, but its buffer(s) "
+                               f"{sorted(self.to_gather[u] - self.gathering[u])} were not gathered {mode}")
+        state[u] = "bound"
+        self.staged -= self.hosted[u]
+
+    def compute(self, step) -> None:
+        """What the step's event starts after its ops ran: a unit's compute, its gradients' accumulation."""
+        mode = self.mode
         if step.event in (PRE_FORWARD, PRE_BACKWARD):
-            if state[step.at] != "bound" and bufs[step.at]:
+            if self.state[step.at] != "bound" and self.bufs[step.at]:
                 raise PlanError(f"unit {step.at!r} computes at {step.name} but no op before it gathers and waits "
                                 f"for its parameters {mode}: the schedule reads its buffers before their gather")
-            in_use.add(step.at)
+            self.in_use.add(step.at)
         # a unit's gradients accumulate from its pre_backward on (the root's from begin_backward): its
         # unsharded gradient must exist by then
         late = {BEGIN_BACKWARD: ROOT, PRE_BACKWARD: step.at}.get(step.event)
-        if late is not None and has_grads[late] and late not in prepared:
+        if late is not None and self.has_grads[late] and late not in self.prepared:
             raise PlanError(f"unit {late!r}'s gradients start at {step.name} but no prepare op of its grads runs "
                             f"by then {mode}: add one at that step")
-    if grad and sync:
-        left = [n for n in units if has_grads[n] and n not in waited]
-        if left:
-            raise PlanError(f"the schedule leaves the gradients of unit(s) {left} unreduced {mode}: each needs its "
-                            f"reduce_scatter / all_reduce after its post_backward and a wait for grads")
-        left = [n for n in units if hosted_grads[n] and n in waited and n not in copied_grads]
-        if left:
-            raise PlanError(f"the schedule never copies the gradients of unit(s) {left} to the host {mode}, but the "
-                            f"plan offloads their optimizer step: add a copy_d2h of grads after each one's wait")
-        if not used_waited:
-            raise PlanError(f"the schedule lacks the used-parameter exchange at end_backward {mode} (an all_reduce "
-                            f"and a wait of what='used'): parameters no rank used would get zero gradients")
-    leaked = [n for n in units if state[n] != "sharded" and transient[n]]
-    if leaked:
-        raise PlanError(f"the schedule leaves unit(s) {leaked} gathered when the step ends {mode}: free them")
+
+    def end(self, grad: bool, sync: bool) -> None:
+        """The step's end: every gradient reduced (and copied to the host where offloaded), the used-parameter
+        exchange waited for, nothing left gathered."""
+        units, mode = self.units, self.mode
+        if grad and sync:
+            left = [n for n in units if self.has_grads[n] and n not in self.waited]
+            if left:
+                raise PlanError(f"the schedule leaves the gradients of unit(s) {left} unreduced {mode}: each needs "
+                                f"its reduce_scatter / all_reduce after its post_backward and a wait for grads")
+            left = [n for n in units if self.hosted_grads[n] and n in self.waited and n not in self.copied_grads]
+            if left:
+                raise PlanError(f"the schedule never copies the gradients of unit(s) {left} to the host {mode}, but "
+                                f"the plan offloads their optimizer step: add a copy_d2h of grads after each one's wait")
+            if not self.used_waited:
+                raise PlanError(f"the schedule lacks the used-parameter exchange at end_backward {mode} (an "
+                                f"all_reduce and a wait of what='used'): parameters no rank used would get zero "
+                                f"gradients")
+        leaked = [n for n in units if self.state[n] != "sharded" and self.transient[n]]
+        if leaked:
+            raise PlanError(f"the schedule leaves unit(s) {leaked} gathered when the step ends {mode}: free them")

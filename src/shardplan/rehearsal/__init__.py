@@ -7,6 +7,8 @@ stand-in (torch's fake process group), measured beside what the plan says.
 | module | holds |
 |---|---|
 | ``run.py`` | ``rehearse()``: checks, the fake world, meta start-up, the measured steps |
+| ``init.py`` | ``RehearsalInit``: how meta start-up initialises each module; meta buffers filled |
+| ``host.py`` | the host's memory: RSS, its high-water mark, glibc's mmap threshold fixed |
 | ``timing.py`` | marks inside a step: CUDA events or the host clock, one unit's forward and backward |
 | ``result.py`` | ``Rehearsal``: the figures, the table, JSON (with a compute model for the forecast) |
 | ``cli.py`` | ``shardplan rehearse`` (the ``shardplan plan`` options, the same plan) |

@@ -17,6 +17,8 @@ from ..planner.render import fmt_bytes
 from ..planner.schedule import ROOT
 from ..runtime import collectives as C
 from . import captured as CAP
+from .host import _host_rss, _reset_host_peak, fix_host_allocator
+from .init import RehearsalInit, _fill_meta_buffers
 from .result import Rehearsal, UnitTime
 from .timing import Clock, UnitTimer, unit_times
 from ..runtime.api import engine_of, memory_stats, reset_peak, shard
@@ -71,90 +73,6 @@ def _vocab(model: nn.Module) -> int:
     return emb.num_embeddings if emb is not None else 2
 
 
-def _fill_meta_buffers(model: nn.Module, device: torch.device) -> list[str]:
-    """Non-parameter buffers still on the meta device (the rehearsal built the model there) get ones on
-    ``device``: their values cannot matter to a rehearsal's memory and time, nor to a loss it does not show."""
-    filled = []
-    for path, mod in model.named_modules():
-        for name, b in list(mod._buffers.items()):
-            if b is None:
-                continue
-            if b.device.type == "meta":
-                mod._buffers[name] = torch.ones(b.shape, dtype=b.dtype, device=device)
-                filled.append(f"{path}.{name}" if path else name)
-            elif b.device != device:
-                mod._buffers[name] = b.to(device)
-    return filled
-
-
-GENERIC_INIT = ("normal(0, 0.02) for matrices, ones for the weights and scales of vectors (norms), zeros for biases "
-                "and other vectors")
-
-
-class RehearsalInit:
-    """How the rehearsal initialises each module it materialises (``init_fn(module)`` of :func:`shard`, called
-    once per module that owns parameters, one unit at a time): ``init_fn`` when given; else a Hugging Face
-    model's own ``_init_weights(module)`` (what ``post_init`` runs, one module at a time instead of the whole
-    model); else the module's ``reset_parameters()``; and a parameter none of these wrote (a norm without
-    ``reset_parameters``, GPT-2's ``Conv1D``, a module HF's ``_init_weights`` does not know) gets the generic
-    rehearsal initialisation (:data:`GENERIC_INIT`). :meth:`describe` says which, for the output.
-
-    [Note: what was written] every floating-point parameter of the module is filled with NaN first; one
-    still NaN after the module's own initialisation was not written by it. The values cannot change a
-    rehearsal's memory or time, but uninitialised memory can hold NaNs and denormals, which can."""
-
-    def __init__(self, model: nn.Module, init_fn: Optional[Callable[[nn.Module], None]] = None):
-        self.user = init_fn
-        hf = getattr(model, "_init_weights", None)
-        self.hf = hf if callable(hf) and hasattr(model, "config") else None
-        self.model_name = type(model).__name__
-        self.paths = {id(m): n for n, m in model.named_modules()}
-        self.counts = {"init_fn": 0, "hf": 0, "reset": 0}
-        self.generic: list[str] = []  # "path (Class)" of the modules with parameters the generic init wrote
-
-    def __call__(self, m: nn.Module) -> None:
-        if self.user is not None:
-            self.user(m)
-            self.counts["init_fn"] += 1
-            return
-        own = [(n, p) for n, p in m.named_parameters(recurse=False) if p.is_floating_point()]
-        for _, p in own:
-            p.fill_(float("nan"))
-        if self.hf is not None:
-            self.hf(m)
-            self.counts["hf"] += 1
-        elif callable(getattr(m, "reset_parameters", None)):
-            m.reset_parameters()
-            self.counts["reset"] += 1
-        left = [(n, p) for n, p in own if bool(torch.isnan(p).any())]
-        for n, p in left:
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.02)
-            elif n in ("weight", "scale", "gamma", "g"):
-                p.fill_(1.0)
-            else:
-                p.zero_()
-        if left:
-            path = self.paths.get(id(m), "?") or "<root>"
-            self.generic.append(f"{path} ({type(m).__name__}: {', '.join(n for n, _ in left)})")
-
-    def describe(self) -> str:
-        """One line: which initialisation the rehearsal used, and where the generic one."""
-        parts = []
-        if self.counts["init_fn"]:
-            parts.append(f"init_fn for {self.counts['init_fn']} module(s)")
-        if self.counts["hf"]:
-            parts.append(f"Hugging Face's own {self.model_name}._init_weights, one module at a time, for "
-                         f"{self.counts['hf']} module(s)")
-        if self.counts["reset"]:
-            parts.append(f"reset_parameters() for {self.counts['reset']} module(s)")
-        if self.generic:
-            shown = ", ".join(self.generic[:4]) + (f" and {len(self.generic) - 4} more" if len(self.generic) > 4 else "")
-            parts.append(f"the generic rehearsal initialisation ({GENERIC_INIT}) for {len(self.generic)} module(s) "
-                         f"with no initialisation of their own, or parameters it left unwritten: {shown}")
-        return "initialisation: " + ("; ".join(parts) if parts else "no parameters were materialised")
-
-
 def position_limit(model: nn.Module) -> Optional[tuple[int, str]]:
     """``(positions, where)`` when ``model`` looks its positions up in a table (GPT-2's ``wpe``, a learned
     ``pos_embeddings``): an ``nn.Embedding`` named for positions, or one whose size is the config's
@@ -175,60 +93,6 @@ def position_limit(model: nn.Module) -> Optional[tuple[int, str]]:
             via = f"; config.{sizes[m.num_embeddings]} = {m.num_embeddings}" if m.num_embeddings in sizes else ""
             return m.num_embeddings, f"{path}: nn.Embedding({m.num_embeddings}, {m.embedding_dim}){via}"
     return None
-
-
-def _host_rss(field: str = "VmRSS") -> Optional[int]:
-    """This process's resident memory (``VmRSS``) or its high-water mark (``VmHWM``) in bytes (Linux)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _reset_host_peak() -> bool:
-    """Reset the process's RSS high-water mark (``VmHWM``), so that it measures from now (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-HOST_MMAP_THRESHOLD = 128 * 1024  # glibc's initial M_MMAP_THRESHOLD, kept fixed
-
-
-def fix_host_allocator() -> Optional[str]:
-    """On glibc, fix malloc's mmap threshold at its initial 128 KiB for the rest of this process, so that a
-    freed tensor's memory goes back to the system; returns a note saying so (``None``: not glibc, nothing done).
-
-    [Note: glibc keeps the model] glibc raises its mmap threshold to the size of each mmapped block freed
-    (up to 32 MiB). After the first unit's full tensors are freed, tensors of that size come from the heap,
-    and the next unit's, interleaved with the shards and states that stay, cannot be handed back: rank 0 of
-    64 of a GPT whose fp32 parameters take 673 MB grew by 1.7 GB (by the model during start-up, and again in
-    the first step) while the runtime held 124 MiB and the plan's peak was 145 MiB; with the threshold fixed
-    it grows by 135 MB. ``malloc_trim`` shows the memory was free, not held: the allocator's, not the
-    runtime's. [A setting of the whole process, as ``MALLOC_MMAP_THRESHOLD_=131072`` in the environment
-    would make it; only a CPU rehearsal, whose host memory is the device memory it measures, sets it.]"""
-    import ctypes
-    import sys
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.gnu_get_libc_version  # glibc only (musl has no dynamic threshold to fix)
-    except (OSError, AttributeError):
-        return None
-    M_MMAP_THRESHOLD = -3  # malloc.h
-    if libc.mallopt(M_MMAP_THRESHOLD, HOST_MMAP_THRESHOLD) != 1:
-        return None
-    return ("host allocator: glibc's mmap threshold is fixed at 128 KiB in this process (mallopt M_MMAP_THRESHOLD), "
-            "so freed tensors go back to the system; its dynamic threshold kept each unit's freed full tensors in "
-            "the heap, and the process grew by about the model's size")
 
 
 @contextlib.contextmanager
@@ -279,11 +143,7 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
     ``steps`` replays, timed; per-unit times are not measured (one graph), the host time per replay is.
     Must run in a process without a process group of its own.
     """
-    b, t = (int(x) for x in batch)
-    if b <= 0 or t <= 0:
-        raise RehearsalError(f"batch {tuple(batch)}: expected (B, T) tokens per rank with positive integers, e.g. (1, 4096)")
-    if steps < 1:
-        raise RehearsalError(f"steps={steps}: rehearse at least one step")
+    b, t = _check_batch(batch, steps)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     check(plan, rank, world, device, checkpoint, device_memory)
     if capture:
@@ -303,107 +163,165 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
     host_base = _host_rss()
     host_measured = host_base is not None and _reset_host_peak()
     with fake_world(rank, plan.mesh.size):
-        with torch.device("meta"):
-            model = model_fn()
-        if not isinstance(model, nn.Module):
-            raise RehearsalError(f"model_fn returned {type(model).__name__}, not an nn.Module")
-        limit = position_limit(model)
-        if limit is not None and t > limit[0]:
-            raise RehearsalError(f"batch {b}x{t}: {t} tokens per sequence, but {type(model).__name__} has {limit[0]} "
-                                 f"positions ({limit[1]}); rehearse with at most {limit[0]} tokens, e.g. "
-                                 f"--batch {b}x{limit[0]}")
-        model.train()
-        how = RehearsalInit(model, init_fn)
-        shard(model, plan, init_fn=how)
-        notes.append(how.describe())
-        filled = _fill_meta_buffers(model, device)
-        if filled:
-            notes.append(f"{len(filled)} buffer(s) built on the meta device were filled with ones "
-                         f"({', '.join(filled[:3])}{' ...' if len(filled) > 3 else ''})")
-        if optimizer_fn is not None:
-            opt = optimizer_fn(model.parameters())
-        elif capture:
-            opt = CAP.capturable_optimizer(model.parameters(), device)
-        elif plan.offload:  # host master shards and moments: the offloading AdamW steps them
-            opt = offload_optimizer(model, lr=1e-4)
-        else:
-            opt = _default_optimizer(model.parameters(), device)
-        units = [u.name for u in plan.units if u.name != ROOT]
-        entries = unit_entries(model, [(u.name, u.module_paths) for u in plan.units if u.name != ROOT])
-        undo = checkpoint_units(model, entries) if checkpoint else []
-        clock = Clock(device)
-        timer = None if capture else UnitTimer(model, entries, clock)
-        exe = engine_of(model)
-        gen = torch.Generator(device="cpu").manual_seed(rank)
-        vocab = _vocab(model)
-        step_s, peaks, per_unit, opt_s, host_s, states, workspace, host_peak = [], [], [], [], [], None, None, None
-        try:
-            if capture:
-                def batch(i):
-                    tokens = torch.randint(0, vocab, (b, t), generator=gen).to(device)
-                    return _as_call(model, inputs_fn(model, tokens) if inputs_fn else token_inputs(model, tokens))
-                if steps > 1:
-                    reset_peak(model)
-                replays = CAP.run(model, opt, batch, steps, device)
-                step_s, peaks = list(replays.step_s), list(replays.peaks)
-                host_s, opt_s = [replays.host_s_per_replay] * steps, [0.0] * steps
-                notes.append(f"captured step ({replays.backend}): {CAP.WARMUP} eager steps and the capture ran first "
-                             f"(not shown); the steps shown are replays; per-unit and optimizer times are not measured "
-                             f"inside one graph; host time per replay {replays.host_s_per_replay * 1e3:.3f} ms")
-            for i in range(0 if capture else steps):
-                tokens = torch.randint(0, vocab, (b, t), generator=gen).to(device)
-                args, kwargs = _as_call(model, inputs_fn(model, tokens) if inputs_fn else token_inputs(model, tokens))
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats(device)
-                if i == min(1, steps - 1):
-                    reset_peak(model)
-                hooks0 = exe.hook_seconds
-                timer.in_backward = False
-                clock.mark("step0")
-                loss = scalar_of(model(*args, **kwargs))
-                clock.mark("forward1")
-                timer.in_backward = True
-                loss.backward()
-                clock.mark("backward1")
-                del loss
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                clock.mark("step1")
-                marks = clock.read()
-                host_s.append(exe.hook_seconds - hooks0)
-                step_s.append(marks["step1"])
-                opt_s.append(marks["step1"] - marks["backward1"])
-                per_unit.append(unit_times(marks, units, ROOT))
-                if device.type == "cuda":
-                    peaks.append(int(torch.cuda.max_memory_allocated(device)))
-            states = memory_stats(model)["peak"]
-            host_peak = _host_rss("VmHWM") - host_base if host_measured else None
-            workspace = _library_workspace(device)
-        finally:
-            if timer is not None:
-                timer.remove()
-            undo_checkpoint(undo)
+        model, opt = _start_up(model_fn, plan, (b, t), device, init_fn, optimizer_fn, notes, capture)
+        run = _Steps(model, plan, rank, (b, t), device, checkpoint, inputs_fn)
+        note = run.measure(opt, steps, host_base if host_measured else None, capture)
+        if note:
+            notes.append(note)
     # step 0 creates the optimizer state (a captured rehearsal shows replays only)
     measured_from = slice(1, None) if steps > 1 and not capture else slice(0, None)
-    measured = max(peaks[measured_from]) if peaks else None
-    kept = [u for u in per_unit[measured_from] if u is not None]
-    unit_list = [ROOT] + units
+    measured = max(run.peaks[measured_from]) if run.peaks else None
+    kept = [u for u in run.per_unit[measured_from] if u is not None]
+    unit_list = [ROOT] + run.units
     times = tuple(UnitTime(u, statistics.median(k[u][0] for k in kept), statistics.median(k[u][1] for k in kept))
                   for u in unit_list) if kept else ()
     if device.type != "cuda":
         notes.append("peak device memory is not measured on the CPU; the parameters and gradients the runtime held "
                      "are compared with the plan instead")
+    peaks = run.peaks
     return Rehearsal(
         rank=rank, world=plan.mesh.size, mesh=repr(plan.mesh), device=_device_name(device), batch=(b, t),
-        checkpoint=checkpoint, plan_fingerprint=plan.fingerprint(), step_s=tuple(step_s), measured_peak=measured,
+        checkpoint=checkpoint, plan_fingerprint=plan.fingerprint(), step_s=tuple(run.step_s), measured_peak=measured,
         measured_peaks=tuple(peaks), peak_source="torch.cuda.max_memory_allocated" if peaks else "CPU",
         planned_peak=mem.peak, planned_states_peak=mem.states_peak, planned_activations=mem.activations,
         activation_inputs=plan.activations.inputs if plan.activations is not None else "",
-        states_peak_measured=states, states_peak_planned=mem.states_peak - mem.optimizer, units=times,
-        host_s_per_unit=statistics.median(host_s[measured_from]) / max(len(unit_list), 1),
-        optimizer_s=statistics.median(opt_s[measured_from]), notes=tuple(notes), library_workspace=workspace,
-        host_peak=host_peak, host_baseline=host_base if host_measured else None, captured=capture)
+        states_peak_measured=run.states, states_peak_planned=mem.states_peak - mem.optimizer, units=times,
+        host_s_per_unit=statistics.median(run.host_s[measured_from]) / max(len(unit_list), 1),
+        optimizer_s=statistics.median(run.opt_s[measured_from]), notes=tuple(notes), library_workspace=run.workspace,
+        host_peak=run.host_peak, host_baseline=host_base if host_measured else None, captured=capture)
+
+
+def _check_batch(batch, steps: int) -> tuple[int, int]:
+    b, t = (int(x) for x in batch)
+    if b <= 0 or t <= 0:
+        raise RehearsalError(f"batch {tuple(batch)}: expected (B, T) tokens per rank with positive integers, e.g. (1, 4096)")
+    if steps < 1:
+        raise RehearsalError(f"steps={steps}: rehearse at least one step")
+    return b, t
+
+
+def _start_up(model_fn: Callable[[], nn.Module], plan: Plan, batch: tuple[int, int], device: torch.device,
+              init_fn, optimizer_fn, notes: list[str], capture: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model built on meta, checked against ``batch``'s length, sharded (meta start-up), its meta buffers
+    filled, and its optimizer; ``notes`` gains how it was initialised."""
+    b, t = batch
+    with torch.device("meta"):
+        model = model_fn()
+    if not isinstance(model, nn.Module):
+        raise RehearsalError(f"model_fn returned {type(model).__name__}, not an nn.Module")
+    limit = position_limit(model)
+    if limit is not None and t > limit[0]:
+        raise RehearsalError(f"batch {b}x{t}: {t} tokens per sequence, but {type(model).__name__} has {limit[0]} "
+                             f"positions ({limit[1]}); rehearse with at most {limit[0]} tokens, e.g. "
+                             f"--batch {b}x{limit[0]}")
+    model.train()
+    how = RehearsalInit(model, init_fn)
+    shard(model, plan, init_fn=how)
+    notes.append(how.describe())
+    filled = _fill_meta_buffers(model, device)
+    if filled:
+        notes.append(f"{len(filled)} buffer(s) built on the meta device were filled with ones "
+                     f"({', '.join(filled[:3])}{' ...' if len(filled) > 3 else ''})")
+    if optimizer_fn is not None:
+        opt = optimizer_fn(model.parameters())
+    elif capture:
+        opt = CAP.capturable_optimizer(model.parameters(), device)
+    elif plan.offload:  # host master shards and moments: the offloading AdamW steps them
+        opt = offload_optimizer(model, lr=1e-4)
+    else:
+        opt = _default_optimizer(model.parameters(), device)
+    return model, opt
+
+
+class _Steps:
+    """The measured steps of a sharded model: per step its time, the optimizer's, the hooks' host time, each
+    unit's forward and backward time and (on a GPU) the peak memory; after them the model states' peak, the
+    host's (its RSS high-water mark over ``host_base``, when measured) and the libraries' workspace."""
+
+    def __init__(self, model: nn.Module, plan: Plan, rank: int, batch: tuple[int, int], device: torch.device,
+                 checkpoint: bool, inputs_fn):
+        self.model, self.plan, self.rank, self.batch, self.device = model, plan, rank, batch, device
+        self.checkpoint, self.inputs_fn = checkpoint, inputs_fn
+        self.units = [u.name for u in plan.units if u.name != ROOT]
+        self.step_s: list = []
+        self.peaks: list = []
+        self.per_unit: list = []
+        self.opt_s: list = []
+        self.host_s: list = []
+        self.states = self.workspace = self.host_peak = None
+
+    def measure(self, opt, steps: int, host_base: Optional[int], capture: bool = False) -> Optional[str]:
+        """Run and measure ``steps`` steps (``capture``: replays of the captured step; returns its note)."""
+        model, plan, device = self.model, self.plan, self.device
+        entries = unit_entries(model, [(u.name, u.module_paths) for u in plan.units if u.name != ROOT])
+        undo = checkpoint_units(model, entries) if self.checkpoint else []
+        gen = torch.Generator(device="cpu").manual_seed(self.rank)
+        vocab = _vocab(model)
+        timer = None
+        note = None
+        try:
+            if capture:
+                note = self._replays(opt, steps, gen, vocab)
+            else:
+                clock = Clock(device)
+                timer = UnitTimer(model, entries, clock)
+                self._eager(opt, steps, gen, vocab, clock, timer)
+            self.states = memory_stats(model)["peak"]
+            self.host_peak = _host_rss("VmHWM") - host_base if host_base is not None else None
+            self.workspace = _library_workspace(device)
+        finally:
+            if timer is not None:
+                timer.remove()
+            undo_checkpoint(undo)
+        return note
+
+    def _call(self, gen, vocab):
+        b, t = self.batch
+        tokens = torch.randint(0, vocab, (b, t), generator=gen).to(self.device)
+        return _as_call(self.model, self.inputs_fn(self.model, tokens) if self.inputs_fn else
+                        token_inputs(self.model, tokens))
+
+    def _eager(self, opt, steps: int, gen, vocab: int, clock: Clock, timer: UnitTimer) -> None:
+        model, device = self.model, self.device
+        exe = engine_of(model)
+        for i in range(steps):
+            args, kwargs = self._call(gen, vocab)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats(device)
+            if i == min(1, steps - 1):
+                reset_peak(model)
+            hooks0 = exe.hook_seconds
+            timer.in_backward = False
+            clock.mark("step0")
+            loss = scalar_of(model(*args, **kwargs))
+            clock.mark("forward1")
+            timer.in_backward = True
+            loss.backward()
+            clock.mark("backward1")
+            del loss
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            clock.mark("step1")
+            marks = clock.read()
+            self.host_s.append(exe.hook_seconds - hooks0)
+            self.step_s.append(marks["step1"])
+            self.opt_s.append(marks["step1"] - marks["backward1"])
+            self.per_unit.append(unit_times(marks, self.units, ROOT))
+            if device.type == "cuda":
+                self.peaks.append(int(torch.cuda.max_memory_allocated(device)))
+
+    def _replays(self, opt, steps: int, gen, vocab: int) -> str:
+        """The captured step (rehearsal/captured.py): warm-up and capture unmeasured, then ``steps`` replays."""
+        if steps > 1:
+            reset_peak(self.model)
+        replays = CAP.run(self.model, opt, lambda i: self._call(gen, vocab), steps, self.device)
+        self.step_s, self.peaks = list(replays.step_s), list(replays.peaks)
+        self.host_s, self.opt_s = [replays.host_s_per_replay] * steps, [0.0] * steps
+        self.per_unit = [None] * steps
+        return (f"captured step ({replays.backend}): {CAP.WARMUP} eager steps and the capture ran first (not shown); "
+                f"the steps shown are replays; per-unit and optimizer times are not measured inside one graph; host "
+                f"time per replay {replays.host_s_per_replay * 1e3:.3f} ms")
 
 
 def _library_workspace(device: torch.device) -> Optional[int]:

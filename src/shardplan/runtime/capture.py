@@ -91,7 +91,7 @@ def capturing() -> bool:
 
 def note_check(buffer, kind: str, index: torch.Tensor) -> None:
     """A buffer's non-finite check inside the capture: ``index`` (a device tensor, -1 when all is finite) is read
-    after each replay ([Note: the non-finite check in a captured step], runtime/buffers.py)."""
+    after each replay ([Note: the non-finite check in a captured step], runtime/scales.py)."""
     _ACTIVE.checks.append((buffer, kind, index))
 
 

@@ -76,88 +76,13 @@ def register(hooks: list) -> list:
 
 def module_hooks(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn.Module]]) -> list:
     """The module hooks that report the executor's events, as entries for :func:`register`."""
-    handles: list = []
-    clock = time.perf_counter
-    me = weakref.ref(exe)
-
-    def timed(fn):
-        # dynamo must not trace the runtime (storage resizes, collectives, module attribute swaps): under
-        # torch.compile(model) each hook is a graph break and runs eagerly, as FSDP2's hooks do
-        def run(*args):
-            t = clock()
-            try:
-                return fn(*args)
-            finally:
-                exe.hook_seconds += clock() - t
-        return torch._dynamo.disable(run)
-
-    # [Note: passthrough outputs]
-    # A unit may return a tensor it was given (HF T5 blocks return ``position_bias`` unchanged). Its
-    # gradient is complete only once every consumer ran backward, the unit's own earlier use and the
-    # units *before* it included, so a hook on it would report ``pre_backward(u)`` long after ``u``'s
-    # backward finished and its gradients were reduced. Such a tensor says nothing about ``u``: only
-    # tensors the unit produced are watched. Inputs are held (not their ids) until the unit's post-forward.
-    inputs: dict[str, list] = {}
-
-    def note_inputs(name: str, args, kwargs) -> None:
-        if not torch.is_grad_enabled() or in_backward_pass():
-            return
-        seen = [t for t in tensors_in(args) + tensors_in(kwargs) if t.requires_grad]
-        if seen:
-            inputs.setdefault(name, []).extend(seen)
-
-    def watch_outputs(name: str, output) -> None:
-        given = inputs.pop(name, ())
-        if not torch.is_grad_enabled() or in_backward_pass():
-            return
-        for t in tensors_in(output):
-            if t.requires_grad and not any(t is g for g in given):
-                t.register_hook(_timed_backward(me, lambda _g, _n=name: me().pre_backward(_n)))
-
-    @timed
-    def root_pre(_m, args, kwargs):
-        exe.before_forward()
-        inputs.clear()
-        args, kwargs = cast_inputs(args, kwargs, exe.plan.compute_dtype, exe.fsdp2_inputs)
-        note_inputs(ROOT, args, kwargs)
-        exe.pre_forward(ROOT)
-        return args, kwargs
-
-    @timed
-    def root_post(_m, _args, output):
-        exe.post_forward(ROOT)
-        watch_outputs(ROOT, output)
-        return output
-
-    handles.append((weakref.ref(module), True, root_pre, True))
-    handles.append((weakref.ref(module), False, root_post, False))
+    timed = _timer(exe)
+    watch = _Outputs(exe)
+    handles = _root_hooks(module, exe, timed, watch)
     path_of: dict = {}  # filled once, only for containers (the functional face installs at every call)
     unit_paths = [p for u in exe.plan.units[1:] for p in u.module_paths]
     for name, mods in modules_of.items():
-
-        @timed
-        def pre(_m, args, kwargs, _name=name):
-            if exe.fsdp2_inputs:  # FSDP2 casts every fully_shard module's inputs, not only the root's
-                args, kwargs = cast_inputs(args, kwargs, exe.plan.compute_dtype, True)
-            note_inputs(_name, args, kwargs)
-            exe.pre_forward(_name)
-            return (args, kwargs) if exe.fsdp2_inputs else None
-
-        @timed
-        def pre_inner(_m, _args, _name=name):  # a later module of a merged unit: its inputs come from inside
-            exe.pre_forward(_name)
-
-        @timed
-        def post(_m, _args, output, _name=name):
-            exe.post_forward(_name)
-            watch_outputs(_name, output)
-            return output
-
-        @timed
-        def entered_post(_m, _args, output, _name=name):
-            watch_outputs(_name, output)  # the unit ends when the schedule moves past it
-            return output
-
+        pre, pre_inner, post, entered_post = _unit_hooks(exe, timed, watch, name)
         for k, mod in enumerate(mods):
             if has_forward(mod):
                 ref = weakref.ref(mod)
@@ -175,6 +100,105 @@ def module_hooks(module: nn.Module, exe: Executor, modules_of: dict[str, list[nn
                 handles.append((weakref.ref(entry), True, pre, True))
                 handles.append((weakref.ref(entry), False, entered_post, False))
     return handles
+
+
+def _timer(exe: Executor):
+    """``timed(fn)``: ``fn`` adding its own time to ``exe.hook_seconds``, out of dynamo's sight."""
+    clock = time.perf_counter
+
+    def timed(fn):
+        # dynamo must not trace the runtime (storage resizes, collectives, module attribute swaps): under
+        # torch.compile(model) each hook is a graph break and runs eagerly, as FSDP2's hooks do
+        def run(*args):
+            t = clock()
+            try:
+                return fn(*args)
+            finally:
+                exe.hook_seconds += clock() - t
+        return torch._dynamo.disable(run)
+    return timed
+
+
+class _Outputs:
+    """The tensors a unit's forward produced, watched for its ``pre_backward``.
+
+    [Note: passthrough outputs]
+    A unit may return a tensor it was given (HF T5 blocks return ``position_bias`` unchanged). Its
+    gradient is complete only once every consumer ran backward, the unit's own earlier use and the
+    units *before* it included, so a hook on it would report ``pre_backward(u)`` long after ``u``'s
+    backward finished and its gradients were reduced. Such a tensor says nothing about ``u``: only
+    tensors the unit produced are watched. Inputs are held (not their ids) until the unit's post-forward."""
+
+    def __init__(self, exe: Executor):
+        self.me = weakref.ref(exe)
+        self.inputs: dict[str, list] = {}
+
+    def note_inputs(self, name: str, args, kwargs) -> None:
+        if not torch.is_grad_enabled() or in_backward_pass():
+            return
+        seen = [t for t in tensors_in(args) + tensors_in(kwargs) if t.requires_grad]
+        if seen:
+            self.inputs.setdefault(name, []).extend(seen)
+
+    def watch_outputs(self, name: str, output) -> None:
+        given = self.inputs.pop(name, ())
+        if not torch.is_grad_enabled() or in_backward_pass():
+            return
+        me = self.me
+        for t in tensors_in(output):
+            if t.requires_grad and not any(t is g for g in given):
+                t.register_hook(_timed_backward(me, lambda _g, _n=name: me().pre_backward(_n)))
+
+
+def _root_hooks(module: nn.Module, exe: Executor, timed, watch: _Outputs) -> list:
+    """The root's pre-forward (``before_forward``, the inputs cast to the compute dtype) and post-forward."""
+
+    @timed
+    def root_pre(_m, args, kwargs):
+        exe.before_forward()
+        watch.inputs.clear()
+        args, kwargs = cast_inputs(args, kwargs, exe.plan.compute_dtype, exe.fsdp2_inputs)
+        watch.note_inputs(ROOT, args, kwargs)
+        exe.pre_forward(ROOT)
+        return args, kwargs
+
+    @timed
+    def root_post(_m, _args, output):
+        exe.post_forward(ROOT)
+        watch.watch_outputs(ROOT, output)
+        return output
+
+    return [(weakref.ref(module), True, root_pre, True), (weakref.ref(module), False, root_post, False)]
+
+
+def _unit_hooks(exe: Executor, timed, watch: _Outputs, name: str) -> tuple:
+    """Unit ``name``'s hooks: (pre-forward of its first module, of a later one, post-forward of its last,
+    post-forward of an entry point of a container unit)."""
+
+    @timed
+    def pre(_m, args, kwargs, _name=name):
+        if exe.fsdp2_inputs:  # FSDP2 casts every fully_shard module's inputs, not only the root's
+            args, kwargs = cast_inputs(args, kwargs, exe.plan.compute_dtype, True)
+        watch.note_inputs(_name, args, kwargs)
+        exe.pre_forward(_name)
+        return (args, kwargs) if exe.fsdp2_inputs else None
+
+    @timed
+    def pre_inner(_m, _args, _name=name):  # a later module of a merged unit: its inputs come from inside
+        exe.pre_forward(_name)
+
+    @timed
+    def post(_m, _args, output, _name=name):
+        exe.post_forward(_name)
+        watch.watch_outputs(_name, output)
+        return output
+
+    @timed
+    def entered_post(_m, _args, output, _name=name):
+        watch.watch_outputs(_name, output)  # the unit ends when the schedule moves past it
+        return output
+
+    return pre, pre_inner, post, entered_post
 
 
 def _hook_params(exe: Executor, u: UnitRuntime) -> None:
