@@ -80,14 +80,26 @@ def make(name, args, dev, world):
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **kind)
 
+    sdpa = _sdpa_backend(args.sdpa)
+
     def step(x):
-        with ctx():
+        with ctx(), sdpa():
             loss = model(input_ids=x, labels=x).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
     return (sp.capture(step) if captured else step), info
+
+
+def _sdpa_backend(name):
+    """``--sdpa``: the attention kernels torch's SDPA may pick (``default``: its own choice)."""
+    if name == "default":
+        return contextlib.nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+               "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
+    return lambda: sdpa_kernel(backend)
 
 
 def run(step, data, dev):
@@ -116,6 +128,8 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="a two-layer model of the same kind (CPU smoke runs)")
     ap.add_argument("--snapshot", action="store_true", help="GPU: what is live at each system's peak (last round)")
     ap.add_argument("--adamw", choices=("foreach", "fused"), default="foreach", help="AdamW's implementation (all systems)")
+    ap.add_argument("--sdpa", choices=("default", "flash", "cudnn", "efficient"), default="default",
+                    help="the SDPA kernels the model's attention may use (all systems)")
     ap.add_argument("--kernels", action="store_true", help="GPU: each system's top kernels over two steps (last round)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -151,7 +165,7 @@ def main():
                 r["requested"].append(torch.cuda.memory_stats()["requested_bytes.all.peak"])
             del step
     out = {"model": "HF LlamaForCausalLM, Llama-3.2-1B shapes" + (" (tiny)" if args.tiny else ""),
-           "world": world, "adamw": args.adamw, "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "torch": torch.__version__,
+           "world": world, "adamw": args.adamw, "sdpa": args.sdpa, "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "torch": torch.__version__,
            "device": torch.cuda.get_device_name() if cuda else "cpu", "systems": {}}
     for s, r in res.items():
         out["systems"][s] = {"median_step_ms": 1e3 * statistics.median(r["times"]),

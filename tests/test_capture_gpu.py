@@ -64,7 +64,9 @@ def test_rehearse_captured_step_on_the_gpu(tmp_path):
             "r = sp.rehearse(lambda: gpt.build('small'), plan, rank=7, batch=(4, 64), steps=4, capture=True)\n"
             "print(json.dumps(r.to_dict()))\n")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=280,
-                       env=dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONPATH=os.path.join(ROOT, "src")))
+                       env=dict(os.environ, NCCL_NVLS_ENABLE="0",
+                                PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src")] +
+                                                           [p for p in [os.environ.get("PYTHONPATH")] if p])))
     assert p.returncode == 0, p.stderr[-3000:]
     d = json.loads(p.stdout.strip().splitlines()[-1])
     assert d["captured"] and len(d["step_s"]) == 4 and d["measured_peak"] > 0
