@@ -144,12 +144,15 @@ def test_plan_package_has_no_import_cycle():
 
 
 # the planner's layers, bottom up: a module imports (at run time) only modules of ``plan`` in lower layers,
-# or pure-function neighbours in its own layer (the cycle test above keeps those acyclic)
+# or pure-function neighbours in its own layer (the cycle test above keeps those acyclic); above the function
+# modules, the mixins of ``Plan`` (one job each, ``plan_*``: none imports another), then the facade that joins them
 LAYERS = (("kinds",), ("values",),
           ("heads", "float8", "axis", "tp_styles", "tp_partial", "tensor_parallel", "expert_parallel", "context_parallel",
            "axes", "geometry", "offload", "schedule", "validate", "accounting", "serialize", "capture", "options",
            "policies", "passes",
            "render"),
+          ("plan_axes", "plan_lookups", "plan_geometry", "plan_schedule", "plan_transforms", "plan_accounting",
+           "plan_io", "plan_rebuild"),
           ("facade",), ("compiler",), ("",))
 
 # the floor below the planner: the language (specs, meshes, rules, layouts, dtypes, quantized formats), the
@@ -160,7 +163,8 @@ BELOW_PLAN = ("flow", "flow_rules", "metatrace", "errors", "dtypes", "spec", "me
 
 def test_plan_modules_are_layered():
     """Values at the bottom (``kinds``, then ``values``: no function module); function modules import values,
-    never the facade; the facade (:class:`Plan`) above them, the compiler above it."""
+    never the facade; the mixins of :class:`Plan` above them, the facade (``Plan`` itself) above those, the compiler
+    above it."""
     graph = edges(modules())
     layer = {f"{PACKAGE}.planner" + (f".{m}" if m else ""): k for k, names in enumerate(LAYERS) for m in names}
     assert set(layer) == {m for m in graph if m == f"{PACKAGE}.planner" or m.startswith(f"{PACKAGE}.planner.")}, \

@@ -28,7 +28,7 @@ from .rules import Rules, explain, match
 from .spec import P
 from .auto import auto_rules
 from . import errors
-from . import forecast  # torch-free; registers plan.forecast(...) (planner/facade.py: the planner never imports it)
+from . import forecast  # torch-free; registers plan.forecast(...) (planner/plan_accounting.py; the planner never imports it)
 
 __version__ = "0.1.0"
 

@@ -6,7 +6,10 @@
   which buffers live in host memory (CPU offload);
   ``schedule``: the ops of a step (checked by ``validate``); ``accounting``: memory, bytes, warnings;
   ``serialize``: JSON; ``render``: printed views;
-* ``facade``: :class:`Plan`, the compiled plan, whose methods read the values through the modules above;
+* ``plan_axes``, ``plan_lookups``, ``plan_geometry``, ``plan_schedule``, ``plan_transforms``, ``plan_accounting``,
+  ``plan_io``, ``plan_rebuild``: the methods of :class:`Plan`, one job per mixin, reading the values through the
+  modules above;
+* ``facade``: :class:`Plan`, the compiled plan: its fields, over those mixins;
 * ``policies``: the options grouped by feature (``Precision``, ``Offload``, ``Schedule``, ``Layout``), checked
   when made; ``options``: them and the flat keywords merged and checked against the mesh; ``passes``: the passes
   ``plan`` runs over them;

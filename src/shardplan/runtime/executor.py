@@ -22,7 +22,9 @@ The executor wires three parts, each in its own module: the :class:`~.cursor.Cur
 rank is in the program), the :class:`~.comm.CommEngine` (collectives on streams, in-flight records,
 waits) and the :class:`~.grads.GradTracker` (gradients, windows, used parameters). It keeps each unit's
 state (:class:`~.unit.Params`, :class:`~.unit.Grads`) and runs each op through one handler per
-(kind, subject). A face (runtime/faces.py) says where parameters and gradients go.
+(kind, subject): the handlers and their table are :class:`~.handlers.OpHandlers` (runtime/handlers.py), a
+mixin of the executor; so is :class:`~.local_shards.LocalShards` (runtime/local_shards.py: this rank's shards
+as the optimizer and checkpoints read them). A face (runtime/faces.py) says where parameters and gradients go.
 """
 
 from __future__ import annotations
@@ -35,19 +37,17 @@ import torch
 
 from ..errors import RuntimeShardingError
 from ..planner import Plan
-from ..planner.kinds import ACTIVATIONS, ALL_TO_ALL
-from ..planner.schedule import (ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, COPY_D2H, COPY_H2D, FREE, GRADS, OPTIM_STEP, PARAMS,
-                             PARTIAL_GRADS, POST_BACKWARD, POST_FORWARD, PRE_FORWARD, PREPARE, REDUCE_SCATTER, ROOT, SCALES,
-                             STALE, USED, WAIT,
-                             Op, Step)
+from ..planner.schedule import BEGIN_BACKWARD, POST_BACKWARD, POST_FORWARD, PRE_FORWARD, ROOT, STALE, Op, Step
 from . import capture as CAP
 from . import collectives as C
 from .comm import CommEngine
 from .cursor import Cursor, Facts
 from .faces import Face
 from .grads import GradTracker
+from .handlers import OpHandlers
+from .local_shards import LocalShards
 from .seams import replaced_local
-from .unit import Grads, Params, PendingReduce, PendingUsed, UnitRuntime
+from .unit import Grads, Params, UnitRuntime
 
 
 def _profiling() -> bool:
@@ -59,7 +59,7 @@ def in_backward_pass() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class Executor:
+class Executor(OpHandlers, LocalShards):
     """The runtime state of one sharded model. Attached as ``module._shardplan`` by :func:`shard`."""
 
     def __init__(self, plan: Plan, units: list[UnitRuntime], groups: C.Groups, device: torch.device, rank: int,
@@ -87,18 +87,7 @@ class Executor:
         # the plan keeps full parameters between steps and re-gathers them only when the shards went stale
         self.regathers = any(op.when == STALE for op in plan.schedule)
         self._todo: dict[tuple, list] = {}
-        self._run_op = {(ALL_GATHER, PARAMS): self._all_gather, (WAIT, PARAMS): self._wait_params,
-                        (FREE, PARAMS): self._free_params, (REDUCE_SCATTER, GRADS): self._reduce,
-                        (ALL_REDUCE, GRADS): self._reduce, (ALL_REDUCE, PARTIAL_GRADS): self._reduce,
-                        (WAIT, GRADS): self._wait_grads,
-                        (FREE, GRADS): self._free_grads, (ALL_REDUCE, USED): self._exchange_used,
-                        (WAIT, USED): self._wait_used, (PREPARE, GRADS): self._prepare_grads,
-                        (COPY_D2H, GRADS): self._offload_copy, (COPY_H2D, PARAMS): self._offload_copy,
-                        (OPTIM_STEP, PARAMS): self._offload_copy,  # [offload hook]
-                        (ALL_REDUCE, SCALES): self._scales}
-        # the compute axes' in-module collectives: run inside module calls (run_in_module), never by the cursor
-        self._run_op.update({(kind, ACTIVATIONS): self._in_module
-                             for kind in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL)})
+        self._run_op = self._handlers()  # (kind, subject) -> its handler (runtime/handlers.py)
         self.replay_forward = False  # a no-grad forward ran after a forward whose backward is pending
         self.fsdp2_inputs = False  # the drop-in fully_shard: cast inputs at every unit, as FSDP2 (hooks.py)
         self.offload = None  # [offload hook] runtime/offload/: OffloadState, set by shard() for offloading plans
@@ -340,101 +329,6 @@ class Executor:
         its work, which only the module call that issues it can do (runtime/axis_ops.py); returns its result."""
         return self.run(op, lambda o: self._run_op[(o.kind, o.what)](o, collective))
 
-    def _in_module(self, op: Op, collective=None):
-        if collective is None:
-            raise RuntimeShardingError(f"shardplan: {op.kind} {op.what} at {op.at!r} runs inside that module's call "
-                                       f"(Executor.run_in_module), not from a step of the schedule")
-        return collective()
-
-    def _all_gather(self, op: Op) -> None:
-        u = self.units[op.unit]
-        self.comm.gather(op, u)
-        if u.params is Params.SHARDED and u.name in self.transient:
-            self.n_gathered += 1
-            self.max_gathered = max(self.max_gathered, self.n_gathered)
-        u.params = Params.GATHERING
-
-    def _scales(self, op: Op) -> None:
-        """FP8 compute: the float8 weights' absmaxes over the gather's group, then their scales (the next op is
-        their all-gather, which casts with them)."""
-        self.comm.scales(op, [self.buffer[i] for i in op.buffers])
-
-    def _wait_params(self, op: Op) -> None:
-        u = self.units[op.unit]
-        if u.gather is not None:
-            self._finish_gather(u)
-        elif u.params is Params.SHARDED and u.name in self.transient:
-            raise RuntimeShardingError(f"shardplan: {op.trigger} waits for unit {u.name!r}'s parameters but nothing "
-                                       f"gathered them; the schedule is inconsistent")
-        u.params = Params.UNSHARDED
-        self.face.bind(u)
-
-    def _finish_gather(self, u: UnitRuntime) -> None:
-        g = u.gather
-        self.comm.finish_gather(u)
-        if self.offload is not None:  # [offload hook] offload="params": the device copies of the shards go
-            self.offload.gathered([i for o in (g.op,) + g.extra for i in o.buffers])
-
-    def _free_params(self, op: Op) -> None:
-        self._reshard(self.units[op.unit], [self.buffer[i] for i in op.buffers])
-
-    def _reduction_inputs(self, u: UnitRuntime) -> dict:
-        window = self.grads.window
-        out = {}
-        for b in u.with_grads:
-            self.face.land(b, window)
-            out[b.bp.index] = b.reduction_input(window, self.comm.local_result(b))
-        if self.partial_check is not None:  # tensor parallelism, first synchronising backward (tensor_parallel.py)
-            self.partial_check(u)
-        return out
-
-    def _reduce(self, op: Op) -> None:
-        u = self.units[op.unit]
-        self.comm.reduce(op, u, lambda: self._reduction_inputs(u))
-        u.grads = Grads.REDUCING
-
-    def _wait_grads(self, op: Op) -> None:
-        u = self.units[op.unit]
-        rec = u.reduce
-        if rec is None:  # nothing to reduce on this mesh: the gradient is its own result
-            rec = PendingReduce(op, {}, self._reduction_inputs(u), {})
-        self.comm.finish_reduce(rec, op)
-        for i in op.buffers:
-            self.face.deliver(self.buffer[i], rec.results.get(i, rec.inputs[i]))
-        u.reduce = None
-        u.grads = Grads.DONE
-
-    def _prepare_grads(self, op: Op) -> None:
-        """The unit's gradients start: autograd forms them on the full parameters (the module face) or hands
-        them to the unit's backward (the tree face); they land in the flat gradient when the unit completes
-        (see [Note: gradients land, they are not accumulated in place] in buffers.py)."""
-        for i in op.buffers:
-            self.buffer[i].start_grads()
-
-    def _free_grads(self, op: Op) -> None:
-        for i in op.buffers:
-            self.buffer[i].release_grads()
-
-    def _exchange_used(self, op: Op) -> None:
-        flags = torch.frombuffer(self.grads.used, dtype=torch.uint8).to(torch.int32)  # a copy: the collective writes it
-        self.grads.pending_used = PendingUsed(op, self.comm.all_reduce_max(op, flags), flags)
-
-    def _wait_used(self, op: Op) -> None:
-        rec = self.grads.pending_used
-        self.comm.wait(rec.work, op)
-        self.grads.pending_used = None
-        unused = [i for i, f in enumerate(rec.flags.tolist()) if not f]
-        if CAP._ACTIVE is not None:
-            CAP.note_unused(self, unused)
-        self.face.unused(unused)
-
-    def _offload_copy(self, op: Op) -> None:
-        """[offload hook] copy_d2h / copy_h2d / optim_step: CPU offload's ops (runtime/offload/)."""
-        if self.offload is None:
-            raise RuntimeShardingError("shardplan: this plan offloads to host memory (plan(offload=...)), which runs "
-                                       "with shardplan.shard(model, plan) only; plan without offload for this face")
-        self.offload.run(op)
-
     # -- helpers -----------------------------------------------------------------------------------
     def _versions(self) -> int:
         return self.face.shard_version()
@@ -464,18 +358,7 @@ class Executor:
                                        f"schedule frees them: the run departed from the plan (record it with "
                                        f"shardplan.record_ops and compare with plan.ops()). They were released")
 
-    def _reshard(self, u: UnitRuntime, buffers=None) -> None:
-        """The modules hold ``u``'s local shards again and its gathered storage is released."""
-        if u.gather is not None:
-            self._finish_gather(u)
-        self.face.unbind(u)
-        for b in (u.buffers if buffers is None else buffers):
-            b.release_full()
-        if u.params is not Params.SHARDED and u.name in self.transient:
-            self.n_gathered -= 1
-        u.params = Params.SHARDED
-
-    # -- inspection ---------------------------------------------------------------------------------
+    # -- memory accounting ---------------------------------------------------------------------------
     def _account(self) -> None:
         """Live bytes of every distinct storage the runtime holds (see ``plan.memory()``)."""
         if not self.track_memory:
@@ -490,34 +373,3 @@ class Executor:
         # gradients autograd is forming, before they land: the plan counts them from the unit's prepare op
         self.live_bytes = sum(seen.values()) + sum(b.forming_bytes() for b in self.buffer.values())
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
-
-    def local_params(self) -> dict[str, torch.Tensor]:
-        """This rank's shard of every parameter, by plan name (what the optimizer steps)."""
-        return self.face.local_params()
-
-    def shard_of(self, buffer_index: int) -> torch.Tensor:
-        """This rank's flat shard of a buffer (``plan.buffers[buffer_index]``): under ``offload="params"``
-        its host master (the device holds it only around the buffer's all-gathers)."""
-        if self.offload is not None:  # [offload hook] (host steps still running finish first)
-            self.offload.settle()
-            hosted = self.offload.hosted_shard(buffer_index)
-            if hosted is not None:
-                return hosted
-        return self.buffer[buffer_index].shard
-
-    def local_value(self, name: str, lp: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of parameter ``name`` (its local parameter ``lp``) as a tensor holding its value
-        now (what checkpoints read and write): ``lp`` detached, or under ``offload="params"`` a view of its host master
-        (written through: call :meth:`mark_shards_changed` after writing)."""
-        if self.offload is not None:  # [offload hook] (host steps still running finish first)
-            self.offload.settle()
-            hosted = self.offload.hosted_value(name)
-            if hosted is not None:
-                return hosted
-        return lp.detach()
-
-    def mark_shards_changed(self) -> None:
-        """The local shards were written outside an optimizer step (a checkpoint load): gather again."""
-        self.stale = True
-        if self.offload is not None:  # [offload hook] the host master shards follow the device shards
-            self.offload.shards_changed()
