@@ -48,7 +48,7 @@ def _empty_buffers(root: nn.Module, device: torch.device) -> None:
 
 def _open_init_view(root: nn.Module, eng) -> None:
     hooks = eng.state_dict_hooks
-    if hooks.bad is not None:  # (never with fully_shard's chunked layout)
+    if hooks.bad is not None or getattr(eng, "dtensor_params", False):  # (the parameters are DTensors already)
         return
     made = {}
     for name, lp in eng.local_params().items():

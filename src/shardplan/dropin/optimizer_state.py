@@ -48,6 +48,8 @@ def _dtensor_optimizer_state(opt: torch.optim.Optimizer, args, kwargs) -> None:
         opt.register_state_dict_pre_hook(refuse)
         opt.register_load_state_dict_pre_hook(refuse)
         return
+    if getattr(ours[0], "dtensor_params", False):  # DTensor parameters: torch's optimizer keeps DTensor states
+        return
     SD.install_optimizer(opt, ours[0])
     opt.__dict__["_shardplan_dtensor_state"] = True
     _local_states(opt, ours[0])
