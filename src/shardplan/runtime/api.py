@@ -80,6 +80,8 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     """
     if _ATTR in module.__dict__:
         raise RuntimeShardingError("this module is already sharded; build a fresh module to shard it again")
+    if dtensor_params:
+        DP.check(plan)  # a plan whose shards cannot be DTensors: refused before any work
     rt = _build_fp8(module, plan, timeout_s, not sync_module_states)
     slots, rank, device = rt.slots, rt.rank, rt.device
     if sync_module_states and rt.world > 1 and not rt.meta:

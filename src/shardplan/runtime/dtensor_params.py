@@ -33,11 +33,20 @@ def plain(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t if local is None else local
 
 
-def refusal(plan, hooks) -> Optional[str]:
-    """Why this plan's parameters cannot be DTensors (``None``: they can)."""
-    if hooks.bad is not None:
-        return (f"parameter {hooks.bad!r} cannot be a DTensor: {hooks.layout[hooks.bad][1]}. Plan with "
-                f"layout=\"chunked\" (shardplan.plan(..., layout=\"chunked\")), whose shards are torch.chunk pieces")
+def check(plan) -> None:
+    """Refuse (every rank alike: the plan decides) a plan whose parameters cannot be DTensors; before any work."""
+    from .state_dict import describe
+    why = refusal(plan, describe(plan))
+    if why:
+        raise RuntimeShardingError(f"shard(..., dtensor_params=True): {why}")
+
+
+def refusal(plan, layout: dict) -> Optional[str]:
+    """Why this plan's parameters cannot be DTensors (``None``: they can); ``layout``: ``state_dict.describe``'s."""
+    bad = next((n for n, (pl, _) in layout.items() if pl is None), None)
+    if bad is not None:
+        return (f"parameter {bad!r} cannot be a DTensor: {layout[bad][1]}. Plan with layout=\"chunked\" "
+                f"(shardplan.plan(..., layout=\"chunked\")), whose shards are torch.chunk pieces")
     if plan.offload:
         return (f"the plan offloads to host memory (offload={plan.offload!r}), whose host masters and optimizer "
                 f"step the local shards as plain tensors; plan without offload")
@@ -55,9 +64,6 @@ def install(exe, face, hooks, slots: dict) -> None:
     [(module, attribute, local, full)] (the face's, rewritten in place)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-    why = refusal(exe.plan, hooks)
-    if why:
-        raise RuntimeShardingError(f"shard(..., dtensor_params=True): {why}")
     mesh = hooks.mesh
     made: dict[int, nn.Parameter] = {}
     for u in exe.unit_list:
