@@ -229,18 +229,50 @@ def _rest(rank, world, path):
         res["contiguous"] = "no error"
     except sp.ShardingError as exc:
         res["contiguous"] = str(exc)
-    # an optimizer built on the parameter objects held before sharding would train nothing: refused
+    # an optimizer built on the parameter objects held before the plan compiled steps the DTensor parameters
+    # that replaced them (FSDP2's fully_shard replaces them at the call: an optimizer built after it holds those)
     model = _llama()
     held = list(model.parameters())
     _wrap("sp", model)
-    early = torch.optim.AdamW(held, lr=1e-2)
-    _loss(model, batches[0]).backward()
-    try:
+    early = torch.optim.AdamW(held, lr=1e-2, foreach=True)
+    for ids in _batches(rank, world, 2):
+        _loss(model, ids).backward()
         early.step()
-        res["early"] = "no error"
-    except sp.ShardingError as exc:
-        res["early"] = str(exc)
+        early.zero_grad()
+    res["early"] = all(isinstance(p, DTensor) for g in early.param_groups for p in g["params"])
+    res["early_trained"] = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+    # a scalar parameter (replicated: FSDP2 refuses them) stays a plain 0-d tensor beside the DTensors; torch's
+    # clip_grad_norm_ and AdamW (foreach) take the mix, with one process's numbers
+    def gained(seed=0):
+        torch.manual_seed(seed)
+        m = nn.Sequential(nn.Linear(4, 6), Gain(), nn.Linear(6, 3))
+        return m
+    x = torch.randn(4 * world, 4, generator=torch.Generator().manual_seed(3))
+    ref = gained()
+    F.mse_loss(ref(x), torch.zeros(4 * world, 3)).backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=True).step()
+    m = gained()
+    sp.fully_shard(m[1])
+    sp.fully_shard(m)
+    F.mse_loss(m(x[rank * 4:(rank + 1) * 4]), torch.zeros(4, 3)).backward()
+    got = _full(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1))
+    torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True).step()
+    res["scalar"] = [type(p).__name__ for p in m.parameters()]
+    res["scalar_norm"] = (float(got), float(want))
+    res["scalar_trained"] = _close({n: _full(p).detach() for n, p in m.named_parameters()},
+                                   {n: p.detach() for n, p in ref.named_parameters()})
     return res
+
+
+class Gain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.g = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return torch.tanh(x) * self.g
 
 
 def _load_one(rank, world, path):
@@ -274,7 +306,9 @@ def test_checkpoints_accumulation_and_shard_face(tmp_path):
         assert _close(r["accumulated"], ref) and _close(r["accumulated_synced"], ref)
         assert r["step"] == 2 and r["sp_ckpt_same"] and r["state_types"] == ["DTensor", "Tensor"], r["state_types"]
         assert "layout=\"chunked\"" in r["contiguous"] and "cannot be a DTensor" in r["contiguous"], r["contiguous"]
-        assert "shard() replaced it" in r["early"], r["early"]
+        assert r["early"] is True and _close(r["early_trained"], _reference(2, 2))
+        assert r["scalar"] == ["DTensor", "DTensor", "Parameter", "DTensor", "DTensor"], r["scalar"]
+        assert r["scalar_norm"][0] == pytest.approx(r["scalar_norm"][1], rel=1e-5) and r["scalar_trained"]
         assert r["shard_dtensor"] and _close(r["shard_trained"], _reference(2, 2))
         assert r["full_export"] is True
     saved = run(_save_two, 2, str(tmp_path), timeout=200)[0]

@@ -81,7 +81,7 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     if _ATTR in module.__dict__:
         raise RuntimeShardingError("this module is already sharded; build a fresh module to shard it again")
     if dtensor_params:
-        DP.check(plan)  # a plan whose shards cannot be DTensors: refused before any work
+        DP.check(plan, SD.describe(plan))  # a plan whose shards cannot be DTensors: refused before any work
     rt = _build_fp8(module, plan, timeout_s, not sync_module_states)
     slots, rank, device = rt.slots, rt.rank, rt.device
     if sync_module_states and rt.world > 1 and not rt.meta:
@@ -127,7 +127,7 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     for lp in face.by_index.values():
         lp._shardplan_engine = weakref.ref(exe)  # who steps it (fully_shard_optimizer checks)
     for b in exe.buffer.values():  # torch.nn.utils.clip_grad_norm_ on the local gradients: the global norm (norms.py)
-        b.grad_owner = exe
+        b.grad_owner = None if dtensor_params else exe  # (DTensor gradients are DTensor's; scalars stay plain)
     exe.handles = install(module, exe, rt.modules_of) + TP.install_styles(module, plan, meshes, exe)
     exe.handles += SD.install(module, exe, meshes)  # model.state_dict() in DTensors, as FSDP2 gives it
     EP.install(module, plan, rt.groups, exe)  # expert modules find their ep group (dispatch / combine)

@@ -9,11 +9,17 @@ take FSDP2's. The runtime itself never computes on them: gathers read the flat s
 flat gradient, and the modules hold the full (plain) parameters while a unit computes; only the hand-over of
 a reduced gradient wraps its view (``DTensor(view, spec)``, no dispatch), as FSDP2 does.
 
+[Note: scalars] A 0-d parameter is replicated (no dimension to shard; FSDP2 refuses them) and stays a plain
+tensor, the whole value, with a plain gradient: DTensor takes a 0-d plain tensor beside DTensors as replicated
+(torch's optimizers, ``clip_grad_norm_``), and a module may read it outside its unit's forward (a gain applied
+in the root's forward), where a DTensor would meet plain activations.
+
 [Note: the user's original parameter objects] A DTensor cannot take over an ``nn.Parameter``'s identity
 (``torch.utils.swap_tensors`` refuses objects with different ``__slots__``), so the objects a user held before
-sharding are not the ones that train: they are marked, and an optimizer built on them raises at its first
-``step()`` (runtime/identity.py), as FSDP2's replaced parameters would train nothing. Build optimizers on
-``model.parameters()`` after sharding (under ``fully_shard``, ``model.parameters()`` compiles the plan first).
+sharding are not the ones that train. An optimizer built on them (before ``fully_shard``'s lazy compile, say,
+through a root that is not itself a ``fully_shard`` module) gets the DTensor parameter in each one's place at its
+first ``step()`` (runtime/identity.py); other references to them read the shard's values (the same memory) but
+never get a gradient, as under FSDP2, whose ``fully_shard`` replaces the parameters too.
 """
 
 from __future__ import annotations
@@ -33,10 +39,10 @@ def plain(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t if local is None else local
 
 
-def check(plan) -> None:
-    """Refuse (every rank alike: the plan decides) a plan whose parameters cannot be DTensors; before any work."""
-    from .state_dict import describe
-    why = refusal(plan, describe(plan))
+def check(plan, layout: dict) -> None:
+    """Refuse (every rank alike: the plan decides) a plan whose parameters cannot be DTensors, before any work;
+    ``layout``: ``state_dict.describe(plan)``."""
+    why = refusal(plan, layout)
     if why:
         raise RuntimeShardingError(f"shard(..., dtensor_params=True): {why}")
 
@@ -69,6 +75,8 @@ def install(exe, face, hooks, slots: dict) -> None:
     for u in exe.unit_list:
         for b in u.buffers:
             for m in b.members:
+                if not m.info.global_shape:  # a scalar (replicated; FSDP2 refuses them): see [Note: scalars]
+                    continue
                 old = m.local
                 g = torch.Size(m.info.global_shape)
                 stride = tuple(math.prod(g[d + 1:]) for d in range(len(g)))
@@ -78,8 +86,10 @@ def install(exe, face, hooks, slots: dict) -> None:
                 if tuple(local.shape) != dshape:  # an empty piece: the plan's (0, ...) vs DTensor's zero on dim d
                     local = local.view(dshape)
                 dt = nn.Parameter(DTensor(local, spec, requires_grad=False), requires_grad=old.requires_grad)
-                # the object the user held before sharding (an optimizer built on it) no longer trains: refused
+                # the object the user held before sharding no longer trains: an optimizer built on it steps the
+                # DTensor parameter instead (identity.check_optimizer)
                 old.__dict__.setdefault("_shardplan_replaced", m.name)
+                old.__dict__["_shardplan_successor"] = dt
                 m.local = dt
                 m.dspec = (spec, dshape, _contiguous(dshape))
                 made[id(old)] = dt
