@@ -124,9 +124,10 @@ def calibrate(args, dev, world, plan, steps=4):
 
 
 SHARDPLAN_SYSTEMS = ("shardplan", "shardplan_raf", "shardplan_int8", "shardplan_fp8", "shardplan_int8_qg",
-                     "shardplan_fp8c", "shardplan_fp8c_cast", "shardplan_chunked")
+                     "shardplan_fp8c", "shardplan_fp8c_cast", "shardplan_chunked", "shardplan_chunked_dt")
 # shardplan_chunked: layout="chunked" (every parameter a torch.chunk piece, DTensor-describable, as FSDP2) against
-# the default layout="auto" (contiguous packing of dim-0 specs: no copy-out after the gather)
+# the default layout="auto" (contiguous packing of dim-0 specs: no copy-out after the gather); _dt: the same plan
+# with DTensor parameters (shard(..., dtensor_params=True), fully_shard's): the optimizer steps through DTensor
 # FP8 compute through torchao: _fp8c gathers the Float8Linear weights as float8 (one scale per weight), _fp8c_cast
 # in bf16 (torchao casts after the gather), fsdp2_fp8 is FSDP2 + torchao's float8 all-gather (torchtitan's recipe)
 FP8_SYSTEMS = ("shardplan_fp8c", "shardplan_fp8c_cast", "fsdp2_fp8")
@@ -181,7 +182,7 @@ def make_system(name, args, dev, world):
         opts = dict(units=[r"layers\.\d+"], compute_dtype=dt, reduce_dtype=reduce,
                     prefetch=args.prefetch, min_unit_bytes=args.min_unit_bytes, gather_dtype=gather,
                     fp8="torchao" if name in FP8_SYSTEMS else None, fp8_gather=name != "shardplan_fp8c_cast",
-                    layout="chunked" if name == "shardplan_chunked" else "auto")
+                    layout="chunked" if name.startswith("shardplan_chunked") else "auto")
         plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), **opts)
         if name == "shardplan_raf":  # every unit freed after its forward, the last too (FSDP2's default; by
             plan = plan.with_reshard_after_forward(True)  # default the last stays gathered, as in torchtitan)
@@ -191,7 +192,7 @@ def make_system(name, args, dev, world):
                                      .comm_bytes().items() if k in ("all_gather", "reduce_scatter", "gather_scales",
                                                                       "fp8_amax")}
                                  for w in (8, 64)}
-        sp.shard(model, plan)
+        sp.shard(model, plan, dtensor_params=name == "shardplan_chunked_dt")
         if plan.fp8_modules:
             info["fp8_linears"] = len(plan.fp8_modules)
             info["fp8_warnings"] = [w for w in plan.warnings if w.startswith("fp8")]

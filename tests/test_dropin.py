@@ -156,7 +156,7 @@ def _errors_worker(rank, world):
     # a lone fully_shard call compiles when the optimizer asks for the parameters
     lone = gpt.build("tiny").init_weights(0)
     sp.fully_shard(lone)
-    n_local = sum(p.numel() for p in lone.parameters())
+    n_local = sum(p.to_local().numel() for p in lone.parameters())  # (DTensor parameters, as FSDP2's)
     msgs["lone"] = (n_local, sum(p.numel() for p in gpt.build("tiny").parameters()))
     return msgs
 

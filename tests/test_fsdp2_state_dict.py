@@ -71,7 +71,9 @@ def _equal(a: dict, b: dict) -> bool:
 
 
 def _shards(model) -> dict:
-    return sp.runtime.api.engine_of(model).local_params()  # (a module still gathered after a forward holds full ones)
+    # (a module still gathered after a forward holds full ones; fully_shard's parameters are DTensors: their shards)
+    return {n: p.to_local() if isinstance(p, DTensor) else p
+            for n, p in sp.runtime.api.engine_of(model).local_params().items()}
 
 
 def _perturb(model):
@@ -125,7 +127,8 @@ def _worker(rank, world, tmp, reshard_from):
 
     # (3) set_model_state_dict: full from rank 0 (broadcast), full everywhere, sharded
     m3 = _sp(_toy, seed=1)
-    set_model_state_dict(m3, ref if rank == 0 else {},
+    # (a copy: torch's broadcast rewrites rank 0's dict into DTensors in place, as for FSDP2's DTensor parameters)
+    set_model_state_dict(m3, {k: v.clone() for k, v in ref.items()} if rank == 0 else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     res["set_broadcast"] = _equal(get_model_state_dict(m3, options=FULL), ref)
     _perturb(m3)

@@ -91,7 +91,8 @@ def _compile_root(root: nn.Module, empty_on: Optional[torch.device] = None) -> N
             _check_empty_device(root, empty_on)
         sync = any(o.get("sync_module_states") for o in [opts] + [m.__dict__[_MARK] for _, m in marked])
         try:
-            shard(root, p, init_fn=_leave_uninitialised if empty_on is not None else None, sync_module_states=sync)
+            shard(root, p, init_fn=_leave_uninitialised if empty_on is not None else None, sync_module_states=sync,
+                  dtensor_params=True)  # FSDP2's DTensor parameters (chunked: every parameter describable)
         except RuntimeShardingError as exc:
             if getattr(exc, "uninitialised", None) is None:
                 raise

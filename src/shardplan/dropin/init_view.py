@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ShardingError
+from ..runtime.dtensor_params import plain
 from ..runtime.identity import _REPLACED
 from ..runtime.startup import device_for
 from .marks import _INIT_VIEWS, _MARK
@@ -52,6 +53,9 @@ def _open_init_view(root: nn.Module, eng) -> None:
         return
     made = {}
     for name, lp in eng.local_params().items():
+        if getattr(eng, "dtensor_params", False):  # the parameters are DTensors already: the view is themselves
+            made[id(lp)] = lp
+            continue
         dt = nn.Parameter(hooks.value(name, lp), requires_grad=lp.requires_grad)
         dt.__dict__[_REPLACED] = name
         made[id(lp)] = dt
@@ -68,7 +72,7 @@ def _close_init_view(root: nn.Module) -> None:
     views = root.__dict__[_MARK].pop("init_views")
     _INIT_VIEWS[0] -= 1
     bad = [(m, attr) for m, attr, dt, lp in views if m._parameters.get(attr) is not dt
-           or (lp.numel() and dt._local_tensor.data_ptr() != lp.data_ptr())]
+           or (plain(lp).numel() and dt._local_tensor.data_ptr() != plain(lp).data_ptr())]
     for m, attr, _, lp in views:
         m._parameters[attr] = lp
     if bad:

@@ -37,8 +37,8 @@ def _dtensor_optimizer_state(opt: torch.optim.Optimizer, args, kwargs) -> None:
     engines = {id(e): e for e in (getattr(p, "_shardplan_engine", lambda: None)() for p in params) if e is not None}
     ours = [e for e in engines.values() if getattr(e, "fsdp2_optimizer_state", False)]
     opt.__dict__["_shardplan_dtensor_state"] = False
-    if not ours:
-        return
+    if not ours or any(getattr(e, "dtensor_params", False) for e in ours):
+        return  # (DTensor parameters: torch's optimizer keeps DTensor states, as over FSDP2's; nothing to install)
     if len(engines) > 1 or any(getattr(p, "_shardplan_engine", None) is None for p in params):
         def refuse(*_):  # training is right; only its state dict could not be: refuse that, not the step
             raise ShardingError("optimizer.state_dict() / load_state_dict(): this optimizer holds parameters of a "

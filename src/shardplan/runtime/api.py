@@ -20,6 +20,7 @@ from . import flow_guard as FG
 from . import tensor_parallel as TP
 from . import state_dict as SD
 from . import norms as NORMS
+from . import dtensor_params as DP
 from .builder import ATTR as _ATTR, build, engine_of
 from .executor import Executor
 from .startup import device_for, tp_local
@@ -59,7 +60,8 @@ def _build_fp8(module: nn.Module, plan: Plan, timeout_s: float, check_values: bo
 
 
 def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Module], None]] = None,
-          timeout_s: float = 300.0, sync_buffers: bool = True, sync_module_states: bool = False) -> nn.Module:
+          timeout_s: float = 300.0, sync_buffers: bool = True, sync_module_states: bool = False,
+          dtensor_params: bool = False) -> nn.Module:
     """Shard ``module`` in place by ``plan`` and return it: its parameters become this rank's shards.
 
     >>> model = shardplan.shard(model, plan)        # inside torchrun, after init_process_group
@@ -70,9 +72,15 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     bounds every collective on gloo (on NCCL, the process groups' timeout). Ranks whose parameters hold
     different values (models built with different seeds) are refused, naming the parameters; with
     ``sync_module_states=True`` rank 0's values are broadcast instead (FSDP1's option of that name).
+
+    ``dtensor_params=True`` (what ``fully_shard`` does): the module's parameters are FSDP2's DTensor
+    parameters over this rank's shards (global ``shape``, ``full_tensor()``, DTensor gradients), for a plan
+    whose every parameter is a ``torch.chunk`` piece (``layout="chunked"``); see docs/checkpoint.md.
     """
     if _ATTR in module.__dict__:
         raise RuntimeShardingError("this module is already sharded; build a fresh module to shard it again")
+    if dtensor_params:
+        DP.check(plan, SD.describe(plan))  # a plan whose shards cannot be DTensors: refused before any work
     rt = _build_fp8(module, plan, timeout_s, not sync_module_states)
     slots, rank, device = rt.slots, rt.rank, rt.device
     if sync_module_states and rt.world > 1 and not rt.meta:
@@ -111,11 +119,14 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     face.attach(units, plan)
     exe = Executor(plan, units, rt.groups, device, rank, timeout_s, face)
     offload.attach(exe)  # CPU offload: host master shards and optimizer state (None without it)
+    meshes = rt.meshes
+    exe.state_dict_hooks = SD.StateDictHooks(exe, meshes)  # (SD.install below installs it on the modules)
+    if dtensor_params:  # FSDP2's DTensor parameters over the same shards (dtensor_params.py)
+        DP.install(exe, face, exe.state_dict_hooks, unit_slots)
     for lp in face.by_index.values():
         lp._shardplan_engine = weakref.ref(exe)  # who steps it (fully_shard_optimizer checks)
     for b in exe.buffer.values():  # torch.nn.utils.clip_grad_norm_ on the local gradients: the global norm (norms.py)
-        b.grad_owner = exe
-    meshes = rt.meshes
+        b.grad_owner = None if dtensor_params else exe  # (DTensor gradients are DTensor's; scalars stay plain)
     exe.handles = install(module, exe, rt.modules_of) + TP.install_styles(module, plan, meshes, exe)
     exe.handles += SD.install(module, exe, meshes)  # model.state_dict() in DTensors, as FSDP2 gives it
     exe.handles += AXES.install(module, plan, rt.groups, exe)  # expert modules, cp attention, ... (runtime/axes.py)
@@ -218,7 +229,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
     if getattr(eng, "offload", None) is not None:  # host steps that already used the gradients: refuse
         eng.offload.check_clip()
     norm_type = float(norm_type)
-    groups = [[(m.local.grad, m.name) for m in b.members if m.local.grad is not None and m.local.grad.numel()]
+    groups = [[(g, m.name) for m in b.members for g in (DP.plain(m.local.grad),) if g is not None and g.numel()]
               for b in eng.buffer.values()]
     groups = [g for g in groups if g]
     grads = [g for group in groups for g, _ in group]

@@ -20,6 +20,7 @@ from ..dtypes import to_torch
 from ..errors import RuntimeShardingError
 from ..planner import BufferPlan, Plan
 from ..planner.values import ParamPlan, Piece
+from .dtensor_params import grad as as_dtensor_grad, plain
 from .norms import wrap as wrap_grad
 from .quantize import dequantize_into, quantize_into
 from .scales import Float8Scales, NonFiniteChecks
@@ -80,6 +81,7 @@ class Member:
     local: Optional[nn.Parameter] = None  # this rank's shard, a view of the flat shard
     full: Optional[nn.Parameter] = None   # the full parameter, over the gathered storage
     view: Optional[torch.Tensor] = None   # its part of the unsharded gradient
+    dspec: Optional[tuple] = None         # dtensor_params: (DTensorSpec, local shape, strides); ``local`` is a DTensor
 
     def __post_init__(self):
         # [Note: read on every step: plain attributes, not properties over the frozen values]
@@ -398,8 +400,17 @@ class BufferState(Float8Scales, NonFiniteChecks):
                 lp = m.local
                 if not lp.requires_grad:
                     continue
-                g = result.as_strided(m.lshape, m.lstride, base + m.shard.start)
                 have = lp.grad
+                if m.dspec is not None:  # a DTensor parameter (dtensor_params.py): a DTensor gradient over the view
+                    g = result.as_strided(m.dspec[1], m.dspec[2], base + m.shard.start)
+                    if have is None:
+                        lp.grad = as_dtensor_grad(g, m.dspec)
+                        created.append(m.index)
+                    else:
+                        into.append(have._local_tensor)
+                        adds.append(g)
+                    continue
+                g = result.as_strided(m.lshape, m.lstride, base + m.shard.start)
                 if have is None:
                     lp.grad = g if self.grad_owner is None else wrap_grad(self.grad_owner, g, m.name)
                     created.append(m.index)
@@ -439,4 +450,4 @@ class BufferState(Float8Scales, NonFiniteChecks):
 
     def tensors(self) -> list[Optional[torch.Tensor]]:
         """Every tensor this buffer holds now (for the runtime's memory accounting)."""
-        return [self.shard, self.full, self.packed, self.flat, self.wire] + [m.local.grad for m in self.members]
+        return [self.shard, self.full, self.packed, self.flat, self.wire] + [plain(m.local.grad) for m in self.members]

@@ -25,6 +25,7 @@ from ..errors import RuntimeShardingError
 from .state_dict import install_torch_optimizer
 
 _REPLACED = "_shardplan_replaced"  # on an original parameter the runtime could not adopt: its plan name
+_SUCCESSOR = "_shardplan_successor"  # on one a DTensor parameter replaced (dtensor_params.py): that parameter
 _generation = [0]                   # bumped by every shard(): optimizers are checked again once after it
 _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
 _installed = [False]
@@ -65,8 +66,15 @@ def check_optimizer(opt: torch.optim.Optimizer, args, kwargs) -> None:
     if _checked.get(opt) == _generation[0]:
         return
     for group in opt.param_groups:
-        for p in group["params"]:
+        for i, p in enumerate(group["params"]):
             name = p.__dict__.get(_REPLACED)
+            successor = p.__dict__.get(_SUCCESSOR)
+            if name is not None and successor is not None and not opt.state.get(p):
+                # [Note: an optimizer built before fully_shard's lazy compile] holds the objects the model had
+                # then; the DTensor parameter that replaced each (dtensor_params.py) takes its place in the
+                # optimizer, which has no state for it yet: the step trains what the runtime reduces into
+                group["params"][i] = p = successor
+                name = None
             if name is not None:
                 raise RuntimeShardingError(
                     f"shardplan: the optimizer steps parameter {name!r} as it was before sharding; shard() replaced it "

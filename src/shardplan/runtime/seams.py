@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import RuntimeShardingError
+from .dtensor_params import plain
 
 FIX = ("set compute_dtype= (and reduce_dtype=) in shardplan.plan(...) for mixed precision, or call .to()/.half()/"
        ".cuda() on the module before planning and sharding it")
@@ -78,10 +79,10 @@ def replaced_local(buffers) -> Optional[str]:
         if checks is None:  # (member, byte offset of its piece in the shard), for members holding elements
             isz = shard.element_size()
             checks = b.__dict__["_address_checks"] = [(m, m.shard.start * isz) for m in b.members
-                                                      if m.local is not None and m.local.numel()]
+                                                      if m.local is not None and plain(m.local).numel()]
         base = shard.data_ptr()
         for m, off in checks:
-            if m.local.data_ptr() != base + off:
+            if (m.local if m.dspec is None else m.local._local_tensor).data_ptr() != base + off:  # (dtensor_params)
                 return (f"parameter {m.info.name!r} is no longer this rank's shard that shardplan gathers from: its "
                         f"tensor was replaced after shardplan.shard (`p.data = new`, or a .to()/.half()/.cuda() on a "
                         f"child module), so the next forward would use its old values. Write parameters in place "
@@ -94,7 +95,7 @@ def detached_local(buffer) -> Optional[str]:
     cheap diagnosis when handing out its gradient failed (a child module's ``.to()`` after sharding)."""
     shard = buffer.shard
     for m in buffer.members:
-        lp, info, off = m.local, m.info, m.shard.start
+        lp, info, off = plain(m.local), m.info, m.shard.start
         moved = lp.untyped_storage().data_ptr() != shard.untyped_storage().data_ptr() \
             or lp.storage_offset() != shard.storage_offset() + off
         if lp.dtype != shard.dtype or lp.device != shard.device or moved:

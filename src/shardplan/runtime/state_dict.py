@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from ..errors import CheckpointError
 from .. import layout as L
+from .dtensor_params import plain
 from .tensor_parallel import full_device_mesh
 
 _WAYS_OUT = ("save and load sharded checkpoints with shardplan.state_dict(model, opt) / "
@@ -170,6 +171,8 @@ class StateDictHooks:
     def value(self, name: str, lp: torch.Tensor) -> torch.Tensor:
         """This rank's shard ``lp`` of ``name`` as a DTensor view (zero copy)."""
         from torch.distributed.tensor import DTensor
+        if isinstance(lp, DTensor):  # a DTensor parameter already (dtensor_params.py), or a DTensor optimizer state
+            return lp.detach()
         if self.mesh is None:
             raise self._refuse(name if self.layout[name][0] is None else self.bad)
         self._hosted(name)
@@ -234,6 +237,7 @@ class StateDictHooks:
 
     def _load_hook(self, own: dict, locals_: dict):
         def hook(module, sd, prefix, meta, _strict, _missing, _unexpected, _errors):
+            from torch.distributed.tensor import DTensor
             hit = [attr for attr in own if prefix + attr in sd]
             if not hit:
                 return
@@ -249,7 +253,11 @@ class StateDictHooks:
                 self._hosted(own[attr])
             for attr in hit:
                 name = own[attr]
-                sd[prefix + attr] = self.local_value(name, prefix + attr, sd[prefix + attr], locals_[name])
+                lp = locals_[name]
+                v = self.local_value(name, prefix + attr, sd[prefix + attr], plain(lp))
+                if lp is not plain(lp) and isinstance(v, torch.Tensor):  # DTensor parameters take DTensors
+                    v = DTensor(v.detach().reshape(self.local_shape[name]), lp._spec, requires_grad=False)
+                sd[prefix + attr] = v
             # [Note: torch copies into the shards right after this hook; marking first is fine, the flag is
             # read at the next forward]
             self.exe.mark_shards_changed()
@@ -269,7 +277,8 @@ def _release_meshes() -> None:
 
 def install(module: nn.Module, exe, meshes: Optional[dict] = None) -> list:
     """Make ``module.state_dict()`` / ``load_state_dict`` speak DTensor for ``exe``'s plan; returns the handles."""
-    exe.state_dict_hooks = StateDictHooks(exe, meshes)  # the optimizer's hooks (install_optimizer) reuse its mesh
+    if getattr(exe, "state_dict_hooks", None) is None:  # (shard() makes it before installing DTensor parameters)
+        exe.state_dict_hooks = StateDictHooks(exe, meshes)  # the optimizer's hooks (install_optimizer) reuse its mesh
     return exe.state_dict_hooks.install(module)
 
 
@@ -286,8 +295,8 @@ def install_torch_optimizer(optimizer: torch.optim.Optimizer, exe) -> list:
     plan's layout cannot be described by DTensors, ``optimizer.state_dict()`` raises instead, as
     ``model.state_dict()`` does: a state dict is either right for DCP or refused, whoever asks for it.]
     """
-    if getattr(optimizer, "_shardplan_dcp_hooks", False):
-        return []
+    if getattr(optimizer, "_shardplan_dcp_hooks", False) or getattr(exe, "dtensor_params", False):
+        return []  # (DTensor parameters: the optimizer's states are DTensors already, as FSDP2's)
     hooks = exe.state_dict_hooks
     if hooks.bad is not None:
         optimizer._shardplan_dcp_hooks = True

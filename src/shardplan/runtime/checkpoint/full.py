@@ -15,6 +15,7 @@ from ...errors import CheckpointError
 from . import diagnose
 from .. import collectives as C
 from ..builder import engine_of
+from ..dtensor_params import plain
 from ..seams import unwrap_compiled
 
 
@@ -42,7 +43,7 @@ def full_state_dict(model: nn.Module, *, cpu: bool = True) -> dict[str, torch.Te
     """
     eng = engine_of(model)
     plan = eng.plan
-    locals_ = eng.local_params()
+    locals_ = {n: plain(lp) for n, lp in eng.local_params().items()}  # (DTensor parameters: their local shards)
     if plan.compute_axes or plan.expert_modules:  # tensor- or expert-parallel blocks: by global boxes
         out = _full_by_boxes(eng, locals_, cpu)
     else:
@@ -129,7 +130,7 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], *, str
     msg = C.broadcast_str(_misfit(plan, model, full, strict) if eng.rank == 0 else "", world)
     if msg:
         raise CheckpointError(msg)
-    locals_ = eng.local_params()
+    locals_ = {n: plain(lp) for n, lp in eng.local_params().items()}  # (DTensor parameters: their local shards)
     with torch.no_grad():
         for pp in plan.params:
             lp = eng.local_value(pp.name, locals_[pp.name])  # (offload="params": a view of the host master)

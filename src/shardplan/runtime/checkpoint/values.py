@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from ...errors import CheckpointError
 from ..builder import engine_of, groups_for
+from ..dtensor_params import plain
 from .full import _persistent_buffers
 from .. import collectives as C
 from ...rules import leaves_with_paths
@@ -173,7 +174,7 @@ def state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     def value(n, t):
         return sharded_value(eng.plan, eng.groups, eng.rank, n, t)
 
-    sd: dict[str, Any] = {"model": {n: value(n, eng.local_value(n, lp)) for n, lp in locals_.items()}}
+    sd: dict[str, Any] = {"model": {n: value(n, eng.local_value(n, plain(lp))) for n, lp in locals_.items()}}
     # persistent buffers (BatchNorm's running statistics): plain tensors, replicated, so rank 0's values (what
     # shard() broadcast at start-up and full_state_dict exports; DCP saves one rank's copy of a plain tensor,
     # so every rank hands it the same one); load_state_dict copies what DCP loads into every rank's buffers
@@ -193,7 +194,7 @@ def state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
                 names.append(n)
                 st = optimizer.state.get(p)
                 if st:
-                    state[n] = {k: (value(n, v) if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() > 0
+                    state[n] = {k: (value(n, plain(v)) if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() > 0
                                     else v) for k, v in st.items()}
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
         # [Note: one JSON string: DCP's save and load traversals flatten nested hyper-parameters differently]
@@ -219,7 +220,7 @@ def load_state_dict(model: nn.Module, state: dict, optimizer: Optional[torch.opt
     with torch.no_grad():
         for n, lp in locals_.items():
             if n in msd:
-                lp = eng.local_value(n, lp)  # (offload="params": a view of the host master)
+                lp = eng.local_value(n, plain(lp))  # (offload="params": a view of the host master)
                 v = local_of(msd[n])
                 if v is not None and v.data_ptr() != lp.data_ptr():
                     lp.copy_(v)
@@ -252,14 +253,19 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, osd: dict, locals_: dict) 
     for n, st in osd["state"].items():
         if n not in locals_:
             continue
-        cur = optimizer.state.setdefault(locals_[n], {})
+        p = locals_[n]
+        cur = optimizer.state.setdefault(p, {})
         for k, v in st.items():
             v = local_of(v)
             if v is None:  # this rank holds no piece of the parameter: its state tensor is empty
                 continue
             if isinstance(v, torch.Tensor) and k in cur and isinstance(cur[k], torch.Tensor):
-                if v.data_ptr() != cur[k].data_ptr():
-                    cur[k].copy_(v)
+                have = plain(cur[k])  # (a DTensor state of a DTensor parameter: its local tensor)
+                if v.data_ptr() != have.data_ptr():
+                    have.copy_(v)
+            elif isinstance(v, torch.Tensor) and p is not plain(p) and v.dim() > 0 and v.shape == plain(p).shape:
+                from torch.distributed.tensor import DTensor  # a DTensor parameter's state is a DTensor like it
+                cur[k] = DTensor(v.clone(), p._spec, requires_grad=False)
             elif isinstance(v, torch.Tensor):
                 cur[k] = v.clone()
             else:
