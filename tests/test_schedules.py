@@ -108,3 +108,52 @@ def test_torch_adapter_and_pure_optimizer_see_the_same_lr_sequence(kind):
     assert again.get_last_lr() == [sched(8)] and "schedules" not in again.state_dict()
     with pytest.raises(sp.ShardingError, match="param groups"):
         sp.optim.as_lr_scheduler(opt, [sched, sched])
+
+
+@pytest.mark.parametrize("capturable,donate", [(False, False), (False, True), (True, False), (True, True)])
+def test_adamw_in_groups_is_bit_identical(monkeypatch, capturable, donate):
+    """[Note: the update's temporaries] the update runs over groups of at most GROUP_BYTES of parameters (its
+    temporaries bounded by the group, not the model); the results are bit for bit those of one group."""
+    import shardplan.optim as O
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (33,), (4, 4, 3), (1,), (50, 2), (0,), (9, 9)]
+
+    def run(limit):
+        monkeypatch.setattr(O, "GROUP_BYTES", limit)
+        g.manual_seed(0)
+        params = {f"p{i}": torch.randn(s, generator=g) for i, s in enumerate(shapes)}
+        opt = sp.optim.adamw(lr=sp.optim.warmup_cosine(1e-2, warmup=2, total=10), weight_decay=0.1,
+                             capturable=capturable)
+        state = opt.init(params)
+        for _ in range(4):
+            grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+            params, state = opt.update(grads, state, params, donate=donate)
+        return params, state
+
+    whole, whole_state = run(1 << 40)
+    grouped, grouped_state = run(200)  # a few leaves per group, a large leaf alone
+    for k in whole:
+        assert torch.equal(whole[k], grouped[k]), k
+        assert torch.equal(whole_state["exp_avg_sq"][k], grouped_state["exp_avg_sq"][k]), k
+    assert O._groups([torch.zeros(30), torch.zeros(30), torch.zeros(100)], [0, 1, 2], 200) == [[0], [1], [2]]
+    assert O._groups([torch.zeros(10)] * 4, [0, 1, 2, 3], 80) == [[0, 1], [2, 3]]
+
+
+def test_clip_by_global_norm_donated_scales_in_place():
+    """``donate=True``: the same numbers, written into the caller's gradient tensors (no second copy)."""
+    plan = sp.plan({"a": torch.zeros(6, 4), "b": torch.zeros(5)}, [(r".*", sp.P())], sp.Mesh(dp=1))
+    grads = {"a": torch.full((6, 4), 2.0), "b": torch.full((5,), -3.0)}
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        import os
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29655")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        pure, n1 = sp.clip_by_global_norm({k: v.clone() for k, v in grads.items()}, 1.0, plan)
+        same, n2 = sp.clip_by_global_norm(grads, 1.0, plan, donate=True)
+    finally:
+        dist.destroy_process_group()
+    assert same is grads and torch.equal(n1, n2)
+    assert all(torch.equal(pure[k], grads[k]) for k in grads) and float(n1) > 1.0
+    assert abs(float(torch.cat([grads["a"].flatten(), grads["b"]]).norm()) - 1.0) < 1e-5

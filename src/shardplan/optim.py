@@ -69,14 +69,39 @@ def _selected(params, mask) -> list[int]:
     return _SELECTED[key][1]
 
 
-def _masked(update_some):
-    """Run ``update_some`` on the selected leaves only; the others, and their state, pass through."""
+# [Note: the update's temporaries] an elementwise update makes whole-list temporaries (adamw: the denominator
+# and the step, each the size of the parameters it is given). Run over all the parameters at once, they would
+# add twice the model's shard bytes to the peak (in a captured step, to the graph's pool); run over groups of
+# at most GROUP_BYTES of parameters, they add at most twice that. Each element sees the same operations with
+# the same scalars either way, so the results are bit for bit the same; only the kernels per group are more.
+GROUP_BYTES = 256 << 20
+
+
+def _groups(leaves: list, sel: list[int], limit: int) -> list[list[int]]:
+    """``sel`` cut into runs of at most ``limit`` bytes of ``leaves`` (a larger leaf is a run of its own)."""
+    out, cur, size = [], [], 0
+    for i in sel:
+        n = leaves[i].numel() * leaves[i].element_size()
+        if cur and size + n > limit:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += n
+    return out + [cur] if cur else out
+
+
+def _masked(update_some, group_bytes: int = None):
+    """Run ``update_some`` on the selected leaves only (in groups of at most ``group_bytes`` of the first
+    list's leaves: [Note: the update's temporaries]); the others, and their state, pass through."""
     def run(lists: list[list], sel: list[int]):
-        picked = update_some(*[[xs[i] for i in sel] for xs in lists])
-        out = [list(xs) for xs in lists[:len(picked)]]
-        for new, old in zip(picked, out):
-            for i, t in zip(sel, new):
-                old[i] = t
+        out = None
+        for idx in (_groups(lists[0], sel, group_bytes) if group_bytes else [sel]) or [[]]:
+            picked = update_some(*[[xs[i] for i in idx] for xs in lists])
+            if out is None:
+                out = [list(xs) for xs in lists[:len(picked)]]
+            for new, old in zip(picked, out):
+                for i, t in zip(idx, new):
+                    old[i] = t
         return out
     return run
 
@@ -185,7 +210,7 @@ def adamw(lr: LearningRate = 1e-3, betas: tuple[float, float] = (0.9, 0.999), ep
                                "build the optimizer with sp.optim.adamw(..., capturable=True)")
         t = step if on_device else float(step)
         with torch.no_grad():
-            p, m, v = _masked(lambda p_, g_, m_, v_: run(p_, g_, m_, v_, t, donate))(
+            p, m, v = _masked(lambda p_, g_, m_, v_: run(p_, g_, m_, v_, t, donate), GROUP_BYTES)(
                 [p, g, m, v], _selected(params, mask))
         rebuild = lambda xs: optree.tree_unflatten(spec, xs)
         return rebuild(p), {"step": step, "exp_avg": rebuild(m), "exp_avg_sq": rebuild(v)}
@@ -234,12 +259,14 @@ def sgd(lr: LearningRate, momentum: float = 0.0, weight_decay: float = 0.0, mask
     return Optimizer(init, update)
 
 
-def clip_by_global_norm(grads, max_norm: float, plan) -> tuple[Any, torch.Tensor]:
+def clip_by_global_norm(grads, max_norm: float, plan, *, donate: bool = False) -> tuple[Any, torch.Tensor]:
     """``(clipped, norm)``: the gradients scaled so their global L2 norm over every rank is at most
     ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model). Collective: every rank
-    calls it. Pure: returns new tensors.
+    calls it. Pure: returns new tensors; ``donate=True`` scales ``grads``' own tensors in place and returns
+    them (no second copy of the gradients: the caller does not read ``grads`` again).
 
     >>> grads, norm = sp.clip_by_global_norm(grads, 1.0, plan)
+    >>> grads, norm = sp.clip_by_global_norm(grads, 1.0, plan, donate=True)   # in place
     """
     paths, leaves, spec = leaves_with_paths(grads)
     dev = leaves[0].device if leaves else torch.device("cpu")
@@ -258,5 +285,10 @@ def clip_by_global_norm(grads, max_norm: float, plan) -> tuple[Any, torch.Tensor
     C.all_reduce(acc, C.world(), async_op=False, op=torch.distributed.ReduceOp.SUM)
     norm = acc.sqrt().float()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    if donate:
+        with torch.no_grad():
+            if leaves:
+                torch._foreach_mul_(leaves, coef)
+        return grads, norm
     out = torch._foreach_mul(leaves, coef) if leaves else []
     return (dict(zip(paths, out)) if spec is None else optree.tree_unflatten(spec, out)), norm
