@@ -161,9 +161,9 @@ class _AfterStep:
 def make_system(name, args, dev, world):
     if name.endswith("_captured"):  # the same system, its whole step captured once and replayed (sp.capture)
         return captured_system(name[:-len("_captured")], args, dev, world)
-    if name == "fsdp2_compile":  # FSDP2 with each block compiled: the best eager FSDP2 a user would run
-        args = argparse.Namespace(**{**vars(args), "compile": True})
-        name = "fsdp2"
+    if name in ("fsdp2_compile", "shardplan_compile"):  # each block compiled: FSDP2's per layer before sharding
+        args = argparse.Namespace(**{**vars(args), "compile": True})  # (the best eager FSDP2 a user would run),
+        name = name[:-len("_compile")]                                  # shardplan's units by sp.compile_units
     model = build_model(args, dev)
     dt = torch.bfloat16 if args.dtype == "bf16" else None
     info = {}
@@ -340,7 +340,7 @@ def captured_system(base, args, dev, world):
             system.params, system.state, loss = captured(system.params, system.state, x, y)
             return loss
         return CapturedSystem(step, system.parameters), CapturedSystem(None, None), None, info
-    if base not in ("unsharded", "shardplan"):
+    if base not in ("unsharded", "shardplan", "shardplan_compile"):
         raise SystemExit(f"no captured variant of {base}")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True, capturable=True)
     if ctx is not None:  # autocast's weight-cast cache cannot live across replays
