@@ -348,3 +348,13 @@ def test_a_tensor_lr_stays_the_tensor_through_a_checkpoint_and_a_python_lr_chang
     for kept, msg in run(_hyper_worker, 2, str(tmp_path), timeout=200):
         assert kept  # sp.checkpoint.load fills the tensor the captured graph reads, instead of a float in its place
         assert msg is not None and "param_groups[0]['lr'] changed from 0.1 to 0.05" in msg and "torch.tensor" in msg
+
+
+def test_capture_failure_message_names_the_right_cause():
+    """A capture-rule violation (torch's "operation not permitted when stream is capturing") gets the host-read
+    hint; another error of the step under capture (an attention backend unavailable in a graph) does not."""
+    from shardplan.runtime.capture import _capture_failed
+    rule = _capture_failed(RuntimeError("CUDA error: operation not permitted when stream is capturing"))
+    assert ".item()" in rule and "capturable=True" in rule
+    other = _capture_failed(RuntimeError("No available kernel. Aborting execution."))
+    assert "No available kernel" in other and ".item()" not in other and "ran eagerly in the warm-up" in other

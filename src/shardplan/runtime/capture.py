@@ -284,10 +284,7 @@ class CapturedStep:
         except CaptureError:
             raise
         except Exception as exc:  # noqa: BLE001 - re-raised with what to change
-            raise CaptureError(f"shardplan.capture: capturing the step failed: {type(exc).__name__}: {exc}. A captured "
-                               f"step must not read device values on the host (.item(), .tolist(), printing a CUDA "
-                               f"tensor, error_if_nonfinite=True) nor use optimizers without capturable=True "
-                               f"(torch.optim.AdamW(..., capturable=True), a tensor lr)") from exc
+            raise CaptureError(_capture_failed(exc)) from exc
         g.graph, g.pool, g.statics, g.out, g.phase = graph, pool, statics, out, Phase.CAPTURED
         g.hyper = self._hyper(g)
         for r in g.optimizers:
@@ -410,6 +407,24 @@ class CapturedStep:
         """Drop every captured graph: the next calls warm up and capture again (after loading a checkpoint whose
         optimizer state replaced the captured one, say)."""
         self.graphs.clear()
+
+
+_CAPTURE_VIOLATION = ("captur", "cudaErrorStreamCapture", "operation not permitted", "not permitted when stream")
+
+
+def _capture_failed(exc: Exception) -> str:
+    """What to say when the step raised while it was being captured: a capture rule broken (a host read, an
+    optimizer that is not capturable), or an error of the step itself under capture (the warm-up ran it eagerly,
+    so something chose differently: a kernel, a library path), which the hint about host reads would mislead."""
+    text = f"shardplan.capture: capturing the step failed: {type(exc).__name__}: {exc}."
+    if any(k in str(exc) for k in _CAPTURE_VIOLATION) or "capturable" in str(exc):
+        return (f"{text} A captured step must not read device values on the host (.item(), .tolist(), printing a "
+                f"CUDA tensor, error_if_nonfinite=True) nor use optimizers without capturable=True "
+                f"(torch.optim.AdamW(..., capturable=True), a tensor lr)")
+    return (f"{text} The same step ran eagerly in the warm-up, so this is the step's own error under capture "
+            f"(a kernel or library path that is not available inside a CUDA graph, e.g. an attention backend "
+            f"forced by torch.nn.attention.sdpa_kernel); run it eagerly to see the full traceback, or choose "
+            f"another path for the captured step")
 
 
 def capture(fn: Optional[Callable] = None, *, warmup: int = 2, donate_argnums: Sequence[int] = (),
