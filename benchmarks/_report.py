@@ -45,3 +45,16 @@ def top_kernels(call, calls: int = 2, top: int = 30) -> dict:
     rows = sorted((r for r in rows if r[1] > 0), key=lambda r: -r[1])
     return {"total_ms": sum(r[1] for r in rows), "launches": sum(r[2] for r in rows),
             "top": [{"kernel": k[:120], "ms": round(ms, 3), "n": n} for k, ms, n in rows[:top]]}
+
+
+def meta_params(model):
+    """Replace the module's parameters by meta tensors of their shapes (tied ones stay tied), as a JAX-style
+    script that builds the module on the meta device and its parameter tree with ``shard_tree(init_fn=)``
+    holds them: ``functional_call`` binds the tree's gathered parameters and never reads the module's."""
+    new = {}
+    for m in model.modules():
+        for k, p in list(m._parameters.items()):
+            if p is not None:
+                if id(p) not in new:
+                    new[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                m._parameters[k] = new[id(p)]

@@ -30,7 +30,7 @@ import gpt  # noqa: E402
 
 import shardplan as sp  # noqa: E402
 sys.path.insert(0, HERE)
-from _report import top_kernels  # noqa: E402
+from _report import meta_params, top_kernels  # noqa: E402
 import _memsnap  # noqa: E402
 import contextlib  # noqa: E402
 
@@ -153,10 +153,7 @@ def system(face, config, dev, dtype, act_ckpt=False, units=None, min_unit_bytes=
         plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=1), units=[units], compute_dtype=dt, reduce_dtype=red,
                        min_unit_bytes=min_unit_bytes)
         params = sp.shard_tree(dict(model.named_parameters()), plan)
-        for m in model.modules():  # the tree holds the parameters now: the module's own copy would only add memory
-            for k, p in list(m._parameters.items()):
-                if p is not None:
-                    m._parameters[k] = torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+        meta_params(model)  # the tree holds the parameters now: the module's own copy would only add memory
         opt = sp.optim.adamw(lr=sched, weight_decay=0.1, mask=sp.optim.trainable(plan), capturable=True)
         state = opt.init(params)
         vg = sp.value_and_grad(lambda p, x, y: sp.functional_call(model, plan, p, (x, y)), plan)

@@ -40,7 +40,7 @@ import gpt  # noqa: E402
 import gpt_rules_tp  # noqa: E402
 
 import shardplan as sp  # noqa: E402
-from _report import start_world  # noqa: E402
+from _report import meta_params, start_world  # noqa: E402
 
 
 def sync(dev):
@@ -369,19 +369,6 @@ def batches(args, dev, index, size, n):
         x = x[index * per:(index + 1) * per]
         out.append((x[:, :-1].to(dev), x[:, 1:].to(dev)))
     return out
-
-
-def meta_params(model):
-    """Replace the module's parameters by meta tensors of their shapes (tied ones stay tied), as a JAX-style
-    script that builds the module on the meta device and its parameter tree with ``shard_tree(init_fn=)``
-    holds them: ``functional_call`` binds the tree's gathered parameters and never reads the module's."""
-    new = {}
-    for m in model.modules():
-        for k, p in list(m._parameters.items()):
-            if p is not None:
-                if id(p) not in new:
-                    new[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-                m._parameters[k] = new[id(p)]
 
 
 class FunctionalSystem:

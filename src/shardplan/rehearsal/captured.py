@@ -45,11 +45,8 @@ def check(plan: Plan) -> None:
 
 
 def capturable_optimizer(params, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW whose step can be captured: on a GPU its step count and learning rate live on the device."""
-    params = list(params)
-    if device.type == "cuda":
-        return torch.optim.AdamW(params, lr=torch.tensor(1e-4, device=device), fused=True, capturable=True)
-    return torch.optim.AdamW(params, lr=1e-4, foreach=False)  # backend "eager": nothing is captured
+    """AdamW whose step can be captured on a GPU: its step count and learning rate live on the device."""
+    return torch.optim.AdamW(list(params), lr=torch.tensor(1e-4, device=device), fused=True, capturable=True)
 
 
 def run(model: nn.Module, opt: torch.optim.Optimizer, batch_fn: Callable[[int], tuple[tuple, dict]], steps: int,
