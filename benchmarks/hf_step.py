@@ -41,7 +41,11 @@ def build(args, dev):
     import transformers
     torch.manual_seed(0)
     with torch.device(dev):
-        return transformers.LlamaForCausalLM(_llama_3_2_1b(args.tiny))
+        model = transformers.LlamaForCausalLM(_llama_3_2_1b(args.tiny))
+    if args.attention == "capturable":  # every system: eager and captured run the same attention kernel
+        from shardplan.hf import capturable_attention
+        capturable_attention(model)
+    return model
 
 
 def make(name, args, dev, world):
@@ -130,6 +134,9 @@ def main():
     ap.add_argument("--adamw", choices=("foreach", "fused"), default="foreach", help="AdamW's implementation (all systems)")
     ap.add_argument("--sdpa", choices=("default", "flash", "cudnn", "efficient"), default="default",
                     help="the SDPA kernels the model's attention may use (all systems)")
+    ap.add_argument("--attention", choices=("capturable", "sdpa"), default="capturable",
+                    help="capturable: shardplan.hf.capturable_attention on every system (transformers 5.0-5.17 "
+                         "build a causal mask under capture only); sdpa: transformers' own")
     ap.add_argument("--kernels", action="store_true", help="GPU: each system's top kernels over two steps (last round)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

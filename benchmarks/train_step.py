@@ -131,6 +131,7 @@ SHARDPLAN_SYSTEMS = ("shardplan", "shardplan_raf", "shardplan_int8", "shardplan_
 # FP8 compute through torchao: _fp8c gathers the Float8Linear weights as float8 (one scale per weight), _fp8c_cast
 # in bf16 (torchao casts after the gather), fsdp2_fp8 is FSDP2 + torchao's float8 all-gather (torchtitan's recipe)
 FP8_SYSTEMS = ("shardplan_fp8c", "shardplan_fp8c_cast", "fsdp2_fp8")
+ADAMW = {"foreach": True}  # --adamw: the torch AdamW implementation every system uses ({"fused": True} for fused)
 
 
 class SkippedSystem(Exception):
@@ -170,7 +171,7 @@ def make_system(name, args, dev, world):
     if name == "unsharded":
         wrapped = model
         ctx = (lambda: torch.autocast(dev.type, dtype=dt)) if dt else None
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **ADAMW)
         return wrapped, opt, ctx, info
     if name in FP8_SYSTEMS:
         need_torchao()
@@ -203,7 +204,7 @@ def make_system(name, args, dev, world):
         info["notes"] = list(plan.notes)
         info["comm_bytes"] = plan.comm_bytes()["total"]
         info["plan_peak"] = plan.memory().peak
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **ADAMW)
         return model, opt, None, info
     if name == "shardplan_offload":  # CPU offload (--offload): the shardplan system with host optimizer state
         mode, _, frac = args.offload.partition("=")
@@ -261,7 +262,7 @@ def make_system(name, args, dev, world):
         sp.shard(model, plan)
         info.update(data_index=plan.data_index(dist.get_rank()), data_size=plan.data_size,
                     comm_bytes=plan.comm_bytes()["total"], plan_peak=plan.memory().peak, units=len(plan.units))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **ADAMW)
         return model, opt, None, info
     if name == "functional":  # the same plan through functional_call / value_and_grad / a pure AdamW
         plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[r"layers\.\d+"], compute_dtype=dt,
@@ -283,7 +284,7 @@ def make_system(name, args, dev, world):
         for layer in model.layers:
             fully_shard(layer, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **ADAMW)
         if name == "fsdp2_fp8":  # the next step's weight scales in one all-reduce, after each optimizer step
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
             opt = _AfterStep(opt, lambda: precompute_float8_dynamic_scale_for_fsdp(model))
@@ -342,7 +343,7 @@ def captured_system(base, args, dev, world):
         return CapturedSystem(step, system.parameters), CapturedSystem(None, None), None, info
     if base not in ("unsharded", "shardplan", "shardplan_compile"):
         raise SystemExit(f"no captured variant of {base}")
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True, capturable=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, capturable=True, **ADAMW)
     if ctx is not None:  # autocast's weight-cast cache cannot live across replays
         dt = torch.bfloat16
         ctx = lambda: torch.autocast(dev.type, dtype=dt, cache_enabled=False)  # noqa: E731
@@ -499,12 +500,16 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--forecast", default="", metavar="NETWORK:DP",
                     help="also forecast the same job without offload on DP GPUs of NETWORK (e.g. h200-8x-ib400:8): "
                          "the same batch per GPU, its step time and tokens/s per GPU reported beside the measured ones")
+    ap.add_argument("--adamw", choices=("foreach", "fused"), default="foreach",
+                    help="torch AdamW's implementation, for every system that uses it (eager and captured)")
     ap.add_argument("--out", default=None)
     return ap
 
 
 def main():
     args = parser().parse_args()
+    ADAMW.clear()
+    ADAMW[args.adamw] = True
     cuda, dev = start_world()
     rank, world = dist.get_rank(), dist.get_world_size()
     systems = [s for s in args.systems.split(",") if s]

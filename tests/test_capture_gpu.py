@@ -52,6 +52,52 @@ def test_tiny200_replays_equal_eager_steps(tmp_path):
     assert any(c["eager_repeatable"] for c in cases)
 
 
+@pytest.mark.timeout(600)
+def test_hf_llama_replays_equal_eager_steps(tmp_path):
+    """A Hugging Face Llama (two layers of Llama-3.2-1B's shapes) through shard(): replayed steps equal eager ones
+    (accumulation, clipping, warm-up + cosine; bf16 and fp32), its attention made capturable."""
+    cases = _parity(tmp_path, "--config", "hf_llama_tiny", "--cases", "big", "--batch", "2", "--seq", "64",
+                    "--steps", "20", "--control")
+    for c in cases:
+        assert "error" not in c, c
+        if c["eager_repeatable"]:
+            assert c["losses_equal"] and c["params_equal"], c
+    assert any(c["eager_repeatable"] for c in cases)
+
+
+@pytest.mark.timeout(300)
+def test_capture_refuses_an_hf_model_whose_mask_changes_under_capture():
+    """transformers 5.0-5.17 build a causal mask only under capture: capturing such a model raises, naming the
+    fix; with shardplan.hf.capturable_attention it captures (and under other versions it captures either way)."""
+    code = ("import os, sys, torch, torch.distributed as dist, transformers; sys.path.insert(0, 'benchmarks')\n"
+            "import shardplan as sp; from shardplan import hf; from forecast_gpu import _llama_3_2_1b\n"
+            "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='29573', RANK='0', WORLD_SIZE='1')\n"
+            "torch.cuda.set_device(0); dist.init_process_group('nccl', device_id=torch.device('cuda', 0))\n"
+            "def run(fix):\n"
+            "    torch.manual_seed(0)\n"
+            "    with torch.device('cuda'): m = transformers.LlamaForCausalLM(_llama_3_2_1b(True))\n"
+            "    if fix: hf.capturable_attention(m)\n"
+            "    sp.shard(m, sp.plan(m, [(r'.*', sp.P('dp'))], sp.Mesh(dp=1), units=[r'model\\.layers\\.\\d+']))\n"
+            "    opt = torch.optim.AdamW(m.parameters(), lr=torch.tensor(1e-4, device='cuda'), capturable=True)\n"
+            "    x = torch.randint(0, m.config.vocab_size, (2, 64), device='cuda')\n"
+            "    def step():\n"
+            "        loss = m(input_ids=x, labels=x).loss; loss.backward(); opt.step(); opt.zero_grad(); return loss\n"
+            "    f = sp.capture(step)\n"
+            "    try:\n"
+            "        [f() for _ in range(4)]; return 'captured'\n"
+            "    except sp.CaptureError as e: return str(e)\n"
+            "lo, hi = hf._MASK_UNDER_CAPTURE; affected = lo <= hf._version(transformers.__version__) < hi\n"
+            "a, b = run(False), run(True)\n"
+            "print('AFFECTED' if affected else 'FINE', repr(a), repr(b))\n"
+            "assert b == 'captured', b\n"
+            "assert ('capturable_attention' in a) if affected else a == 'captured', a\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=280,
+                       env=dict(os.environ, NCCL_NVLS_ENABLE="0",
+                                PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src")] +
+                                                           [p for p in [os.environ.get("PYTHONPATH")] if p])))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+
+
 @pytest.mark.timeout(300)
 def test_rehearse_captured_step_on_the_gpu(tmp_path):
     """One rank of a 16-rank plan, its step captured as a CUDA graph over the fake process group and replayed:

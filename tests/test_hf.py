@@ -57,3 +57,48 @@ def test_hf_llama_trains_sharded():
         assert losses == pytest.approx(ref_losses, abs=1e-5)
         assert diff < 1e-5
         assert tied == "model.embed_tokens.weight"
+
+
+def test_capturable_attention_computes_what_sdpa_computes():
+    """hf.capturable_attention: the same logits and gradients as "sdpa", bit for bit, with and without a padding
+    mask; its mask function passes is_causal (None) for a plain causal mask and builds transformers' mask else."""
+    from shardplan import hf
+    ref, model = _llama(), _llama()
+    assert ref.config._attn_implementation == "sdpa"
+    assert hf.capturable_attention(model) is model and model.config._attn_implementation == hf.CAPTURABLE_SDPA
+    assert hf.capturable_attention(model) is model  # twice: nothing changes
+    x = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    pad = torch.ones(2, 12, dtype=torch.long)
+    pad[0, :3] = 0
+    for kw in ({}, {"attention_mask": pad}):
+        a, b = ref(input_ids=x, labels=x, **kw), model(input_ids=x, labels=x, **kw)
+        assert torch.equal(a.logits, b.logits), kw
+        a.loss.backward()
+        b.loss.backward()
+        for (n, p), q in zip(ref.named_parameters(), model.parameters()):
+            assert torch.equal(p.grad, q.grad), (n, kw)
+        ref.zero_grad()
+        model.zero_grad()
+    args = dict(batch_size=2, q_length=12, kv_length=12, device="cpu")
+    assert hf._causal_or_sdpa_mask(**args) is None
+    assert hf._causal_or_sdpa_mask(**args, attention_mask=pad.bool()).shape == (2, 1, 12, 12)
+    assert hf._causal_or_sdpa_mask(**dict(args, q_length=4, q_offset=8)) is not None  # queries after a cache: a mask
+
+
+def test_capture_problem_names_the_transformers_versions_and_the_fix(monkeypatch):
+    """transformers 5.0-5.17 build a causal mask under a CUDA-graph capture only: capture refuses such a model
+    (runtime/capture.py asks hf.capture_problem at the capture), naming capturable_attention."""
+    from shardplan import hf
+    model = _llama()
+    monkeypatch.setattr(hf, "_transformers_version", lambda: "5.17.0")
+    why = hf.capture_problem(model)
+    assert "capturable_attention" in why and "LlamaForCausalLM" in why and "5.17.0" in why
+    monkeypatch.setattr(hf, "_transformers_version", lambda: "5.18.0")
+    assert hf.capture_problem(model) is None
+    monkeypatch.setattr(hf, "_transformers_version", lambda: "5.3.1")
+    assert hf.capture_problem(hf.capturable_attention(model)) is None  # fixed by the helper
+    eager = _llama()
+    eager.set_attn_implementation("eager")
+    assert hf.capture_problem(eager) is None  # no SDPA, no mask question
+    with pytest.raises(sp.ShardingError, match="attn_implementation='eager'"):
+        hf.capturable_attention(eager)

@@ -295,6 +295,7 @@ def test_memory_snapshot_needs_a_gpu(tmp_path):
         metrics.MemorySnapshot(str(tmp_path))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA caching allocator's history needs a GPU")
 def test_memory_snapshot_on_a_gpu(tmp_path):
     import pickle

@@ -1,7 +1,9 @@
-"""Hugging Face models from a ``config.json`` alone, on the meta device: plan a 70B model on a laptop.
+"""Hugging Face models: from a ``config.json`` alone, on the meta device (plan a 70B model on a laptop), and
+their attention made to capture as it runs eagerly.
 
 >>> model = shardplan.hf.model_from_config("path/to/config.json")     # or a model folder; no weights, no memory
 >>> plan = sp.plan(model, sp.auto_rules(model, mesh), mesh, units=[shardplan.hf.block_class(model)])
+>>> shardplan.hf.capturable_attention(model)    # before sp.capture: the same attention kernel captured as eager
 
 Needs the ``transformers`` package (``pip install shardplan[hf]``).
 """
@@ -66,3 +68,100 @@ def block_class(model: nn.Module) -> Optional[type]:
             if n > size:
                 best, size = type(mod[0]), n
     return best
+
+
+CAPTURABLE_SDPA = "shardplan_sdpa"
+"""The attention implementation :func:`capturable_attention` registers with transformers: its ``"sdpa"``."""
+
+# [Note: transformers' causal mask under a CUDA-graph capture] transformers 5.0 to 5.17 decide whether SDPA may
+# use ``is_causal=True`` (no mask tensor: the flash kernel) with a check that also answers "tracing" while a CUDA
+# stream is capturing, so a captured step builds an explicit boolean mask its eager steps never build: SDPA then
+# takes a masked kernel (slower, and not bit-identical to the eager step). 5.18 only asks when a padding mask
+# is given. The mask function below decides from the arguments' structure alone, as 5.18 does.
+_MASK_UNDER_CAPTURE = ((5, 0), (5, 18))
+
+
+def _version(v: str) -> tuple:
+    out = []
+    for part in v.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit())
+        out.append(int(digits or 0))
+    return tuple(out)
+
+
+def _causal_or_sdpa_mask(*args, **kwargs):
+    """transformers' SDPA mask, or ``None`` (SDPA's own ``is_causal``) for a plain causal mask with no padding
+    and as many queries as keys (or one query): decided from shapes, never from tensor values or capture state."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+    q = kwargs.get("q_length")
+    if q is None and isinstance(kwargs.get("cache_position"), torch.Tensor):  # transformers < 5.17 passes positions
+        q = kwargs["cache_position"].shape[0]
+    kv = kwargs.get("kv_length")
+    if (not args and kwargs.get("allow_is_causal_skip", True) and kwargs.get("attention_mask") is None
+            and kwargs.get("mask_function", causal_mask_function) is causal_mask_function
+            and kwargs.get("local_size") is None and isinstance(q, int) and isinstance(kv, int) and (q == 1 or q == kv)
+            and not isinstance(kwargs.get("q_offset"), torch.Tensor) and not torch.compiler.is_exporting()):
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+def capturable_attention(model: nn.Module) -> nn.Module:
+    """Make a transformers model's SDPA attention capture as it runs eagerly; returns ``model``.
+
+    transformers 5.0 to 5.17 build an explicit causal mask when they see a CUDA-graph capture, where eagerly they
+    pass ``is_causal=True``: a step captured with :func:`shardplan.capture` then runs a different, slower attention
+    kernel and is not bit-identical to its eager steps (``capture`` refuses such a model, naming this function).
+    This switches the model to ``"shardplan_sdpa"``: transformers' own SDPA attention with a mask function that
+    decides from shapes alone (no padding mask and a plain causal mask: ``is_causal=True``; anything else:
+    transformers' SDPA mask). Eagerly it computes what ``"sdpa"`` computes, bit for bit.
+
+    >>> model = transformers.LlamaForCausalLM(config)         # attn_implementation="sdpa", the default
+    >>> shardplan.hf.capturable_attention(model)
+    >>> step = sp.capture(train_step)
+    """
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:
+        raise PlanError("hf.capturable_attention needs transformers 4.53 or later (its AttentionInterface and "
+                        "AttentionMaskInterface): pip install -U transformers") from None
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl == CAPTURABLE_SDPA:
+        return model
+    if impl != "sdpa":
+        raise PlanError(f"hf.capturable_attention: {type(model).__name__} uses attn_implementation={impl!r}; it "
+                        f"changes the SDPA path only. Use model.set_attn_implementation('sdpa') first if SDPA is what "
+                        f"you want captured, or capture the model as it is")
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    AttentionInterface.register(CAPTURABLE_SDPA, sdpa_attention_forward)
+    AttentionMaskInterface.register(CAPTURABLE_SDPA, _causal_or_sdpa_mask)
+    model.set_attn_implementation(CAPTURABLE_SDPA)
+    return model
+
+
+def _transformers_version() -> Optional[str]:
+    """The version of transformers if a model of it can exist here (it was imported), else ``None``."""
+    import sys
+    tf = sys.modules.get("transformers")
+    return None if tf is None else str(getattr(tf, "__version__", "0"))
+
+
+def capture_problem(module: Optional[nn.Module]) -> Optional[str]:
+    """Why capturing ``module`` would not run what its eager steps run (the installed transformers builds a mask
+    under capture only; [Note: transformers' causal mask under a CUDA-graph capture]), or ``None``."""
+    version = _transformers_version()
+    if module is None or version is None:
+        return None
+    lo, hi = _MASK_UNDER_CAPTURE
+    if not lo <= _version(version) < hi:
+        return None
+    for name, m in module.named_modules():
+        impl = getattr(getattr(m, "config", None), "_attn_implementation", None)
+        if impl == "sdpa" and type(m).__module__.startswith("transformers."):
+            where = f"{type(m).__name__} at {name!r}" if name else type(m).__name__
+            return (f"transformers {version} builds an explicit causal mask under a CUDA-graph capture and none "
+                    f"eagerly: the captured attention of {where} (attn_implementation='sdpa') would run another kernel "
+                    f"than the eager steps, slower and not bit-identical. Call shardplan.hf.capturable_attention(model) "
+                    f"before capturing, or upgrade transformers to 5.18 or later")
+    return None

@@ -118,6 +118,7 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     face = ModuleFace(unit_slots)
     face.attach(units, plan)
     exe = Executor(plan, units, rt.groups, device, rank, timeout_s, face)
+    exe.root = weakref.ref(module)
     offload.attach(exe)  # CPU offload: host master shards and optimizer state (None without it)
     meshes = rt.meshes
     exe.state_dict_hooks = SD.StateDictHooks(exe, meshes)  # (SD.install below installs it on the modules)

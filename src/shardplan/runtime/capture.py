@@ -36,6 +36,7 @@ import optree
 import torch
 
 from ..errors import CaptureError
+from ..hf import capture_problem
 from .seams import replaced_local
 
 RECAPTURE, ERROR = "recapture", "error"
@@ -81,6 +82,9 @@ def note_forward(exe) -> None:
     if bs:
         raise CaptureError("shardplan.capture: this step cannot be captured: " + "; ".join(str(b) for b in bs)
                            + ". Run it eagerly (call the step function itself), or change the plan as said")
+    problem = capture_problem(exe.root()) if s.capturing else None
+    if problem:  # the model would compute otherwise under capture than eagerly (hf.py)
+        raise CaptureError("shardplan.capture: " + problem)
 
 
 def capturing() -> bool:

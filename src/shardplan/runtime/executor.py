@@ -59,6 +59,10 @@ def in_backward_pass() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _no_module() -> None:
+    return None
+
+
 class Executor(OpHandlers, LocalShards):
     """The runtime state of one sharded model. Attached as ``module._shardplan`` by :func:`shard`."""
 
@@ -92,6 +96,7 @@ class Executor(OpHandlers, LocalShards):
         self.fsdp2_inputs = False  # the drop-in fully_shard: cast inputs at every unit, as FSDP2 (hooks.py)
         self.offload = None  # [offload hook] runtime/offload/: OffloadState, set by shard() for offloading plans
         self.partial_check = None  # tensor parallelism: runtime/tensor_parallel.py's PartialCheck, set by the faces
+        self.root = _no_module  # a weak reference to the module this executor runs, set by the faces
 
     @property
     def face(self) -> Optional[Face]:

@@ -60,6 +60,7 @@ class FunctionalRuntime:
         units = rt.make_units(fill)
         self.rank, self.device = rt.rank, rt.device
         self.exe = Executor(plan, units, rt.groups, rt.device, rt.rank, timeout_s, None)
+        self.exe.root = weakref.ref(module)
         self.face = TreeFace(plan, weakref.ref(self.exe), rt.wrappers)
         self.exe.face = self.face
         slots = rt.slots
