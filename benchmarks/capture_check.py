@@ -296,84 +296,88 @@ def _parity_cases(args, dev, cases):
     return out
 
 
+def _time_system(name, args, dev, out):
+    """One system of ``timing``, alone: its model, optimizer and graph are this function's locals, so none of
+    them is alive (counted in the next system's peak) once it returns and the caller collects."""
+    os.environ["SHARDPLAN_SINGLETON_GROUPS"] = "0"
+    face, _, mode = name.partition("_")
+    captured = mode == "captured"
+    rec = _memsnap.recording() if args.snapshot else contextlib.nullcontext()
+    try:
+        rec.__enter__()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        start_gib = torch.cuda.memory_allocated() / 2**30  # what an earlier system left (should be ~0)
+        batches = data(args.config, args.batch, args.seq, 1, dev)
+        x, y = batches[0]
+        if face == "fsdp2":
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            model = build(args.config, dev)
+            dt = torch.bfloat16 if args.dtype == "bf16" else None
+            mp = MixedPrecisionPolicy(param_dtype=dt, reduce_dtype=torch.float32) if dt else MixedPrecisionPolicy()
+            if mode == "compile":
+                for layer in model.layers:
+                    layer.compile()
+            for layer in model.layers:
+                fully_shard(layer, mp_policy=mp)
+            fully_shard(model, mp_policy=mp)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+
+            def f(x, y):
+                loss = model(x[0], y[0])
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                return loss.detach()
+        elif face == "functional":
+            (fstep, box), _, _, _ = system(face, args.config, dev, args.dtype)
+            g = sp.capture(fstep, donate_argnums=(0, 1)) if captured else fstep
+
+            def f(x, y, g=g, box=box):
+                box["params"], box["state"], loss = g(box["params"], box["state"], x, y)
+                return loss
+        else:
+            step, _, _, _ = system(face, args.config, dev, args.dtype)
+            f = sp.capture(step) if captured else step
+        for _ in range(args.warmup):
+            f(x, y)
+        torch.cuda.synchronize()
+        times, cpu = [], []
+        for _ in range(args.rounds):
+            torch.cuda.synchronize()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            for _ in range(args.steps):
+                f(x, y)
+            c1 = time.thread_time()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) / args.steps)
+            cpu.append((c1 - c0) / args.steps)
+        out[name] = dict(step_ms=1e3 * statistics.median(times), host_cpu_ms=1e3 * statistics.median(cpu),
+                         peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+                         peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30, start_gib=start_gib)
+        if args.snapshot:  # what is live at this system's peak, by allocation site
+            out[name]["live_at_peak"] = _memsnap.live_at_peak(torch.cuda.memory._snapshot(), top=15)
+        if args.kernels:
+            out[name]["kernels"] = top_kernels(lambda: f(x, y))
+        if captured:
+            out[name]["replay_host_us"] = 1e6 * getattr(f, "host_seconds", 0) / max(getattr(f, "replays", 1), 1)
+    except Exception as exc:  # noqa: BLE001
+        out[name] = dict(error=f"{type(exc).__name__}: {exc}"[:1500], traceback=traceback.format_exc()[-2500:])
+    finally:
+        rec.__exit__(None, None, None)
+    print(name, json.dumps({k: v for k, v in out[name].items() if k != "traceback"}), flush=True)
+    if "traceback" in out[name]:
+        print(out[name]["traceback"], flush=True)
+
+
 def timing(args, dev):
     out = {}
     systems = args.systems.split(",")
     for name in systems:
-        os.environ["SHARDPLAN_SINGLETON_GROUPS"] = "0"
-        face, _, mode = name.partition("_")
-        captured = mode == "captured"
-        rec = _memsnap.recording() if args.snapshot else contextlib.nullcontext()
-        try:
-            rec.__enter__()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            batches = data(args.config, args.batch, args.seq, 1, dev)
-            x, y = batches[0]
-            if face == "fsdp2":
-                from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-                model = build(args.config, dev)
-                dt = torch.bfloat16 if args.dtype == "bf16" else None
-                mp = MixedPrecisionPolicy(param_dtype=dt, reduce_dtype=torch.float32) if dt else MixedPrecisionPolicy()
-                if mode == "compile":
-                    for layer in model.layers:
-                        layer.compile()
-                for layer in model.layers:
-                    fully_shard(layer, mp_policy=mp)
-                fully_shard(model, mp_policy=mp)
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-
-                def f(x, y):
-                    loss = model(x[0], y[0])
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad()
-                    return loss.detach()
-            elif face == "functional":
-                (fstep, box), _, _, _ = system(face, args.config, dev, args.dtype)
-                g = sp.capture(fstep, donate_argnums=(0, 1)) if captured else fstep
-
-                def f(x, y, g=g, box=box):
-                    box["params"], box["state"], loss = g(box["params"], box["state"], x, y)
-                    return loss
-            else:
-                step, _, _, _ = system(face, args.config, dev, args.dtype)
-                f = sp.capture(step) if captured else step
-            for _ in range(args.warmup):
-                f(x, y)
-            torch.cuda.synchronize()
-            times, cpu = [], []
-            for _ in range(args.rounds):
-                torch.cuda.synchronize()
-                t0, c0 = time.perf_counter(), time.thread_time()
-                for _ in range(args.steps):
-                    f(x, y)
-                c1 = time.thread_time()
-                torch.cuda.synchronize()
-                times.append((time.perf_counter() - t0) / args.steps)
-                cpu.append((c1 - c0) / args.steps)
-            out[name] = dict(step_ms=1e3 * statistics.median(times), host_cpu_ms=1e3 * statistics.median(cpu),
-                             peak_gib=torch.cuda.max_memory_allocated() / 2**30,
-                             peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30)
-            if args.snapshot:  # what is live at this system's peak, by allocation site
-                out[name]["live_at_peak"] = _memsnap.live_at_peak(torch.cuda.memory._snapshot(), top=15)
-            if args.kernels:
-                out[name]["kernels"] = top_kernels(lambda: f(x, y))
-            if captured:
-                out[name]["replay_host_us"] = 1e6 * getattr(f, "host_seconds", 0) / max(getattr(f, "replays", 1), 1)
-        except Exception as exc:  # noqa: BLE001
-            out[name] = dict(error=f"{type(exc).__name__}: {exc}"[:1500], traceback=traceback.format_exc()[-2500:])
-        finally:
-            rec.__exit__(None, None, None)
-        print(name, json.dumps({k: v for k, v in out[name].items() if k != "traceback"}), flush=True)
-        if "traceback" in out[name]:
-            print(out[name]["traceback"], flush=True)
-        for k in list(locals()):
-            if k in ("model", "opt", "f", "g", "step"):
-                del locals()[k]
-        import gc
-        gc.collect()
+        _time_system(name, args, dev, out)
+        gc.collect()  # this system's model, optimizer and graph pool (reference cycles) before the next one's peak
         torch.cuda.empty_cache()
+        out[name]["base_gib"] = torch.cuda.memory_allocated() / 2**30  # left after it: should be ~0
     for a, b in (("functional", "shard"), ("functional_captured", "shard_captured")):
         if "live_at_peak" in out.get(a, {}) and "live_at_peak" in out.get(b, {}):
             out[f"peak_diff_{a}_vs_{b}"] = _memsnap.diff(out[a]["live_at_peak"], out[b]["live_at_peak"])
