@@ -112,8 +112,9 @@ def capturable_attention(model: nn.Module) -> nn.Module:
     pass ``is_causal=True``: a step captured with :func:`shardplan.capture` then runs a different, slower attention
     kernel and is not bit-identical to its eager steps (``capture`` refuses such a model, naming this function).
     This switches the model to ``"shardplan_sdpa"``: transformers' own SDPA attention with a mask function that
-    decides from shapes alone (no padding mask and a plain causal mask: ``is_causal=True``; anything else:
-    transformers' SDPA mask). Eagerly it computes what ``"sdpa"`` computes, bit for bit.
+    decides from shapes alone (no padding mask and a plain causal mask: ``is_causal=True``; anything else,
+    sliding-window layers included: transformers' SDPA mask). Eagerly it computes what ``"sdpa"`` computes, bit
+    for bit.
 
     >>> model = transformers.LlamaForCausalLM(config)         # attn_implementation="sdpa", the default
     >>> shardplan.hf.capturable_attention(model)
