@@ -172,7 +172,7 @@ def main():
                 r["requested"].append(torch.cuda.memory_stats()["requested_bytes.all.peak"])
             del step
     out = {"model": "HF LlamaForCausalLM, Llama-3.2-1B shapes" + (" (tiny)" if args.tiny else ""),
-           "world": world, "adamw": args.adamw, "sdpa": args.sdpa, "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "torch": torch.__version__,
+           "world": world, "adamw": args.adamw, "sdpa": args.sdpa, "attention": args.attention, "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "torch": torch.__version__,
            "device": torch.cuda.get_device_name() if cuda else "cpu", "systems": {}}
     for s, r in res.items():
         out["systems"][s] = {"median_step_ms": 1e3 * statistics.median(r["times"]),
