@@ -165,6 +165,7 @@ class CapturedStep:
         self.graphs: dict = {}
         self.host_seconds = 0.0       # host time spent in replays (copies of the inputs and the launch)
         self.replays = 0
+        self._side = None             # the warm-up stream, one per captured step
         _watch_optimizers()
 
     # -- signatures --------------------------------------------------------------------------------------
@@ -253,7 +254,11 @@ class CapturedStep:
         if self.backend == "eager" or not torch.cuda.is_available():
             return self._run(g, args, kwargs, capturing=False)
         # torch's advice for capture: warm up on a side stream (lazy initialisation stays off the capture stream)
-        side = torch.cuda.Stream()
+        # [Note: one warm-up stream] a new stream per warm-up call would each get a cuBLAS workspace that torch
+        # keeps for the stream's life (32 MiB or more on recent GPUs; streams come from a pool of 32): one per step
+        if self._side is None:
+            self._side = torch.cuda.Stream()
+        side = self._side
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             out = self._run(g, args, kwargs, capturing=False)
