@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from ..errors import CheckpointError
 from .. import layout as L
+from . import collectives as C
 from .dtensor_params import plain
 from .tensor_parallel import full_device_mesh
 
@@ -141,7 +142,7 @@ class StateDictHooks:
         from torch.distributed.device_mesh import DeviceMesh
         for m in meshes.values():  # tensor parallelism built one already: its slices share the root
             root = m._get_root_mesh() if hasattr(m, "_get_root_mesh") else None
-            if root is not None and root.mesh_dim_names == self.plan.mesh.axis_names:
+            if root is not None and root.mesh_dim_names == C.mesh_dim_names(self.plan.mesh.axis_names):
                 return root
         mesh = self.plan.mesh
         groups = [self.exe.groups.axis(a).pg for a in mesh.axis_names]
@@ -149,7 +150,8 @@ class StateDictHooks:
             return full_device_mesh(self.plan, self.exe.device)  # a group of one has no process group: build one
         shape = [s for _, s in mesh.axes]
         return DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], self.exe.device.type,
-                                     mesh=torch.arange(mesh.size).view(shape), mesh_dim_names=mesh.axis_names)
+                                     mesh=torch.arange(mesh.size).view(shape),
+                                     mesh_dim_names=C.mesh_dim_names(mesh.axis_names))
 
     def _refuse(self, name: str) -> CheckpointError:
         why = self.layout[name][1]
