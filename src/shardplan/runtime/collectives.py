@@ -326,8 +326,8 @@ def mesh_dim_names(axis_names) -> tuple[str, ...]:
     process groups; a hit hands back the cached specs with *their* mesh, which finds its groups by name.
     A rehearsal's groups are gone when it ends, and a later run of the same mesh shape (in this process or
     one forked from it) that creates its groups in another order or number would get the rehearsal's
-    meshes back: "Could not resolve the process group registered under the name 12", or a live group of
-    other ranks under that name. Named apart, a rehearsal's meshes equal no later mesh, so its cache
+    meshes back: "Could not resolve the process group registered under the name 12" (or, where that name was
+    made again, another group's). Named apart, a rehearsal's meshes equal no later mesh, so its cache
     entries are never hit again (they stay, unused: DTensor has no public way to drop them). Two real runs
     of one process, each with its own default process group, share the hazard; torch's own meshes do too]"""
     names = tuple(axis_names)
