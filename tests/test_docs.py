@@ -83,8 +83,8 @@ def run_page(path: pathlib.Path, where: pathlib.Path) -> list[str]:
     code = page_code(path)
     name = str(path)
     # [Note: a page without ranks runs in one forked process too, not in pytest's: rehearsals (a fake
-    # process group), DTensor and meshes leave process-wide state behind that later tests' forked workers
-    # would inherit ("Could not resolve the process group registered under the name 12")]
+    # process group), DTensor and meshes leave process-wide state behind (caches, a destroyed default
+    # group) that later tests' forked workers would inherit]
     return run(_page_worker, ranks_of(path) or 1, code, name, str(where), init=False)
 
 

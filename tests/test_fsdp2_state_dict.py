@@ -218,3 +218,34 @@ def test_chunked_layout_is_a_plan_option():
     assert chunked.local_slices("blocks.0.fc1.weight", 1) == (slice(15, 29), slice(0, 13))  # torch.chunk's piece
     with pytest.raises(sp.PlanError, match="layout"):
         sp.plan(model, toy_rules(), sp.Mesh(dp=2), layout="rows")
+
+
+def _one_format_worker(rank, world, path):
+    """A chunked plan's checkpoint written from shardplan.state_dict (ShardedTensor values) and one written from
+    model.state_dict() (DTensor values): each loads into the other kind, exactly (DCP stores boxes, not types)."""
+    def make(seed):
+        m = Toy(seed=seed)
+        return sp.shard(m, sp.plan(m, toy_rules(), sp.Mesh(dp=world), layout="chunked", min_unit_bytes=0))
+    a = make(0)
+    want = sp.full_state_dict(a)
+    kinds = (type(sp.state_dict(a)["model"]["blocks.0.fc1.weight"]).__name__,
+             type(a.state_dict()["blocks.0.fc1.weight"]).__name__)
+    dcp.save(sp.state_dict(a), checkpoint_id=f"{path}/sharded")
+    dcp.save({"model": a.state_dict()}, checkpoint_id=f"{path}/dtensor")
+    b = make(1)
+    own = sp.state_dict(b)["model"]  # (model.state_dict() names the tied head too: shardplan's holds one of the two)
+    sd = {"model": {k: v for k, v in b.state_dict().items() if k in own}}
+    dcp.load(sd, checkpoint_id=f"{path}/sharded")
+    b.load_state_dict(sd["model"], strict=False)
+    c = make(2)
+    sd = sp.state_dict(c)
+    dcp.load(sd, checkpoint_id=f"{path}/dtensor")
+    sp.load_state_dict(c, sd)
+    got_b, got_c = sp.full_state_dict(b), sp.full_state_dict(c)
+    return kinds, all(torch.equal(got_b[n], t) and torch.equal(got_c[n], t) for n, t in want.items())
+
+
+@pytest.mark.timeout(200)
+def test_sharded_tensor_and_dtensor_checkpoints_are_one_format(tmp_path):
+    for kinds, equal in run(_one_format_worker, 2, str(tmp_path), timeout=190):
+        assert kinds == ("ShardedTensor", "DTensor") and equal

@@ -504,3 +504,89 @@ def test_cli_rehearse_capture():
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout)
     assert d["captured"] and len(d["step_s"]) == 2
+
+
+# -- a real tensor-parallel run after a rehearsal, in the same process and in processes forked from it ---------
+
+def _tp_plan(strategy: str):
+    with torch.device("meta"):
+        model = gpt.build("tiny")
+    return sp.plan(model, __import__("gpt_rules_tp").rules, sp.Mesh(dp=2, tp=2), compute_axes="tp", units=[r"layers\.\d+"],
+                   min_unit_bytes=0, strategy=strategy)
+
+
+_TP_DATA = [(torch.arange(32).view(4, 8) * (k + 3) % 256, torch.arange(32).view(4, 8) * (k + 5) % 256)
+            for k in range(2)]
+
+
+def _rehearse_tp(rank: int, strategy: str) -> None:
+    sp.rehearse(lambda: gpt.build("tiny"), _tp_plan(strategy), rank=rank, batch=(2, 8), steps=1)
+
+
+def _real_tp_worker(rank, world, rehearse_first):
+    """Real tensor-parallel training (gloo, dp=2 x tp=2, DTensor modules) of a plan whose process groups are
+    made in another number than the rehearsals' (no_shard): the losses, averaged over the data ranks."""
+    import torch.distributed as dist
+    if rehearse_first:  # two rehearsals in this process, then a real run in it
+        _rehearse_tp(rank, "optim_grads_params")
+        _rehearse_tp(rank, "optim")
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    plan = _tp_plan("no_shard")
+    model = sp.shard(_tp_model(), plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    i, n = plan.data_index(rank), plan.data_size
+    losses = []
+    for x, y in _TP_DATA:
+        loss = model(x.chunk(n)[i], y.chunk(n)[i])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def _rehearse_then_fork_real() -> None:
+    """This process rehearses (a fresh interpreter: pytest's own must not), then forks the real run's ranks."""
+    _rehearse_tp(3, "optim_grads_params")
+    print(json.dumps(run(_real_tp_worker, 4, False, timeout=150)))
+
+
+def _tp_model():
+    model = gpt.build("tiny")
+    model.init_weights(0)
+    return model
+
+
+def _tp_reference() -> list[float]:
+    model = _tp_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for x, y in _TP_DATA:
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("where", ["same process", "forked"])
+def test_real_tensor_parallel_run_after_a_rehearsal(where):
+    """DTensor caches sharding propagation process-wide, keyed by meshes that compare equal by shape and names:
+    a rehearsal's (fake, destroyed) meshes must never come back to a later real run of the same mesh shape whose
+    groups are made in another order ("Could not resolve the process group registered under the name 12")."""
+    if where == "same process":
+        results = run(_real_tp_worker, 4, True, init=False, timeout=200)
+    else:
+        code = (f"import sys; sys.path[:0] = [{os.path.join(ROOT, 'src')!r}, {os.path.join(ROOT, 'tests')!r}]; "
+                f"import test_rehearse; test_rehearse._rehearse_then_fork_real()")
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=200,
+                           env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+        assert p.returncode == 0, p.stderr[-3000:]
+        results = json.loads(p.stdout.strip().splitlines()[-1])
+    want = _tp_reference()
+    for losses in results:
+        assert losses == pytest.approx(want, abs=1e-5)

@@ -285,17 +285,24 @@ def build_groups(plan, rank: int, backend: str, timeout_s: float) -> Groups:
 REHEARSAL_BACKEND = "fake"
 
 
+_REHEARSALS = itertools.count(1)
+_rehearsal = ""
+"""The running rehearsal's tag (``""``: none), unique in this process and in processes forked from it."""
+
+
 def start_rehearsal(rank: int, world: int) -> None:
     """Make this process rank ``rank`` of a ``world``-rank process group whose collectives do not
     communicate (torch's fake process group: outputs keep their shape and dtype, nothing is sent).
 
     [Note: the fake store implements no keys, so nothing that goes through the store (the start-up
     exchange, an error report) can run: :func:`rehearsing` tells start-up to check locally only]"""
+    global _rehearsal
     from torch.testing._internal.distributed.fake_pg import FakeStore
     if dist.is_initialized():
         raise RuntimeShardingError("a rehearsal makes its own (fake) process group, but one is already initialised "
                                    "in this process; rehearse in a process without torch.distributed.init_process_group")
     dist.init_process_group(REHEARSAL_BACKEND, store=FakeStore(), rank=rank, world_size=world)
+    _rehearsal = f"rehearsal{next(_REHEARSALS)}"
 
 
 def rehearsing() -> bool:
@@ -304,40 +311,27 @@ def rehearsing() -> bool:
 
 
 def end_rehearsal() -> None:
+    global _rehearsal
     if rehearsing():
         dist.destroy_process_group()
-        forget_dtensor_caches()
+    _rehearsal = ""
 
 
-def forget_dtensor_caches() -> None:
-    """Empty DTensor's process-wide caches of sharding propagation and redistribution plans.
+def mesh_dim_names(axis_names) -> tuple[str, ...]:
+    """The dimension names of a ``DeviceMesh`` shardplan builds over mesh axes ``axis_names``: the axis names,
+    and during a rehearsal the axis names tagged with it (``"tp@rehearsal1"``).
 
-    [Note: they are keyed by specs whose meshes compare equal by shape and names, and a hit returns specs
-    over the *cached* mesh, with its process groups. After a rehearsal (a fake process group, destroyed at
-    its end) a real run of the same mesh shape in this process, or in a process forked from it, would get
-    the rehearsal's meshes back and fail ("Could not resolve the process group registered under the name
-    12"). Only torch's private caches are touched; where torch has none of them this does nothing]"""
-    try:
-        from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor import _redistribute
-    except Exception:  # noqa: BLE001 - torch without DTensor
-        return
-    prop = DTensor._op_dispatcher.sharding_propagator
-    for fn in (getattr(prop, "propagate_op_sharding", None), getattr(prop, "_propagate_tensor_meta_cached", None),
-               getattr(_redistribute, "_gen_transform_infos", None)):
-        clear = getattr(fn, "cache_clear", None)
-        if clear is not None:
-            clear()
-    # the redistribution planners, keyed by weak references to meshes that compare equal by shape and names:
-    # each planner holds its mesh (and so its process groups) alive, and a later equal mesh finds it
-    clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
-    if clear_planners is not None:
-        clear_planners()
-    try:  # mesh topologies for the cost model, cached per mesh the same way
-        from torch.distributed.tensor._collective_utils import MeshTopoInfo
-        MeshTopoInfo.build_from_mesh.cache_clear()
-    except (ImportError, AttributeError):
-        pass
+    [Note: DTensor caches sharding propagation and redistribution plans for the whole process, keyed by
+    specs whose ``DeviceMesh`` compares equal by its ranks, device type and dimension names, not by its
+    process groups; a hit hands back the cached specs with *their* mesh, which finds its groups by name.
+    A rehearsal's groups are gone when it ends, and a later run of the same mesh shape (in this process or
+    one forked from it) that creates its groups in another order or number would get the rehearsal's
+    meshes back: "Could not resolve the process group registered under the name 12" (or, where that name was
+    made again, another group's). Named apart, a rehearsal's meshes equal no later mesh, so its cache
+    entries are never hit again (they stay, unused: DTensor has no public way to drop them). Two real runs
+    of one process, each with its own default process group, share the hazard; torch's own meshes do too]"""
+    names = tuple(axis_names)
+    return tuple(f"{a}@{_rehearsal}" for a in names) if _rehearsal and rehearsing() else names
 
 
 # -- start-up exchange ---------------------------------------------------------------------------------

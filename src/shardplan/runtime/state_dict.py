@@ -11,13 +11,14 @@ Otherwise ``model.state_dict()`` raises :class:`CheckpointError` naming the para
 
 ``model.load_state_dict`` takes DTensors (any mesh or placement: redistributed or gathered), full plain
 tensors (what ``set_model_state_dict`` hands it) and this rank's plain local shards, for any layout.
+Both conversions are :mod:`.dcp_values`'s (the one converter shardplan's own checkpoints use too); this
+module installs them as the module's and optimizer's state-dict hooks.
 """
 
 from __future__ import annotations
 
 import atexit
 import gc
-import math
 import weakref
 from typing import Optional
 
@@ -25,7 +26,8 @@ import torch
 import torch.nn as nn
 
 from ..errors import CheckpointError
-from .. import layout as L
+from . import collectives as C
+from .dcp_values import describe, dtensor_piece, dtensor_value, local_box
 from .dtensor_params import plain
 from .tensor_parallel import full_device_mesh
 
@@ -34,75 +36,6 @@ _WAYS_OUT = ("save and load sharded checkpoints with shardplan.state_dict(model,
              "shardplan.checkpoint.load), export with shardplan.full_state_dict(model), or plan with "
              "layout=\"chunked\" (shardplan.plan(..., layout=\"chunked\")), whose shards are torch.chunk pieces "
              "as with FSDP2")
-
-
-def _fmt(box) -> str:
-    return "nothing" if box is None else "[" + ", ".join(f"{s.start}:{s.stop}" for s in box) + "]"
-
-
-def dtensor_piece(global_shape, mesh_shape, coord, placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(local shape, global offset)`` of the piece DTensor gives the rank at ``coord``: each ``Shard(d)``, in
-    mesh-dimension order, keeps the rank's ``torch.chunk`` piece of what is left of dimension ``d``
-    (DTensor's own rule, written out: torch's helper for it is private and changed across releases)."""
-    shape, off = list(global_shape), [0] * len(global_shape)
-    for n, c, placement in zip(mesh_shape, coord, placements):
-        d = getattr(placement, "dim", None)
-        if d is None:  # Replicate
-            continue
-        chunk = -(-shape[d] // n)
-        start = min(chunk * c, shape[d])
-        off[d] += start
-        shape[d] = min(chunk, shape[d] - start)
-    return tuple(shape), tuple(off)
-
-
-def _dtensor_box(global_shape, mesh_shape, coord, placements) -> Optional[tuple[slice, ...]]:
-    """The global box DTensor gives the rank at ``coord`` (``None``: an empty piece)."""
-    shape, off = dtensor_piece(global_shape, mesh_shape, coord, placements)
-    if math.prod(shape) == 0 and len(shape):
-        return None
-    return tuple(slice(o, o + s) for o, s in zip(off, shape))
-
-
-def describe(plan) -> dict[str, tuple[Optional[tuple], str]]:
-    """``{name: (placements, "")}`` for every parameter whose plan boxes are DTensor placements, and
-    ``{name: (None, why)}`` for the others. Pure: every rank decides alike."""
-    from torch.distributed.tensor import Replicate, Shard
-    mesh = plan.mesh
-    mesh_shape = [s for _, s in mesh.axes]
-    coords = [[mesh.axis_index(r, (a,)) for a in mesh.axis_names] for r in range(mesh.size)]
-    out: dict[str, tuple[Optional[tuple], str]] = {}
-    seen: dict[tuple, tuple[Optional[tuple], str]] = {}
-    for p in plan.params:
-        shape = p.global_shape
-        placements, why = [], ""
-        for a in mesh.axis_names:
-            dims = [d for d in range(len(shape)) if a in p.spec.dim_axes(d)]
-            if len(dims) > 1:
-                why = f"mesh axis {a!r} shards dims {dims}"
-            placements.append(Shard(dims[0]) if dims else Replicate())
-        layout = plan.buffers[p.buffer].layout
-        # [Note: a chunked box depends on the shape and spec only; a contiguous one on the offset too]
-        key = (shape, p.spec, p.tp_dim, p.tp_axis, layout) if layout != L.CONTIGUOUS else None
-        if not why and key in seen:
-            out[p.name] = seen[key]
-            continue
-        if not why:
-            for r, coord in enumerate(coords):
-                have = plan.local_slices(p.name, r)
-                if have is not None and any(s.stop <= s.start for s in have):
-                    have = None
-                want = _dtensor_box(shape, mesh_shape, coord, placements)
-                if have != want:
-                    kind = "packs whole rows contiguously" if layout == L.CONTIGUOUS else "splits it"
-                    why = (f"the plan {kind} (layout {layout!r}, spec {p.spec!r}): rank {r} holds {_fmt(have)}, "
-                           f"where a DTensor {tuple(placements)} would hold {_fmt(want)}")
-                    break
-        res = (None, why) if why else (tuple(placements), "")
-        out[p.name] = res
-        if key is not None and not why:
-            seen[key] = res
-    return out
 
 
 class StateDictHooks:
@@ -141,7 +74,7 @@ class StateDictHooks:
         from torch.distributed.device_mesh import DeviceMesh
         for m in meshes.values():  # tensor parallelism built one already: its slices share the root
             root = m._get_root_mesh() if hasattr(m, "_get_root_mesh") else None
-            if root is not None and root.mesh_dim_names == self.plan.mesh.axis_names:
+            if root is not None and root.mesh_dim_names == C.mesh_dim_names(self.plan.mesh.axis_names):
                 return root
         mesh = self.plan.mesh
         groups = [self.exe.groups.axis(a).pg for a in mesh.axis_names]
@@ -149,7 +82,8 @@ class StateDictHooks:
             return full_device_mesh(self.plan, self.exe.device)  # a group of one has no process group: build one
         shape = [s for _, s in mesh.axes]
         return DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], self.exe.device.type,
-                                     mesh=torch.arange(mesh.size).view(shape), mesh_dim_names=mesh.axis_names)
+                                     mesh=torch.arange(mesh.size).view(shape),
+                                     mesh_dim_names=C.mesh_dim_names(mesh.axis_names))
 
     def _refuse(self, name: str) -> CheckpointError:
         why = self.layout[name][1]
@@ -169,7 +103,7 @@ class StateDictHooks:
 
     # -- state_dict --------------------------------------------------------------------------------------
     def value(self, name: str, lp: torch.Tensor) -> torch.Tensor:
-        """This rank's shard ``lp`` of ``name`` as a DTensor view (zero copy)."""
+        """This rank's shard ``lp`` of ``name`` as a DTensor view (zero copy: ``dcp_values.dtensor_value``)."""
         from torch.distributed.tensor import DTensor
         if isinstance(lp, DTensor):  # a DTensor parameter already (dtensor_params.py), or a DTensor optimizer state
             return lp.detach()
@@ -177,41 +111,13 @@ class StateDictHooks:
             raise self._refuse(name if self.layout[name][0] is None else self.bad)
         self._hosted(name)
         p = self.plan.param(name)
-        local = lp.detach()
-        shape = self.local_shape[p.name]
-        if tuple(local.shape) != tuple(shape):  # an empty piece: the plan's (0, ...) vs DTensor's zero on dim d
-            local = local.reshape(shape)
-        g = torch.Size(p.global_shape)
-        stride = tuple(math.prod(g[d + 1:]) for d in range(len(g)))
-        return DTensor.from_local(local, self.mesh, self.layout[p.name][0], run_check=False, shape=g, stride=stride)
+        return dtensor_value(lp, self.mesh, self.layout[p.name][0], p.global_shape, self.local_shape[p.name])
 
     # -- load_state_dict ---------------------------------------------------------------------------------
     def local_value(self, name: str, key: str, v, lp: torch.Tensor):
-        """What ``load_state_dict`` copies into ``lp`` for a saved value ``v``: this rank's box of it."""
-        from torch.distributed.tensor import DTensor
-        p = self.plan.param(name)
-        box = self.plan.local_slices(p.name, self.exe.rank)
-        if not isinstance(v, torch.Tensor):
-            return v
-        if tuple(v.shape) != p.global_shape and (isinstance(v, DTensor) or tuple(v.shape) != tuple(lp.shape)):
-            raise CheckpointError(f"load_state_dict: {key!r} has shape {tuple(v.shape)}; the parameter's global shape "
-                                  f"is {p.global_shape} (this rank's shard: {tuple(lp.shape)})")
-        if isinstance(v, DTensor):
-            placements = self.layout[p.name][0]
-            if self.mesh is not None and v.device_mesh == self.mesh:
-                if tuple(v.placements) != placements:
-                    v = v.redistribute(self.mesh, placements)
-                local = v.to_local()
-            else:  # another mesh or a layout DTensor cannot describe: every rank gathers it and cuts its box
-                full = v.full_tensor()
-                local = None if box is None else full[box]
-        elif tuple(v.shape) == p.global_shape:
-            local = None if box is None else v[box]  # a full tensor (torch's full/broadcast loading gives these)
-        else:
-            return v  # this rank's plain local shard
-        if local is None or local.numel() == 0:
-            return lp.detach()  # this rank holds none of it: nothing to copy
-        return local.reshape(lp.shape)
+        """What ``load_state_dict`` copies into ``lp`` for a saved value ``v``: this rank's box of it
+        (``dcp_values.local_box``)."""
+        return local_box(self.plan, self.exe.rank, name, key, v, lp, self.mesh, self.layout[self.plan.param(name).name][0])
 
     # -- installation ------------------------------------------------------------------------------------
     def install(self, module: nn.Module) -> list:

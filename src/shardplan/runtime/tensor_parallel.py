@@ -40,16 +40,18 @@ def active_modules(plan) -> list[TPModule]:
 
 def full_device_mesh(plan, device: torch.device):
     """One ``DeviceMesh`` over the plan's whole mesh, dimensions named like its axes (every rank builds
-    it: it creates process groups)."""
+    it: it creates process groups; a rehearsal's names are tagged: ``collectives.mesh_dim_names``)."""
     from torch.distributed.device_mesh import DeviceMesh
     shape = [s for _, s in plan.mesh.axes]
-    return DeviceMesh(device.type, torch.arange(plan.mesh.size).view(shape), mesh_dim_names=plan.mesh.axis_names)
+    return DeviceMesh(device.type, torch.arange(plan.mesh.size).view(shape),
+                      mesh_dim_names=C.mesh_dim_names(plan.mesh.axis_names))
 
 
 def device_meshes(plan, device: torch.device) -> dict:
-    """:func:`full_device_mesh` sliced per compute axis."""
+    """:func:`full_device_mesh` sliced per compute axis (keyed by the plan's axis names)."""
     full = full_device_mesh(plan, device)
-    return {a: full[a] for a in plan.compute_axes}
+    names = dict(zip(plan.mesh.axis_names, full.mesh_dim_names))
+    return {a: full[names[a]] for a in plan.compute_axes}
 
 
 def param_wrappers(plan, meshes: dict) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:

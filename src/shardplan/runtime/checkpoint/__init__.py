@@ -10,8 +10,9 @@
 
 One job per module:
 
-* :mod:`.values` -- local shards and optimizer states <-> DCP values (``state_dict``, ``load_state_dict``,
-  ``sharded_value``, which the functional face's trees use too);
+* :mod:`.values` -- the model's and optimizer's state dicts for DCP (``state_dict``, ``load_state_dict``),
+  each value converted by :mod:`shardplan.runtime.dcp_values` (``sharded_value``, which the functional
+  face's trees use too);
 * :mod:`.dcp_io` -- checkpoint directories: DCP save/load, atomic publish, the metadata check
   (``save``, ``load``, ``save_tree``, ``load_tree``);
 * :mod:`.async_io` -- ``async_save``: host copies, DCP's background write, publish once every rank wrote

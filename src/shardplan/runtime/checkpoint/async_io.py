@@ -42,6 +42,7 @@ import torch.nn as nn
 from ...errors import CheckpointError
 from .. import collectives as C
 from ..builder import engine_of
+from ..dcp_values import over_copies, value_tensors
 from .values import quiet_sharded_tensor, state_dict
 from . import dcp_io
 from .run_state import RunState, saved_entries
@@ -215,49 +216,6 @@ class _HostCopies:
 _COPIES: "weakref.WeakKeyDictionary[nn.Module, _HostCopies]" = weakref.WeakKeyDictionary()
 
 
-def _leaves(sd: dict, prefix: str = ""):
-    """``[(flat key, tensor)]`` of a state dict: plain tensors and ``ShardedTensor`` local shards."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-    out = []
-    for k, v in sd.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out += _leaves(v, key + ".")
-        elif isinstance(v, ShardedTensor):
-            out += [(f"{key}#{i}", s.tensor) for i, s in enumerate(v.local_shards())]
-        elif isinstance(v, torch.Tensor):
-            out.append((key, v))
-    return out
-
-
-def _rebuild(sd: dict, slots: dict, prefix: str = "") -> dict:
-    """``sd`` with every tensor replaced by its staged copy. A ``ShardedTensor`` keeps its boxes and group;
-    its placements and properties say where the copies are (``cpu``; pinned or not), as torch checks."""
-    import dataclasses
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
-    out = {}
-    for k, v in sd.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out[k] = _rebuild(v, slots, key + ".")
-        elif isinstance(v, ShardedTensor):
-            md = v.metadata()
-            local = [(slots[f"{key}#{i}"], tuple(s.metadata.shard_offsets)) for i, s in enumerate(v.local_shards())]
-            pinned = bool(local) and local[0][0].is_pinned()
-            boxes = [ShardMetadata(list(m.shard_offsets), list(m.shard_sizes), f"rank:{m.placement.rank()}/cpu")
-                     for m in md.shards_metadata]
-            by_offset = {tuple(m.shard_offsets): m for m in boxes if m.placement.rank() == dist.get_rank()}
-            meta = ShardedTensorMetadata(boxes, md.size, dataclasses.replace(md.tensor_properties, pin_memory=pinned))
-            out[k] = ShardedTensor._init_from_local_shards_and_global_metadata(
-                [Shard(t, by_offset[off]) for t, off in local], meta, process_group=v._process_group)
-        elif isinstance(v, torch.Tensor):
-            out[k] = slots[key]
-        else:
-            out[k] = v
-    return out
-
-
 class _Writer(dcp.FileSystemWriter):
     """DCP's file writer that stages through :class:`_HostCopies` (DCP's ``AsyncStager`` protocol: it is
     asked for the training-safe copy on the caller's thread) and writes once the GPU copies are done."""
@@ -270,10 +228,9 @@ class _Writer(dcp.FileSystemWriter):
         self._copies, self.copied = copies, None
 
     def stage(self, sd):
-        with quiet_sharded_tensor():
-            tensors = _leaves(sd)
-            self.copied = self._copies.copy(tensors)
-            return _rebuild(sd, self._copies.slots)
+        tensors = value_tensors(sd)
+        self.copied = self._copies.copy(tensors)
+        return over_copies(sd, self._copies.slots, dist.get_rank())
 
     def synchronize_staging(self) -> None:
         pass

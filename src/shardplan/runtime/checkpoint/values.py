@@ -5,14 +5,14 @@
 
 A sharded value is a ``ShardedTensor`` whose shards are the boxes ``plan.local_slices`` gives every
 rank of the parameter's shard group; a replicated one is the plain local tensor. The local shard
-tensors *are* the parameters and optimizer states, so DCP loads straight into them.
+tensors *are* the parameters and optimizer states, so DCP loads straight into them. The conversion both
+ways is :mod:`shardplan.runtime.dcp_values`'s (``sharded_value``, ``local_of``), the one converter that
+``model.state_dict()``'s DTensors come from too; this module walks the model and optimizer.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import warnings
 from typing import Any, Optional
 
 import torch
@@ -20,93 +20,11 @@ import torch.nn as nn
 
 from ...errors import CheckpointError
 from ..builder import engine_of, groups_for
+from ..dcp_values import local_of, own_storage, quiet_sharded_tensor, sharded_value  # noqa: F401 (re-exported)
 from ..dtensor_params import plain
 from .full import _persistent_buffers
 from .. import collectives as C
 from ...rules import leaves_with_paths
-
-
-@contextlib.contextmanager
-def quiet_sharded_tensor():
-    """Silence torch's ``ShardedTensor`` deprecation warnings inside the block only.
-
-    >>> with quiet_sharded_tensor():
-    ...     dcp.save(sd, checkpoint_id=path)
-
-    [Note: ``catch_warnings`` restores ``warnings.filters`` on exit, so the user's own filters are never
-    changed; it is process-global while it lasts, which is fine for the synchronous calls it wraps]
-    """
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*ShardedTensor.*")
-        yield
-
-
-def own_storage(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with a storage of its own over the same memory (zero-copy) where it is a CPU tensor viewing
-    part of a larger storage, as every parameter in a flat buffer does; otherwise ``t`` itself.
-
-    >>> own_storage(flat[10:20]).untyped_storage().nbytes()   # 10 elements' bytes, flat's memory
-
-    [Note: DCP's file writer clones every CPU tensor whose storage is larger than the tensor (``torch.save``
-    would write the whole storage). For shardplan's local shards that was a copy of every parameter on every
-    save (1.9 GB per rank for a 1B model at world 2), allocated fresh, page faults and all, one tensor at a
-    time: the one systematic difference from FSDP2 + DCP, whose sharded parameters own their storage. DCP's
-    loads copy into the tensors, so they never needed this]
-    """
-    if t.device.type != "cpu" or t.numel() == 0 or not t.is_contiguous():
-        return t
-    storage = t.untyped_storage()
-    if storage.nbytes() == t.nbytes:
-        return t
-    start = t.storage_offset() * t.element_size()
-    return torch.empty(0, dtype=t.dtype).set_(storage[start:start + t.nbytes], 0, t.shape, t.stride())
-
-
-def sharded_value(plan, groups, rank: int, name: str, local: torch.Tensor):
-    """``local`` (``rank``'s box of parameter ``name``, or a state tensor shaped like it) as a DCP value:
-    a ``ShardedTensor`` whose shards are the boxes ``plan.local_slices`` gives each rank of the group,
-    or ``local`` itself where no axis splits ``name``.
-
-    >>> sharded_value(plan, groups, rank, "layers.0.w", local)   # ShardedTensor of global shape
-    """
-    with quiet_sharded_tensor():
-        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
-        from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-
-    local = own_storage(local)
-    p = plan.param(name)
-    axes = plan.owner_axes(name)  # the buffer's shard axes, and the compute axis sharding it
-    group = groups.gather(axes) if axes else None
-    if group is None or group.size == 1:
-        return local
-    dev = local.device.type if local.device.type == "cpu" else f"cuda:{local.device.index}"
-    mds, mine = [], None
-    for r in plan.mesh.group_of(rank, axes):
-        box = plan.local_slices(name, r)
-        if box is None:
-            continue
-        # [Note: placements name *global* ranks: under HSDP a shard group is a sub-group ([2, 3] say), and
-        # torch maps the placement's global rank into the group]
-        md = ShardMetadata([s.start for s in box], [s.stop - s.start for s in box], f"rank:{r}/{dev}")
-        mds.append(md)
-        if r == rank:
-            mine = md
-    props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
-                             memory_format=torch.contiguous_format, pin_memory=False)
-    meta = ShardedTensorMetadata(mds, torch.Size(p.global_shape), props)
-    shards = [Shard(local, mine)] if mine is not None else []
-    with quiet_sharded_tensor():
-        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta, process_group=group.pg)
-
-
-def local_of(v):
-    """This rank's tensor of a DCP value (``None``: a ``ShardedTensor`` of which this rank holds nothing)."""
-    with quiet_sharded_tensor():
-        from torch.distributed._shard.sharded_tensor import ShardedTensor
-        if isinstance(v, ShardedTensor):
-            shards = v.local_shards()
-            return shards[0].tensor if shards else None
-    return v
 
 
 def _jsonable(v):
