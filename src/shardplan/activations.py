@@ -113,10 +113,14 @@ def unit_entries(model, units: Sequence[tuple[str, Sequence[str]]]) -> dict[str,
     return out
 
 
-def checkpoint_units(model, entries: dict[str, list[str]]) -> list:
+def checkpoint_units(model, entries: dict[str, list[str]], recompute_mode=None) -> list:
     """Wrap each unit's entry modules' forward in ``torch.utils.checkpoint`` (non-reentrant): activation
-    checkpointing per unit. Returns ``[(module, original forward)]`` to undo it (:func:`undo_checkpoint`)."""
+    checkpointing per unit. Returns ``[(module, original forward)]`` to undo it (:func:`undo_checkpoint`).
+    ``recompute_mode``: makes a context manager the recompute in backward runs under (checkpoint's
+    ``context_fn``): a ``TorchFunctionMode`` active around the step is not active in the backward."""
+    import contextlib
     import torch.utils.checkpoint as ckpt
+    extra = {} if recompute_mode is None else {"context_fn": lambda: (contextlib.nullcontext(), recompute_mode())}
     done = []
     for paths in entries.values():
         for p in paths:
@@ -124,7 +128,7 @@ def checkpoint_units(model, entries: dict[str, list[str]]) -> list:
             original = m.forward
 
             def wrapped(*args, _f=original, **kwargs):
-                return ckpt.checkpoint(_f, *args, use_reentrant=False, **kwargs)
+                return ckpt.checkpoint(_f, *args, use_reentrant=False, **extra, **kwargs)
             m.forward = wrapped
             done.append((m, original))
     return done
@@ -222,7 +226,12 @@ def _run(model, trace, entries: dict[str, list[str]], checkpointed: bool,
 
     run = _Run(model, entries, finished)
     handles = run.hooks()
-    undo = checkpoint_units(model, entries) if checkpointed else []
+    # [Note: the fused stand-in in backward] torch runs the backward with no TorchFunctionMode active (the mode
+    # handles the backward call itself, with itself off the stack), so each unit's recompute enters the mode
+    # again (checkpoint's context_fn). A model's own checkpointing recomputes with torch's attention (on meta:
+    # the math path), and so does nn.MultiheadAttention's attention (the mode sees multi_head_attention_forward,
+    # not the call inside it)
+    undo = checkpoint_units(model, entries, _fused_mode) if checkpointed else []
     fused = _fused_mode()
     args, kwargs = training_call(model, *trace_args(trace))  # as a training step calls it (no KV cache)
     # a leaf input that takes a gradient stays one (its copy to meta would send the gradient back to its device)
