@@ -167,8 +167,8 @@ def _train(rank, world, meshes):
         recorded = (ops == list(plan.ops()), collections.Counter(ops) == collections.Counter(plan.ops()),
                     sum(o.in_module and o.axes == ("cp",) for o in ops))
         q = torch.zeros(1, 1, 8, 4)
-        for call, says in ((lambda: sp.context_parallel.attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool)),
-                            "attn_mask"),
+        mask = torch.ones(8, 8, dtype=torch.bool)
+        for call, says in ((lambda: sp.context_parallel.attention(q, q, q, attn_mask=mask), "attn_mask"),
                            # a model's own F.scaled_dot_product_attention would attend over local chunks only
                            (lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True),
                             "called directly while context parallelism is on")):

@@ -152,8 +152,9 @@ def _fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sc
     import torch
     gqa = kw.pop("enable_gqa", False)
     if q.dim() != 4 or (gqa and attn_mask is not None):  # (inside the mode's handler: torch's own function)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                        **({"enable_gqa": gqa} if gqa else {}), **kw)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                                is_causal=is_causal, scale=scale,
+                                                                **({"enable_gqa": gqa} if gqa else {}), **kw)
     if attn_mask is None:
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
     if attn_mask.dtype == torch.bool:

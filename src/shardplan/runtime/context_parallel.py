@@ -5,7 +5,8 @@ The sequence is cut into ``2*cp`` equal chunks; rank ``i`` holds chunks ``i`` an
 the causal mask every rank has the same work (an early chunk attends to little, its partner to much).
 The training loop shards a batch with :func:`shard_batch` (its positions are those of the full
 sequence) and the model's attention calls :func:`attention` instead of
-``F.scaled_dot_product_attention``; outside a sharded model with ``cp > 1`` that is the plain call::
+``F.scaled_dot_product_attention``; outside the forward and backward of a sharded model with ``cp > 1`` that is
+the plain call::
 
     x, y, pos = sp.context_parallel.shard_batch(plan, rank, x, y)   # [B/dp, T/cp] each, pos: [T/cp]
     loss = model(x, y, positions=pos)                                # mean over this rank's tokens
@@ -351,8 +352,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None,
     g = active()
     if g is None or tracing():  # (the planner's traced step: one rank's shapes, no collective)
         with cp_attention():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                           **kwargs)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                  is_causal=is_causal, scale=scale, **kwargs)
     if attn_mask is not None:
         raise RuntimeShardingError("context-parallel attention got an attn_mask: a mask over the full sequence cannot "
                                    "be honoured on sequence chunks here; use is_causal=True (or no mask), or train "
