@@ -22,7 +22,6 @@ compute the same function).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import os
 import statistics
@@ -106,15 +105,13 @@ def main():
                 model = build(kind, config, args.seq, dev, state)
                 sp.shard(model, plan_for(kind, s, model, dt))
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-                # [Note: shard() of a plan whose cp group is real makes attention context-parallel for the
-                # process, and nothing undoes it; every other system runs inside disabled() so that an earlier
-                # cp1_forced system does not leak into it]
-                ctx = None if s == "cp1_forced" else sp.context_parallel.disabled
+                # (a cp group is the sharded model's: attention is context-parallel only while that model runs,
+                # so an earlier cp1_forced system does not leak into the next)
+                ctx = None
                 forced = s.endswith("_forced") and not s.startswith("plain")
-                with (ctx() if ctx else contextlib.nullcontext()):   # the path the steps below will take
-                    eg = sp.expert_parallel.group_of(model.layers[0].moe.experts) if kind == "moe" else None
-                    took = sp.context_parallel.active() is not None if kind == "gpt" else \
-                        eg is not None and eg.group.pg is not None
+                eg = sp.expert_parallel.group_of(model.layers[0].moe.experts) if kind == "moe" else None
+                took = sp.context_parallel.group_of(model) is not None if kind == "gpt" else \
+                    eg is not None and eg.group.pg is not None   # the path the steps below will take
                 assert took == forced, f"{kind} {s}: the cp/ep path taken ({took}) is not the one measured ({forced})"
                 times, losses, _ = run_steps(model, opt, ctx, data, dev)
                 res[s]["times"] += times[args.warmup:]

@@ -155,8 +155,7 @@ def _train(rank, world, meshes):
             t = loss.detach().clone()
             torch.distributed.all_reduce(t)
             losses.append(t.item() / world)
-            with sp.context_parallel.disabled():
-                r = ref(x, y)
+            r = ref(x, y)                 # plain: the cp group is bound to `model`, only while it runs
             r.backward()
             torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
             ref_opt.step()
@@ -167,15 +166,17 @@ def _train(rank, world, meshes):
         opt.zero_grad()
         recorded = (ops == list(plan.ops()), collections.Counter(ops) == collections.Counter(plan.ops()),
                     sum(o.in_module and o.axes == ("cp",) for o in ops))
-        with pytest.raises(sp.RuntimeShardingError, match="attn_mask"):
-            q = torch.zeros(1, 1, 8, 4)
-            sp.context_parallel.attention(q, q, q, attn_mask=torch.ones(8, 16, dtype=torch.bool))
-        # a model's own F.scaled_dot_product_attention would attend over local chunks only: refused, not wrong
         q = torch.zeros(1, 1, 8, 4)
-        with pytest.raises(sp.RuntimeShardingError, match="called directly while context parallelism is on"):
-            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-        with sp.context_parallel.disabled():
-            assert torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).shape == q.shape
+        mask = torch.ones(8, 8, dtype=torch.bool)
+        for call, says in ((lambda: sp.context_parallel.attention(q, q, q, attn_mask=mask), "attn_mask"),
+                           # a model's own F.scaled_dot_product_attention would attend over local chunks only
+                           (lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True),
+                            "called directly while context parallelism is on")):
+            h = model.layers[0].register_forward_pre_hook(lambda *_, _c=call: _c() and None)  # inside its forward
+            with pytest.raises(sp.RuntimeShardingError, match=says):
+                model(xs, ys, positions=pos)
+            h.remove()
+            assert call().shape == q.shape                      # outside the model's step: the plain call
         out.append((text, losses, ref_losses, recorded))
     # once the context-parallel model is gone, attention is plain again: nothing of it stays in the process
     import gc
@@ -212,6 +213,99 @@ def test_train_gpt_example_with_cp_equals_one_process(tmp_path):
     from example_runs import losses
     one = losses(tmp_path, 1, "examples/train_gpt.py", "--steps", "5")
     assert losses(tmp_path, 4, "examples/train_gpt.py", "--steps", "5", "--mesh", "dp=2,cp=2") == pytest.approx(one, abs=1e-5)
+
+
+def _checkpointed_attention(model):
+    """Each layer's attention under activation checkpointing, inside its module's forward: the recompute in
+    backward calls attention() again with no module hook of the model running."""
+    from torch.utils.checkpoint import checkpoint
+    for layer in model.layers:
+        inner = layer.attention.forward
+        layer.attention.forward = lambda x, _f=inner: checkpoint(_f, x, use_reentrant=False)
+    return model
+
+
+def _bound_worker(rank, world):
+    """A cp-sharded model and plain models in one process, no disabled(): the group is the cp model's."""
+    from torch.nn.functional import scaled_dot_product_attention as bound_sdpa
+    F = torch.nn.functional
+    mesh = sp.Mesh(cp=world)
+    model = _checkpointed_attention(gpt.build("tiny").init_weights(0))
+    ref = gpt.build("tiny").init_weights(0)
+    plan = sp.plan(model, gpt_rules.rules_over(mesh), mesh, units=gpt_rules.UNITS, min_unit_bytes=0)
+    sp.shard(model, plan)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    q = torch.randn(1, 2, 8, 4, generator=torch.Generator().manual_seed(5))
+    want = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    out = {"plain": []}
+    g = torch.Generator().manual_seed(1)
+    losses, ref_losses = [], []
+    for _ in range(2):
+        x = torch.randint(0, 256, (2, 32), generator=g)
+        y = torch.roll(x, -1, 1)
+        xs, ys, pos = sp.context_parallel.shard_batch(plan, rank, x, y)
+        loss = model(xs, ys, positions=pos)
+        # between the cp model's forward and its backward (which recomputes attention): plain, not refused
+        out["plain"].append((F.scaled_dot_product_attention(q, q, q, is_causal=True) - want).abs().max().item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(sp.context_parallel.loss_mean(loss, model).item())
+        r = ref(x, y)                      # a plain model after the cp model's step: whole sequences, no disabled()
+        r.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(r.item())
+        out["plain"].append((sp.context_parallel.attention(q, q, q, is_causal=True) - want).abs().max().item())
+        out["plain"].append((F.scaled_dot_product_attention(q, q, q, is_causal=True) - want).abs().max().item())
+    out["losses"] = (losses, ref_losses)
+    out["active after"] = sp.context_parallel.active() is not None
+    out["group"] = sp.context_parallel.group_of(model).size, sp.context_parallel.group_of(ref)
+    # inside the cp model's forward, attention the model computes itself is refused (through F, or a name of its own)
+    attn = model.layers[1].attention
+    inner = attn.forward
+    refused = {}
+    for label, call in (("F", lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True)),
+                        ("bound", lambda: bound_sdpa(q, q, q, is_causal=True)),
+                        ("disabled", lambda: _plain_inside(q))):
+        attn.forward = lambda x, _c=call: (_c(), inner(x))[1]
+        try:
+            model(xs, ys, positions=pos).backward()
+            refused[label] = "ran"
+        except sp.RuntimeShardingError as exc:
+            refused[label] = str(exc)
+        opt.zero_grad()
+    attn.forward = inner
+    out["refused"] = refused
+    out["modes left"] = len(torch.overrides._get_current_function_mode_stack())
+    out["after refusal"] = (F.scaled_dot_product_attention(q, q, q, is_causal=True) - want).abs().max().item()
+    return out
+
+
+def _plain_inside(q):
+    with sp.context_parallel.disabled():
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+
+@pytest.mark.timeout(300)
+def test_cp_group_is_the_models_not_the_process():
+    """A plan with cp > 1 made F.scaled_dot_product_attention raise in the whole process (torch's function
+    replaced by a guard) and every attention() context-parallel, until the model was collected: a plain
+    reference model in the same process ran only inside disabled(). The group is now bound to the sharded
+    model's forward and backward (an activation-checkpointed attention's recompute included): a plain model
+    attends over its whole sequences before, between and after, and inside the cp model's forward the model's
+    own attention is still refused, naming the fix."""
+    for out in run(_bound_worker, 2):
+        assert out["plain"] and max(out["plain"]) == 0.0, out["plain"]
+        losses, ref_losses = out["losses"]
+        assert losses == pytest.approx(ref_losses, abs=1e-5)       # the recompute in backward gathered K/V too
+        assert not out["active after"] and out["group"] == (2, None)
+        for label in ("F", "bound"):
+            assert re.search(r"F.scaled_dot_product_attention was called directly while context parallelism is on "
+                             r"\(cp=2\).*shardplan.context_parallel.attention\(q, k, v, is_causal=True\)",
+                             out["refused"][label]), (label, out["refused"][label])
+        assert out["refused"]["disabled"] == "ran"
+        assert out["modes left"] == 0 and out["after refusal"] == 0.0
 
 
 # -- attention a cp plan cannot see, on models this project did not write ------------------------------------

@@ -359,7 +359,7 @@ def _cp_ep_functional_worker(rank, world):
         want = sp.shard_tree({n: p.grad for n, p in ref.named_parameters()}, plan, rank=rank)
         worst = max([worst] + [(grads[n] - want[n]).abs().max().item() for n in grads if grads[n].numel()])
     out["ep and dp plans in turn"] = (0.0, worst)
-    for what in ("ep", "cp"):  # ep first: a cp plan makes every later attention() in the process context-parallel
+    for what in ("ep", "cp"):  # (the cp group is bound to the model's calls: ref attends plainly outside them)
         if what == "cp":
             mesh = sp.Mesh(cp=world)
             build, rules = (lambda: gpt.build("tiny").init_weights(0)), [(r".*", sp.P("cp"))]
@@ -376,7 +376,7 @@ def _cp_ep_functional_worker(rank, world):
         losses, ref_losses = [], []
         for x in data:
             y = torch.roll(x, -1, 1)
-            with sp.context_parallel.disabled():
+            with sp.context_parallel.disabled():  # (not needed any more: kept, as code written before does)
                 r = ref(x, y)
             r.backward()
             for p in ref.parameters():  # the functional face's convention: an unused parameter's gradient is zero

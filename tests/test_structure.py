@@ -398,3 +398,60 @@ def test_planner_package_is_not_shadowed_and_old_deep_imports_work():
     import subprocess
     import sys
     subprocess.run([sys.executable, "-c", code], check=True, env={"PYTHONPATH": str(SRC), "PATH": ""}, timeout=120)
+
+
+def _torch_names(tree: ast.AST) -> set[str]:
+    """The names a module binds to torch's modules and objects (``import torch``, ``import torch.nn.functional as
+    F``, ``from torch import nn``, ``from torch.nn import Linear``), at any depth."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.asname or a.name.split(".")[0] for a in node.names
+                         if a.name == "torch" or a.name.startswith("torch."))
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module \
+                and (node.module == "torch" or node.module.startswith("torch.")):
+            names.update(a.asname or a.name for a in node.names)
+    return names
+
+
+def _root_name(node: ast.AST):
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def torch_assignments(path: Path) -> list[str]:
+    """Every statement of ``path`` that sets or deletes an attribute of something torch owns (``F.x = ...``,
+    ``torch.nn.Module.x = ...``, ``setattr(torch.x, ...)``, ``del F.x``): patching torch."""
+    tree = ast.parse(path.read_text(), str(path))
+    names = _torch_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") \
+                and node.args:
+            targets = [ast.Attribute(value=node.args[0], attr="?")]
+        else:
+            continue
+        for t in targets:
+            for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t]):
+                if isinstance(e, ast.Attribute) and _root_name(e) in names:
+                    found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)[:80]}")
+    return found
+
+
+def test_nothing_of_torch_is_assigned(tmp_path):
+    """torch's contracts through torch's extension points only (override modes, hooks, autograd functions): no
+    module of the package assigns (or deletes) an attribute of torch (``F.scaled_dot_product_attention = guard``
+    once made attention context-parallel for the whole process). The scan sees the patterns it refuses."""
+    found = [f for path in modules().values() for f in torch_assignments(path)]
+    assert not found, f"torch patched (use a TorchFunctionMode, a module hook or an autograd.Function): {found}"
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\nimport torch.nn.functional as F\nfrom torch import nn\n"
+                   "def f(g):\n    F.scaled_dot_product_attention = g\n    torch.nn.functional.relu = g\n"
+                   "    setattr(nn.Module, 'x', g)\n    nn.Linear.forward, y = g, 1\n"
+                   "    m = nn.Linear(1, 1)\n    m.forward = g\n")          # (an instance's attribute: not torch's)
+    assert sorted(f.split(":")[1] for f in torch_assignments(bad)) == ["5", "6", "7", "8"]

@@ -113,10 +113,14 @@ def unit_entries(model, units: Sequence[tuple[str, Sequence[str]]]) -> dict[str,
     return out
 
 
-def checkpoint_units(model, entries: dict[str, list[str]]) -> list:
+def checkpoint_units(model, entries: dict[str, list[str]], recompute_mode=None) -> list:
     """Wrap each unit's entry modules' forward in ``torch.utils.checkpoint`` (non-reentrant): activation
-    checkpointing per unit. Returns ``[(module, original forward)]`` to undo it (:func:`undo_checkpoint`)."""
+    checkpointing per unit. Returns ``[(module, original forward)]`` to undo it (:func:`undo_checkpoint`).
+    ``recompute_mode``: makes a context manager the recompute in backward runs under (checkpoint's
+    ``context_fn``): a ``TorchFunctionMode`` active around the step is not active in the backward."""
+    import contextlib
     import torch.utils.checkpoint as ckpt
+    extra = {} if recompute_mode is None else {"context_fn": lambda: (contextlib.nullcontext(), recompute_mode())}
     done = []
     for paths in entries.values():
         for p in paths:
@@ -124,7 +128,7 @@ def checkpoint_units(model, entries: dict[str, list[str]]) -> list:
             original = m.forward
 
             def wrapped(*args, _f=original, **kwargs):
-                return ckpt.checkpoint(_f, *args, use_reentrant=False, **kwargs)
+                return ckpt.checkpoint(_f, *args, use_reentrant=False, **extra, **kwargs)
             m.forward = wrapped
             done.append((m, original))
     return done
@@ -147,9 +151,10 @@ def _fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sc
     a mask, or not 4-D, torch's own runs."""
     import torch
     gqa = kw.pop("enable_gqa", False)
-    if q.dim() != 4 or (gqa and attn_mask is not None):
-        return _SDPA[0](q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                        **({"enable_gqa": gqa} if gqa else {}), **kw)
+    if q.dim() != 4 or (gqa and attn_mask is not None):  # (inside the mode's handler: torch's own function)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                                is_causal=is_causal, scale=scale,
+                                                                **({"enable_gqa": gqa} if gqa else {}), **kw)
     if attn_mask is None:
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
     if attn_mask.dtype == torch.bool:
@@ -158,7 +163,19 @@ def _fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sc
                                                                    True, dropout_p, is_causal, scale=scale)[0]
 
 
-_SDPA: list = []
+def _fused_mode():
+    """A ``TorchFunctionMode`` under which ``F.scaled_dot_product_attention`` runs as :func:`_fused_attention`
+    (torch's function itself is left as it is: every call is seen through torch's override protocol, whether the
+    model looked the function up on ``F`` or bound it to a name of its own)."""
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    class FusedAttention(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.scaled_dot_product_attention:
+                return _fused_attention(*args, **(kwargs or {}))
+            return func(*args, **(kwargs or {}))
+    return FusedAttention()
 
 
 class _Tracker:
@@ -210,20 +227,23 @@ def _run(model, trace, entries: dict[str, list[str]], checkpointed: bool,
 
     run = _Run(model, entries, finished)
     handles = run.hooks()
-    undo = checkpoint_units(model, entries) if checkpointed else []
-    import torch.nn.functional as F
-    _SDPA[:] = [F.scaled_dot_product_attention]
-    F.scaled_dot_product_attention = _fused_attention
+    # [Note: the fused stand-in in backward] torch runs the backward with no TorchFunctionMode active (the mode
+    # handles the backward call itself, with itself off the stack), so each unit's recompute enters the mode
+    # again (checkpoint's context_fn). A model's own checkpointing recomputes with torch's attention (on meta:
+    # the math path), and so does nn.MultiheadAttention's attention (the mode sees multi_head_attention_forward,
+    # not the call inside it)
+    undo = checkpoint_units(model, entries, _fused_mode) if checkpointed else []
+    fused = _fused_mode()
     args, kwargs = training_call(model, *trace_args(trace))  # as a training step calls it (no KV cache)
     # a leaf input that takes a gradient stays one (its copy to meta would send the gradient back to its device)
     args, kwargs = tree_map(lambda x: x.detach().to("meta").requires_grad_(x.requires_grad)
                             if isinstance(x, torch.Tensor) else x, (args, kwargs))
     try:
-        run.step(args, kwargs)
+        with fused:
+            run.step(args, kwargs)
     except Exception as exc:
         reraise(model, exc, "the activation profile's traced step" + (" (every unit checkpointed)" if checkpointed else ""))
     finally:
-        F.scaled_dot_product_attention = _SDPA[0]
         for h in handles:
             h.remove()
         undo_checkpoint(undo)

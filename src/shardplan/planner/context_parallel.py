@@ -107,8 +107,7 @@ def trace_calls(model, trace, itemsize: Optional[int], mesh: Mesh) -> tuple[Atte
     stack: list[str] = [""]
     seen: list[AttentionCall] = []
 
-    # the function itself, also while the runtime's guard stands in for it (a plan with cp > 1 sharded here)
-    sdpa = getattr(F.scaled_dot_product_attention, "plain", F.scaled_dot_product_attention)
+    sdpa = F.scaled_dot_product_attention
 
     class Spy(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):

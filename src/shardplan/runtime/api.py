@@ -130,8 +130,9 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
         b.grad_owner = None if dtensor_params else exe  # (DTensor gradients are DTensor's; scalars stay plain)
     exe.handles = install(module, exe, rt.modules_of) + TP.install_styles(module, plan, meshes, exe)
     exe.handles += SD.install(module, exe, meshes)  # model.state_dict() in DTensors, as FSDP2 gives it
-    exe.handles += AXES.install(module, plan, rt.groups, exe)  # expert modules, cp attention, ... (runtime/axes.py)
     exe.handles += FG.install(module, plan, TP.active_modules(plan))  # what cp or tp would compute per rank
+    # (the axes after the flow check: cp's hooks nest around its mode, see runtime/context_parallel.py)
+    exe.handles += AXES.install(module, plan, rt.groups, exe)  # expert modules, cp attention, ... (runtime/axes.py)
     module.__dict__[_ATTR] = exe
     if not hasattr(type(module), "set_requires_gradient_sync"):  # fully_shard's modules have their own
         # FSDP2's method on the sharded module, so code written for FSDP2 (torchtitan's accumulation) runs as is

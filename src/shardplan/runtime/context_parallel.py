@@ -5,7 +5,8 @@ The sequence is cut into ``2*cp`` equal chunks; rank ``i`` holds chunks ``i`` an
 the causal mask every rank has the same work (an early chunk attends to little, its partner to much).
 The training loop shards a batch with :func:`shard_batch` (its positions are those of the full
 sequence) and the model's attention calls :func:`attention` instead of
-``F.scaled_dot_product_attention``; outside a sharded model with ``cp > 1`` that is the plain call::
+``F.scaled_dot_product_attention``; outside the forward and backward of a sharded model with ``cp > 1`` that is
+the plain call::
 
     x, y, pos = sp.context_parallel.shard_batch(plan, rank, x, y)   # [B/dp, T/cp] each, pos: [T/cp]
     loss = model(x, y, positions=pos)                                # mean over this rank's tokens
@@ -25,22 +26,26 @@ during the call: fine up to sequences whose K/V fit, which is where this starts.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from ..errors import RuntimeShardingError, ShardingError
-from ..units import cp_attention, tracing
+from ..optraffic import tensors_in
+from ..units import cp_attention, in_cp_attention, tracing
 from . import collectives as C
 from .axis_ops import BACKWARD, AxisOps
+from .builder import engine_of
 
 CONTEXT_AXIS = "cp"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ContextGroup:
     """The ``cp`` group of this rank: its size and this rank's index (``group.rank``); ``ops``: a traced plan's
     K/V ops by (calling module, phase), which :func:`attention` runs through the executor (runtime/axis_ops.py);
@@ -60,97 +65,187 @@ class ContextGroup:
         return self.ops.engine
 
 
-_ACTIVE: Optional[ContextGroup] = None  # set by shard() for a plan whose mesh has cp > 1
-
-# [Note: the group is the process's, not a module's: shard() of a plan with cp > 1 makes every later
-# attention() call in the process context-parallel (a checkpointed unit's recompute in backward included,
-# which module hooks would miss). A model that must attend over whole local sequences in the same
-# process (a reference, an evaluation copy) runs inside ``disabled()``.]
+# [Note: the group is the sharded model's, not the process's] attention() is context-parallel only while the
+# model whose plan has cp > 1 runs: during its forward (bound by hooks on its root module, in this thread's
+# context: _BOUND) and during its backward (bound for the autograd graph task that runs it: _BACKWARD, keyed by
+# the task's id, set by a hook on the forward's outputs and dropped by a callback when the task ends). The
+# backward binding covers what module hooks alone miss: an activation-checkpointed unit's recompute, which
+# calls attention() again inside the backward, on the autograd engine's thread (a GPU's backward runs on a
+# thread of its own). Any other model in the process (a reference, an evaluation copy) attends plainly when it
+# runs outside that model's forward and backward; disabled() is not needed for it.
+_BOUND: contextvars.ContextVar[tuple] = contextvars.ContextVar("shardplan_cp_bound", default=())
+_BACKWARD: dict[int, ContextGroup] = {}  # graph task id -> the group of the model whose backward it runs
+_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # executor -> its ContextGroup
+_LAST: contextvars.ContextVar = contextvars.ContextVar("shardplan_cp_last", default=None)  # loss_mean's default
 
 
 def active() -> Optional[ContextGroup]:
-    """The context-parallel group :func:`attention` gathers over (``None``: not context-parallel, or the
-    sharded model that made it is gone)."""
-    global _ACTIVE
-    g = _ACTIVE
-    if g is not None and g.engine is not None and g.engine() is None:  # its model was collected
-        _ACTIVE = g = None
-    return g
+    """The context-parallel group :func:`attention` gathers over now: that of the sharded model whose forward or
+    backward is running (``None``: no such model runs, or inside :func:`disabled`)."""
+    bound = _BOUND.get()
+    if bound:
+        return bound[-1]
+    if _BACKWARD:
+        return _BACKWARD.get(torch._C._current_graph_task_id())
+    return None
 
 
 @contextlib.contextmanager
 def disabled():
-    """Plain attention inside (a model that is not context-parallel, in a process where one is).
+    """Plain attention inside, even while a context-parallel model runs (a model that is not context-parallel
+    called from inside one's forward). A model run outside the context-parallel model's forward and backward
+    attends plainly without it; it stays for code written when the group was the process's.
 
     >>> with sp.context_parallel.disabled(): ref_loss = reference(x, y)
     """
-    global _ACTIVE
-    prev, _ACTIVE = _ACTIVE, None
+    token = _BOUND.set(_BOUND.get() + (None,))
     try:
         yield
     finally:
-        _ACTIVE = prev
+        _BOUND.reset(token)
 
 
-# torch's own function (F's attribute is replaced by the guard below while cp > 1 is on)
-_PLAIN_SDPA = torch._C._nn.scaled_dot_product_attention
+def group_of(model) -> Optional[ContextGroup]:
+    """The context-parallel group of a model ``shard()`` ran with a plan of ``cp > 1`` (``None``: not one).
+
+    >>> sp.context_parallel.group_of(model).size
+    2
+    """
+    try:
+        exe = engine_of(model)
+    except ShardingError:
+        return None
+    return _GROUPS.get(exe) if exe is not None else None
 
 
-def _guarded_sdpa(*args, **kwargs):
-    """``F.scaled_dot_product_attention`` while a plan with cp > 1 is sharded in this process.
-
-    [Note: a model that calls it itself (Hugging Face's attention, a user's block) would attend over this
-    rank's sequence chunks only: a wrong loss, silently. While context parallelism is on, such a call is
-    refused, naming the fix; ``attention()`` calls the plain function, a traced step (the planner's) and
-    ``disabled()`` blocks pass through. Code that bound the function itself before (``from
-    torch.nn.functional import scaled_dot_product_attention``) is not seen: a traced plan refuses it]"""
-    g = active()
-    if g is not None and not tracing():
-        raise RuntimeShardingError(
-            f"F.scaled_dot_product_attention was called directly while context parallelism is on (cp={g.size}): "
-            f"it would attend over this rank's 1/{g.size} of the sequence only. Call "
-            f"shardplan.context_parallel.attention(q, k, v, is_causal=True) in the model instead, or run a model "
-            f"that is not context-parallel inside shardplan.context_parallel.disabled()")
-    return _PLAIN_SDPA(*args, **kwargs)
+_SDPA = F.scaled_dot_product_attention
+_MHA = F.multi_head_attention_forward
 
 
-_guarded_sdpa.plain = _PLAIN_SDPA
+class _Guard(TorchFunctionMode):
+    """Active while a context-parallel model's forward runs: refuses attention the model computes itself.
+
+    [Note: a model that calls ``F.scaled_dot_product_attention`` itself (Hugging Face's sdpa attention, a user's
+    block), or ``nn.MultiheadAttention``, would attend over this rank's sequence chunks only: a wrong loss,
+    silently. Inside the forward such a call is refused, naming the fix; ``attention()`` marks its own call
+    (units.cp_attention), and a traced step (the planner's) and ``disabled()`` blocks pass through. Seen through
+    torch's override protocol, so a name the model bound to the function itself is seen too. The dataflow check
+    of an untraced plan's first forward (runtime/flow_guard.py) runs above this mode and refuses first, naming
+    the module.]"""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if (func is _SDPA or func is _MHA) and not in_cp_attention() and not tracing():
+            g = active()
+            if g is not None:
+                what = "F.scaled_dot_product_attention" if func is _SDPA else \
+                    "F.multi_head_attention_forward (nn.MultiheadAttention)"
+                raise RuntimeShardingError(
+                    f"{what} was called directly while context parallelism is on (cp={g.size}): it would attend "
+                    f"over this rank's 1/{g.size} of the sequence only. Call "
+                    f"shardplan.context_parallel.attention(q, k, v, is_causal=True) in the model instead, or run a "
+                    f"model that is not context-parallel inside shardplan.context_parallel.disabled()")
+        return func(*args, **(kwargs or {}))
 
 
-def _sdpa():
-    """What ``F.scaled_dot_product_attention`` is now, past the guard (the activation profile puts the fused
-    kernels' stand-in there while it traces)."""
-    f = F.scaled_dot_product_attention
-    return getattr(f, "plain", f)
+def _push(g: ContextGroup) -> None:
+    _BOUND.set(_BOUND.get() + (g,))
 
 
-def install(plan, groups, module=None, exe=None) -> list:
-    """Make :func:`attention` gather over the plan's ``cp`` axis (``shard()`` calls this). A ``cp`` axis of
-    one rank runs the plain call, unless ``SHARDPLAN_SINGLETON_GROUPS=1`` made it a real group (then the
-    gathering path runs over one rank: what benchmarks/cp_ep_overhead.py measures). With a traced plan's
-    attention calls, forward hooks on their modules (returned) say which call records which ops."""
-    global _ACTIVE
+def _pop(g: ContextGroup) -> None:
+    bound = _BOUND.get()
+    for i in range(len(bound) - 1, -1, -1):
+        if bound[i] is g:
+            _BOUND.set(bound[:i] + bound[i + 1:])
+            return
+
+
+def _bind_backward(g: ContextGroup, output) -> None:
+    """Bind ``g`` for the backward that will reach ``output``: a hook on each of its tensors that takes gradients
+    names ``g`` for the graph task running it (the first gradient of the model's outputs comes before any of its
+    recomputes), until the task ends."""
+    for stale in [k for k, v in _BACKWARD.items() if v is g]:  # a backward of the model's that raised
+        _BACKWARD.pop(stale, None)
+
+    def bind(_grad) -> None:
+        task = torch._C._current_graph_task_id()
+        if _BACKWARD.get(task) is not g:
+            _BACKWARD[task] = g
+
+            def unbind() -> None:
+                if _BACKWARD.get(task) is g:
+                    del _BACKWARD[task]
+            torch.autograd.Variable._execution_engine.queue_callback(unbind)
+
+    for t in tensors_in(output):
+        if t.requires_grad:
+            t.register_hook(bind)
+
+
+def _root_hooks(module, g: ContextGroup) -> list:
+    """``g`` bound (and the guard on) for the calls of ``module``'s forward, and for its backward."""
+    guards: list = []
+
+    @torch._dynamo.disable
+    def enter(_m, _args) -> None:
+        _push(g)
+        guard = _Guard()
+        guard.__enter__()
+        guards.append(guard)
+
+    @torch._dynamo.disable
+    def leave(_m, _args, out) -> None:  # (always called, also when the forward raised)
+        if guards:
+            guards.pop().__exit__(None, None, None)
+        _pop(g)
+        _LAST.set(weakref.ref(g))
+        if out is not None and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            _bind_backward(g, out)
+
+    # [Note: enter runs before every other pre-hook of the root (prepend) and leave after its forward hooks: the
+    # flow check's mode (runtime/flow_guard.py, installed before the axes) is entered above the guard and left
+    # before it, as modes nest]
+    return [module.register_forward_pre_hook(enter, prepend=True),
+            module.register_forward_hook(leave, always_call=True)]
+
+
+def _group(plan, groups, exe) -> Optional[ContextGroup]:
+    """The executor's context group, made once (``None``: the plan has no cp axis, or a plain one of one rank)."""
     if CONTEXT_AXIS not in plan.mesh.axis_names:
+        return None
+    g = _GROUPS.get(exe) if exe is not None else None
+    if g is None:
+        axis = groups.axis(CONTEXT_AXIS)
+        if axis.size == 1 and axis.pg is None:
+            return None
+        # one call's K and V (a module calling attention twice runs its first call's ops)
+        g = ContextGroup(axis, AxisOps.of(plan, exe, lambda o: tuple(o.axes) == (CONTEXT_AXIS,), per_key=2))
+        if exe is not None:
+            _GROUPS[exe] = g
+    return g
+
+
+def install(module, plan, groups, exe=None) -> list:
+    """Make :func:`attention` gather over the plan's ``cp`` axis while ``module`` runs (``shard()`` calls this
+    through runtime/axes.py, once; ``functional_call`` at every call); returns the hooks' handles. A ``cp``
+    axis of one rank runs the plain call, unless ``SHARDPLAN_SINGLETON_GROUPS=1`` made it a real group (then the
+    gathering path runs over one rank: what benchmarks/cp_ep_overhead.py measures). With a traced plan's
+    attention calls, forward hooks on their modules say which call records which ops."""
+    g = _group(plan, groups, exe)
+    if g is None:
         return []
-    g = groups.axis(CONTEXT_AXIS)
-    if g.size == 1 and g.pg is None:
-        return []
-    # one call's K and V (a module calling attention twice runs its first call's ops)
-    ops = AxisOps.of(plan, exe, lambda o: tuple(o.axes) == (CONTEXT_AXIS,), per_key=2)
-    _ACTIVE = active = ContextGroup(g, ops)
-    F.scaled_dot_product_attention = _guarded_sdpa  # process-wide, as _ACTIVE is (see the Note above)
-    if module is None or not ops.ops:
-        return []
+    handles = _root_hooks(module, g)
+    if not g.ops.ops:
+        return handles
+
     def enter(path: str):
         def hook(_m, _args) -> None:
-            active.calling.append(path)
+            g.calling.append(path)
         return hook
 
     def leave(_m, _args, _out) -> None:  # (a hook that returns something replaces the output)
-        active.calling.pop()
+        g.calling.pop()
 
-    handles = []
-    for path in sorted({p for p, _ in ops.ops}):
+    for path in sorted({p for p, _ in g.ops.ops}):
         mod = module.get_submodule(path)
         handles += [mod.register_forward_pre_hook(enter(path)), mod.register_forward_hook(leave)]
     return handles
@@ -190,10 +285,18 @@ def shard_batch(plan, rank: int, *tensors: torch.Tensor, seq_dim: int = 1):
     return (*out, pos)
 
 
-def loss_mean(loss: torch.Tensor) -> torch.Tensor:
+def loss_mean(loss: torch.Tensor, model=None) -> torch.Tensor:
     """The mean over the cp group of each rank's loss (a mean over its tokens): the loss of the whole
-    sequences, for logging (training needs nothing: gradients are averaged over cp)."""
-    g = _ACTIVE
+    sequences, for logging (training needs nothing: gradients are averaged over cp). The group is ``model``'s
+    (:func:`group_of`); without it, that of the context-parallel model whose forward ran last in this thread.
+
+    >>> whole = sp.context_parallel.loss_mean(loss, model)
+    """
+    if model is not None:
+        g = group_of(model)
+    else:
+        last = _LAST.get()
+        g = last() if last is not None else None
     if g is None:
         return loss
     t = loss.detach().clone()
@@ -249,8 +352,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None,
     g = active()
     if g is None or tracing():  # (the planner's traced step: one rank's shapes, no collective)
         with cp_attention():
-            return _sdpa()(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                           **kwargs)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                  is_causal=is_causal, scale=scale, **kwargs)
     if attn_mask is not None:
         raise RuntimeShardingError("context-parallel attention got an attn_mask: a mask over the full sequence cannot "
                                    "be honoured on sequence chunks here; use is_causal=True (or no mask), or train "
@@ -264,7 +367,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None,
     if is_causal:
         kpos = torch.cat([positions(seq, g.size, j, device=q.device) for j in range(g.size)])
         mask = kpos[None, :] <= qpos[:, None]
-    return _sdpa()(q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale, **kwargs)
+    with cp_attention():  # (the guard lets it through)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                              **kwargs)
 
 
 # -- Hugging Face models ---------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ factors are powers of two for the usual sizes: exact).]
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -175,6 +176,34 @@ def install(module: nn.Module, plan, groups, exe=None) -> None:
             if is_hf_experts(mod) and not getattr(mod.forward, "_shardplan_ep_guard", False):
                 _hf_dispatching(mod)
             _guard(mod, m.path, m.axis, eg)
+
+
+_BOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # root module -> its executor now in place
+_OF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()      # executor -> ((expert module, group), ...)
+
+
+def bind(module: nn.Module, plan, groups, exe) -> list:
+    """``functional_call``'s form of :func:`install` (runtime/axes.py): this plan's expert groups on the expert
+    modules and those of the module's other plans taken away (installed at the plan's first call). They stay
+    when the call returns: a checkpointed unit's recompute in the backward dispatches with them."""
+    mine = _OF.get(exe)
+    if mine is None:
+        install(module, plan, groups, exe)
+        mods = (module.get_submodule(e.path) for e in plan.expert_modules)
+        mine = _OF[exe] = tuple((weakref.ref(m), m.__dict__[ATTR]) for m in mods if ATTR in m.__dict__)
+    now = _BOUND.get(module)
+    if now is not None and now() is exe:  # (one plan called again: in place already)
+        return []
+    keep = {id(ref()) for ref, _ in mine}
+    for m in module.modules():
+        if ATTR in m.__dict__ and id(m) not in keep:
+            del m.__dict__[ATTR]
+    for ref, eg in mine:
+        m = ref()
+        if m is not None:
+            m.__dict__[ATTR] = eg
+    _BOUND[module] = weakref.ref(exe)
+    return []
 
 
 def is_hf_experts(mod: nn.Module) -> bool:

@@ -29,14 +29,13 @@ from ..planner import Plan
 from ..rules import leaves_with_paths
 from ..tree import check_tree, place, rebuild
 from . import collectives as C
-from . import expert_parallel as EP
 from .buffers import free_storage
 from .builder import build, functional_runtimes, groups_for
 from .executor import Executor
 from .faces import TreeFace
 from .hooks import module_hooks, register
 from . import tensor_parallel as TP
-from . import context_parallel as CP
+from . import axes as AXES
 from . import flow_guard as FG
 
 _SESSION = threading.local()
@@ -72,40 +71,9 @@ class FunctionalRuntime:
         if self.meshes:
             TP.align_generators(plan, rt.groups.world, rt.device)
             self.exe.partial_check = TP.PartialCheck(plan, rt.groups.world, rt.device)
-        # [Note: expert and context parallelism] as under shard(): expert modules find their ep group, and
-        # attention() gathers keys and values over cp (process-wide, see context_parallel). Without them a cp
-        # plan attended over each rank's chunks only (wrong losses, silently) and an ep plan's experts saw
-        # global expert indices. (The cp module hooks only attribute recorded ops: not kept, so the module
-        # keeps no hooks between calls; record_ops of a functional cp step lacks the K/V ops.)
-        EP.install(module, plan, rt.groups, self.exe)
-        # (put in place again at every call: one module may be called under plans of other meshes in turn)
-        self.experts = [(weakref.ref(m), m.__dict__[EP.ATTR]) for m in
-                        (module.get_submodule(e.path) for e in plan.expert_modules) if EP.ATTR in m.__dict__]
-        self.context = None
-        for h in CP.install(plan, rt.groups, module, self.exe):
-            h.remove()
-        if CP.CONTEXT_AXIS in plan.mesh.axis_names and CP._ACTIVE is not None and CP._ACTIVE.engine is not None \
-                and CP._ACTIVE.engine() is self.exe:
-            self.context = CP._ACTIVE
-
-    def install_parallel_groups(self, others) -> None:
-        """This plan's expert groups on the expert modules and its context group as the process's; those of
-        the module's other functional runtimes (``others``: other plans of it) taken away."""
-        for rt in others:
-            if rt is self:
-                continue
-            for ref, _ in rt.experts:
-                m = ref()
-                if m is not None:
-                    m.__dict__.pop(EP.ATTR, None)
-            if rt.context is not None and CP._ACTIVE is rt.context:
-                CP._ACTIVE = None
-        for ref, group in self.experts:
-            m = ref()
-            if m is not None:
-                m.__dict__[EP.ATTR] = group
-        if self.context is not None:
-            CP._ACTIVE = self.context
+        # [Note: compute axes] expert and context parallelism (and any registered axis) are put in place at every
+        # call through runtime/axes.py's bind, as shard() installs them once: one module may be called under
+        # plans of other meshes in turn, and keeps no hooks between calls
 
     def leaves_of(self, local_params) -> dict[str, torch.Tensor]:
         paths, leaves, spec = leaves_with_paths(local_params)
@@ -162,9 +130,6 @@ def functional_call(module: nn.Module, plan: Plan, local_params: Any, args: Any 
     if not isinstance(args, tuple):
         args = (args,)
     rt = runtime_of(module, plan, timeout_s, local_params)
-    runtimes = functional_runtimes(module)
-    if len(runtimes) > 1 or rt.experts or rt.context is not None:  # (one plan of no ep or cp: nothing to do)
-        rt.install_parallel_groups(runtimes.values())
     leaves = rt.leaves_of(local_params)
     session = getattr(_SESSION, "current", None)
     sources = getattr(_SESSION, "sources", None) if session is not None else None
@@ -179,6 +144,8 @@ def functional_call(module: nn.Module, plan: Plan, local_params: Any, args: Any 
     if not getattr(rt, "flow_checked", False):  # the first call: what cp or a colwise output would compute per rank
         guard = FG.install(module, plan, TP.active_modules(plan))
         rt.flow_checked = True
+    handles += AXES.bind(module, plan, rt.exe.groups, rt.exe)  # this plan's ep groups, cp binding, ... (after
+    # the flow check's hooks: see runtime/context_parallel.py's _root_hooks)
     if rt.meshes:
         handles += TP.install_styles(module, plan, rt.meshes, rt.exe)
         if not rt.inputs_checked:
