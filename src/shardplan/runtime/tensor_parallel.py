@@ -4,7 +4,11 @@ The plan decides everything (:mod:`shardplan.planner.tensor_parallel`): which mo
 over which axis. Here each such module's full parameters become DTensors over the executor's own
 gathered storage (so FSDP gathers, frees and gradient reductions are untouched and gradients still
 accumulate straight into the flat buffers), and each module gets two thin hooks that give its input
-and output the placements of its style. Every activation collective is DTensor's own redistribution.
+and output the placements of its style. Every activation collective runs as the plan's op through the
+executor's handler (``run_in_module``): a forward one is DTensor's redistribution of the output; a backward
+one (an input's gradient: the all-reduce of a column-parallel module's partial sums, the all-gather of a split
+input) is shardplan's own, through collectives.py, in the backward of the function that made the input a
+DTensor (:class:`_StyleInput`); DTensor's autograd moves nothing in backward.
 """
 
 from __future__ import annotations
@@ -75,8 +79,8 @@ def param_wrappers(plan, meshes: dict) -> dict[str, Callable[[torch.Tensor], tor
 class _SharedInputs:
     """Replicated inputs already wrapped for a column-parallel module in this forward: the siblings the
     plan says read one input (``TPModule.shares_with``: wq, wk, wv; w1, w3) get the same DTensor when
-    they do read the same tensor, so autograd sums their partial input gradients and DTensor all-reduces
-    the sum once (the plan's one ``module_backward`` op) instead of once per module.
+    they do read the same tensor, so autograd sums their partial input gradients and :class:`_StyleInput`
+    all-reduces the sum once (the plan's one ``module_backward`` op) instead of once per module.
 
     [Note: the cache holds the DTensor strongly (nothing else keeps the wrapper alive between two
     sibling calls), so it must let go: an entry is dropped when the last sibling the plan lists after
@@ -199,6 +203,7 @@ class _StyleInput(torch.autograd.Function):
         return DTensor.from_local(x.detach(), mesh, arrives, run_check=False)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # (the collective is not differentiable: a double backward raises)
     def backward(ctx, g):
         if g is None:
             return (None,) * 7
