@@ -177,9 +177,10 @@ def _to_placement(g, target, group: C.Group) -> torch.Tensor:
 
 
 class _StyleInput(torch.autograd.Function):
-    """A tensor-parallel module's input (a plain replicated tensor) as the DTensor its style computes with:
-    replicated, sharded (a row-parallel layer's input arrives split), or split here (``rowwise_split``: this rank's
-    slice, no communication). Backward: the DTensor gradient back to the plain replicated gradient, the collective
+    """A tensor-parallel module's input (a plain tensor) as the DTensor its style computes with: replicated, sharded
+    (a row-parallel layer's input arrives as this rank's block), or split here (``rowwise_split``: this rank's slice
+    of a replicated input, no communication). Backward: the DTensor gradient back to the plain gradient of the input
+    as it arrived (:func:`_to_placement`), the collective
     (the all-reduce of a column-parallel module's partial input gradients, the all-gather of a split's) issued by
     shardplan through collectives.py and run as the plan's ``module_backward`` op by the executor's handler
     (``run_in_module``), not by DTensor's autograd: what backward runs is the plan's op by construction.
