@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardplan as sp
 from distributed import run
@@ -188,3 +189,98 @@ def test_runtime_records_the_plans_activation_ops_and_says_when_a_guess_was_wron
         assert equal and not warned and n == 2 + 2, out[True]   # traced: exactly the plan
         equal, warned, n = out[False]
         assert not equal and warned and "blocks.0.k" in warned[0] and "trace=" in warned[0], out[False]
+
+
+class _Collectives(TorchDispatchMode):
+    """Every collective a step issues (shardplan's through collectives.py: namespace ``c10d``; DTensor's own:
+    ``_c10d_functional``), with the pass it ran in and the executor op whose handler was running it (``None``: none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.log, self.inside, self.phase = [], None, "forward"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional") and func.overloadpacket.__name__ != "wait_tensor":
+            self.log.append((self.phase, func.namespace, func.overloadpacket.__name__, self.inside))
+        return func(*args, **(kwargs or {}))
+
+
+def _watch_handlers(exe, mode: _Collectives) -> None:
+    """Each handler of the executor's table tells ``mode`` which op it is running."""
+    for key, fn in list(exe._run_op.items()):
+        def wrapped(op, *rest, _fn=fn):
+            outer, mode.inside = mode.inside, op
+            try:
+                return _fn(op, *rest)
+            finally:
+                mode.inside = outer
+        exe._run_op[key] = wrapped
+
+
+class Split(nn.Module):
+    """A row-parallel layer with no column-parallel sibling (``rowwise_split``: its input's gradient all-gathered)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x))).square().mean()
+
+
+def _executed_worker(rank, world):
+    out = {}
+    mesh = sp.Mesh(dp=world // 2, tp=2)
+    g = torch.Generator().manual_seed(3)
+    cases = {"gpt": (gpt.build("tiny"), gpt_rules_tp.rules, TP, lambda: torch.randint(0, 96, (4, 17), generator=g)),
+             "split": (Split(), [(r"down\.weight", sp.P("dp", "tp")), (r".*", sp.P("dp"))],
+                       dict(compute_axes="tp", units=[], min_unit_bytes=0), lambda: torch.randn(4, 5, 16, generator=g)),
+             "cross": (Cross(), CROSS_RULES, dict(compute_axes="tp", units=[r"blocks\.\d+"], min_unit_bytes=0),
+                       lambda: torch.randn(4, 5, 16, generator=g))}
+    for name, (model, rules, kw, batch) in cases.items():
+        torch.manual_seed(0)
+        x = batch()
+        trace = ((x[:2, :-1], x[:2, 1:]) if name == "gpt" else (x[:2],))
+        plan = sp.plan(model, rules, mesh, trace=trace, **kw)
+        sp.shard(model, plan)
+        mode = _Collectives()
+        _watch_handlers(model._shardplan, mode)
+        steps = []
+        for step in range(2):  # (the first forward also checks the tp ranks' inputs, outside the schedule)
+            x = batch()
+            xs = x.chunk(plan.data_size)[plan.data_index(rank)]
+            mode.log, mode.phase = [], "forward"
+            with sp.record_ops(model) as ops, mode:
+                loss = model(xs[:, :-1], xs[:, 1:]) if name == "gpt" else model(xs)
+                mode.phase = "backward"
+                loss.backward()
+            backward_acts = [o for o in plan.ops(stale=step == 0) if o.what == "activations" and
+                             o.event == "module_backward"]
+            steps.append(dict(
+                equal=ops == list(plan.ops(stale=step == 0)),
+                # every collective of backward ran inside a handler of the executor, none was DTensor's own
+                outside=[e[:3] for e in mode.log if e[3] is None and (step or e[0] == "backward")],
+                dtensor_backward=[e[:3] for e in mode.log if e[0] == "backward" and e[1] == "_c10d_functional"],
+                # each backward activation op of the plan issued its one collective from inside its handler
+                issued=[[e[2] for e in mode.log if e[3] is o] for o in backward_acts],
+                kinds=[o.kind for o in backward_acts]))
+        out[name] = steps
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [2, 4])
+def test_backward_activation_collectives_run_inside_the_executors_handlers(world):
+    """What backward runs is the plan's ops by construction: each input-gradient collective of a tensor-parallel
+    module (a column-parallel all-reduce, a split input's all-gather) is issued by shardplan inside the executor's
+    handler of the plan's ``module_backward`` op, not by DTensor's autograd and recorded after the fact."""
+    want = {"all_reduce": ["allreduce_"], "all_gather": ["_allgather_base_"]}
+    for out in run(_executed_worker, world):
+        for name, steps in out.items():
+            kinds = steps[0]["kinds"]
+            assert kinds and ("all_gather" in kinds) == (name == "split"), (name, kinds)
+            for s in steps:
+                assert s["equal"], name
+                assert not s["outside"] and not s["dtensor_backward"], (name, s["outside"], s["dtensor_backward"])
+                assert s["issued"] == [want[k] for k in s["kinds"]], (name, s["issued"], s["kinds"])

@@ -267,7 +267,7 @@ class Executor(OpHandlers, LocalShards):
         self.units[name].awaiting += 1
 
     def on_activation(self, name: str) -> None:
-        """That reduction ran (a hook on the module's input, after the collective)."""
+        """That reduction ran (the backward of the module's input, right after its ``module_backward`` op)."""
         u = self.units[name]
         if self.grads.reduced_activation(u) and name != ROOT:
             self._complete(u)

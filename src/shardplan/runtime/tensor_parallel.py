@@ -4,7 +4,11 @@ The plan decides everything (:mod:`shardplan.planner.tensor_parallel`): which mo
 over which axis. Here each such module's full parameters become DTensors over the executor's own
 gathered storage (so FSDP gathers, frees and gradient reductions are untouched and gradients still
 accumulate straight into the flat buffers), and each module gets two thin hooks that give its input
-and output the placements of its style. Every activation collective is DTensor's own redistribution.
+and output the placements of its style. Every activation collective runs as the plan's op through the
+executor's handler (``run_in_module``): a forward one is DTensor's redistribution of the output; a backward
+one (an input's gradient: the all-reduce of a column-parallel module's partial sums, the all-gather of a split
+input) is shardplan's own, through collectives.py, in the backward of the function that made the input a
+DTensor (:class:`_StyleInput`); DTensor's autograd moves nothing in backward.
 """
 
 from __future__ import annotations
@@ -77,8 +81,8 @@ def param_wrappers(plan, meshes: dict) -> dict[str, Callable[[torch.Tensor], tor
 class _SharedInputs:
     """Replicated inputs already wrapped for a column-parallel module in this forward: the siblings the
     plan says read one input (``TPModule.shares_with``: wq, wk, wv; w1, w3) get the same DTensor when
-    they do read the same tensor, so autograd sums their partial input gradients and DTensor all-reduces
-    the sum once (the plan's one ``module_backward`` op) instead of once per module.
+    they do read the same tensor, so autograd sums their partial input gradients and :class:`_StyleInput`
+    all-reduces the sum once (the plan's one ``module_backward`` op) instead of once per module.
 
     [Note: the cache holds the DTensor strongly (nothing else keeps the wrapper alive between two
     sibling calls), so it must let go: an entry is dropped when the last sibling the plan lists after
@@ -123,33 +127,95 @@ class _Ops:
         self.axis = AxisOps.of(plan, exe, lambda o: True, per_key=1)
         self.warned: set = set()
 
-    def expect(self, op, x: torch.Tensor) -> torch.Tensor:
-        """A view of ``x`` (the module's input) whose gradient is exactly what ``op`` (a
-        ``module_backward`` op) forms: its hook fires right after the collective, runs the op through the
-        executor (DTensor's backward did its work: ``run_in_module`` records it) and lets the unit's
-        post_backward step run (the executor waits for it: ``expect_activation``).
-        [Note: the hook sits on a view, not on ``x``: ``x``'s gradient may take other contributions
-        (a residual path, the next unit's backward) and complete later than the collective.]"""
+    def expect(self, op):
+        """The executor that will run ``op`` (a ``module_backward`` op) in this backward, told to wait for it
+        before the unit's post_backward step (``expect_activation``); ``None`` where it runs no such op."""
         exe = self.exe
-        if op.unit not in exe.units:
-            return x
+        if op is None or exe is None or op.unit not in exe.units:
+            return None
         exe.expect_activation(op.unit)
-        me = weakref.ref(exe)  # weak: a tensor hook lives in C++, out of the collector's sight
-
-        def done(_grad, _op=op):
-            e = me()
-            if e is None:
-                return
-            e.run_in_module(_op, _done_inside)
-            e.on_activation(_op.unit)
-        source = x.view_as(x)
-        source.register_hook(done)
-        return source
+        return weakref.ref(exe)  # weak: the autograd graph lives in C++, out of the collector's sight
 
 
-def _done_inside() -> None:
-    """The work of a tensor-parallel op DTensor ran inside the module's autograd (its input's gradient)."""
-    return None
+def _group_of(mesh) -> C.Group:
+    """The process group of a one-dimensional ``DeviceMesh`` (a compute axis), as collectives.py takes it: the
+    group DTensor's forward redistributions run on, so both directions keep one order on one communicator."""
+    return C.Group(mesh.get_group(), mesh.size(), mesh.get_local_rank())
+
+
+def _to_placement(g, target, group: C.Group) -> torch.Tensor:
+    """A DTensor gradient over one compute axis as the local tensor of placement ``target`` (``Replicate()`` or
+    ``Shard(d)``: how the module's input arrived), through collectives.py: partial sums all-reduced, a split
+    all-gathered along its dimension; nothing where it has that placement already."""
+    DTensor, Replicate, Shard = _dt()
+    if not isinstance(g, DTensor):  # (a plain gradient: already the input's own)
+        return g
+    local = g.to_local()
+    (pl,) = g.placements
+    if isinstance(target, Shard) and target.dim < 0:  # (DTensor keeps a shard's dimension non-negative)
+        target = Shard(target.dim % local.ndim)
+    if pl == target:
+        return local
+    if pl.is_partial():
+        out = local.clone(memory_format=torch.contiguous_format)  # a fresh tensor: the collective writes it
+        op = getattr(pl, "reduce_op", "sum")
+        if op not in ("sum", "avg"):
+            raise RuntimeShardingError(f"a tensor-parallel module's input gradient arrived as Partial({op!r}) over "
+                                       f"its compute axis: only sums and averages of partial gradients are reduced; "
+                                       f"keep such a reduction out of tensor-parallel modules")
+        (C.all_reduce_sum if op == "sum" else C.all_reduce)(out, group, async_op=False)
+        local = out
+    elif isinstance(pl, Shard):
+        d = pl.dim % local.ndim
+        part = local.contiguous()
+        rows = part.new_empty((group.size * part.shape[0],) + tuple(part.shape[1:]))
+        C.all_gather_rows(rows, part, group)
+        local = rows.view((group.size,) + tuple(part.shape)).movedim(0, d).flatten(d, d + 1)
+    if isinstance(target, Shard):  # replicated now: this rank's block (a split costs nothing)
+        d = target.dim
+        w = local.shape[d] // group.size
+        local = local.narrow(d, group.rank * w, w).contiguous()
+    return local
+
+
+class _StyleInput(torch.autograd.Function):
+    """A tensor-parallel module's input (a plain tensor) as the DTensor its style computes with: replicated, sharded
+    (a row-parallel layer's input arrives as this rank's block), or split here (``rowwise_split``: this rank's slice
+    of a replicated input, no communication). Backward: the DTensor gradient back to the plain gradient of the input
+    as it arrived (:func:`_to_placement`), the collective
+    (the all-reduce of a column-parallel module's partial input gradients, the all-gather of a split's) issued by
+    shardplan through collectives.py and run as the plan's ``module_backward`` op by the executor's handler
+    (``run_in_module``), not by DTensor's autograd: what backward runs is the plan's op by construction.
+
+    [Note: the forward makes the DTensor with autograd off (inside this function), so ``from_local`` and the split
+    record no backward of their own: this node is the only one between the DTensor and the plain input, and its
+    backward is the only place the input's gradient is reduced. ``exe``: a weak reference to the executor told to
+    expect ``op`` (``None``: an untracked call, e.g. a recompute whose graph backward never runs, or no recording:
+    the collective runs as is)]"""
+
+    @staticmethod
+    def forward(ctx, x, mesh, arrives, split, group, op, exe):
+        DTensor, Replicate, Shard = _dt()
+        ctx.group, ctx.op, ctx.exe = group, op, exe
+        ctx.target = Replicate() if split else arrives[0]  # the gradient leaves as the input arrived
+        ctx.set_materialize_grads(False)
+        if split:  # a replicated input to a row-parallel layer: each rank keeps its slice
+            w = x.shape[-1] // group.size
+            mine = x.detach().narrow(-1, group.rank * w, w).contiguous()
+            return DTensor.from_local(mine, mesh, [Shard(-1)], run_check=False)
+        return DTensor.from_local(x.detach(), mesh, arrives, run_check=False)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # (the collective is not differentiable: a double backward raises)
+    def backward(ctx, g):
+        if g is None:
+            return (None,) * 7
+        e = ctx.exe() if ctx.exe is not None else None
+        if e is None:
+            return (_to_placement(g, ctx.target, ctx.group),) + (None,) * 6
+        out = e.run_in_module(ctx.op, lambda: _to_placement(g, ctx.target, ctx.group))
+        e.on_activation(ctx.op.unit)
+        return (out,) + (None,) * 6
 
 
 def install_styles(module: nn.Module, plan, meshes: dict, exe=None) -> list:
@@ -183,6 +249,7 @@ def _input_hook(m: TPModule, mesh, shared: _SharedInputs, ops: _Ops, after: int)
     shares = reads_shared_input(m)
     group = m.shares_with or m.path
     bop = ops.axis.op(m.path, BACKWARD)
+    tp_group = _group_of(mesh)
 
     @torch._dynamo.disable
     def hook(_mod, args):
@@ -197,13 +264,10 @@ def _input_hook(m: TPModule, mesh, shared: _SharedInputs, ops: _Ops, after: int)
 
         def make():
             op = bop if not m.shares_with else _unshared(m, ops)  # a sibling wrapping itself: another input
-            if tracked and op is not None:
-                return DTensor.from_local(ops.expect(op, x0), mesh, arrives, run_check=False)
-            return DTensor.from_local(x0, mesh, arrives, run_check=False)
+            exe = ops.expect(op) if tracked else None
+            return _StyleInput.apply(x0, mesh, arrives, split, tp_group, op if exe is not None else None, exe)
 
         x = shared.get(group, x0, mesh, make, after)[0] if shares else make()
-        if split:  # a replicated input to a row-parallel layer: each rank keeps its slice (no communication)
-            x = x.redistribute(mesh, [Shard(-1)])
         return (x,) + tuple(args[1:])
 
     return hook
@@ -248,7 +312,10 @@ def _output_hook(m: TPModule, mesh, ops: _Ops):
             return out
         # [Note: run through the executor whether the collective runs here or ran inside the forward: a module that
         # computes on its output (Gemma3's scaled embedding multiplies the partial sums by a plain tensor) makes
-        # DTensor reduce them there, once, and hands the hook a replicated output; the style's op ran all the same]
+        # DTensor reduce them there, once, and hands the hook a replicated output; the style's op ran all the same.
+        # The forward collective is DTensor's redistribute (a vocabulary-parallel embedding's partial sums carry
+        # DTensor's mask of the ids outside this rank's rows, applied at that reduction); its backward moves
+        # nothing (a replicated gradient of partial sums stays replicated, a gathered one is split locally)]
         out = ops.axis.run(m.path, AxisOps.phase(), 0, style_output)
         return out.to_local()
 
