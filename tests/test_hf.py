@@ -102,3 +102,21 @@ def test_capture_problem_names_the_transformers_versions_and_the_fix(monkeypatch
     assert hf.capture_problem(eager) is None  # no SDPA, no mask question
     with pytest.raises(sp.ShardingError, match="attn_implementation='eager'"):
         hf.capturable_attention(eager)
+
+
+def test_capturable_attention_refuses_a_model_that_asks_for_sdpa_by_name():
+    """Gemma 4 checks ``config._attn_implementation == "sdpa"`` itself: under that name it keeps every query of its
+    KV-shared layers when a causal mask was skipped (is_causal). Renamed "shardplan_sdpa", it sliced them to
+    ``logits_to_keep`` while SDPA still took ``is_causal=True``: other logits than "sdpa", silently. Refused now."""
+    from shardplan import hf
+    gemma4 = pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
+    cfg = transformers.Gemma4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                        num_kv_shared_layers=2, sliding_window=512, hidden_size_per_layer_input=8,
+                                        vocab_size_per_layer_input=64, attn_implementation="sdpa",
+                                        layer_types=["sliding_attention", "full_attention"] * 2)
+    torch.manual_seed(0)
+    model = gemma4.Gemma4ForCausalLM(cfg).eval()
+    with pytest.raises(sp.ShardingError, match=r"(?s)Gemma4.*'sdpa' by name.*modeling_gemma4"):
+        hf.capturable_attention(model)
+    assert model.config._attn_implementation == "sdpa"  # left as it was

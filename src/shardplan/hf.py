@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import sys
 from typing import Optional
 
 import torch
@@ -114,7 +116,8 @@ def capturable_attention(model: nn.Module) -> nn.Module:
     This switches the model to ``"shardplan_sdpa"``: transformers' own SDPA attention with a mask function that
     decides from shapes alone (no padding mask and a plain causal mask: ``is_causal=True``; anything else,
     sliding-window layers included: transformers' SDPA mask). Eagerly it computes what ``"sdpa"`` computes, bit
-    for bit.
+    for bit. A model whose modeling code compares its implementation with ``"sdpa"`` by name is refused
+    ([Note: a model that asks for "sdpa" by name]).
 
     >>> model = transformers.LlamaForCausalLM(config)         # attn_implementation="sdpa", the default
     >>> shardplan.hf.capturable_attention(model)
@@ -134,11 +137,47 @@ def capturable_attention(model: nn.Module) -> nn.Module:
         raise PlanError(f"hf.capturable_attention: {type(model).__name__} uses attn_implementation={impl!r}; it "
                         f"changes the SDPA path only. Use model.set_attn_implementation('sdpa') first if SDPA is what "
                         f"you want captured, or capture the model as it is")
+    named = _asks_for_sdpa_by_name(model)
+    if named:
+        cls, path = named
+        raise PlanError(f"hf.capturable_attention: {cls} compares attn_implementation with 'sdpa' by name in its own "
+                        f"code ({path}): under the name {CAPTURABLE_SDPA!r} it would take another path than under "
+                        f"'sdpa' (Gemma 4 slices its queries where a causal mask was skipped: other logits, silently). "
+                        f"Capture it with attn_implementation='sdpa' as it is (transformers 5.18 or later), or with "
+                        f"model.set_attn_implementation('eager')")
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     AttentionInterface.register(CAPTURABLE_SDPA, sdpa_attention_forward)
     AttentionMaskInterface.register(CAPTURABLE_SDPA, _causal_or_sdpa_mask)
     model.set_attn_implementation(CAPTURABLE_SDPA)
     return model
+
+
+# [Note: a model that asks for "sdpa" by name] some transformers models decide by the implementation's name, not
+# by the mask they got (Gemma 4's KV-shared layers: ``_attn_implementation == "sdpa"`` keeps all queries where a
+# mask is None). Under another name they compute otherwise than under "sdpa": their modeling file is searched
+_SDPA_BY_NAME = re.compile(r"""_attn_implementation\s*(?:==|!=)\s*["']sdpa["']"""
+                           r"""|["']sdpa["']\s*(?:==|!=)\s*[\w.]*_attn_implementation"""
+                           r"""|_attn_implementation\s+(?:not\s+)?in\s*[\[({][^\])}]*["']sdpa["']""")
+
+
+def _asks_for_sdpa_by_name(model: nn.Module) -> Optional[tuple[str, str]]:
+    """``(class name, modeling file)`` of a module of ``model`` whose transformers modeling file compares the
+    attention implementation with ``"sdpa"`` by name, or ``None``."""
+    seen: set = set()
+    for m in model.modules():
+        name = type(m).__module__
+        if name in seen or not name.startswith("transformers.models."):
+            continue
+        seen.add(name)
+        path = getattr(sys.modules.get(name), "__file__", None)
+        try:
+            with open(path, encoding="utf-8") as f:
+                source = f.read()
+        except (OSError, TypeError):
+            continue
+        if _SDPA_BY_NAME.search(source):
+            return type(m).__name__, os.path.relpath(path, os.path.dirname(os.path.dirname(os.path.dirname(path))))
+    return None
 
 
 def _transformers_version() -> Optional[str]:
