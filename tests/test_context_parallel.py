@@ -308,6 +308,39 @@ def test_cp_group_is_the_models_not_the_process():
         assert out["modes left"] == 0 and out["after refusal"] == 0.0
 
 
+def test_one_backward_through_two_cp_models_refuses_a_recompute_it_cannot_attribute():
+    """Two context-parallel models (each its own cp group) whose outputs meet in one loss: one backward runs both.
+    A checkpointed attention's recompute in it found its group by the graph task alone, which named one model for
+    both: the other model's keys and values gathered over the wrong group, silently. It is refused now, naming
+    the two models' groups and the fix; a backward through one model (or the same model twice) is unchanged."""
+    from shardplan.runtime import collectives as C
+    from shardplan.runtime import context_parallel as CP
+    a, b = (CP.ContextGroup(C.Group(None, 2, 0)) for _ in range(2))
+    seen = []
+
+    class Recompute(torch.autograd.Function):  # stands in for a checkpointed unit recomputing its attention
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(CP.active())
+            return g
+
+    x = torch.ones(3, requires_grad=True)
+    one = Recompute.apply(x) * 2
+    CP._bind_backward(a, one)
+    (one.sum() + (one * 3).sum()).backward()        # one model, its output used twice: its group
+    assert seen == [a] and not CP._BACKWARD
+    out_a, out_b = Recompute.apply(x) * 2, Recompute.apply(x) * 3
+    CP._bind_backward(a, out_a)
+    CP._bind_backward(b, out_b)
+    with pytest.raises(sp.RuntimeShardingError, match=r"(?s)two context-parallel models.*one backward"):
+        (out_a.sum() + out_b.sum()).backward()
+    CP._BACKWARD.clear()
+
+
 # -- attention a cp plan cannot see, on models this project did not write ------------------------------------
 
 transformers = pytest.importorskip("transformers")

@@ -74,7 +74,7 @@ class ContextGroup:
 # thread of its own). Any other model in the process (a reference, an evaluation copy) attends plainly when it
 # runs outside that model's forward and backward; disabled() is not needed for it.
 _BOUND: contextvars.ContextVar[tuple] = contextvars.ContextVar("shardplan_cp_bound", default=())
-_BACKWARD: dict[int, ContextGroup] = {}  # graph task id -> the group of the model whose backward it runs
+_BACKWARD: dict = {}  # graph task id -> the group of the model whose backward it runs (_Mixed: two models')
 _GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # executor -> its ContextGroup
 _LAST: contextvars.ContextVar = contextvars.ContextVar("shardplan_cp_last", default=None)  # loss_mean's default
 
@@ -86,8 +86,22 @@ def active() -> Optional[ContextGroup]:
     if bound:
         return bound[-1]
     if _BACKWARD:
-        return _BACKWARD.get(torch._C._current_graph_task_id())
+        g = _BACKWARD.get(torch._C._current_graph_task_id())
+        if isinstance(g, _Mixed):
+            raise RuntimeShardingError(
+                f"context-parallel attention ran again inside one backward through two context-parallel models "
+                f"(cp={g.groups[0].size} and cp={g.groups[1].size}, each its own group): an activation-checkpointed "
+                f"attention's recompute, which cannot tell whose keys and values it gathers, nor over which group. "
+                f"Run one backward per model (loss_a.backward(retain_graph=...) then loss_b.backward()), or keep "
+                f"attention out of activation checkpointing in these models")
+        return g
     return None
+
+
+@dataclass(frozen=True)
+class _Mixed:
+    """The binding of a graph task that runs the backward of two context-parallel models (see :func:`active`)."""
+    groups: tuple
 
 
 @contextlib.contextmanager
@@ -163,18 +177,22 @@ def _bind_backward(g: ContextGroup, output) -> None:
     """Bind ``g`` for the backward that will reach ``output``: a hook on each of its tensors that takes gradients
     names ``g`` for the graph task running it (the first gradient of the model's outputs comes before any of its
     recomputes), until the task ends."""
-    for stale in [k for k, v in _BACKWARD.items() if v is g]:  # a backward of the model's that raised
-        _BACKWARD.pop(stale, None)
+    for stale in [k for k, v in _BACKWARD.items() if v is g or (isinstance(v, _Mixed) and g in v.groups)]:
+        _BACKWARD.pop(stale, None)  # a backward of the model's that raised
 
     def bind(_grad) -> None:
         task = torch._C._current_graph_task_id()
-        if _BACKWARD.get(task) is not g:
+        now = _BACKWARD.get(task)
+        if now is None:
             _BACKWARD[task] = g
 
             def unbind() -> None:
-                if _BACKWARD.get(task) is g:
-                    del _BACKWARD[task]
+                _BACKWARD.pop(task, None)
             torch.autograd.Variable._execution_engine.queue_callback(unbind)
+        elif now is not g and not isinstance(now, _Mixed):
+            # [Note: one graph task, two models' groups] a recompute in this backward could be either model's:
+            # refused when one asks (active()), rather than gathered over the group bound last
+            _BACKWARD[task] = _Mixed((now, g))
 
     for t in tensors_in(output):
         if t.requires_grad:
