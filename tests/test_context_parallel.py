@@ -238,6 +238,11 @@ def _bound_worker(rank, world):
     q = torch.randn(1, 2, 8, 4, generator=torch.Generator().manual_seed(5))
     want = F.scaled_dot_product_attention(q, q, q, is_causal=True)
     out = {"plain": []}
+    # a block of the cp model called on its own, on this rank's chunks: it attends over the whole sequence too
+    h = torch.randn(1, 32, ref.layers[0].attention_norm.weight.shape[0], generator=torch.Generator().manual_seed(9))
+    pos = sp.context_parallel.positions(32, world, rank)
+    with torch.no_grad():
+        out["block alone"] = (model.layers[0](h[:, pos]) - ref.layers[0](h)[:, pos]).abs().max().item()
     g = torch.Generator().manual_seed(1)
     losses, ref_losses = [], []
     for _ in range(2):
@@ -296,6 +301,7 @@ def test_cp_group_is_the_models_not_the_process():
     attends over its whole sequences before, between and after, and inside the cp model's forward the model's
     own attention is still refused, naming the fix."""
     for out in run(_bound_worker, 2):
+        assert out["block alone"] < 1e-5, out["block alone"]  # a unit called directly binds the group too
         assert out["plain"] and max(out["plain"]) == 0.0, out["plain"]
         losses, ref_losses = out["losses"]
         assert losses == pytest.approx(ref_losses, abs=1e-5)       # the recompute in backward gathered K/V too

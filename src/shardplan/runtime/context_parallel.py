@@ -200,11 +200,16 @@ def _bind_backward(g: ContextGroup, output) -> None:
 
 
 def _root_hooks(module, g: ContextGroup) -> list:
-    """``g`` bound (and the guard on) for the calls of ``module``'s forward, and for its backward."""
-    guards: list = []
+    """``g`` bound (and the guard on) for the calls of ``module``'s forward, and for its backward; a call inside
+    a forward that bound ``g`` already (a unit's, inside the root's) does nothing."""
+    guards: list = []  # per call: the guard entered, or None where the call was bound already
 
     @torch._dynamo.disable
     def enter(_m, _args) -> None:
+        bound = _BOUND.get()
+        if bound and bound[-1] is g:
+            guards.append(None)
+            return
         _push(g)
         guard = _Guard()
         guard.__enter__()
@@ -212,8 +217,10 @@ def _root_hooks(module, g: ContextGroup) -> list:
 
     @torch._dynamo.disable
     def leave(_m, _args, out) -> None:  # (always called, also when the forward raised)
-        if guards:
-            guards.pop().__exit__(None, None, None)
+        guard = guards.pop() if guards else None
+        if guard is None:
+            return
+        guard.__exit__(None, None, None)
         _pop(g)
         _LAST.set(weakref.ref(g))
         if out is not None and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
@@ -252,6 +259,11 @@ def install(module, plan, groups, exe=None) -> list:
     if g is None:
         return []
     handles = _root_hooks(module, g)
+    # [Note: a unit called on its own] a block or a submodule of the model called directly (model.model(...),
+    # model.layers[i](h) on this rank's chunks) runs without the root's hooks: its units bind the group too,
+    # or its attention would run over this rank's chunks only, silently
+    for path in sorted({p for up in plan.units for p in up.module_paths if p}):
+        handles += _root_hooks(module.get_submodule(path), g)
     if not g.ops.ops:
         return handles
 
