@@ -361,6 +361,13 @@ def _time_system(name, args, dev, out):
             out[name]["kernels"] = top_kernels(lambda: f(x, y))
         if captured:
             out[name]["replay_host_us"] = 1e6 * getattr(f, "host_seconds", 0) / max(getattr(f, "replays", 1), 1)
+            idle = []  # a call with the GPU idle: the host's own work (back to back, a launch waits for the queue)
+            for _ in range(5):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                f(x, y)
+                idle.append(time.perf_counter() - t0)
+            out[name]["idle_call_ms"] = 1e3 * statistics.median(idle)
     except Exception as exc:  # noqa: BLE001
         out[name] = dict(error=f"{type(exc).__name__}: {exc}"[:1500], traceback=traceback.format_exc()[-2500:])
     finally:
