@@ -26,6 +26,14 @@ def _parity(tmp_path, *extra):
     return json.loads(out.read_text())["parity"]
 
 
+def _python(code: str) -> subprocess.CompletedProcess:
+    """``code`` run by a fresh interpreter in the checkout, over its src/ (one GPU, its own NCCL world)."""
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=280,
+                          env=dict(os.environ, NCCL_NVLS_ENABLE="0",
+                                   PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src")] +
+                                                              [p for p in [os.environ.get("PYTHONPATH")] if p])))
+
+
 @pytest.mark.timeout(1000)
 def test_replays_equal_eager_steps_bit_for_bit(tmp_path):
     cases = _parity(tmp_path, "--config", "small", "--batch", "4", "--seq", "64", "--steps", "20")
@@ -91,10 +99,7 @@ def test_capture_refuses_an_hf_model_whose_mask_changes_under_capture():
             "print('AFFECTED' if affected else 'FINE', repr(a), repr(b))\n"
             "assert b == 'captured', b\n"
             "assert ('capturable_attention' in a) if affected else a == 'captured', a\n")
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=280,
-                       env=dict(os.environ, NCCL_NVLS_ENABLE="0",
-                                PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src")] +
-                                                           [p for p in [os.environ.get("PYTHONPATH")] if p])))
+    p = _python(code)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
 
 
@@ -109,10 +114,7 @@ def test_rehearse_captured_step_on_the_gpu(tmp_path):
             "               trace=token_inputs(m, torch.zeros(4, 64, dtype=torch.long, device='meta')))\n"
             "r = sp.rehearse(lambda: gpt.build('small'), plan, rank=7, batch=(4, 64), steps=4, capture=True)\n"
             "print(json.dumps(r.to_dict()))\n")
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=280,
-                       env=dict(os.environ, NCCL_NVLS_ENABLE="0",
-                                PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src")] +
-                                                           [p for p in [os.environ.get("PYTHONPATH")] if p])))
+    p = _python(code)
     assert p.returncode == 0, p.stderr[-3000:]
     d = json.loads(p.stdout.strip().splitlines()[-1])
     assert d["captured"] and len(d["step_s"]) == 4 and d["measured_peak"] > 0
