@@ -78,3 +78,46 @@ def test_nothing_of_torch_is_replaced():
     from torch.nn.utils import clip_grad
     assert early_total_norm is torch.nn.utils.get_total_norm
     assert clip_grad._get_total_norm.__wrapped__.__code__.co_filename == clip_grad.__file__
+
+
+def _scaler_worker(rank, world, face):
+    """torch.amp.GradScaler over a sharded model, an inf in one rank's gradient shard only."""
+    model = Toy()
+    if face == "shard":
+        plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=[r"blocks\.\d+"], min_unit_bytes=0)
+        sp.shard(model, plan)
+    else:  # DTensor parameters and gradients: DTensor's own global check
+        for block in model.blocks:
+            sp.fully_shard(block)
+        sp.fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    out = []
+    for i, (x, y) in enumerate(batches(3, seed=rank + 1)):
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.scale(model(x, y)).backward()
+        if i == 1 and rank == 0:  # an overflow that landed in rank 0's shard only
+            g = next(p.grad for p in model.parameters() if p.grad is not None and p.grad.numel())
+            g = g.to_local() if hasattr(g, "to_local") else g
+            g.view(-1)[0] = float("inf")
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        out.append((scaler.get_scale(), any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("face", ["shard", "fully_shard"])
+def test_grad_scaler_skips_a_step_on_every_rank_when_one_shard_overflows(face):
+    """torch.amp.GradScaler's found-inf check ran on this rank's shards only: the rank holding an overflow
+    skipped its step and halved its scale while the others stepped and kept theirs (ranks then scaled their
+    gradients differently: a wrong sum, silently). Over local shards it is global, as DTensor makes it for
+    FSDP2's gradients: every rank skips the step and halves the scale."""
+    outs = run(_scaler_worker, 2, face)
+    assert outs[0] == outs[1], outs
+    (s0, moved0), (s1, moved1), (s2, moved2) = outs[0]
+    assert moved0 and not moved1 and moved2  # step 2 skipped everywhere
+    assert s1 == s0 / 2 and s2 == s1

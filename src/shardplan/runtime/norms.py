@@ -49,6 +49,8 @@ class ShardGrad(torch.Tensor):
         if func is torch._foreach_norm:
             tensors, rest = args[0], args[1:]
             return [_grad_norm(torch.linalg.vector_norm, (t,) + rest, kwargs or {}) for t in tensors]
+        if func is torch._amp_foreach_non_finite_check_and_unscale_:
+            return _found_inf(func, args, kwargs or {})
         return _plain(func, args, kwargs)
 
 
@@ -57,6 +59,32 @@ def wrap(exe, g: torch.Tensor, name: str) -> ShardGrad:
     out = g.as_subclass(ShardGrad)
     out.__dict__["_shardplan_norm"] = (weakref.ref(exe), name)
     return out
+
+
+def _found_inf(func, args, kwargs):
+    """torch.amp.GradScaler's non-finite check over local shards: this rank's check, then the maximum of
+    ``found_inf`` over every rank of each sharded model the gradients belong to.
+
+    [Note: an overflow in one rank's shard] GradScaler skips the step and halves its scale where ``found_inf``
+    is set. Checked on this rank's shards alone, the rank holding an overflow would skip while the others
+    stepped, and the ranks' scales would part: every later reduction would sum gradients scaled differently,
+    silently. DTensor makes FSDP2's check global the same way (its ``found_inf`` is a ``Partial("max")``)."""
+    grads = args[0] if args else kwargs["self"]
+    found = args[1] if len(args) > 1 else kwargs["found_inf"]
+    _plain(func, args, kwargs)
+    exes: dict = {}
+    for g in grads:
+        owner = g.__dict__.get("_shardplan_norm") if isinstance(g, ShardGrad) else None
+        exe = owner[0]() if owner is not None else None
+        if exe is not None:
+            exes.setdefault(id(exe), exe)
+    for exe in exes.values():  # (in the gradients' order: the same on every rank)
+        if getattr(exe, "offload", None) is not None:
+            raise RuntimeShardingError("torch.amp.GradScaler on a model whose optimizer is offloaded: the host copies "
+                                       "of the gradients are what the optimizer steps, unchecked and still scaled; "
+                                       "train this model in bfloat16 (compute_dtype=torch.bfloat16) without a scaler")
+        with torch._C.DisableTorchFunctionSubclass():
+            C.all_reduce(found, exe.groups.world, async_op=False, op=dist.ReduceOp.MAX)
 
 
 def _grad_norm(func, args, kwargs):
