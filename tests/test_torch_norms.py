@@ -121,3 +121,39 @@ def test_grad_scaler_skips_a_step_on_every_rank_when_one_shard_overflows(face):
     (s0, moved0), (s1, moved1), (s2, moved2) = outs[0]
     assert moved0 and not moved1 and moved2  # step 2 skipped everywhere
     assert s1 == s0 / 2 and s2 == s1
+
+
+def _adafactor_worker(rank, world, face):
+    data = batches(3, seed=1)  # every rank the same batch: the reference is one process on it
+    ref = Toy()
+    ref_opt = torch.optim.Adafactor(ref.parameters(), lr=1e-2)
+    model = Toy()
+    rules = toy_rules(odd=False) if face == "shard" else [(r".*", sp.P())]  # or every parameter replicated
+    sp.shard(model, sp.plan(model, rules, sp.Mesh(dp=world), units=[r"blocks\.\d+"], min_unit_bytes=0))
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    for x, y in data:
+        ref(x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        model(x, y).backward()
+        try:
+            opt.step()
+        except sp.ShardingError as exc:
+            return str(exc)
+        opt.zero_grad()
+    full = sp.full_state_dict(model)  # (on rank 0)
+    return max([(full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters() if n in full] or [0.0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("face", ["shard", "replicated"])
+def test_a_non_elementwise_optimizer_is_refused_over_local_shards(face):
+    """torch's Adafactor (row and column means of a matrix's second moment) over shard()'s local pieces would
+    update each piece from its own rows only, silently; it is refused at the first step, naming the parameter
+    and the ways out. Over parameters every rank holds whole it computes what one process does."""
+    for out in run(_adafactor_worker, 2, face):
+        if face == "shard":
+            assert isinstance(out, str) and "Adafactor updates a parameter from more than its own elements" in out, out
+            assert "'emb.weight'" in out and "rule" in out and "P()" in out
+        else:
+            assert out < 1e-5, out

@@ -84,6 +84,8 @@ def check_optimizer(opt: torch.optim.Optimizer, args, kwargs) -> None:
             if "_shardplan_engine" not in p.__dict__:
                 continue
             eng = p.__dict__["_shardplan_engine"]()
+            if eng is not None and _not_elementwise(opt):
+                _refuse_local_shard(opt, eng, p)
             if eng is not None and eng.plan.offload and not getattr(opt, "_shardplan_offload", False):
                 raise RuntimeShardingError(
                     f"shardplan: the plan offloads the optimizer to host memory (offload={eng.plan.offload!r}), so "
@@ -99,6 +101,39 @@ def check_optimizer(opt: torch.optim.Optimizer, args, kwargs) -> None:
                         f"shardplan.load_state_dict, which reshard it")
     _checked[opt] = _generation[0]
     _install_dcp_hooks(opt)
+
+
+# torch's optimizers whose update of a parameter reads more than its own elements: Adafactor (row and column
+# means of the second moment), LBFGS (dot products over every gradient), Muon (the whole matrix)
+_NOT_ELEMENTWISE = ("Adafactor", "LBFGS", "Muon")
+
+
+def _not_elementwise(opt) -> bool:
+    return any(c.__name__ in _NOT_ELEMENTWISE and c.__module__.startswith("torch.optim") for c in type(opt).__mro__)
+
+
+def _refuse_local_shard(opt, eng, p) -> None:
+    """[Note: a non-elementwise optimizer over local shards] over this rank's piece of a parameter (a plain
+    tensor of the piece's shape), such an optimizer computes another update than one process, silently; over
+    DTensor parameters torch computes its reductions globally, or raises where DTensor cannot."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(p, DTensor) or not p.requires_grad:  # (a frozen parameter is never updated)
+        return
+    names = eng.__dict__.get("_local_names")
+    if names is None:
+        by_name = getattr(getattr(eng, "face", None), "by_name", None) or {}
+        names = eng.__dict__["_local_names"] = {id(lp): n for n, lp in by_name.items()}
+    name = names.get(id(p))
+    pp = next((q for q in eng.plan.params if q.name == name), None) if name is not None else None
+    if pp is None or tuple(pp.shape) == tuple(p.shape):
+        return  # replicated on this rank: its own elements are all of it
+    raise RuntimeShardingError(
+        f"shardplan: {type(opt).__name__} updates a parameter from more than its own elements, but {name!r} is this "
+        f"rank's piece {tuple(p.shape)} of {tuple(pp.shape)} (rule {pp.rule!r}): every rank would compute another "
+        f"update than one process does, silently. Use an elementwise optimizer (AdamW, SGD, ...) or replicate this "
+        f"parameter (a rule with P()); over DTensor parameters (shardplan.fully_shard, or shardplan.shard(model, "
+        f"plan, dtensor_params=True) on a plan of layout='chunked') torch computes such an update globally where "
+        f"its DTensor support covers the optimizer (Adafactor's does not in torch 2.13: it raises there)")
 
 
 def _install_dcp_hooks(opt: torch.optim.Optimizer) -> None:
