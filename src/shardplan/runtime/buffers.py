@@ -20,7 +20,7 @@ from ..dtypes import to_torch
 from ..errors import RuntimeShardingError
 from ..planner import BufferPlan, Plan
 from ..planner.values import ParamPlan, Piece
-from .dtensor_params import grad as as_dtensor_grad, plain
+from .dtensor_params import contiguous_strides, grad as as_dtensor_grad, plain
 from .norms import wrap as wrap_grad
 from .quantize import dequantize_into, quantize_into
 from .scales import Float8Scales, NonFiniteChecks
@@ -51,14 +51,6 @@ def alias(base: torch.Tensor, offset: int, shape) -> torch.Tensor:
         acc *= d
     t.set_(base.untyped_storage(), base.storage_offset() + offset, tuple(shape), tuple(reversed(stride)))
     return t
-
-
-def _contiguous_strides(shape) -> tuple:
-    stride, acc = [], 1
-    for d in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= d
-    return tuple(reversed(stride))
 
 
 def _local_part(g: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -188,8 +180,8 @@ class BufferState(Float8Scales, NonFiniteChecks):
             else:
                 m.full = nn.Parameter(self._wrap(m, alias(self.full, m.piece.full_offset, m.info.shape)),
                                       requires_grad=m.info.requires_grad)
-            m.lshape, m.lstride = tuple(m.piece.shape), _contiguous_strides(m.piece.shape)
-            m.fshape, m.fstride = tuple(m.info.shape), _contiguous_strides(m.info.shape)
+            m.lshape, m.lstride = tuple(m.piece.shape), contiguous_strides(m.piece.shape)
+            m.fshape, m.fstride = tuple(m.info.shape), contiguous_strides(m.info.shape)
         if not self.bp.persistent:
             free_storage(self.full)
 

@@ -91,7 +91,7 @@ def install(exe, face, hooks, slots: dict) -> None:
                 old.__dict__.setdefault("_shardplan_replaced", m.name)
                 old.__dict__["_shardplan_successor"] = dt
                 m.local = dt
-                m.dspec = (spec, dshape, _contiguous(dshape))
+                m.dspec = (spec, dshape, contiguous_strides(dshape))
                 made[id(old)] = dt
     for name, entries in slots.items():
         slots[name] = [(mod, attr, made.get(id(lp), lp), fp) for mod, attr, lp, fp in entries]
@@ -112,7 +112,8 @@ def grad(view: torch.Tensor, dspec) -> torch.Tensor:
     return DTensor(view, spec, requires_grad=False)
 
 
-def _contiguous(shape) -> tuple:
+def contiguous_strides(shape) -> tuple:
+    """The strides of a contiguous tensor of ``shape``."""
     stride, acc = [], 1
     for d in reversed(tuple(shape)):
         stride.append(acc)

@@ -65,6 +65,7 @@ def check_optimizer(opt: torch.optim.Optimizer, args, kwargs) -> None:
     parameters. Once per optimizer after each ``shard()``; a dictionary look-up otherwise."""
     if _checked.get(opt) == _generation[0]:
         return
+    whole_only = _not_elementwise(opt)
     for group in opt.param_groups:
         for i, p in enumerate(group["params"]):
             name = p.__dict__.get(_REPLACED)
@@ -84,7 +85,7 @@ def check_optimizer(opt: torch.optim.Optimizer, args, kwargs) -> None:
             if "_shardplan_engine" not in p.__dict__:
                 continue
             eng = p.__dict__["_shardplan_engine"]()
-            if eng is not None and _not_elementwise(opt):
+            if eng is not None and whole_only:
                 _refuse_local_shard(opt, eng, p)
             if eng is not None and eng.plan.offload and not getattr(opt, "_shardplan_offload", False):
                 raise RuntimeShardingError(
