@@ -125,6 +125,46 @@ def test_capture_refuses_a_dynamic_plan_before_the_first_op_and_a_step_that_leav
         assert r["steps"] == 3 and "zero_grad" in r["error"]  # the capture ran; its first replay refused
 
 
+def _replaced_worker(rank, world, kind):
+    model = Toy()
+    sp.shard(model, sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=[r"blocks\.\d+"], min_unit_bytes=0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x, y):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    f = sp.capture(step, backend="eager")
+    data = batches(4, seed=rank + 1)
+    for x, y in data[:3]:  # two warm-up steps and the capture
+        f(x, y)
+    name, p = next((n, p) for n, p in model.named_parameters() if n.startswith("blocks.1"))
+    with torch.no_grad():
+        if kind == "data":
+            p.data = p.data.clone()  # the shard the graph reads is no longer the parameter's
+        else:
+            model.zero_grad()
+            p.grad = torch.zeros_like(p)  # a replay would assign where the eager step adds
+    try:
+        f(*data[3])
+    except sp.CaptureError as exc:
+        return name, str(exc)
+    return name, None
+
+
+@pytest.mark.parametrize("kind", ["data", "grad"])
+def test_a_replay_refuses_a_replaced_parameter_and_a_gradient_left_between_calls(kind):
+    for name, msg in run(_replaced_worker, 2, kind, timeout=120):
+        assert msg is not None, kind
+        if kind == "data":
+            assert repr(name) in msg and "p.copy_(new)" in msg and "capture again" in msg
+        else:
+            assert "did not have when the step was captured" in msg
+
+
 class _Skips(nn.Module):
     """The middle layer runs every other call: its parameters get no gradient in the others."""
 

@@ -338,8 +338,8 @@ def test_cli_entry_point_runs():
 
 def test_head_loss_and_copy_traffic():
     """World 1, fp32 parameters, bf16 compute, fp32 reduce: a block's gather is a cast copy (4 + 2 bytes
-    per element) in its forward and again in its backward, its gradients land (2 + 2) and are cast for
-    the reduction (2 + 4): 6N forward, 16N backward; the loss costs ``logit_bytes`` per logit on the
+    per element) in its forward and again in its backward, its gradients land in the reduce dtype (read
+    2, write 4: the landing is the cast): 6N forward, 12N backward; the loss costs ``logit_bytes`` per logit on the
     head's unit, 18 : 22 between forward and backward."""
     from shardplan.forecast.traffic import logits_per_token, unit_traffic
     with torch.device("meta"):
@@ -347,7 +347,8 @@ def test_head_loss_and_copy_traffic():
     plan = sp.plan(m, [(r".*", P("dp"))], Mesh(dp=1), units=[r"layers\.\d+"], compute_dtype=torch.bfloat16,
                    reduce_dtype=torch.float32, min_unit_bytes=0)
     n = sum(p.numel() for p in m.layers[0].parameters())
-    assert unit_traffic(plan, (2, 32), 0.0)["layers.0"] == (6 * n, 16 * n)
+    assert unit_traffic(plan, (2, 32), 0.0)["layers.0"] == (6 * n, 12 * n)
+    assert plan.buffers[plan.units[1].buffers[0]].lands_in_reduce_dtype
     assert logits_per_token(plan) == m.config.vocab
     loss = unit_traffic(plan, (2, 32), 40.0, copies=False)
     assert loss[ROOT] == (64 * 256 * 18, 64 * 256 * 22) and loss["layers.0"] == (0, 0)

@@ -260,7 +260,11 @@ def _memory_worker(rank, world, cases):
                 rules, mesh, tp = gpt_rules_tp.rules, sp.Mesh(dp=1, tp=world), dict(compute_axes=("tp",))
         else:  # interleaved (copy-out), replicated and frozen buffers, a tied parameter
             model, rules, units, x = Toy(), toy_rules(), UNITS, batches(1, batch=2)[0]
-        plan = sp.plan(model, rules, mesh, strategy=strategy, units=units, compute_dtype=dtype, min_unit_bytes=0, **tp)
+        dtype, reduce = dtype if isinstance(dtype, tuple) else (dtype, None)
+        plan = sp.plan(model, rules, mesh, strategy=strategy, units=units, compute_dtype=dtype, reduce_dtype=reduce,
+                       min_unit_bytes=0, **tp)
+        if reduce is not None and strategy >= 2:  # [Note: gradients land in the reduce dtype] (planner/values.py)
+            assert any(b.lands_in_reduce_dtype for b in plan.buffers)
         sp.shard(model, plan)
         opt = torch.optim.AdamW(model.parameters())
         for step in range(2):
@@ -279,8 +283,10 @@ def _memory_worker(rank, world, cases):
 def test_runtime_memory_matches_plan():
     """The runtime's accounted peak (every tensor it holds for parameters and gradients: shards, gathered
     buffers, send copies, unsharded gradients, reduction inputs and outputs, local gradients; not optimizer
-    state or activations) equals plan.memory()'s op-by-op walk exactly, in fp32 and in bf16."""
-    cases = [(k, s, d) for k in ("gpt", "toy", "gpt_tp") for s in range(4) for d in (None, torch.bfloat16)]
+    state or activations) equals plan.memory()'s op-by-op walk exactly, in fp32, in bf16, and in bf16 with
+    fp32 reductions (the unsharded gradients then land in fp32)."""
+    cases = [(k, s, d) for k in ("gpt", "toy", "gpt_tp") for s in range(4)
+             for d in (None, torch.bfloat16, (torch.bfloat16, torch.float32))]
     for rank_out in run(_memory_worker, 2, cases):
         for case, (measured, planned) in zip(cases, rank_out):
             assert measured == planned, (case, measured, planned)

@@ -44,7 +44,8 @@ def unit_traffic(plan: "Plan", batch: tuple[int, int], logit_bytes: float,
     The copies: each gather of a unit's buffer reads this rank's shard and writes it in the compute dtype
     when the dtypes differ or the gather is local (world 1: the copy is the gather); a unit gathered again
     for its backward pays it again there. Its gradients are copied into the unsharded gradient (read and
-    write in the compute dtype), cast for the reduction when the reduce dtype differs, and cast back when
+    write in the compute dtype), cast for the reduction when the reduce dtype differs (one pass with the
+    copy where they land in the reduce dtype: ``BufferPlan.lands_in_reduce_dtype``), and cast back when
     the parameters' dtype differs from the reduce dtype.
     """
     out = {u.name: [0.0, 0.0] for u in plan.units}
@@ -70,9 +71,12 @@ def unit_traffic(plan: "Plan", batch: tuple[int, int], logit_bytes: float,
             out[b.unit][0] += cast
             out[b.unit][1] += cast * (n - 1)
         if b.requires_grad:
-            out[b.unit][1] += s["flat"] * 2                                 # land: read and write, compute dtype
-            if rt != ct:
-                out[b.unit][1] += b.gathered_numel * (ct + rt)              # cast for the reduction
+            if b.lands_in_reduce_dtype:  # land and cast in one pass: read the compute dtype, write the reduce dtype
+                out[b.unit][1] += b.grad_numel * (ct + rt)
+            else:
+                out[b.unit][1] += s["flat"] * 2                             # land: read and write, compute dtype
+                if rt != ct:
+                    out[b.unit][1] += b.gathered_numel * (ct + rt)          # cast for the reduction
             if rt != it:
                 out[b.unit][1] += b.reduced_numel * (rt + it)               # the local gradient's cast
     return {u: (f, bw) for u, (f, bw) in out.items()}

@@ -38,8 +38,9 @@ def sizes(b: BufferPlan) -> dict[str, int]:
         # wire, which the wait dequantizes into the full (or packed) buffer and releases
         qsend=b.wire_shard_bytes if collective else 0,
         wire=b.gather_bytes if b.gather_dtype and not b.tensorwise else 0,
-        flat=b.grad_numel * ct if b.requires_grad else 0,          # unsharded gradient
-        rin=(b.gathered_numel * (rt if rt != ct else ct)) if (rt != ct or b.copy_out) and not b.reduce_quant
+        flat=b.grad_numel * b.flat_itemsize if b.requires_grad else 0,  # unsharded gradient
+        # the reduction's input: the cast (or packed) unsharded gradient, unless it landed in the reduce dtype
+        rin=0 if b.lands_in_reduce_dtype else (b.gathered_numel * rt) if (rt != ct or b.copy_out) and not b.reduce_quant
         else b.reduce_bytes if b.reduce_quant else 0,
         # [Note: a quantized reduction] quantizes the gradient into rin (every segment's codes and scales), receives
         # every rank's codes and scales for its own segment (recv) and sums them in fp32 into rout, even in a group of one
@@ -94,7 +95,9 @@ def memory(plan: "Plan", rank: int = 0, recompute: bool = False) -> dict:
         nonlocal peak, gathered_peak, states_peak, act_at_peak
         states = sum(live.values())
         states_peak = max(states_peak, states)
-        held = states - (sum(per[i]["flat"] for i in forming) if grads_in_profile else 0)
+        # (the profile holds them as autograd forms them: in the compute dtype, whatever the flat gradient's)
+        held = states - (sum(plan.buffers[i].grad_numel * plan.buffers[i].compute_itemsize for i in forming)
+                         if grads_in_profile else 0)
         if held + extra > peak:
             peak, act_at_peak = held + extra, extra
         gathered_peak = max(gathered_peak, sum(v for (k, i), v in live.items()
@@ -196,6 +199,8 @@ def _apply(op, plan, per, live, lent, collected, put, forming: set) -> None:
     elif op.kind == WAIT and op.what == GRADS:
         for b in bufs:
             i = b.index
+            if i not in collected:  # no reduction op ran (nothing to reduce over: a replicated buffer on a group of
+                put("rin", i)       # one): the wait makes the reduction's input, the result (as the runtime does)
             collected.discard(i)
             forming.discard(i)
             result = reduction_result(b)

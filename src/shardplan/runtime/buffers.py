@@ -108,12 +108,15 @@ class BufferState(Float8Scales, NonFiniteChecks):
             self.shard = self.full[self.seg * self.S:(self.seg + 1) * self.S] if self.sharded else self.full
         else:
             self.shard = torch.zeros(self.S, dtype=self.dtype, device=device)
-        self.flat: Optional[torch.Tensor] = None  # the unsharded gradient, in compute dtype
+        # the unsharded gradient: in the compute dtype, or the reduce dtype ([Note: gradients land in the reduce
+        # dtype], planner/values.py)
+        self.fdtype = self.rdtype if bp.lands_in_reduce_dtype else self.cdtype
+        self.flat: Optional[torch.Tensor] = None
         self.flat_window = -1
         self.lent = False  # the local shards' gradients are views of ``flat``
         self.grad_owner = None  # shard()'s executor: local gradients are its norms.ShardGrad views (torch's norms)
         self.forming = False  # the unit's backward started: autograd is forming the gradients that will land
-        self.flat_itemsize = torch.empty(0, dtype=self.cdtype).element_size()
+        self.flat_itemsize = bp.flat_itemsize
         self.gappy = bp.grad_numel != sum(m.info.numel for m in self.members)  # padding between parameters
         # [Note: landing in one call] when the members tile the flat gradient in order (no padding between
         # them), a full landing is one ``_chunk_cat`` into it: no per-parameter views to make (they are made
@@ -301,7 +304,7 @@ class BufferState(Float8Scales, NonFiniteChecks):
     def _fresh_flat(self) -> None:
         """The flat gradient with storage, not lent to the local shards' gradients (contents undefined)."""
         if self.flat is None or self.lent:  # a lent one still holds the local shards' gradients: a new one
-            self.flat = torch.empty(self.bp.grad_numel, dtype=self.cdtype, device=self.device)
+            self.flat = torch.empty(self.bp.grad_numel, dtype=self.fdtype, device=self.device)
             self.lent = False
             self.viewed = False
         else:
@@ -376,7 +379,7 @@ class BufferState(Float8Scales, NonFiniteChecks):
         if out is not None:
             out.copy_(g[:out.numel()])
             return out
-        return g if self.rdtype == self.cdtype else g.to(self.rdtype)
+        return g if g.dtype == self.rdtype else g.to(self.rdtype)
 
     def assign_local_grads(self, result: torch.Tensor) -> list[int]:
         """Give the local shards their reduced gradient (``result``: S elements, or G if replicated);

@@ -27,6 +27,7 @@ buffers (CPU, debugging): it is never chosen for you.
 from __future__ import annotations
 
 import enum
+import operator
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from ..hf import capture_problem
 from .seams import replaced_local
 
 RECAPTURE, ERROR = "recapture", "error"
+_GRAD = operator.attrgetter("grad")
 BACKENDS = ("cuda_graph", "eager")
 
 
@@ -173,8 +175,8 @@ class CapturedStep:
         leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
         key = []
         for x in leaves:
-            if isinstance(x, torch.Tensor):
-                key.append(("T", tuple(x.shape), x.dtype, x.device, x.requires_grad))
+            if isinstance(x, torch.Tensor):  # (a torch.Size first: never equal to the "V"/"id" keys below)
+                key.append((x.shape, x.dtype, x.device, x.requires_grad))
             else:
                 try:
                     hash(x)
@@ -311,10 +313,11 @@ class CapturedStep:
         self._check_shards(g)
         self._check_grads_before_replay(g)
         self._check_hyper(g)
-        with torch.no_grad():
-            for x, s in zip(leaves, g.statics):
-                if isinstance(x, torch.Tensor) and x is not s:
-                    s.copy_(x)
+        dsts = [s for x, s in zip(leaves, g.statics) if x is not s and isinstance(x, torch.Tensor)]
+        if dsts:  # one launch for every input (the batch's tensors, one signature: same devices and dtypes)
+            with torch.no_grad():
+                torch._foreach_copy_(dsts, [x for x, s in zip(leaves, g.statics) if x is not s and
+                                            isinstance(x, torch.Tensor)])
         if g.graph is None:  # backend="eager": the same static buffers, run again
             g.out = self._run(g, *g.static_args, capturing=True)
         else:
@@ -342,7 +345,7 @@ class CapturedStep:
         g.grads_at_start = [p for p in self._local_params(g) if p.grad is None]
 
     def _check_grads_before_replay(self, g: _Graph) -> None:
-        if any(p.grad is not None for p in g.grads_at_start):
+        if g.grads_at_start and list(map(_GRAD, g.grads_at_start)).count(None) != len(g.grads_at_start):
             raise CaptureError("shardplan.capture: parameters have gradients in .grad that they did not have when the "
                                "step was captured: eagerly this step would add to them, the replay would not. Zero "
                                "them inside the step (optimizer.zero_grad() after optimizer.step()) or between calls")

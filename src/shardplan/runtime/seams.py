@@ -68,25 +68,32 @@ def guard_apply(module: nn.Module) -> None:
 
 def replaced_local(buffers) -> Optional[str]:
     """Why the next forward would not see a local parameter's values (its tensor was replaced, so it no
-    longer lives in the shard the runtime gathers from), or ``None``. Checked once per step (one address
-    comparison per parameter, ~0.2 us): ``p.data = new`` after ``shard()`` otherwise trains on the old values,
-    silently. A tensor at the very address of its piece reads the same memory, so the address is the test."""
+    longer lives in the shard the runtime gathers from), or ``None``. Checked once per step and before each
+    replay of a captured step (one address read per parameter, in one list: ~0.1 us each): ``p.data = new``
+    after ``shard()`` otherwise trains on the old values, silently. A tensor at the very address of its piece
+    reads the same memory, so the address is the test."""
     for b in buffers:
         shard = b.shard
         if shard is None or getattr(b, "tw", None):
             continue
         checks = b.__dict__.get("_address_checks")
-        if checks is None:  # (member, byte offset of its piece in the shard), for members holding elements
-            isz = shard.element_size()
-            checks = b.__dict__["_address_checks"] = [(m, m.shard.start * isz) for m in b.members
-                                                      if m.local is not None and plain(m.local).numel()]
+        if checks is None:  # members holding elements: plain ones (their parameter objects), DTensor ones, and
+            isz = shard.element_size()  # the byte offsets of their pieces in the shard, in that order
+            held = [m for m in b.members if m.local is not None and plain(m.local).numel()]
+            held = [m for m in held if m.dspec is None] + [m for m in held if m.dspec is not None]
+            n = sum(m.dspec is None for m in held)
+            checks = b.__dict__["_address_checks"] = (held, [m.local for m in held[:n]], n,
+                                                      [m.shard.start * isz for m in held])
+        held, params, n, offsets = checks
         base = shard.data_ptr()
-        for m, off in checks:
-            if (m.local if m.dspec is None else m.local._local_tensor).data_ptr() != base + off:  # (dtensor_params)
-                return (f"parameter {m.info.name!r} is no longer this rank's shard that shardplan gathers from: its "
-                        f"tensor was replaced after shardplan.shard (`p.data = new`, or a .to()/.half()/.cuda() on a "
-                        f"child module), so the next forward would use its old values. Write parameters in place "
-                        f"(`p.copy_(new)` or `p.data.copy_(new)` under torch.no_grad()); for dtypes, {FIX}")
+        # (a DTensor parameter's local tensor is read afresh: dtensor_params)
+        now = [t.data_ptr() - base for t in params] + [m.local._local_tensor.data_ptr() - base for m in held[n:]]
+        if now != offsets:
+            m = next(m for m, a, off in zip(held, now, offsets) if a != off)
+            return (f"parameter {m.info.name!r} is no longer this rank's shard that shardplan gathers from: its "
+                    f"tensor was replaced after shardplan.shard (`p.data = new`, or a .to()/.half()/.cuda() on a "
+                    f"child module), so the next forward would use its old values. Write parameters in place "
+                    f"(`p.copy_(new)` or `p.data.copy_(new)` under torch.no_grad()); for dtypes, {FIX}")
     return None
 
 
