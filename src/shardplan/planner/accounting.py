@@ -166,7 +166,9 @@ def _apply(op, plan, per, live, lent, collected, put, forming: set) -> None:
     elif op.kind == PREPARE:
         for b in bufs:
             if ("flat", b.index) not in live:
-                put("flat", b.index)
+                # [Note: forming gradients] until they land they are autograd's, in the compute dtype (a buffer
+                # that lands in the reduce dtype gets its wider unsharded gradient at the landing)
+                live[("flat", b.index)] = b.grad_numel * b.compute_itemsize
                 forming.add(b.index)
     elif op.kind == ALL_GATHER:
         for b in bufs:
@@ -190,7 +192,7 @@ def _apply(op, plan, per, live, lent, collected, put, forming: set) -> None:
                 live.pop(("full", b.index), None)
     elif op.kind in (REDUCE_SCATTER, ALL_REDUCE) and op.what == GRADS:
         for b in bufs:
-            forming.discard(b.index)  # landed: the runtime copies the formed gradients into it
+            _landed(b, live, per, forming)  # the runtime copies the formed gradients into it
             if b.index not in collected:
                 collected.add(b.index)
                 put("rin", b.index)
@@ -202,7 +204,7 @@ def _apply(op, plan, per, live, lent, collected, put, forming: set) -> None:
             if i not in collected:  # no reduction op ran (nothing to reduce over: a replicated buffer on a group of
                 put("rin", i)       # one): the wait makes the reduction's input, the result (as the runtime does)
             collected.discard(i)
-            forming.discard(i)
+            _landed(b, live, per, forming)
             result = reduction_result(b)
             if per[i]["lgrad"]:
                 put("lgrad", i)
@@ -218,6 +220,13 @@ def _apply(op, plan, per, live, lent, collected, put, forming: set) -> None:
             forming.discard(b.index)
             if b.index not in lent:
                 live.pop(("flat", b.index), None)
+
+
+def _landed(b: BufferPlan, live: dict, per: dict, forming: set) -> None:
+    """``b``'s formed gradients landed in its unsharded gradient (of its own dtype from now on)."""
+    forming.discard(b.index)
+    if ("flat", b.index) in live:
+        live[("flat", b.index)] = per[b.index]["flat"]
 
 
 def comm_bytes(plan: "Plan") -> dict:

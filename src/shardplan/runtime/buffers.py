@@ -116,7 +116,6 @@ class BufferState(Float8Scales, NonFiniteChecks):
         self.lent = False  # the local shards' gradients are views of ``flat``
         self.grad_owner = None  # shard()'s executor: local gradients are its norms.ShardGrad views (torch's norms)
         self.forming = False  # the unit's backward started: autograd is forming the gradients that will land
-        self.flat_itemsize = bp.flat_itemsize
         self.gappy = bp.grad_numel != sum(m.info.numel for m in self.members)  # padding between parameters
         # [Note: landing in one call] when the members tile the flat gradient in order (no padding between
         # them), a full landing is one ``_chunk_cat`` into it: no per-parameter views to make (they are made
@@ -284,11 +283,12 @@ class BufferState(Float8Scales, NonFiniteChecks):
         self.forming = self.requires_grad
 
     def forming_bytes(self) -> int:
-        """Bytes of the gradients autograd forms before they land: the plan counts them as the flat gradient
-        from ``prepare`` on (the runtime's accounting does the same, see :meth:`Executor._account`)."""
+        """Bytes of the gradients autograd forms before they land (in the compute dtype): the plan counts them
+        in the flat gradient's place from ``prepare`` on (the runtime's accounting does the same, see
+        :meth:`Executor._account`)."""
         if not self.forming or (self.flat is not None and self.flat.untyped_storage().size()):
             return 0
-        return self.bp.grad_numel * self.flat_itemsize
+        return self.bp.grad_numel * self.bp.compute_itemsize  # autograd's, in the compute dtype
 
     def prepare_grads(self, window: int) -> None:
         """Make the unsharded gradient of ``window`` exist: zeros where nothing landed in this window."""
