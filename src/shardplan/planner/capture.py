@@ -2,7 +2,8 @@
 
 A captured step (a CUDA graph of the forward, the loss, the backward, every op of the schedule and the
 optimizer step) replays the device work it recorded, and nothing else: no Python, no host decision. A plan
-can be captured when every step runs the same ops on the same buffers, decided before the step starts.
+can be captured when every step runs the same ops on the same buffers, decided before the step starts (the
+captured step checks it: the capture must run the ops of the warm-up step before it).
 :func:`blockers` names what in a plan breaks that, each with its fix; ``plan.capture_blockers`` holds them and
 ``print(plan)`` says them. Pure: reads the plan only.
 
@@ -61,10 +62,9 @@ def blockers(plan: "Plan") -> tuple[Blocker, ...]:
                            "capture without offload (offload=None), or run eagerly"))
     # quantized gathers and FP8 compute check their scales for NaN/inf: a captured step reads the flags after each
     # replay instead ([Note: the non-finite check in a captured step], runtime/scales.py): not a blocker
-    if plan.schedule_edited:
-        out.append(Blocker("edited_schedule", "the schedule was edited by hand (with_schedule, or JSON of another "
-                                              "plan): shardplan cannot prove it runs the same ops every step",
-                           "capture the planner's own schedule (plan without with_schedule)"))
+    # a schedule edited by hand (with_schedule) was validated as the planner's own is, and shardplan.capture checks
+    # that the capture ran the ops of the warm-up step before it ([Note: the same ops every step],
+    # runtime/capture.py): not a blocker
     return tuple(out)
 
 

@@ -62,10 +62,30 @@ class _Session:
     optimizers: list = field(default_factory=list)       # weak references to torch optimizers that stepped
     capturing: bool = False                              # a CUDA graph is being captured
     checks: list = field(default_factory=list)           # (buffer, kind, device index): non-finite checks to read
+    records: dict = field(default_factory=dict)          # id(executor) -> (its op record, start, ours)
 
     def saw(self, exe) -> None:
         if not any(r() is exe for r in self.executors):
             self.executors.append(weakref.ref(exe))
+            # [Note: the same ops every step] record the ops each executor runs in this call (a list the
+            # executor appends to; a caller's own recording is shared, from where it stands now)
+            record, ours = exe.record, exe.record is None
+            if ours:
+                record = exe.record = []
+            self.records[id(exe)] = (record, len(record), ours)
+
+    def ops_run(self) -> dict:
+        """What each executor ran in this call (``id -> tuple of ops``); stops the recordings it started."""
+        out = {}
+        for r in self.executors:
+            exe = r()
+            if exe is None or id(exe) not in self.records:
+                continue
+            record, start, ours = self.records[id(exe)]
+            out[id(exe)] = tuple(record[start:])
+            if ours and exe.record is record:
+                exe.record = None
+        return out
 
 
 _ACTIVE: Optional[_Session] = None  # the session of the captured call running now (None: plain eager code)
@@ -145,6 +165,7 @@ class _Graph:
     checks: list = field(default_factory=list)       # (buffer, kind, device index) written by every replay
     checked: Any = None                              # (pinned host indices, event) of the last replay's checks
     hyper: list = field(default_factory=list)        # (optimizer ref, Python-number hyper-parameters per group)
+    ops: Optional[dict] = None                       # executor id -> the schedule ops the last call ran
 
 
 class CapturedStep:
@@ -167,6 +188,7 @@ class CapturedStep:
         self.graphs: dict = {}
         self.host_seconds = 0.0       # host time spent in replays (copies of the inputs and the launch)
         self.replays = 0
+        self.calls = 0                # eager, capturing and eager-backend calls so far
         self._side = None             # the warm-up stream, one per captured step
         _watch_optimizers()
 
@@ -224,7 +246,10 @@ class CapturedStep:
             out = self.fn(*args, **kwargs)
         finally:
             _ACTIVE = None
+            ops = s.ops_run()
+        first, self.calls = self.calls == 0, self.calls + 1
         self._agree(g, s, capturing)
+        self._same_ops(g, ops, capturing, first)
         if s.capturing:
             g.checks = s.checks
         return out
@@ -250,6 +275,31 @@ class CapturedStep:
         for r in s.optimizers:
             if not any(o() is r() for o in g.optimizers):
                 g.optimizers.append(r)
+
+    # [Note: the same ops every step] a captured step replays the schedule ops its capture ran. They are the
+    # ops the eager step would run when every step runs the same forward and backward calls of the sharded
+    # models: the capture's ops must equal those of the warm-up call before it (the first call of a step
+    # function is not compared: it follows no optimizer step, and a step after one may regather what the
+    # optimizer changed). A plan whose schedule was edited by hand is captured on the same terms: the
+    # planner validated it (with_schedule), and the calls show it runs one sequence.
+    def _same_ops(self, g: _Graph, ops: dict, capturing: bool, first: bool) -> None:
+        before, g.ops = g.ops, (None if first else ops)
+        if not capturing or before is None or ops == before:
+            return
+        exes = {id(r()): r() for r in g.executors if r() is not None}
+        for k in set(before) | set(ops):
+            a, b = before.get(k, ()), ops.get(k, ())
+            if a == b:
+                continue
+            i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            what = (f"op #{i}: {_op(b[i]) if i < len(b) else 'nothing'} where the warm-up step ran "
+                    f"{_op(a[i]) if i < len(a) else 'nothing'}")
+            name = f" of {type(exes[k].root()).__name__}" if k in exes and exes[k].root() is not None else ""
+            raise CaptureError(f"shardplan.capture: the step ran other schedule ops{name} when it was captured than "
+                               f"in the warm-up step before it ({len(b)} against {len(a)} ops; {what}): a captured "
+                               f"step replays one sequence. Make every call run the same forward and backward "
+                               f"calls of the sharded model (an evaluation forward belongs outside the captured "
+                               f"step), or run this step eagerly")
 
     def _eager(self, g: _Graph, args, kwargs):
         g.calls += 1
@@ -418,6 +468,10 @@ class CapturedStep:
         """Drop every captured graph: the next calls warm up and capture again (after loading a checkpoint whose
         optimizer state replaced the captured one, say)."""
         self.graphs.clear()
+
+
+def _op(op) -> str:
+    return f"{op.kind} {op.what} of unit {op.unit or 'all'!r} at {op.trigger}"
 
 
 _CAPTURE_VIOLATION = ("captur", "cudaErrorStreamCapture", "operation not permitted", "not permitted when stream")
