@@ -298,6 +298,31 @@ def test_static_inputs_new_shapes_and_donation():
     mine = torch.ones(3)
     d(mine)
     assert seen[-1] is mine  # donated: the graph's input is the caller's tensor itself
+    d(mine)  # passed back: the same graph (the leaf is the graph's own, not keyed again)
+    assert seen[-1] is mine and d.replays == 1
+    d(torch.ones(5))  # another shape, never the last graph's call
+    assert len(d.graphs) == 2
+
+
+def test_a_replay_refuses_a_donated_tensor_whose_storage_was_replaced():
+    """A donated input is read in place by the graph: after ``.data = new`` the replay would read its old,
+    freed memory. Refused, naming the input; values changed in place replay."""
+    def fn(tree, x):
+        tree["w"].add_(x)
+        return tree["w"].sum()
+
+    step = sp.capture(fn, backend="eager", warmup=1, donate_argnums=(0,))
+    tree = {"w": torch.zeros(3)}
+    for _ in range(3):
+        step(tree, torch.ones(3))
+    with torch.no_grad():
+        tree["w"].copy_(torch.zeros(3))  # in place: fine
+    assert float(step(tree, torch.ones(3))) == 3.0
+    tree["w"].data = torch.zeros(3)  # new storage
+    with pytest.raises(sp.CaptureError, match=r"args\[0\]\['w'\].*storage"):
+        step(tree, torch.ones(3))
+    step.reset()
+    step(tree, torch.ones(3))  # captured again
 
 
 def _functional_worker(rank, world):
