@@ -38,6 +38,7 @@ import torch
 
 from ..errors import CaptureError
 from ..hf import capture_problem
+from .dtensor_params import plain
 from .seams import replaced_local
 
 RECAPTURE, ERROR = "recapture", "error"
@@ -168,6 +169,8 @@ class _Graph:
     checked: Any = None                              # (pinned host indices, event) of the last replay's checks
     hyper: list = field(default_factory=list)        # (optimizer ref, Python-number hyper-parameters per group)
     ops: Optional[dict] = None                       # executor id -> the schedule ops the last call ran
+    locals: list = field(default_factory=list)       # the local parameters' tensors and their addresses at the
+    local_addresses: list = field(default_factory=list)  # capture ([Note: the shards a replay reads])
     held: list = field(default_factory=list)         # the tensor inputs the graph reads in place, their addresses
     addresses: list = field(default_factory=list)    # (data_ptr) and paths in the arguments
     paths: list = field(default_factory=list)
@@ -351,6 +354,7 @@ class CapturedStep:
             out = self._run(g, args, kwargs, capturing=True)
             g.statics, g.static_args, g.out, g.phase = statics, (args, kwargs), out, Phase.CAPTURED
             g.hyper = self._hyper(g)
+            self._note_shards(g)
             g.replays += 1
             return out
         if not torch.cuda.is_available():
@@ -368,6 +372,7 @@ class CapturedStep:
             raise CaptureError(_capture_failed(exc)) from exc
         g.graph, g.pool, g.statics, g.out, g.phase = graph, pool, statics, out, Phase.CAPTURED
         g.hyper = self._hyper(g)
+        self._note_shards(g)
         for r in g.optimizers:
             opt = r()
             if opt is not None:  # loading a state dict replaces the state tensors the graph reads: capture again
@@ -450,7 +455,16 @@ class CapturedStep:
                             f"Hold it as a tensor on the device ({k}=torch.tensor({v!r}, device='cuda'), and "
                             f"capturable=True), which schedulers update in place")
 
+    # [Note: the shards a replay reads] the graph reads each local parameter's piece of its shard at the address
+    # it had when the step was captured: one address comparison per parameter, in one list, before each replay
+    # (the eager step's check, runtime/seams.py, walks the buffers to name the parameter; it runs on a mismatch)
+    def _note_shards(self, g: _Graph) -> None:
+        g.locals = [t for t in map(plain, self._local_params(g)) if t.numel()]
+        g.local_addresses = list(map(_PTR, g.locals))
+
     def _check_shards(self, g: _Graph) -> None:
+        if not g.locals or list(map(_PTR, g.locals)) == g.local_addresses:
+            return
         for r in g.executors:
             exe = r()
             if exe is not None and getattr(exe.face, "owns_locals", False):
@@ -458,6 +472,8 @@ class CapturedStep:
                 if why:
                     raise CaptureError(f"{why} (the captured step reads the shards it was captured with: "
                                        f"capture again after replacing parameters)")
+        raise CaptureError("shardplan.capture: a local parameter's storage moved since the step was captured (its "
+                           "shard was reallocated): the replay reads the old address. Capture again (step.reset())")
 
     @staticmethod
     def _check_storage(g: _Graph) -> None:
