@@ -512,3 +512,61 @@ def test_a_captured_step_on_hsdp_and_tensor_parallel_meshes_equals_eager(case):
         assert replays == 2  # 2 warm-up steps, the capture, 2 replays
         assert le == lc
         assert all(torch.equal(pe[k], pc[k]) for k in pe)
+
+
+class _HostFrozenGraph:
+    """A CUDA graph's replay, mimicked on the CPU: the captured step's device work (run eagerly here, under the
+    facts it was captured with: the shards stale after the step before) and none of its host bookkeeping: the
+    executor's flags and the parameters' version counters are left as they were."""
+
+    def __init__(self, step, static_args, exe, params):
+        self.step, self.args, self.exe, self.params = step, static_args, exe, params
+
+    def replay(self):
+        exe = self.exe
+        stale, versions, counters = exe.stale, exe.versions, tuple(p._version for p in self.params)
+        exe.stale = True
+        self.step(*self.args[0], **self.args[1])
+        exe.stale, exe.versions = stale, versions
+        torch._C._autograd._unsafe_set_version_counter(tuple(self.params), counters)
+
+
+def _eval_between_replays_worker(rank, world):
+    from shardplan.runtime.builder import engine_of
+    data = batches(6, seed=rank + 1)
+    evals = {}
+    for mode in ("eager", "captured"):
+        model = Toy()
+        sp.shard(model, sp.plan(model, toy_rules(), sp.Mesh(dp=world), strategy=2, units=[r"blocks\.\d+"],
+                                min_unit_bytes=0))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x, y):
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        f = sp.capture(step, backend="eager") if mode == "captured" else step
+        out = []
+        for i, (x, y) in enumerate(data):
+            f(x, y)
+            if mode == "captured" and i == 2:  # captured: the later calls replay, as a CUDA graph's would
+                g = next(iter(f.graphs.values()))
+                g.graph = _HostFrozenGraph(step, g.static_args, engine_of(model), list(model.parameters()))
+            if i >= 2:
+                with torch.no_grad():  # an evaluation between calls
+                    out.append(float(model(*data[0])))
+        evals[mode] = out
+    return evals
+
+
+def test_an_evaluation_between_replays_reads_the_stepped_parameters():
+    """A replay runs no Python: the host's bookkeeping stays as the capture left it. ZeRO-2 keeps the gathered
+    parameters between steps and gathers again only when the shards went stale; an evaluation forward between
+    replays made them fresh, and the next replay (whose graph gathers, then steps the optimizer) left the host
+    believing so: the evaluation after it read the parameters of the step before, silently. Each replay now
+    leaves the executors as the capture did (the shards stale)."""
+    for r in run(_eval_between_replays_worker, 2, timeout=120):
+        assert r["captured"] == r["eager"], r

@@ -16,7 +16,8 @@ from ..dtypes import itemsize
 from ..units import natural_sorted
 from ..mesh import Mesh
 from . import axes as AX
-from .kinds import ALL_GATHER, ALL_REDUCE, COPY_D2H, COPY_H2D, FREE, GRADS, PARAMS, PREPARE, REDUCE_SCATTER, SCALES, WAIT, Offload
+from .kinds import (ALL_GATHER, ALL_REDUCE, COPY_D2H, COPY_H2D, FREE, GRADS, PARAMS, PARTIAL_GRADS, PREPARE, REDUCE_SCATTER,
+                    SCALES, WAIT, Offload)
 from .offload import host_bytes, pinned_host_bytes
 from .values import BufferPlan, ParamPlan, UnitPlan
 
@@ -190,12 +191,19 @@ def _apply(op, plan, per, live, lent, collected, put, forming: set) -> None:
         for b in bufs:
             if not b.persistent:
                 live.pop(("full", b.index), None)
-    elif op.kind in (REDUCE_SCATTER, ALL_REDUCE) and op.what == GRADS:
-        for b in bufs:
-            _landed(b, live, per, forming)  # the runtime copies the formed gradients into it
-            if b.index not in collected:
-                collected.add(b.index)
-                put("rin", b.index)
+    elif op.kind in (REDUCE_SCATTER, ALL_REDUCE) and op.what in (GRADS, PARTIAL_GRADS):
+        # [Note: a unit's gradients land together] the first reduction that touches a unit (its partial-gradient
+        # sum included) lands the gradients of every buffer of the unit and makes their reduction inputs
+        # (runtime/handlers.py, ``_reduction_inputs``), not only those of the op's buffers: a replicated buffer
+        # reduced by a later op (or by its wait, on a group of one) holds its landed gradient from then on
+        for i in plan.unit(op.unit).buffers:
+            b = plan.buffers[i]
+            if b.requires_grad and i not in collected:
+                _landed(b, live, per, forming)  # the runtime copies the formed gradients into it
+                collected.add(i)
+                put("rin", i)
+        if op.what == GRADS:
+            for b in bufs:
                 put("recv", b.index)
                 put("rout", b.index)
     elif op.kind == WAIT and op.what == GRADS:

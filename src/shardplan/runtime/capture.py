@@ -174,6 +174,7 @@ class _Graph:
     held: list = field(default_factory=list)         # the tensor inputs the graph reads in place, their addresses
     addresses: list = field(default_factory=list)    # (data_ptr) and paths in the arguments
     paths: list = field(default_factory=list)
+    left: list = field(default_factory=list)         # (executor ref, stale) as the capture left each executor
 
 
 class CapturedStep:
@@ -317,7 +318,9 @@ class CapturedStep:
                                f"in the warm-up step before it ({len(b)} against {len(a)} ops; {what}): a captured "
                                f"step replays one sequence. Make every call run the same forward and backward "
                                f"calls of the sharded model (an evaluation forward belongs outside the captured "
-                               f"step), or run this step eagerly")
+                               f"step; and not between the last warm-up call and the capture under ZeRO-1/2: it "
+                               f"gathers the stepped parameters, so the capture would skip the gathers every step "
+                               f"needs: evaluate after the capture), or run this step eagerly")
 
     def _eager(self, g: _Graph, args, kwargs):
         g.calls += 1
@@ -355,6 +358,7 @@ class CapturedStep:
             g.statics, g.static_args, g.out, g.phase = statics, (args, kwargs), out, Phase.CAPTURED
             g.hyper = self._hyper(g)
             self._note_shards(g)
+            g.left = [(r, r().stale) for r in g.executors if r() is not None]
             g.replays += 1
             return out
         if not torch.cuda.is_available():
@@ -373,6 +377,7 @@ class CapturedStep:
         g.graph, g.pool, g.statics, g.out, g.phase = graph, pool, statics, out, Phase.CAPTURED
         g.hyper = self._hyper(g)
         self._note_shards(g)
+        g.left = [(r, r().stale) for r in g.executors if r() is not None]
         for r in g.optimizers:
             opt = r()
             if opt is not None:  # loading a state dict replaces the state tensors the graph reads: capture again
@@ -398,11 +403,32 @@ class CapturedStep:
         else:
             g.graph.replay()
             self._copy_checks(g)
+            self._leave_as_captured(g)
         g.replays += 1
         self.replays += 1
         self._last = g
         self.host_seconds += time.perf_counter() - t
         return g.out
+
+    # [Note: the host after a replay] a replay runs no Python: the executors' bookkeeping stays where the last
+    # eager call left it, and no version counter moves. The replay did what the captured call did (its graph
+    # gathers the shards the step before it changed, then steps the optimizer), so each executor is left as the
+    # capture left it: stale shards where the capture left them stale (a ZeRO-1/2 forward between replays, an
+    # evaluation say, then gathers the stepped shards; else it read the gathered parameters of the step before,
+    # which an evaluation before the replay had marked fresh), and the functional face compares no leaf against
+    # the versions it saw (the graph updated them in place without a version bump), so its next eager call
+    # loads every leaf again.
+    @staticmethod
+    def _leave_as_captured(g: _Graph) -> None:
+        for r, stale in g.left:
+            exe = r()
+            if exe is None:
+                continue
+            if stale:
+                exe.stale = True
+            versions = getattr(exe.face, "versions", None)
+            if isinstance(versions, dict):
+                versions.clear()
 
     # -- what must hold between replays --------------------------------------------------------------------
     def _local_params(self, g: _Graph) -> list:
