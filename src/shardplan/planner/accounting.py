@@ -104,6 +104,10 @@ def memory(plan: "Plan", rank: int = 0, recompute: bool = False) -> dict:
         gathered_peak = max(gathered_peak, sum(v for (k, i), v in live.items()
                                                if k in ("packed", "wire") or (k == "full" and i in transient_full)))
 
+    def landing() -> None:  # a landing moment inside an op ([Note: landing in the reduce dtype])
+        bump(act)
+        _settle(live, forming)
+
     schedule = plan.schedule
     for step in plan.program.canonical():
         # [Note: activations at events] the compute between the previous event and this one (a unit's
@@ -113,7 +117,7 @@ def memory(plan: "Plan", rank: int = 0, recompute: bool = False) -> dict:
         if point is not None:
             bump(point.peak)
         for op in (schedule[i] for i in step.ops if schedule[i].applies(recompute=recompute)):
-            _apply(op, plan, per, live, lent, collected, put, forming)
+            _apply(op, plan, per, live, lent, collected, put, forming, landing)
             bump(act)
         if point is not None:
             act = point.live
@@ -158,7 +162,7 @@ def low_precision_masters(plan: "Plan", rank: int = 0) -> tuple[int, int]:
     return n, size
 
 
-def _apply(op, plan, per, live, lent, collected, put, forming: set) -> None:
+def _apply(op, plan, per, live, lent, collected, put, forming: set, moment) -> None:
     bufs = [plan.buffers[i] for i in op.buffers]
     if op.kind == COPY_H2D:
         for b in bufs:
@@ -199,7 +203,8 @@ def _apply(op, plan, per, live, lent, collected, put, forming: set) -> None:
         for i in plan.unit(op.unit).buffers:
             b = plan.buffers[i]
             if b.requires_grad and i not in collected:
-                _landed(b, live, per, forming)  # the runtime copies the formed gradients into it
+                if _landed(b, live, per, forming):  # the runtime copies the formed gradients into it
+                    moment()
                 collected.add(i)
                 put("rin", i)
         if op.what == GRADS:
@@ -212,7 +217,8 @@ def _apply(op, plan, per, live, lent, collected, put, forming: set) -> None:
             if i not in collected:  # no reduction op ran (nothing to reduce over: a replicated buffer on a group of
                 put("rin", i)       # one): the wait makes the reduction's input, the result (as the runtime does)
             collected.discard(i)
-            _landed(b, live, per, forming)
+            if _landed(b, live, per, forming):
+                moment()
             result = reduction_result(b)
             if per[i]["lgrad"]:
                 put("lgrad", i)
@@ -230,11 +236,27 @@ def _apply(op, plan, per, live, lent, collected, put, forming: set) -> None:
                 live.pop(("flat", b.index), None)
 
 
-def _landed(b: BufferPlan, live: dict, per: dict, forming: set) -> None:
-    """``b``'s formed gradients landed in its unsharded gradient (of its own dtype from now on)."""
-    forming.discard(b.index)
-    if ("flat", b.index) in live:
-        live[("flat", b.index)] = per[b.index]["flat"]
+def _landed(b: BufferPlan, live: dict, per: dict, forming: set) -> bool:
+    """``b``'s formed gradients landed in its unsharded gradient (of its own dtype from now on). Returns whether
+    they and a wider unsharded gradient are alive together now: the caller counts that moment, then settles."""
+    i = b.index
+    # [Note: landing in the reduce dtype] autograd's gradients (compute dtype) are copied into an unsharded
+    # gradient of the reduce dtype allocated for it: both are alive at that moment, as a bf16 unsharded gradient
+    # and its fp32 reduction input were before ([Note: gradients land in the reduce dtype], values.py)
+    if b.lands_in_reduce_dtype and ("flat", i) in live and i in forming:
+        live[("landing", i)] = per[i]["flat"]
+        return True
+    forming.discard(i)
+    if ("flat", i) in live:
+        live[("flat", i)] = per[i]["flat"]
+    return False
+
+
+def _settle(live: dict, forming: set) -> None:
+    """After the landing moment: the formed gradients are gone, the unsharded gradient holds them."""
+    for k in [k for k in live if k[0] == "landing"]:
+        live[("flat", k[1])] = live.pop(k)
+        forming.discard(k[1])
 
 
 def comm_bytes(plan: "Plan") -> dict:

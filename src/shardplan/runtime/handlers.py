@@ -77,6 +77,11 @@ class OpHandlers:
         window = self.grads.window
         out = {}
         for b in u.with_grads:
+            if self.track_memory and b.bp.lands_in_reduce_dtype and b.forming_bytes():
+                # [Note: landing in the reduce dtype] (planner/accounting.py): the formed gradients and the wider
+                # unsharded gradient they are copied into are alive together
+                self._account()
+                self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes + b.bp.grad_numel * b.bp.flat_itemsize)
             self.face.land(b, window)
             out[b.bp.index] = b.reduction_input(window, self.comm.local_result(b))
         if self.partial_check is not None:  # tensor parallelism, first synchronising backward (tensor_parallel.py)
