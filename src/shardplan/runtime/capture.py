@@ -65,10 +65,14 @@ class _Session:
     capturing: bool = False                              # a CUDA graph is being captured
     checks: list = field(default_factory=list)           # (buffer, kind, device index): non-finite checks to read
     records: dict = field(default_factory=dict)          # id(executor) -> (its op record, start, ours)
+    force_stale: frozenset = frozenset()                 # executors that begin this call stale ([Note: stale
+                                                         # shards at the capture])
 
     def saw(self, exe) -> None:
         if not any(r() is exe for r in self.executors):
             self.executors.append(weakref.ref(exe))
+            if id(exe) in self.force_stale:
+                exe.stale = True
             # [Note: the same ops every step] record the ops each executor runs in this call (a list the
             # executor appends to; a caller's own recording is shared, from where it stands now)
             record, ours = exe.record, exe.record is None
@@ -200,6 +204,7 @@ class CapturedStep:
         self.calls = 0                # eager, capturing and eager-backend calls so far
         self._side = None             # the warm-up stream, one per captured step
         self._last: Optional[_Graph] = None  # the graph replayed or captured last ([Note: a replay's signature])
+        self._stale_end: dict = {}    # id(executor) -> its shards were stale as the last call ended
         _watch_optimizers()
 
     # -- signatures --------------------------------------------------------------------------------------
@@ -260,12 +265,20 @@ class CapturedStep:
         if _ACTIVE is not None:
             raise CaptureError("shardplan.capture: a captured step called inside another captured step; capture the "
                                "outer step only")
-        s = _ACTIVE = _Session(capturing=capturing and self.backend == "cuda_graph")
+        # [Note: stale shards at the capture] under ZeRO-1/2 the full parameters stay between steps and are
+        # gathered again when a synchronising backward (an optimizer step) made the shards stale. An evaluation
+        # forward between two calls gathers them and leaves them fresh: the next call would run without those
+        # gathers, and captured so, every replay would too (training on the parameters of the step before).
+        # Every call after the first begins stale where the call before it ended stale: it gathers again (the
+        # same values, after an evaluation), so warm-ups, the capture and its replays run one sequence.
+        force = frozenset(k for k, v in self._stale_end.items() if v)
+        s = _ACTIVE = _Session(capturing=capturing and self.backend == "cuda_graph", force_stale=force)
         try:
             out = self.fn(*args, **kwargs)
         finally:
             _ACTIVE = None
             ops = s.ops_run()
+            self._stale_end = {id(r()): bool(r().stale) for r in s.executors if r() is not None}
         first, self.calls = self.calls == 0, self.calls + 1
         self._agree(g, s, capturing)
         self._same_ops(g, ops, capturing, first)
@@ -318,9 +331,7 @@ class CapturedStep:
                                f"in the warm-up step before it ({len(b)} against {len(a)} ops; {what}): a captured "
                                f"step replays one sequence. Make every call run the same forward and backward "
                                f"calls of the sharded model (an evaluation forward belongs outside the captured "
-                               f"step; and not between the last warm-up call and the capture under ZeRO-1/2: it "
-                               f"gathers the stepped parameters, so the capture would skip the gathers every step "
-                               f"needs: evaluate after the capture), or run this step eagerly")
+                               f"step), or run this step eagerly")
 
     def _eager(self, g: _Graph, args, kwargs):
         g.calls += 1
