@@ -169,17 +169,7 @@ def test_a_capture_that_runs_other_ops_than_the_warm_up_is_refused():
 
 
 def _replaced_worker(rank, world, kind):
-    model = Toy()
-    sp.shard(model, sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=[r"blocks\.\d+"], min_unit_bytes=0))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def step(x, y):
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
+    model, step = _toy_sgd_step(world)
     f = sp.capture(step, backend="eager")
     data = batches(4, seed=rank + 1)
     for x, y in data[:3]:  # two warm-up steps and the capture
@@ -531,23 +521,27 @@ class _HostFrozenGraph:
         torch._C._autograd._unsafe_set_version_counter(tuple(self.params), counters)
 
 
+def _toy_sgd_step(world, **plan_kw):
+    """A sharded Toy and its training step (forward, backward, SGD, zero_grad) returning the loss."""
+    model = Toy()
+    sp.shard(model, sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=[r"blocks\.\d+"], min_unit_bytes=0, **plan_kw))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x, y):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+    return model, step
+
+
 def _eval_between_replays_worker(rank, world):
     from shardplan.runtime.builder import engine_of
     data = batches(6, seed=rank + 1)
     evals = {}
     for mode in ("eager", "captured"):
-        model = Toy()
-        sp.shard(model, sp.plan(model, toy_rules(), sp.Mesh(dp=world), strategy=2, units=[r"blocks\.\d+"],
-                                min_unit_bytes=0))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-        def step(x, y):
-            loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-
+        model, step = _toy_sgd_step(world, strategy=2)
         f = sp.capture(step, backend="eager") if mode == "captured" else step
         out = []
         for i, (x, y) in enumerate(data):
@@ -576,18 +570,7 @@ def _eval_every_step_worker(rank, world):
     data = batches(6, seed=rank + 1)
     out = {}
     for mode in ("eager", "captured"):
-        model = Toy()
-        sp.shard(model, sp.plan(model, toy_rules(), sp.Mesh(dp=world), strategy=2, units=[r"blocks\.\d+"],
-                                min_unit_bytes=0))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-        def step(x, y):
-            loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-
+        model, step = _toy_sgd_step(world, strategy=2)
         f = sp.capture(step, backend="eager") if mode == "captured" else step
         losses, evals, gathers = [], [], None
         try:
