@@ -173,11 +173,9 @@ class _Graph:
     checked: Any = None                              # (pinned host indices, event) of the last replay's checks
     hyper: list = field(default_factory=list)        # (optimizer ref, Python-number hyper-parameters per group)
     ops: Optional[dict] = None                       # executor id -> the schedule ops the last call ran
-    locals: list = field(default_factory=list)       # the local parameters' tensors and their addresses at the
-    local_addresses: list = field(default_factory=list)  # capture ([Note: the shards a replay reads])
-    held: list = field(default_factory=list)         # the tensor inputs the graph reads in place, their addresses
-    addresses: list = field(default_factory=list)    # (data_ptr) and paths in the arguments
-    paths: list = field(default_factory=list)
+    held: list = field(default_factory=list)         # what the graph reads in place: tensor inputs and local
+    addresses: list = field(default_factory=list)    # parameters, their addresses at the capture, and the inputs'
+    paths: list = field(default_factory=list)        # paths in the arguments (None: a parameter)
     left: list = field(default_factory=list)         # (executor ref, stale) as the capture left each executor
 
 
@@ -217,7 +215,7 @@ class CapturedStep:
     # (15 ms of 58 on one H100). A call whose tree has the last replayed graph's structure and whose leaves are
     # that graph's inputs themselves (donated tensors passed back) or have their keys is that graph's call; only
     # the leaves that are not the graph's own are keyed. The graph's own tensors are checked by their storage
-    # before every replay instead (``_check_storage``): a donated tensor whose storage was replaced would have
+    # before every replay instead (``_check_addresses``): a donated tensor whose storage was replaced would have
     # the graph read freed memory.
     def _same_call(self, g: "_Graph", leaves: list, spec) -> bool:
         statics = g.statics
@@ -401,8 +399,7 @@ class CapturedStep:
     def _replay(self, g: _Graph, leaves: list):
         t = time.perf_counter()
         self._read_checks(g)
-        self._check_storage(g)
-        self._check_shards(g)
+        self._check_addresses(g)
         self._check_grads_before_replay(g)
         self._check_hyper(g)
         with torch.no_grad():
@@ -492,16 +489,28 @@ class CapturedStep:
                             f"Hold it as a tensor on the device ({k}=torch.tensor({v!r}, device='cuda'), and "
                             f"capturable=True), which schedulers update in place")
 
-    # [Note: the shards a replay reads] the graph reads each local parameter's piece of its shard at the address
-    # it had when the step was captured: one address comparison per parameter, in one list, before each replay
-    # (the eager step's check, runtime/seams.py, walks the buffers to name the parameter; it runs on a mismatch)
+    # [Note: what a replay reads in place] the graph reads its tensor inputs (donated ones are the caller's) and
+    # each local parameter's piece of its shard at the addresses they had when the step was captured: one list
+    # of addresses, compared before each replay. A donated input whose storage was replaced (``.data = new``, a
+    # resize) would be read in its old, freed memory; a replaced parameter (``p.data = new``) would train on its
+    # old values. On a mismatch the error names the input, or the parameter (the eager step's buffer walk,
+    # runtime/seams.py)
     def _note_shards(self, g: _Graph) -> None:
-        g.locals = [t for t in map(plain, self._local_params(g)) if t.numel()]
-        g.local_addresses = list(map(_PTR, g.locals))
+        """Add the local parameters (known once the capture ran) to what the graph reads in place."""
+        params = [t for t in map(plain, self._local_params(g)) if t.numel()]
+        g.held += params
+        g.paths += [None] * len(params)
+        g.addresses += list(map(_PTR, params))
 
-    def _check_shards(self, g: _Graph) -> None:
-        if not g.locals or list(map(_PTR, g.locals)) == g.local_addresses:
+    def _check_addresses(self, g: _Graph) -> None:
+        if list(map(_PTR, g.held)) == g.addresses:
             return
+        path = next(p for t, a, p in zip(g.held, g.addresses, g.paths) if t.data_ptr() != a)
+        if path is not None:
+            raise CaptureError(f"shardplan.capture: the input at {_path(path)} no longer has the storage the step was "
+                               f"captured with (its .data was replaced, or it was resized): the replay reads that "
+                               f"memory in place. Change donated tensors' values in place (copy_), or call "
+                               f"step.reset() to capture again")
         for r in g.executors:
             exe = r()
             if exe is not None and getattr(exe.face, "owns_locals", False):
@@ -511,17 +520,6 @@ class CapturedStep:
                                        f"capture again after replacing parameters)")
         raise CaptureError("shardplan.capture: a local parameter's storage moved since the step was captured (its "
                            "shard was reallocated): the replay reads the old address. Capture again (step.reset())")
-
-    @staticmethod
-    def _check_storage(g: _Graph) -> None:
-        """The graph's inputs still have the storage it reads: a donated tensor whose ``.data`` was replaced (or that
-        was resized into new memory) would have the replay read its old, freed memory."""
-        if list(map(_PTR, g.held)) != g.addresses:
-            path = next(p for t, a, p in zip(g.held, g.addresses, g.paths) if t.data_ptr() != a)
-            raise CaptureError(f"shardplan.capture: the input at {_path(path)} no longer has the storage the step was "
-                               f"captured with (its .data was replaced, or it was resized): the replay reads that "
-                               f"memory in place. Change donated tensors' values in place (copy_), or call "
-                               f"step.reset() to capture again")
 
     def _copy_checks(self, g: _Graph) -> None:
         """After a replay: the non-finite checks' indices to pinned host memory, without waiting."""
