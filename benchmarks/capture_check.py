@@ -101,7 +101,7 @@ def data(config, batch, seq, n, dev, micro=1):
 
 
 def system(face, config, dev, dtype, act_ckpt=False, units=None, min_unit_bytes=None, start=0, gather=None,
-           fp8=False):
+           fp8=False, strategy=3):
     """``(step_fn(x, y) -> loss, params_fn() -> {name: tensor})``: one training step of ``face``."""
     model = build(config, dev)
     units = units or UNITS.get(config, r"layers\.\d+")
@@ -116,13 +116,13 @@ def system(face, config, dev, dtype, act_ckpt=False, units=None, min_unit_bytes=
         if face == "shard":
             plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=1), units=[units], compute_dtype=dt,
                            reduce_dtype=red, min_unit_bytes=min_unit_bytes, gather_dtype=gather,
-                           fp8="torchao" if fp8 else None)
+                           fp8="torchao" if fp8 else None, strategy=strategy)
             sp.shard(model, plan)
         elif face == "fully_shard":
             mp = sp.MixedPrecisionPolicy(param_dtype=dt, reduce_dtype=red) if dt else sp.MixedPrecisionPolicy()
-            for layer in model.layers:
-                sp.fully_shard(layer, mp_policy=mp)
-            sp.fully_shard(model, mp_policy=mp)
+            for layer in model.layers:  # strategy 2: the gathered parameters stay between forward and backward
+                sp.fully_shard(layer, mp_policy=mp, reshard_after_forward=strategy == 3)
+            sp.fully_shard(model, mp_policy=mp, reshard_after_forward=strategy == 3)
         opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device=dev), capturable=True,
                                 foreach=True, weight_decay=0.1)
         lr_sched = sp.optim.as_lr_scheduler(opt, sched, step=start)
@@ -230,6 +230,10 @@ def parity(args, dev):
             cases.append(dict(face=face, dtype=dtype, micro=1))
     cases += [dict(face="shard", dtype="bf16", micro=2), dict(face="shard", dtype="bf16", micro=1, act_ckpt=True),
               dict(face="shard", dtype="fp32", micro=1, singleton=True)]
+    # an evaluation forward after every step (before the capture and between replays): under ZeRO-1/2 the gathered
+    # parameters stay between steps, and the host's bookkeeping must know a replay left the shards stale
+    cases += [dict(face="shard", dtype="bf16", micro=1, evals=True, strategy=s) for s in (1, 2)]
+    cases += [dict(face="fully_shard", dtype="bf16", micro=1, evals=True, strategy=2)]
     cases += [dict(face="shard", dtype="bf16", micro=1, evals=True), dict(face="shard", dtype="fp32", micro=1, resume=True),
               dict(face="shard", dtype="bf16", micro=1, gather="int8"), dict(face="shard", dtype="bf16", micro=1, fp8=True),
               dict(face="shard", dtype="bf16", micro=1, gather="int8", nan=True)]
@@ -244,7 +248,7 @@ def _parity_cases(args, dev, cases):
         try:
             batches = data(args.config, args.batch, args.seq, args.steps, dev, c["micro"])
             kw = dict(act_ckpt=c.get("act_ckpt", False), evals=c.get("evals", False), gather=c.get("gather"),
-                      fp8=c.get("fp8", False))
+                      fp8=c.get("fp8", False), strategy=c.get("strategy", 3))
             if c.get("nan"):  # a NaN put in a weight between replays: a later call raises naming it
                 step, after, params, model = system(c["face"], args.config, dev, c["dtype"], gather=c["gather"])
                 f = sp.capture(step)
