@@ -600,7 +600,7 @@ def _eval_every_step_worker(rank, world):
 
 def test_an_evaluation_before_the_capture_and_between_replays_is_accepted_under_zero2():
     """[Note: stale shards at the capture] an evaluation after each warm-up call leaves ZeRO-2's gathered
-    parameters fresh before the next call; every call after the first begins stale as the call before it ended,
+    parameters fresh before the next call; every call after the first begins stale (as a training step ends),
     so the capture records the gathers every later step needs (without: refused when only the last warm-up was
     followed by an evaluation, and captured without them, training every replay on the parameters of the step
     before, when every warm-up was), and losses, evaluations and parameters equal the eager run's bit for bit."""
@@ -610,6 +610,102 @@ def test_an_evaluation_before_the_capture_and_between_replays_is_accepted_under_
         assert le == lc and ee == ec and all(torch.equal(pe[k], pc[k]) for k in pe)
         assert gathers  # the capture gathers the stepped shards (a CUDA graph without them trains on stale ones)
 
+
+
+def _capture_gathers(f) -> int:
+    """How many all-gathers before the forward the (first) captured graph of ``f`` recorded."""
+    ops = next(iter(next(iter(f.graphs.values())).ops.values()))
+    return sum(o.kind == "all_gather" and o.trigger.startswith("before_forward") for o in ops)
+
+
+def _functional_eval_worker(rank, world, donate):
+    from shardplan.runtime import capture as CAP
+    from shardplan.runtime.functional import runtime_of
+    data = batches(6, seed=rank + 1)
+    out = {}
+    for mode in ("eager", "captured"):
+        model = Toy()
+        plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=[r"blocks\.\d+"], min_unit_bytes=0, strategy=2)
+        params = sp.shard_tree(dict(model.named_parameters()), plan)
+        opt = sp.optim.adamw(lr=1e-2, capturable=True)
+        state = opt.init(params)
+        vg = sp.value_and_grad(lambda p, x, y: sp.functional_call(model, plan, p, (x, y)), plan)
+
+        def step(params, state, x, y):
+            loss, grads = vg(params, x, y)
+            params, state = opt.update(grads, state, params, donate=donate)
+            return params, state, loss.detach()
+
+        f = sp.capture(step, backend="eager", donate_argnums=(0, 1) if donate else ()) if mode == "captured" else step
+        losses, evals, loads = [], [], []
+        try:
+            for i, (x, y) in enumerate(data):
+                params, state, loss = f(params, state, x, y)
+                losses.append(float(loss))
+                if mode == "captured" and i == 0:  # whether each captured call loads the leaves into the shards
+                    face = runtime_of(model, plan).face
+                    load = face.load
+                    face.load = lambda *a, **k: loads.append((CAP._ACTIVE is not None, load(*a, **k))) or loads[-1][1]
+                if i < 3:  # an evaluation after each warm-up call and the capture
+                    with torch.no_grad():
+                        evals.append(float(sp.functional_call(model, plan, params, data[0])))
+        except sp.CaptureError as exc:
+            return {"error": str(exc)}
+        out[mode] = (losses, evals, {k: v.clone() for k, v in params.items()},
+                     _capture_gathers(f) if mode == "captured" else None, [c for inside, c in loads if inside])
+    return out
+
+
+@pytest.mark.parametrize("donate", [True, False])
+def test_the_functional_face_evaluated_before_the_capture_captures_the_gathers(donate):
+    """[Note: stale shards at the capture], the functional face: ZeRO-2 gathers again when the leaves changed
+    since it loaded them. An evaluation after a warm-up call loads the leaves the donated update changed in
+    place: the capture saw nothing changed and recorded neither the leaves' copy into the shards nor the
+    gathers (every CUDA-graph replay would train on the parameters the evaluation gathered before it). Without
+    donation the warm-up after an evaluation gathered nothing while the capture (static copies) did: refused.
+    (On the CPU, with donation, the eager backend's second replay gathered and was refused.) Every call after the
+    first now loads every leaf again: the capture records the copy and the gathers."""
+    for r in run(_functional_eval_worker, 2, donate, timeout=120):
+        assert "error" not in r, r
+        (le, ee, pe, _, _), (lc, ec, pc, gathers, loaded) = r["eager"], r["captured"]
+        assert le == lc and ee == ec and all(torch.equal(pe[k], pc[k]) for k in pe)
+        assert gathers  # the capture gathers the stepped shards
+        assert loaded == [True] * 5  # and copies the leaves into them (a graph replays that copy), as every call
+
+
+def _eval_step_worker(rank, world):
+    data = batches(7, seed=rank + 1)
+    out = {}
+    for mode in ("eager", "captured"):
+        model, train = _toy_sgd_step(world, strategy=2)
+
+        def evaluate(x, y):
+            with torch.no_grad():
+                return model(x, y)
+
+        t, e = (sp.capture(train, backend="eager"), sp.capture(evaluate, backend="eager")) if mode == "captured" \
+            else (train, evaluate)
+        evals = []
+        try:
+            for k in range(4):
+                t(*data[k])
+                for j in range(3):  # an evaluation phase of three batches, the evaluation step captured too
+                    evals.append(float(e(*data[4 + j])))
+        except sp.CaptureError as exc:
+            return {"error": str(exc)}
+        out[mode] = (evals, _capture_gathers(e) if mode == "captured" else None)
+    return out
+
+
+def test_a_captured_evaluation_step_gathers_the_parameters_the_training_step_changed():
+    """An evaluation step captured beside the training step (ZeRO-2): its second call followed the first without
+    an optimizer step, so it gathered nothing, and its capture neither: every CUDA-graph replay would read the
+    full parameters its first call gathered, whatever the training steps between changed (on the CPU, the
+    eager backend's replay after a training step ran other ops and was refused). Every call after the first
+    begins stale: the evaluation graph gathers."""
+    for r in run(_eval_step_worker, 2, timeout=120):
+        assert "error" not in r, r
+        assert r["eager"][0] == r["captured"][0] and r["captured"][1]
 
 # -- Hugging Face models through the captured step, replays mimicking a CUDA graph's -----------------------------
 

@@ -65,13 +65,13 @@ class _Session:
     capturing: bool = False                              # a CUDA graph is being captured
     checks: list = field(default_factory=list)           # (buffer, kind, device index): non-finite checks to read
     records: dict = field(default_factory=dict)          # id(executor) -> (its op record, start, ours)
-    force_stale: frozenset = frozenset()                 # executors that begin this call stale ([Note: stale
-                                                         # shards at the capture])
+    force_stale: bool = False                            # executors begin this call stale ([Note: stale shards
+                                                         # at the capture])
 
     def saw(self, exe) -> None:
         if not any(r() is exe for r in self.executors):
             self.executors.append(weakref.ref(exe))
-            if id(exe) in self.force_stale:
+            if self.force_stale:
                 exe.stale = True
             # [Note: the same ops every step] record the ops each executor runs in this call (a list the
             # executor appends to; a caller's own recording is shared, from where it stands now)
@@ -202,7 +202,7 @@ class CapturedStep:
         self.calls = 0                # eager, capturing and eager-backend calls so far
         self._side = None             # the warm-up stream, one per captured step
         self._last: Optional[_Graph] = None  # the graph replayed or captured last ([Note: a replay's signature])
-        self._stale_end: dict = {}    # id(executor) -> its shards were stale as the last call ended
+        self._seen: list = []         # weak references to the executors the calls so far ran
         _watch_optimizers()
 
     # -- signatures --------------------------------------------------------------------------------------
@@ -264,19 +264,31 @@ class CapturedStep:
             raise CaptureError("shardplan.capture: a captured step called inside another captured step; capture the "
                                "outer step only")
         # [Note: stale shards at the capture] under ZeRO-1/2 the full parameters stay between steps and are
-        # gathered again when a synchronising backward (an optimizer step) made the shards stale. An evaluation
-        # forward between two calls gathers them and leaves them fresh: the next call would run without those
-        # gathers, and captured so, every replay would too (training on the parameters of the step before).
-        # Every call after the first begins stale where the call before it ended stale: it gathers again (the
-        # same values, after an evaluation), so warm-ups, the capture and its replays run one sequence.
-        force = frozenset(k for k, v in self._stale_end.items() if v)
+        # gathered again when the shards went stale (a synchronising backward, an optimizer step; under the
+        # functional face, leaves that changed since they were loaded). Whatever ran between two calls can leave
+        # them fresh: an evaluation forward gathers the stepped shards (the module face), or loads the leaves the
+        # donated update changed in place (the functional face); a call that steps nothing (a captured
+        # evaluation step) leaves them fresh itself. The next call would run without the gathers (and the
+        # leaves' copy into the shards), and captured so, every replay would too: training on the parameters of
+        # the step before, or an evaluation graph reading the full parameters of a step long gone, whatever the
+        # steps between them changed. Every call after the first begins with every executor stale and every
+        # leaf to load again: it gathers again (the same values where nothing changed), so warm-ups, the capture
+        # and its replays run one sequence, and a graph never trusts full parameters it did not gather.
+        force = self.calls > 0
+        if force:
+            for r in self._seen:
+                exe = r()
+                versions = getattr(getattr(exe, "face", None), "versions", None)
+                if isinstance(versions, dict):  # the functional face: load every leaf (before the first forward)
+                    versions.clear()
         s = _ACTIVE = _Session(capturing=capturing and self.backend == "cuda_graph", force_stale=force)
         try:
             out = self.fn(*args, **kwargs)
         finally:
             _ACTIVE = None
             ops = s.ops_run()
-            self._stale_end = {id(r()): bool(r().stale) for r in s.executors if r() is not None}
+            self._seen = [r for r in self._seen if r() is not None]
+            self._seen += [r for r in s.executors if r() is not None and not any(q() is r() for q in self._seen)]
         first, self.calls = self.calls == 0, self.calls + 1
         self._agree(g, s, capturing)
         self._same_ops(g, ops, capturing, first)
