@@ -448,6 +448,38 @@ def test_a_tensor_lr_stays_the_tensor_through_a_checkpoint_and_a_python_lr_chang
         assert msg is not None and "param_groups[0]['lr'] changed from 0.1 to 0.05" in msg and "torch.tensor" in msg
 
 
+
+def test_a_replay_refuses_a_tensor_hyper_parameter_replaced_since_the_capture():
+    """A tensor lr is read by the graph in place: a scheduler's fill_ reaches every replay. Assigning a new value
+    in its place (``group["lr"] = 0.05``, a manual decay loop's way) left the graph reading the old tensor: every
+    replay trained with the learning rate of the capture, silently. Refused at the next replay, naming it."""
+    w = nn.Parameter(torch.ones(3))
+    lr = torch.tensor(0.1)
+    opt = torch.optim.SGD([w], lr=lr)
+
+    def step(x):
+        (w * x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    f = sp.capture(step, backend="eager", warmup=1)
+    for _ in range(3):  # a warm-up call, the capture, a replay
+        f(torch.ones(3))
+    lr.fill_(0.05)  # in place: what the graph reads
+    f(torch.ones(3))
+    for new in (0.05, torch.tensor(0.05)):
+        opt.param_groups[0]["lr"] = new
+        with pytest.raises(sp.CaptureError, match=r"param_groups\[0\]\['lr'\].*replaced.*fill_"):
+            f(torch.ones(3))
+    opt.param_groups[0]["lr"] = lr
+    f(torch.ones(3))  # the captured tensor back: replays
+    opt.load_state_dict(opt.state_dict())  # torch's load puts a copy of the lr tensor in its place: captured again
+    replays = f.replays
+    f(torch.ones(3))
+    assert opt.param_groups[0]["lr"] is not lr and f.replays == replays  # a capture, not a replay
+    f(torch.ones(3))
+    assert f.replays == replays + 1
+
 def test_capture_failure_message_names_the_right_cause():
     """A capture-rule violation (torch's "operation not permitted when stream is capturing") gets the host-read
     hint; another error of the step under capture (an attention backend unavailable in a graph) does not."""

@@ -380,6 +380,7 @@ class CapturedStep:
             g.hyper = self._hyper(g)
             self._note_shards(g)
             g.left = [(r, r().stale) for r in g.executors if r() is not None]
+            self._stale_on_load(g)
             g.replays += 1
             return out
         if not torch.cuda.is_available():
@@ -399,14 +400,19 @@ class CapturedStep:
         g.hyper = self._hyper(g)
         self._note_shards(g)
         g.left = [(r, r().stale) for r in g.executors if r() is not None]
-        for r in g.optimizers:
-            opt = r()
-            if opt is not None:  # loading a state dict replaces the state tensors the graph reads: capture again
-                opt.register_load_state_dict_post_hook(lambda _o, _g=g: setattr(_g, "phase", Phase.STALE))
+        self._stale_on_load(g)
         graph.replay()
         self._copy_checks(g)
         g.replays += 1
         return out
+
+    @staticmethod
+    def _stale_on_load(g: _Graph) -> None:
+        for r in g.optimizers:
+            opt = r()
+            if opt is not None:  # loading a state dict replaces the state tensors (and a tensor lr) the graph reads:
+                # capture again (the eager backend too, as its replays would be: the same bookkeeping)
+                opt.register_load_state_dict_post_hook(lambda _o, _g=g: setattr(_g, "phase", Phase.STALE))
 
     def _replay(self, g: _Graph, leaves: list):
         t = time.perf_counter()
@@ -475,14 +481,17 @@ class CapturedStep:
     # [Note: Python numbers in a captured step] a hyper-parameter held as a Python number (lr=3e-4) is baked into
     # the graph when it is captured: a scheduler that changes it afterwards would be silently ignored by every
     # replay. The numbers of every optimizer the step used are recorded at the capture and compared before each
-    # replay (a few per param group); a tensor (lr=torch.tensor(3e-4, device="cuda")) is read by the graph.
+    # replay (a few per param group); a tensor (lr=torch.tensor(3e-4, device="cuda")) is read by the graph in
+    # place, so it is recorded as the tensor itself: one assigned in its place (group["lr"] = 0.05, as a manual
+    # decay loop does) would leave every replay reading the old one, silently.
     @staticmethod
     def _hyper(g: _Graph) -> list:
         out = []
         for r in g.optimizers:
             opt = r()
             if opt is not None:
-                out.append((r, [{k: v for k, v in grp.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+                out.append((r, [{k: v for k, v in grp.items()
+                                 if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool)}
                                 for grp in opt.param_groups]))
         return out
 
@@ -494,7 +503,14 @@ class CapturedStep:
             for i, (grp, then) in enumerate(zip(opt.param_groups, groups)):
                 for k, v in then.items():
                     now = grp.get(k)
-                    if now != v:
+                    if isinstance(v, torch.Tensor):
+                        if now is not v:
+                            raise CaptureError(
+                                f"shardplan.capture: {type(opt).__name__}.param_groups[{i}][{k!r}] was replaced (by "
+                                f"{now!r}) since the step was captured, but the graph reads the tensor it was "
+                                f"captured with. Update that tensor in place ({k}.fill_(new), as schedulers and "
+                                f"sp.optim.as_lr_scheduler do), or call step.reset() to capture again")
+                    elif now != v:
                         raise CaptureError(
                             f"shardplan.capture: {type(opt).__name__}.param_groups[{i}][{k!r}] changed from {v!r} to "
                             f"{now!r} since the step was captured, but as a Python number it is baked into the graph. "
