@@ -198,6 +198,28 @@ def test_a_replay_refuses_a_replaced_parameter_and_a_gradient_left_between_calls
             assert "did not have when the step was captured" in msg
 
 
+
+def _no_sync_replay_worker(rank, world):
+    model, step = _toy_sgd_step(world, strategy=2)
+    f = sp.capture(step, backend="eager")
+    data = batches(4, seed=rank + 1)
+    for x, y in data[:3]:  # two warm-up steps and the capture
+        f(x, y)
+    try:
+        with sp.no_sync(model):  # accumulation around the call: the graph would reduce and step anyway
+            f(*data[3])
+    except sp.CaptureError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_replay_under_no_sync_is_refused():
+    """[Note: gradient sync around a replay] a step captured outside sp.no_sync reduces its gradients in every
+    replay: a call under no_sync replayed it all the same on a GPU (the CPU's eager backend refused it for another
+    cause: used parameters that changed). Refused, naming no_sync and where accumulation belongs."""
+    for msg in run(_no_sync_replay_worker, 2, timeout=120):
+        assert msg is not None and "under sp.no_sync(Toy)" in msg and "captured outside" in msg, msg
+
 class _Skips(nn.Module):
     """The middle layer runs every other call: its parameters get no gradient in the others."""
 

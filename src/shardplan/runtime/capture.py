@@ -176,7 +176,7 @@ class _Graph:
     held: list = field(default_factory=list)         # what the graph reads in place: tensor inputs and local
     addresses: list = field(default_factory=list)    # parameters, their addresses at the capture, and the inputs'
     paths: list = field(default_factory=list)        # paths in the arguments (None: a parameter)
-    left: list = field(default_factory=list)         # (executor ref, stale) as the capture left each executor
+    left: list = field(default_factory=list)         # (executor ref, stale, sync) as the capture left each executor
 
 
 class CapturedStep:
@@ -379,7 +379,7 @@ class CapturedStep:
             g.statics, g.static_args, g.out, g.phase = statics, (args, kwargs), out, Phase.CAPTURED
             g.hyper = self._hyper(g)
             self._note_shards(g)
-            g.left = [(r, r().stale) for r in g.executors if r() is not None]
+            g.left = [(r, r().stale, r().sync) for r in g.executors if r() is not None]
             self._stale_on_load(g)
             g.replays += 1
             return out
@@ -399,7 +399,7 @@ class CapturedStep:
         g.graph, g.pool, g.statics, g.out, g.phase = graph, pool, statics, out, Phase.CAPTURED
         g.hyper = self._hyper(g)
         self._note_shards(g)
-        g.left = [(r, r().stale) for r in g.executors if r() is not None]
+        g.left = [(r, r().stale, r().sync) for r in g.executors if r() is not None]
         self._stale_on_load(g)
         graph.replay()
         self._copy_checks(g)
@@ -420,6 +420,7 @@ class CapturedStep:
         self._check_addresses(g)
         self._check_grads_before_replay(g)
         self._check_hyper(g)
+        self._check_sync(g)
         with torch.no_grad():
             for x, s in zip(leaves, g.statics):
                 if isinstance(x, torch.Tensor) and x is not s:
@@ -446,7 +447,7 @@ class CapturedStep:
     # loads every leaf again.
     @staticmethod
     def _leave_as_captured(g: _Graph) -> None:
-        for r, stale in g.left:
+        for r, stale, _ in g.left:
             exe = r()
             if exe is None:
                 continue
@@ -516,6 +517,21 @@ class CapturedStep:
                             f"{now!r} since the step was captured, but as a Python number it is baked into the graph. "
                             f"Hold it as a tensor on the device ({k}=torch.tensor({v!r}, device='cuda'), and "
                             f"capturable=True), which schedulers update in place")
+
+    # [Note: gradient sync around a replay] the graph reduces the gradients as the capture did: a call made under
+    # sp.no_sync (or the drop-in's set_requires_gradient_sync(False)) after a capture outside it would reduce
+    # and step anyway, and one outside it after a capture inside would not reduce, silently. Refused.
+    @staticmethod
+    def _check_sync(g: _Graph) -> None:
+        for r, _, sync in g.left:
+            exe = r()
+            if exe is not None and exe.sync != sync:
+                name = type(exe.root()).__name__ if exe.root() is not None else "the model"
+                raise CaptureError(
+                    f"shardplan.capture: this call runs {'outside' if exe.sync else 'under'} sp.no_sync({name}), the "
+                    f"step was captured {'outside' if sync else 'under'} it: a replay reduces the gradients as the "
+                    f"capture did. Accumulate inside the step (micro-batches under sp.no_sync, the last one outside), "
+                    f"so that one call is one optimizer step, or call the step function itself for this call")
 
     # [Note: what a replay reads in place] the graph reads its tensor inputs (donated ones are the caller's) and
     # each local parameter's piece of its shard at the addresses they had when the step was captured: one list
