@@ -198,6 +198,28 @@ def test_a_replay_refuses_a_replaced_parameter_and_a_gradient_left_between_calls
             assert "did not have when the step was captured" in msg
 
 
+
+def _no_sync_replay_worker(rank, world):
+    model, step = _toy_sgd_step(world, strategy=2)
+    f = sp.capture(step, backend="eager")
+    data = batches(4, seed=rank + 1)
+    for x, y in data[:3]:  # two warm-up steps and the capture
+        f(x, y)
+    try:
+        with sp.no_sync(model):  # accumulation around the call: the graph would reduce and step anyway
+            f(*data[3])
+    except sp.CaptureError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_replay_under_no_sync_is_refused():
+    """[Note: gradient sync around a replay] a step captured outside sp.no_sync reduces its gradients in every
+    replay: a call under no_sync replayed it all the same on a GPU (the CPU's eager backend refused it for another
+    cause: used parameters that changed). Refused, naming no_sync and where accumulation belongs."""
+    for msg in run(_no_sync_replay_worker, 2, timeout=120):
+        assert msg is not None and "under sp.no_sync(Toy)" in msg and "captured outside" in msg, msg
+
 class _Skips(nn.Module):
     """The middle layer runs every other call: its parameters get no gradient in the others."""
 
@@ -448,6 +470,38 @@ def test_a_tensor_lr_stays_the_tensor_through_a_checkpoint_and_a_python_lr_chang
         assert msg is not None and "param_groups[0]['lr'] changed from 0.1 to 0.05" in msg and "torch.tensor" in msg
 
 
+
+def test_a_replay_refuses_a_tensor_hyper_parameter_replaced_since_the_capture():
+    """A tensor lr is read by the graph in place: a scheduler's fill_ reaches every replay. Assigning a new value
+    in its place (``group["lr"] = 0.05``, a manual decay loop's way) left the graph reading the old tensor: every
+    replay trained with the learning rate of the capture, silently. Refused at the next replay, naming it."""
+    w = nn.Parameter(torch.ones(3))
+    lr = torch.tensor(0.1)
+    opt = torch.optim.SGD([w], lr=lr)
+
+    def step(x):
+        (w * x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    f = sp.capture(step, backend="eager", warmup=1)
+    for _ in range(3):  # a warm-up call, the capture, a replay
+        f(torch.ones(3))
+    lr.fill_(0.05)  # in place: what the graph reads
+    f(torch.ones(3))
+    for new in (0.05, torch.tensor(0.05)):
+        opt.param_groups[0]["lr"] = new
+        with pytest.raises(sp.CaptureError, match=r"param_groups\[0\]\['lr'\].*replaced.*fill_"):
+            f(torch.ones(3))
+    opt.param_groups[0]["lr"] = lr
+    f(torch.ones(3))  # the captured tensor back: replays
+    opt.load_state_dict(opt.state_dict())  # torch's load puts a copy of the lr tensor in its place: captured again
+    replays = f.replays
+    f(torch.ones(3))
+    assert opt.param_groups[0]["lr"] is not lr and f.replays == replays  # a capture, not a replay
+    f(torch.ones(3))
+    assert f.replays == replays + 1
+
 def test_capture_failure_message_names_the_right_cause():
     """A capture-rule violation (torch's "operation not permitted when stream is capturing") gets the host-read
     hint; another error of the step under capture (an attention backend unavailable in a graph) does not."""
@@ -507,18 +561,28 @@ def test_a_captured_step_on_hsdp_and_tensor_parallel_meshes_equals_eager(case):
 class _HostFrozenGraph:
     """A CUDA graph's replay, mimicked on the CPU: the captured step's device work (run eagerly here, under the
     facts it was captured with: the shards stale after the step before) and none of its host bookkeeping: the
-    executor's flags and the parameters' version counters are left as they were."""
+    executor's flags and the parameters' version counters are left as they were. Given the captured ``graph``
+    (``f.graphs``' entry), it is stricter: the ops it runs must be the ops the capture recorded (a graph replays
+    those, whatever the host believes), and the step's output tensor is written into the graph's in place."""
 
-    def __init__(self, step, static_args, exe, params):
-        self.step, self.args, self.exe, self.params = step, static_args, exe, params
+    def __init__(self, step, static_args, exe, params, graph=None):
+        self.step, self.args, self.exe, self.params, self.g = step, static_args, exe, params, graph
 
     def replay(self):
         exe = self.exe
         stale, versions, counters = exe.stale, exe.versions, tuple(p._version for p in self.params)
         exe.stale = True
-        self.step(*self.args[0], **self.args[1])
+        record = exe.record = [] if self.g is not None else None
+        out = self.step(*self.args[0], **self.args[1])
+        exe.record = None
         exe.stale, exe.versions = stale, versions
         torch._C._autograd._unsafe_set_version_counter(tuple(self.params), counters)
+        if self.g is not None:
+            captured = self.g.ops[id(exe)]
+            assert tuple(record) == captured, (f"the capture recorded {len(captured)} ops, the step under the "
+                                               f"capture's facts runs {len(record)}: a graph would replay others")
+            with torch.no_grad():
+                self.g.out.copy_(out)
 
 
 def _toy_sgd_step(world, **plan_kw):
@@ -590,7 +654,7 @@ def _eval_every_step_worker(rank, world):
 
 def test_an_evaluation_before_the_capture_and_between_replays_is_accepted_under_zero2():
     """[Note: stale shards at the capture] an evaluation after each warm-up call leaves ZeRO-2's gathered
-    parameters fresh before the next call; every call after the first begins stale as the call before it ended,
+    parameters fresh before the next call; every call after the first begins stale (as a training step ends),
     so the capture records the gathers every later step needs (without: refused when only the last warm-up was
     followed by an evaluation, and captured without them, training every replay on the parameters of the step
     before, when every warm-up was), and losses, evaluations and parameters equal the eager run's bit for bit."""
@@ -599,3 +663,179 @@ def test_an_evaluation_before_the_capture_and_between_replays_is_accepted_under_
         (le, ee, pe, _), (lc, ec, pc, gathers) = r["eager"], r["captured"]
         assert le == lc and ee == ec and all(torch.equal(pe[k], pc[k]) for k in pe)
         assert gathers  # the capture gathers the stepped shards (a CUDA graph without them trains on stale ones)
+
+
+
+def _capture_gathers(f) -> int:
+    """How many all-gathers before the forward the (first) captured graph of ``f`` recorded."""
+    ops = next(iter(next(iter(f.graphs.values())).ops.values()))
+    return sum(o.kind == "all_gather" and o.trigger.startswith("before_forward") for o in ops)
+
+
+def _functional_eval_worker(rank, world, donate):
+    from shardplan.runtime import capture as CAP
+    from shardplan.runtime.functional import runtime_of
+    data = batches(6, seed=rank + 1)
+    out = {}
+    for mode in ("eager", "captured"):
+        model = Toy()
+        plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=[r"blocks\.\d+"], min_unit_bytes=0, strategy=2)
+        params = sp.shard_tree(dict(model.named_parameters()), plan)
+        opt = sp.optim.adamw(lr=1e-2, capturable=True)
+        state = opt.init(params)
+        vg = sp.value_and_grad(lambda p, x, y: sp.functional_call(model, plan, p, (x, y)), plan)
+
+        def step(params, state, x, y):
+            loss, grads = vg(params, x, y)
+            params, state = opt.update(grads, state, params, donate=donate)
+            return params, state, loss.detach()
+
+        f = sp.capture(step, backend="eager", donate_argnums=(0, 1) if donate else ()) if mode == "captured" else step
+        losses, evals, loads = [], [], []
+        try:
+            for i, (x, y) in enumerate(data):
+                params, state, loss = f(params, state, x, y)
+                losses.append(float(loss))
+                if mode == "captured" and i == 0:  # whether each captured call loads the leaves into the shards
+                    face = runtime_of(model, plan).face
+                    load = face.load
+                    face.load = lambda *a, **k: loads.append((CAP._ACTIVE is not None, load(*a, **k))) or loads[-1][1]
+                if i < 3:  # an evaluation after each warm-up call and the capture
+                    with torch.no_grad():
+                        evals.append(float(sp.functional_call(model, plan, params, data[0])))
+        except sp.CaptureError as exc:
+            return {"error": str(exc)}
+        out[mode] = (losses, evals, {k: v.clone() for k, v in params.items()},
+                     _capture_gathers(f) if mode == "captured" else None, [c for inside, c in loads if inside])
+    return out
+
+
+@pytest.mark.parametrize("donate", [True, False])
+def test_the_functional_face_evaluated_before_the_capture_captures_the_gathers(donate):
+    """[Note: stale shards at the capture], the functional face: ZeRO-2 gathers again when the leaves changed
+    since it loaded them. An evaluation after a warm-up call loads the leaves the donated update changed in
+    place: the capture saw nothing changed and recorded neither the leaves' copy into the shards nor the
+    gathers (every CUDA-graph replay would train on the parameters the evaluation gathered before it). Without
+    donation the warm-up after an evaluation gathered nothing while the capture (static copies) did: refused.
+    (On the CPU, with donation, the eager backend's second replay gathered and was refused.) Every call after the
+    first now loads every leaf again: the capture records the copy and the gathers."""
+    for r in run(_functional_eval_worker, 2, donate, timeout=120):
+        assert "error" not in r, r
+        (le, ee, pe, _, _), (lc, ec, pc, gathers, loaded) = r["eager"], r["captured"]
+        assert le == lc and ee == ec and all(torch.equal(pe[k], pc[k]) for k in pe)
+        assert gathers  # the capture gathers the stepped shards
+        assert loaded == [True] * 5  # and copies the leaves into them (a graph replays that copy), as every call
+
+
+def _eval_step_worker(rank, world):
+    data = batches(7, seed=rank + 1)
+    out = {}
+    for mode in ("eager", "captured"):
+        model, train = _toy_sgd_step(world, strategy=2)
+
+        def evaluate(x, y):
+            with torch.no_grad():
+                return model(x, y)
+
+        t, e = (sp.capture(train, backend="eager"), sp.capture(evaluate, backend="eager")) if mode == "captured" \
+            else (train, evaluate)
+        evals = []
+        try:
+            for k in range(4):
+                t(*data[k])
+                for j in range(3):  # an evaluation phase of three batches, the evaluation step captured too
+                    evals.append(float(e(*data[4 + j])))
+        except sp.CaptureError as exc:
+            return {"error": str(exc)}
+        out[mode] = (evals, _capture_gathers(e) if mode == "captured" else None)
+    return out
+
+
+def test_a_captured_evaluation_step_gathers_the_parameters_the_training_step_changed():
+    """An evaluation step captured beside the training step (ZeRO-2): its second call followed the first without
+    an optimizer step, so it gathered nothing, and its capture neither: every CUDA-graph replay would read the
+    full parameters its first call gathered, whatever the training steps between changed (on the CPU, the
+    eager backend's replay after a training step ran other ops and was refused). Every call after the first
+    begins stale: the evaluation graph gathers."""
+    for r in run(_eval_step_worker, 2, timeout=120):
+        assert "error" not in r, r
+        assert r["eager"][0] == r["captured"][0] and r["captured"][1]
+
+# -- Hugging Face models through the captured step, replays mimicking a CUDA graph's -----------------------------
+
+def _hf_capture_model(name):
+    """A tiny Hugging Face model (default arguments: GPT-2's and T5's dropout included), its rules and units."""
+    import transformers
+    torch.manual_seed(0)
+    llama = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)
+    if name == "llama":
+        model, units = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama)), [r"model\.layers\.\d+"]
+    elif name == "mixtral":  # experts sharded over dp as any parameter (not expert parallel: capturable)
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**llama, num_local_experts=4,
+                                                                           num_experts_per_tok=2))
+        units = [r"model\.layers\.\d+"]
+    else:
+        model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=97, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+            decoder_start_token_id=0, pad_token_id=0))
+        units = [r"encoder\.block\.\d+", r"decoder\.block\.\d+"]
+    return model, [(r".*(norm|layer_norm).*", sp.P()), (r".*", sp.P("dp"))], units
+
+
+def _hf_capture_worker(rank, world, name, strategy):
+    from shardplan.runtime.builder import engine_of
+    g = torch.Generator().manual_seed(rank + 11)
+    data = [(torch.randint(1, 97, (4, 8), generator=g), torch.randint(1, 97, (4, 5), generator=g)) for _ in range(6)]
+    out = {}
+    for mode in ("eager", "captured"):
+        model, rules, units = _hf_capture_model(name)
+        sp.shard(model, sp.plan(model, rules, sp.Mesh(dp=world), units=units, min_unit_bytes=0, strategy=strategy))
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2), weight_decay=0.1)  # capturable on a GPU
+        sched = sp.optim.as_lr_scheduler(opt, sp.optim.warmup_cosine(1e-2, warmup=2, total=6))
+
+        def loss_of(x, y):
+            return model(input_ids=x, labels=y if name == "t5" else x).loss
+
+        def step(x, y):
+            with sp.no_sync(model):  # two micro-batches: one optimizer step per call
+                (loss_of(x[:2], y[:2]) / 2).backward()
+            loss = loss_of(x[2:], y[2:]) / 2
+            loss.backward()
+            sp.clip_grad_norm_(model, 0.5)
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        f = sp.capture(step, backend="eager") if mode == "captured" else step
+        torch.manual_seed(100 + rank)  # dropout: the same draws in both runs
+        losses, evals = [], []
+        for i, (x, y) in enumerate(data):
+            losses.append(float(f(x, y)))
+            if mode == "captured" and i == 2:  # captured: the later calls replay, as a CUDA graph's would
+                cg = next(iter(f.graphs.values()))
+                cg.graph = _HostFrozenGraph(step, cg.static_args, engine_of(model), list(model.parameters()), cg)
+            sched.step()
+            with torch.no_grad():  # an evaluation after every warm-up call, the capture and every replay
+                evals.append(float(loss_of(*data[0])))
+        out[mode] = (losses, evals, {k: v.clone() for k, v in sp.full_state_dict(model).items()},
+                     getattr(f, "replays", 0))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy", [1, 2, 3])
+@pytest.mark.parametrize("name", ["llama", "t5", "mixtral"])
+def test_hf_models_captured_with_graph_like_replays_equal_eager_bit_for_bit(name, strategy):
+    """Llama, T5 and Mixtral (experts over dp) under ZeRO-1/2/3: two micro-batches under no_sync, clipping, AdamW
+    with a tensor lr stepped by a schedule between calls, and an evaluation forward after every call. The replays
+    run none of the host's bookkeeping, as a CUDA graph's (_HostFrozenGraph), and must run the ops the capture
+    recorded: losses, evaluations and parameters equal the eager run's bit for bit. Under ZeRO-1/2 this fails
+    without [Note: the host after a replay] (the evaluations after replays read the parameters of the step before)
+    and without [Note: stale shards at the capture] (the capture, evaluated before, records no gathers)."""
+    pytest.importorskip("transformers")  # imported here: the forked ranks start with it
+    for r in run(_hf_capture_worker, 2, name, strategy, timeout=100):
+        (le, ee, pe, _), (lc, ec, pc, replays) = r["eager"], r["captured"]
+        assert replays == 3 and le == lc and ee == ec
+        assert [k for k in pe if not torch.equal(pe[k], pc[k])] == []

@@ -65,13 +65,13 @@ class _Session:
     capturing: bool = False                              # a CUDA graph is being captured
     checks: list = field(default_factory=list)           # (buffer, kind, device index): non-finite checks to read
     records: dict = field(default_factory=dict)          # id(executor) -> (its op record, start, ours)
-    force_stale: frozenset = frozenset()                 # executors that begin this call stale ([Note: stale
-                                                         # shards at the capture])
+    force_stale: bool = False                            # executors begin this call stale ([Note: stale shards
+                                                         # at the capture])
 
     def saw(self, exe) -> None:
         if not any(r() is exe for r in self.executors):
             self.executors.append(weakref.ref(exe))
-            if id(exe) in self.force_stale:
+            if self.force_stale:
                 exe.stale = True
             # [Note: the same ops every step] record the ops each executor runs in this call (a list the
             # executor appends to; a caller's own recording is shared, from where it stands now)
@@ -176,7 +176,7 @@ class _Graph:
     held: list = field(default_factory=list)         # what the graph reads in place: tensor inputs and local
     addresses: list = field(default_factory=list)    # parameters, their addresses at the capture, and the inputs'
     paths: list = field(default_factory=list)        # paths in the arguments (None: a parameter)
-    left: list = field(default_factory=list)         # (executor ref, stale) as the capture left each executor
+    left: list = field(default_factory=list)         # (executor ref, stale, sync) as the capture left each executor
 
 
 class CapturedStep:
@@ -202,7 +202,7 @@ class CapturedStep:
         self.calls = 0                # eager, capturing and eager-backend calls so far
         self._side = None             # the warm-up stream, one per captured step
         self._last: Optional[_Graph] = None  # the graph replayed or captured last ([Note: a replay's signature])
-        self._stale_end: dict = {}    # id(executor) -> its shards were stale as the last call ended
+        self._seen: list = []         # weak references to the executors the calls so far ran
         _watch_optimizers()
 
     # -- signatures --------------------------------------------------------------------------------------
@@ -264,19 +264,31 @@ class CapturedStep:
             raise CaptureError("shardplan.capture: a captured step called inside another captured step; capture the "
                                "outer step only")
         # [Note: stale shards at the capture] under ZeRO-1/2 the full parameters stay between steps and are
-        # gathered again when a synchronising backward (an optimizer step) made the shards stale. An evaluation
-        # forward between two calls gathers them and leaves them fresh: the next call would run without those
-        # gathers, and captured so, every replay would too (training on the parameters of the step before).
-        # Every call after the first begins stale where the call before it ended stale: it gathers again (the
-        # same values, after an evaluation), so warm-ups, the capture and its replays run one sequence.
-        force = frozenset(k for k, v in self._stale_end.items() if v)
+        # gathered again when the shards went stale (a synchronising backward, an optimizer step; under the
+        # functional face, leaves that changed since they were loaded). Whatever ran between two calls can leave
+        # them fresh: an evaluation forward gathers the stepped shards (the module face), or loads the leaves the
+        # donated update changed in place (the functional face); a call that steps nothing (a captured
+        # evaluation step) leaves them fresh itself. The next call would run without the gathers (and the
+        # leaves' copy into the shards), and captured so, every replay would too: training on the parameters of
+        # the step before, or an evaluation graph reading the full parameters of a step long gone, whatever the
+        # steps between them changed. Every call after the first begins with every executor stale and every
+        # leaf to load again: it gathers again (the same values where nothing changed), so warm-ups, the capture
+        # and its replays run one sequence, and a graph never trusts full parameters it did not gather.
+        force = self.calls > 0
+        if force:
+            for r in self._seen:
+                exe = r()
+                versions = getattr(getattr(exe, "face", None), "versions", None)
+                if isinstance(versions, dict):  # the functional face: load every leaf (before the first forward)
+                    versions.clear()
         s = _ACTIVE = _Session(capturing=capturing and self.backend == "cuda_graph", force_stale=force)
         try:
             out = self.fn(*args, **kwargs)
         finally:
             _ACTIVE = None
             ops = s.ops_run()
-            self._stale_end = {id(r()): bool(r().stale) for r in s.executors if r() is not None}
+            self._seen = [r for r in self._seen if r() is not None]
+            self._seen += [r for r in s.executors if r() is not None and not any(q() is r() for q in self._seen)]
         first, self.calls = self.calls == 0, self.calls + 1
         self._agree(g, s, capturing)
         self._same_ops(g, ops, capturing, first)
@@ -367,7 +379,8 @@ class CapturedStep:
             g.statics, g.static_args, g.out, g.phase = statics, (args, kwargs), out, Phase.CAPTURED
             g.hyper = self._hyper(g)
             self._note_shards(g)
-            g.left = [(r, r().stale) for r in g.executors if r() is not None]
+            g.left = [(r, r().stale, r().sync) for r in g.executors if r() is not None]
+            self._stale_on_load(g)
             g.replays += 1
             return out
         if not torch.cuda.is_available():
@@ -386,15 +399,20 @@ class CapturedStep:
         g.graph, g.pool, g.statics, g.out, g.phase = graph, pool, statics, out, Phase.CAPTURED
         g.hyper = self._hyper(g)
         self._note_shards(g)
-        g.left = [(r, r().stale) for r in g.executors if r() is not None]
-        for r in g.optimizers:
-            opt = r()
-            if opt is not None:  # loading a state dict replaces the state tensors the graph reads: capture again
-                opt.register_load_state_dict_post_hook(lambda _o, _g=g: setattr(_g, "phase", Phase.STALE))
+        g.left = [(r, r().stale, r().sync) for r in g.executors if r() is not None]
+        self._stale_on_load(g)
         graph.replay()
         self._copy_checks(g)
         g.replays += 1
         return out
+
+    @staticmethod
+    def _stale_on_load(g: _Graph) -> None:
+        for r in g.optimizers:
+            opt = r()
+            if opt is not None:  # loading a state dict replaces the state tensors (and a tensor lr) the graph reads:
+                # capture again (the eager backend too, as its replays would be: the same bookkeeping)
+                opt.register_load_state_dict_post_hook(lambda _o, _g=g: setattr(_g, "phase", Phase.STALE))
 
     def _replay(self, g: _Graph, leaves: list):
         t = time.perf_counter()
@@ -402,6 +420,7 @@ class CapturedStep:
         self._check_addresses(g)
         self._check_grads_before_replay(g)
         self._check_hyper(g)
+        self._check_sync(g)
         with torch.no_grad():
             for x, s in zip(leaves, g.statics):
                 if isinstance(x, torch.Tensor) and x is not s:
@@ -428,7 +447,7 @@ class CapturedStep:
     # loads every leaf again.
     @staticmethod
     def _leave_as_captured(g: _Graph) -> None:
-        for r, stale in g.left:
+        for r, stale, _ in g.left:
             exe = r()
             if exe is None:
                 continue
@@ -463,14 +482,17 @@ class CapturedStep:
     # [Note: Python numbers in a captured step] a hyper-parameter held as a Python number (lr=3e-4) is baked into
     # the graph when it is captured: a scheduler that changes it afterwards would be silently ignored by every
     # replay. The numbers of every optimizer the step used are recorded at the capture and compared before each
-    # replay (a few per param group); a tensor (lr=torch.tensor(3e-4, device="cuda")) is read by the graph.
+    # replay (a few per param group); a tensor (lr=torch.tensor(3e-4, device="cuda")) is read by the graph in
+    # place, so it is recorded as the tensor itself: one assigned in its place (group["lr"] = 0.05, as a manual
+    # decay loop does) would leave every replay reading the old one, silently.
     @staticmethod
     def _hyper(g: _Graph) -> list:
         out = []
         for r in g.optimizers:
             opt = r()
             if opt is not None:
-                out.append((r, [{k: v for k, v in grp.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+                out.append((r, [{k: v for k, v in grp.items()
+                                 if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool)}
                                 for grp in opt.param_groups]))
         return out
 
@@ -482,12 +504,34 @@ class CapturedStep:
             for i, (grp, then) in enumerate(zip(opt.param_groups, groups)):
                 for k, v in then.items():
                     now = grp.get(k)
-                    if now != v:
+                    if isinstance(v, torch.Tensor):
+                        if now is not v:
+                            raise CaptureError(
+                                f"shardplan.capture: {type(opt).__name__}.param_groups[{i}][{k!r}] was replaced (by "
+                                f"{now!r}) since the step was captured, but the graph reads the tensor it was "
+                                f"captured with. Update that tensor in place ({k}.fill_(new), as schedulers and "
+                                f"sp.optim.as_lr_scheduler do), or call step.reset() to capture again")
+                    elif now != v:
                         raise CaptureError(
                             f"shardplan.capture: {type(opt).__name__}.param_groups[{i}][{k!r}] changed from {v!r} to "
                             f"{now!r} since the step was captured, but as a Python number it is baked into the graph. "
                             f"Hold it as a tensor on the device ({k}=torch.tensor({v!r}, device='cuda'), and "
                             f"capturable=True), which schedulers update in place")
+
+    # [Note: gradient sync around a replay] the graph reduces the gradients as the capture did: a call made under
+    # sp.no_sync (or the drop-in's set_requires_gradient_sync(False)) after a capture outside it would reduce
+    # and step anyway, and one outside it after a capture inside would not reduce, silently. Refused.
+    @staticmethod
+    def _check_sync(g: _Graph) -> None:
+        for r, _, sync in g.left:
+            exe = r()
+            if exe is not None and exe.sync != sync:
+                name = type(exe.root()).__name__ if exe.root() is not None else "the model"
+                raise CaptureError(
+                    f"shardplan.capture: this call runs {'outside' if exe.sync else 'under'} sp.no_sync({name}), the "
+                    f"step was captured {'outside' if sync else 'under'} it: a replay reduces the gradients as the "
+                    f"capture did. Accumulate inside the step (micro-batches under sp.no_sync, the last one outside), "
+                    f"so that one call is one optimizer step, or call the step function itself for this call")
 
     # [Note: what a replay reads in place] the graph reads its tensor inputs (donated ones are the caller's) and
     # each local parameter's piece of its shard at the addresses they had when the step was captured: one list
