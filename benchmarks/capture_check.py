@@ -154,13 +154,14 @@ def system(face, config, dev, dtype, act_ckpt=False, units=None, min_unit_bytes=
         return step, after, params, model
     if face == "functional":
         plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=1), units=[units], compute_dtype=dt, reduce_dtype=red,
-                       min_unit_bytes=min_unit_bytes)
+                       min_unit_bytes=min_unit_bytes, strategy=strategy)
         params = sp.shard_tree(dict(model.named_parameters()), plan)
         meta_params(model)  # the tree holds the parameters now: the module's own copy would only add memory
         opt = sp.optim.adamw(lr=sched, weight_decay=0.1, mask=sp.optim.trainable(plan), capturable=True)
         state = opt.init(params)
         vg = sp.value_and_grad(lambda p, x, y: sp.functional_call(model, plan, p, (x, y)), plan)
         box = {"params": params, "state": state}
+        box["eval"] = lambda x, y: sp.functional_call(model, plan, box["params"], (x, y))  # (no gradient)
 
         def fstep(params, state, x, y):
             loss, grads = vg(params, x[0], y[0])
@@ -187,8 +188,9 @@ class _null:
 
 def train(face, config, dev, dtype, batches, captured, evals=False, save=None, load=None, **kw):
     """Losses, final parameters and replays of ``batches`` trained eagerly or captured; ``evals``: a no-grad
-    forward after every step (its loss recorded too); ``save``/``load``: a checkpoint after the last step / before
-    the first (module faces)."""
+    forward after every step (its loss recorded too; ``"captured"``: an evaluation step captured beside the
+    training step when it is captured); ``save``/``load``: a checkpoint after the last step / before the first
+    (module faces)."""
     gc.collect()  # the previous run's model, optimizer and graph pool (held in reference cycles)
     torch.cuda.empty_cache()
     step, after, params, model = system(face, config, dev, dtype, **kw)
@@ -201,15 +203,22 @@ def train(face, config, dev, dtype, batches, captured, evals=False, save=None, l
         for x, y in batches:
             box["params"], box["state"], loss = f(box["params"], box["state"], x, y)
             losses.append(loss.float().item())
+            if evals:
+                with torch.no_grad():
+                    losses.append(box["eval"](x[0], y[0]).float().item())
     else:
         f = sp.capture(step) if captured else step
+
+        def evaluate(x, y):
+            with torch.no_grad():
+                return model(x, y).detach()
+        ev = sp.capture(evaluate) if (captured and evals == "captured") else evaluate
         for x, y in batches:
             loss = f(x, y)
             losses.append(loss.float().item())
             after()
             if evals:
-                with torch.no_grad():
-                    losses.append(model(x[0], y[0]).float().item())
+                losses.append(ev(x[0], y[0]).float().item())
         if save:
             sp.checkpoint.save(save, model, step.opt, step=len(batches))
     torch.cuda.synchronize()
@@ -233,7 +242,9 @@ def parity(args, dev):
     # an evaluation forward after every step (before the capture and between replays): under ZeRO-1/2 the gathered
     # parameters stay between steps, and the host's bookkeeping must know a replay left the shards stale
     cases += [dict(face="shard", dtype="bf16", micro=1, evals=True, strategy=s) for s in (1, 2)]
-    cases += [dict(face="fully_shard", dtype="bf16", micro=1, evals=True, strategy=2)]
+    cases += [dict(face="fully_shard", dtype="bf16", micro=1, evals=True, strategy=2),
+              dict(face="functional", dtype="bf16", micro=1, evals=True, strategy=2),
+              dict(face="shard", dtype="bf16", micro=1, evals="captured", strategy=2)]
     cases += [dict(face="shard", dtype="bf16", micro=1, evals=True), dict(face="shard", dtype="fp32", micro=1, resume=True),
               dict(face="shard", dtype="bf16", micro=1, gather="int8"), dict(face="shard", dtype="bf16", micro=1, fp8=True),
               dict(face="shard", dtype="bf16", micro=1, gather="int8", nan=True)]
