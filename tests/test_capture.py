@@ -241,16 +241,7 @@ def _used_worker(rank, world):
     model = _Skips()
     plan = sp.plan(model, [(".*", sp.P("dp"))], sp.Mesh(dp=world), units=[], min_unit_bytes=0)
     sp.shard(model, plan)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def step(x):
-        loss = model(x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    f = sp.capture(step, backend="eager", warmup=2)
+    f = sp.capture(_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1)), backend="eager", warmup=2)
     try:
         for _ in range(3):
             f(torch.randn(2, 4))
@@ -442,15 +433,7 @@ def _hyper_worker(rank, world, tmp):
     kept = opt.param_groups[0]["lr"] is lr and float(lr) == pytest.approx(1e-2)
     # a Python-number lr changed after the capture: refused at the next replay, not silently ignored
     opt2 = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def step(x, y):
-        loss = model(x, y)
-        loss.backward()
-        opt2.step()
-        opt2.zero_grad()
-        return loss.detach()
-
-    f = sp.capture(step, backend="eager", warmup=1)
+    f = sp.capture(_train_step(model, opt2), backend="eager", warmup=1)
     f(x, y)
     f(x, y)  # the capture
     f(x, y)  # a replay, lr unchanged
@@ -585,19 +568,22 @@ class _HostFrozenGraph:
                 self.g.out.copy_(out)
 
 
-def _toy_sgd_step(world, **plan_kw):
-    """A sharded Toy and its training step (forward, backward, SGD, zero_grad) returning the loss."""
-    model = Toy()
-    sp.shard(model, sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=[r"blocks\.\d+"], min_unit_bytes=0, **plan_kw))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def step(x, y):
-        loss = model(x, y)
+def _train_step(model, opt):
+    """``model``'s training step under ``opt`` (forward, backward, step, zero_grad) returning the loss."""
+    def step(*inputs):
+        loss = model(*inputs)
         loss.backward()
         opt.step()
         opt.zero_grad()
         return loss.detach()
-    return model, step
+    return step
+
+
+def _toy_sgd_step(world, **plan_kw):
+    """A sharded Toy and its training step (forward, backward, SGD, zero_grad) returning the loss."""
+    model = Toy()
+    sp.shard(model, sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=[r"blocks\.\d+"], min_unit_bytes=0, **plan_kw))
+    return model, _train_step(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 def _eval_between_replays_worker(rank, world):
