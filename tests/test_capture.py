@@ -713,6 +713,48 @@ def test_the_functional_face_evaluated_before_the_capture_captures_the_gathers(d
         assert loaded == [True] * 5  # and copies the leaves into them (a graph replays that copy), as every call
 
 
+def _late_model_worker(rank, world):
+    from shardplan.runtime import capture as CAP
+    from shardplan.runtime.functional import runtime_of
+    data = batches(4, seed=rank + 1)
+    made = []
+    for _ in range(2):
+        model = Toy()
+        plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=[r"blocks\.\d+"], min_unit_bytes=0, strategy=2)
+        made.append((model, plan, sp.shard_tree(dict(model.named_parameters()), plan)))
+    calls = []
+
+    def evaluate(x, y):  # a captured evaluation step; model B joins from its second call on
+        with torch.no_grad():
+            out = sum(sp.functional_call(m, pl, p, (x, y)) for m, pl, p in made[:1 + bool(calls)])
+        calls.append(1)
+        return out
+
+    f = sp.capture(evaluate, backend="eager", warmup=1)
+    model_b, plan_b, params_b = made[1]
+    f(*data[0])  # the warm-up: A only
+    with torch.no_grad():
+        sp.functional_call(model_b, plan_b, params_b, data[0])  # B used outside: its leaves loaded
+        for p in params_b.values():  # B trained in place (a donated update) since: every replay must copy the leaves
+            p.mul_(0.5)
+    face, loads = runtime_of(model_b, plan_b).face, []
+    load = face.load
+    face.load = lambda *a, **k: loads.append((CAP._ACTIVE is not None, load(*a, **k))) or loads[-1][1]
+    with torch.no_grad():
+        sp.functional_call(model_b, plan_b, params_b, data[0])  # and evaluated again: loaded as they are now
+    f(*data[1])  # the capture: A and B
+    return loads
+
+
+def test_a_functional_model_first_used_after_the_first_call_is_loaded_at_the_capture():
+    """[Note: stale shards at the capture] for a model a captured step runs first in a later call (B, loaded by an
+    evaluation just before): the capture must copy B's leaves into the shards, as every replay must (updates
+    between replays change them in place). It skipped the copy (the leaves were as the evaluation loaded them),
+    so every CUDA-graph replay would have read B's shards as they were at that evaluation."""
+    for loads in run(_late_model_worker, 2, timeout=120):
+        assert loads == [(False, True), (True, True)], loads
+
+
 def _eval_step_worker(rank, world):
     data = batches(7, seed=rank + 1)
     out = {}

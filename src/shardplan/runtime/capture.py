@@ -115,6 +115,14 @@ def note_forward(exe) -> None:
         raise CaptureError("shardplan.capture: " + problem)
 
 
+def loads_afresh(exe) -> bool:
+    """Whether the functional face of ``exe`` must load every leaf into its shards now, whatever it loaded before:
+    its first load in a call of a captured step after the first ([Note: stale shards at the capture]; a model
+    first used in a later call too)."""
+    s = _ACTIVE
+    return s is not None and s.force_stale and not any(r() is exe for r in s.executors)
+
+
 def capturing() -> bool:
     """Whether a CUDA graph of a captured step is being recorded now (host reads must wait for the replay)."""
     s = _ACTIVE
@@ -202,7 +210,6 @@ class CapturedStep:
         self.calls = 0                # eager, capturing and eager-backend calls so far
         self._side = None             # the warm-up stream, one per captured step
         self._last: Optional[_Graph] = None  # the graph replayed or captured last ([Note: a replay's signature])
-        self._seen: list = []         # weak references to the executors the calls so far ran
         _watch_optimizers()
 
     # -- signatures --------------------------------------------------------------------------------------
@@ -274,21 +281,13 @@ class CapturedStep:
         # steps between them changed. Every call after the first begins with every executor stale and every
         # leaf to load again: it gathers again (the same values where nothing changed), so warm-ups, the capture
         # and its replays run one sequence, and a graph never trusts full parameters it did not gather.
-        force = self.calls > 0
-        if force:
-            for r in self._seen:
-                exe = r()
-                versions = getattr(getattr(exe, "face", None), "versions", None)
-                if isinstance(versions, dict):  # the functional face: load every leaf (before the first forward)
-                    versions.clear()
+        force = self.calls > 0  # (the functional face's leaves: loads_afresh, at each model's first load)
         s = _ACTIVE = _Session(capturing=capturing and self.backend == "cuda_graph", force_stale=force)
         try:
             out = self.fn(*args, **kwargs)
         finally:
             _ACTIVE = None
             ops = s.ops_run()
-            self._seen = [r for r in self._seen if r() is not None]
-            self._seen += [r for r in s.executors if r() is not None and not any(q() is r() for q in self._seen)]
         first, self.calls = self.calls == 0, self.calls + 1
         self._agree(g, s, capturing)
         self._same_ops(g, ops, capturing, first)

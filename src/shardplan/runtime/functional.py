@@ -28,6 +28,7 @@ from ..errors import ShardingError
 from ..planner import Plan
 from ..rules import leaves_with_paths
 from ..tree import check_tree, place, rebuild
+from . import capture as CAP
 from . import collectives as C
 from .buffers import free_storage
 from .builder import build, functional_runtimes, groups_for
@@ -133,6 +134,8 @@ def functional_call(module: nn.Module, plan: Plan, local_params: Any, args: Any 
     leaves = rt.leaves_of(local_params)
     session = getattr(_SESSION, "current", None)
     sources = getattr(_SESSION, "sources", None) if session is not None else None
+    if CAP.loads_afresh(rt.exe):  # [Note: stale shards at the capture]: the copy into the shards is recorded
+        rt.face.versions.clear()
     if rt.face.load(leaves, sources):
         rt.exe.mark_shards_changed()
     if session is not None:
