@@ -101,7 +101,7 @@ def data(config, batch, seq, n, dev, micro=1):
 
 
 def system(face, config, dev, dtype, act_ckpt=False, units=None, min_unit_bytes=None, start=0, gather=None,
-           fp8=False, strategy=3):
+           fp8=False, strategy=3, offload=None, fraction=1.0):
     """``(step_fn(x, y) -> loss, params_fn() -> {name: tensor})``: one training step of ``face``."""
     model = build(config, dev)
     units = units or UNITS.get(config, r"layers\.\d+")
@@ -116,16 +116,28 @@ def system(face, config, dev, dtype, act_ckpt=False, units=None, min_unit_bytes=
         if face == "shard":
             plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=1), units=[units], compute_dtype=dt,
                            reduce_dtype=red, min_unit_bytes=min_unit_bytes, gather_dtype=gather,
-                           fp8="torchao" if fp8 else None, strategy=strategy)
+                           fp8="torchao" if fp8 else None, strategy=strategy, offload=offload,
+                           offload_fraction=fraction)
             sp.shard(model, plan)
         elif face == "fully_shard":
             mp = sp.MixedPrecisionPolicy(param_dtype=dt, reduce_dtype=red) if dt else sp.MixedPrecisionPolicy()
             for layer in model.layers:  # strategy 2: the gathered parameters stay between forward and backward
                 sp.fully_shard(layer, mp_policy=mp, reshard_after_forward=strategy == 3)
             sp.fully_shard(model, mp_policy=mp, reshard_after_forward=strategy == 3)
-        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device=dev), capturable=True,
-                                foreach=True, weight_decay=0.1)
-        lr_sched = sp.optim.as_lr_scheduler(opt, sched, step=start)
+        if offload:  # the host optimizer (clipping inside it: its host steps overlap the backward eagerly), its
+            # learning rate a Python number the host step reads at every replay
+            opt = sp.offload_optimizer(model, lr=float(sched(start)), weight_decay=0.1, max_grad_norm=1.0)
+            count = [start]
+
+            class lr_sched:  # noqa: N801
+                @staticmethod
+                def step():
+                    count[0] += 1
+                    opt.param_groups[0]["lr"] = float(sched(count[0]))
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device=dev), capturable=True,
+                                    foreach=True, weight_decay=0.1)
+            lr_sched = sp.optim.as_lr_scheduler(opt, sched, step=start)
         ctx = (lambda: torch.autocast("cuda", dtype=dt, cache_enabled=False)) if (dt and face == "unsharded") else None
 
         def step(x, y):
@@ -135,7 +147,7 @@ def system(face, config, dev, dtype, act_ckpt=False, units=None, min_unit_bytes=
                 with sync, (ctx() if ctx else _null()):
                     loss = model(x[i], y[i]) / x.shape[0]
                 loss.backward()
-            if face == "shard":
+            if face == "shard" and not offload:
                 sp.clip_grad_norm_(model, 1.0)
             else:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -248,6 +260,14 @@ def parity(args, dev):
     cases += [dict(face="shard", dtype="bf16", micro=1, evals=True), dict(face="shard", dtype="fp32", micro=1, resume=True),
               dict(face="shard", dtype="bf16", micro=1, gather="int8"), dict(face="shard", dtype="bf16", micro=1, fp8=True),
               dict(face="shard", dtype="bf16", micro=1, gather="int8", nan=True)]
+    # CPU offload: the host step between the graph's two segments ([Note: a step in segments])
+    cases += [dict(face="shard", dtype="bf16", micro=2, offload="optimizer"),
+              dict(face="shard", dtype="fp32", micro=1, offload="optimizer", strategy=1, evals=True),
+              dict(face="shard", dtype="bf16", micro=1, offload="optimizer", fraction=0.5, strategy=2),
+              dict(face="shard", dtype="bf16", micro=1, offload="params"),
+              dict(face="shard", dtype="fp32", micro=1, offload="optimizer", resume=True)]
+    if args.cases == "offload":
+        cases = [c for c in cases if c.get("offload")]
     return _parity_cases(args, dev, cases)
 
 
@@ -259,7 +279,8 @@ def _parity_cases(args, dev, cases):
         try:
             batches = data(args.config, args.batch, args.seq, args.steps, dev, c["micro"])
             kw = dict(act_ckpt=c.get("act_ckpt", False), evals=c.get("evals", False), gather=c.get("gather"),
-                      fp8=c.get("fp8", False), strategy=c.get("strategy", 3))
+                      fp8=c.get("fp8", False), strategy=c.get("strategy", 3), offload=c.get("offload"),
+                      fraction=c.get("fraction", 1.0))
             if c.get("nan"):  # a NaN put in a weight between replays: a later call raises naming it
                 step, after, params, model = system(c["face"], args.config, dev, c["dtype"], gather=c["gather"])
                 f = sp.capture(step)
@@ -419,7 +440,7 @@ def main():
     ap.add_argument("--deterministic", action="store_true",
                     help="torch.use_deterministic_algorithms(True) (CUBLAS_WORKSPACE_CONFIG=:4096:8)")
     ap.add_argument("--cases", default="all",
-                    help="all (every face and feature) | big (accumulation, bf16 and fp32) | big_bf16 | big_fp32")
+                    help="all (every face and feature) | big (accumulation, bf16 and fp32) | big_bf16 | big_fp32 | offload")
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--config", default="small")
     ap.add_argument("--batch", type=int, default=4)

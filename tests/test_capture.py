@@ -33,7 +33,6 @@ def test_a_static_plan_is_capturable_and_print_says_so():
 
 @pytest.mark.parametrize("change, code", [
     (lambda m, p: p.with_order("dynamic"), "dynamic_order"),
-    (lambda m, p: sp.plan(m, [(".*", sp.P("dp"))], sp.Mesh(dp=2), offload="optimizer"), "offload"),
 ])
 def test_what_blocks_capture_is_named_with_its_fix(change, code):
     m = _seq()

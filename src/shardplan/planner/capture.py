@@ -56,10 +56,9 @@ def blockers(plan: "Plan") -> tuple[Blocker, ...]:
                            f"expert parallelism ({names}) sends data-dependent token counts: the all-to-all split "
                            f"sizes are read on the host every step",
                            "run expert-parallel plans eagerly (or plan without an expert axis)"))
-    if plan.offload:
-        out.append(Blocker("offload", f"offload={plan.offload!r} steps the optimizer on the host (CPU) and copies "
-                                      f"shards between host and device as host work completes",
-                           "capture without offload (offload=None), or run eagerly"))
+    # CPU offload steps the optimizer on the host between the backward and the next forward: shardplan.capture
+    # captures the device work on either side as two graphs of one program and runs the host step between them
+    # at every replay ([Note: a step in segments], runtime/capture.py): not a blocker
     # quantized gathers and FP8 compute check their scales for NaN/inf: a captured step reads the flags after each
     # replay instead ([Note: the non-finite check in a captured step], runtime/scales.py): not a blocker
     # a schedule edited by hand (with_schedule) was validated as the planner's own is, and shardplan.capture checks

@@ -67,6 +67,9 @@ class _Session:
     records: dict = field(default_factory=dict)          # id(executor) -> (its op record, start, ours)
     force_stale: bool = False                            # executors begin this call stale ([Note: stale shards
                                                          # at the capture])
+    as_graph: bool = False                               # the call runs as its graph replays (the capture; the
+                                                         # eager backend's capture and replays): host_call
+    program: Any = None                                  # the _Program being captured (CUDA graphs), else None
 
     def saw(self, exe) -> None:
         if not any(r() is exe for r in self.executors):
@@ -105,8 +108,6 @@ def note_forward(exe) -> None:
         return
     s.saw(exe)
     bs = list(exe.plan.capture_blockers)
-    if getattr(exe, "offload", None) is not None and not any(b.code == "offload" for b in bs):
-        bs.append("offload: host steps of the optimizer")
     if bs:
         raise CaptureError("shardplan.capture: this step cannot be captured: " + "; ".join(str(b) for b in bs)
                            + ". Run it eagerly (call the step function itself), or change the plan as said")
@@ -121,6 +122,24 @@ def loads_afresh(exe) -> bool:
     first used in a later call too)."""
     s = _ACTIVE
     return s is not None and s.force_stale and not any(r() is exe for r in s.executors)
+
+
+def as_graph() -> bool:
+    """Whether the call running now runs as its captured graph will (the capture itself, or a call of the eager
+    backend after its capture): host work between the device's goes through :func:`host_call`."""
+    s = _ACTIVE
+    return s is not None and s.as_graph
+
+
+def host_call(fn: Callable[[], None]) -> None:
+    """Run ``fn`` (host work that reads what the device computed so far: an offloaded optimizer step) between
+    the step's device work: now in an eager call, and between the graph's segments at every replay when the
+    step is being captured ([Note: a step in segments])."""
+    s = _ACTIVE
+    if s is not None and s.program is not None:
+        s.program.split(fn)
+    else:
+        fn()
 
 
 def capturing() -> bool:
@@ -158,6 +177,60 @@ def _watch_optimizers() -> None:
     if _STEP_HOOK is None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
         _STEP_HOOK = register_optimizer_step_pre_hook(_optimizer_stepped)
+
+
+class _Program:
+    """A captured step as graphs and the host calls between them ([Note: a step in segments]); ``replay()`` runs
+    it as one CUDA graph's would run."""
+
+    # [Note: a step in segments] a step whose host must work between two parts of the device's (an offloaded
+    # optimizer steps on the CPU the gradients the backward copied out, and the forward after reads the new
+    # master shards) cannot be one graph. Its capture ends the graph where the host work begins
+    # (``host_call``), keeps that work as a function, and captures the rest into a second graph of the same
+    # memory pool; a replay runs graph, host work, graph, ... in capture order (graphs sharing a pool must
+    # replay in the order they were captured). The host work runs with nothing recorded: it synchronises with
+    # the device itself and is the only Python of the replay.
+    def __init__(self, pool, stream):
+        self.pool, self.stream = pool, stream
+        self.graphs: list = []
+        self.hosts: list = []
+        self._ctx = None
+
+    def __enter__(self):
+        import gc
+        gc.collect()  # as torch.cuda.graph: what the capture allocates comes from memory freed now
+        torch.cuda.empty_cache()
+        self._ctx = torch.cuda.stream(self.stream)
+        self._ctx.__enter__()
+        self._begin()
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.graphs[-1].capture_end()
+        finally:
+            self._ctx.__exit__(*exc)
+        return False
+
+    def _begin(self) -> None:
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin(pool=self.pool)
+        self.graphs.append(g)
+
+    def split(self, fn: Callable[[], None]) -> None:
+        self.graphs[-1].capture_end()
+        self.hosts.append(fn)
+        self._begin()
+
+    def replay(self) -> None:
+        for k, g in enumerate(self.graphs):
+            g.replay()
+            if k < len(self.hosts):
+                self.hosts[k]()
+
+    @property
+    def segments(self) -> int:
+        return len(self.graphs)
 
 
 @dataclass
@@ -209,6 +282,7 @@ class CapturedStep:
         self.replays = 0
         self.calls = 0                # eager, capturing and eager-backend calls so far
         self._side = None             # the warm-up stream, one per captured step
+        self._stream = None           # the capture stream
         self._last: Optional[_Graph] = None  # the graph replayed or captured last ([Note: a replay's signature])
         _watch_optimizers()
 
@@ -264,7 +338,7 @@ class CapturedStep:
             return self._eager(g, args, kwargs)
         return self._capture(g, leaves, spec)
 
-    def _run(self, g: _Graph, args, kwargs, *, capturing: bool):
+    def _run(self, g: _Graph, args, kwargs, *, capturing: bool, program: Optional[_Program] = None):
         """``fn`` under a session; the session's findings checked against the earlier calls'."""
         global _ACTIVE
         if _ACTIVE is not None:
@@ -282,7 +356,8 @@ class CapturedStep:
         # leaf to load again: it gathers again (the same values where nothing changed), so warm-ups, the capture
         # and its replays run one sequence, and a graph never trusts full parameters it did not gather.
         force = self.calls > 0  # (the functional face's leaves: loads_afresh, at each model's first load)
-        s = _ACTIVE = _Session(capturing=capturing and self.backend == "cuda_graph", force_stale=force)
+        s = _ACTIVE = _Session(capturing=capturing and self.backend == "cuda_graph", force_stale=force,
+                               as_graph=capturing, program=program)
         try:
             out = self.fn(*args, **kwargs)
         finally:
@@ -374,6 +449,7 @@ class CapturedStep:
         self._last = g
         self._check_fresh_grads(g)
         if self.backend == "eager":
+            self._host_boundary(g, before=True)
             out = self._run(g, args, kwargs, capturing=True)
             g.statics, g.static_args, g.out, g.phase = statics, (args, kwargs), out, Phase.CAPTURED
             g.hyper = self._hyper(g)
@@ -385,16 +461,21 @@ class CapturedStep:
         if not torch.cuda.is_available():
             raise CaptureError("shardplan.capture: CUDA graphs need a GPU, and none is available; run the step "
                                "eagerly, or pass backend='eager' to check the step's capture rules on the CPU")
+        self._host_boundary(g, before=True)
         torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
         pool = torch.cuda.graph_pool_handle()
+        if self._stream is None:  # (torch.cuda.graph's own captures on a side stream, too)
+            self._stream = torch.cuda.Stream()
+        graph = _Program(pool, self._stream)
         try:
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._run(g, args, kwargs, capturing=True)
+            with graph:
+                out = self._run(g, args, kwargs, capturing=True, program=graph)
         except CaptureError:
             raise
         except Exception as exc:  # noqa: BLE001 - re-raised with what to change
             raise CaptureError(_capture_failed(exc)) from exc
+        finally:
+            self._host_boundary(g, before=False)
         g.graph, g.pool, g.statics, g.out, g.phase = graph, pool, statics, out, Phase.CAPTURED
         g.hyper = self._hyper(g)
         self._note_shards(g)
@@ -404,6 +485,16 @@ class CapturedStep:
         self._copy_checks(g)
         g.replays += 1
         return out
+
+    @staticmethod
+    def _host_boundary(g: _Graph, before: bool) -> None:
+        """Around the capture, the host state of the executors the warm-up ran (offload: runtime/offload/): before
+        it, their work in flight done; after it, nothing left that names what the capture recorded."""
+        for r in g.executors:
+            exe = r()
+            host = getattr(exe, "offload", None) if exe is not None else None
+            if host is not None:
+                host.before_graph() if before else host.after_graph()
 
     @staticmethod
     def _stale_on_load(g: _Graph) -> None:
@@ -484,38 +575,49 @@ class CapturedStep:
     # replay (a few per param group); a tensor (lr=torch.tensor(3e-4, device="cuda")) is read by the graph in
     # place, so it is recorded as the tensor itself: one assigned in its place (group["lr"] = 0.05, as a manual
     # decay loop does) would leave every replay reading the old one, silently.
+    # An optimizer that steps on the host between the graph's segments (an offloaded one: [Note: a step in
+    # segments]) reads its param groups there at every replay, as eagerly: what its graph part bakes in instead
+    # is what its ``graph_constants()`` says (the clipping threshold, say), recorded and compared the same way.
     @staticmethod
     def _hyper(g: _Graph) -> list:
         out = []
         for r in g.optimizers:
             opt = r()
-            if opt is not None:
+            if opt is None:
+                continue
+            if hasattr(opt, "graph_constants"):
+                out.append((r, [opt.graph_constants()], "{name}.{k}", ""))
+            else:
                 out.append((r, [{k: v for k, v in grp.items()
                                  if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool)}
-                                for grp in opt.param_groups]))
+                                for grp in opt.param_groups], "{name}.param_groups[{i}][{k!r}]",
+                            "Hold it as a tensor on the device ({k}=torch.tensor({v!r}, device='cuda'), and "
+                            "capturable=True), which schedulers update in place, or call step.reset() to capture "
+                            "again"))
         return out
 
     def _check_hyper(self, g: _Graph) -> None:
-        for r, groups in g.hyper:
+        for r, groups, where, advice in g.hyper:
             opt = r()
             if opt is None:
                 continue
-            for i, (grp, then) in enumerate(zip(opt.param_groups, groups)):
+            nows = [opt.graph_constants()] if hasattr(opt, "graph_constants") else opt.param_groups
+            for i, (grp, then) in enumerate(zip(nows, groups)):
                 for k, v in then.items():
                     now = grp.get(k)
+                    at = where.format(name=type(opt).__name__, i=i, k=k)
                     if isinstance(v, torch.Tensor):
                         if now is not v:
                             raise CaptureError(
-                                f"shardplan.capture: {type(opt).__name__}.param_groups[{i}][{k!r}] was replaced (by "
-                                f"{now!r}) since the step was captured, but the graph reads the tensor it was "
-                                f"captured with. Update that tensor in place ({k}.fill_(new), as schedulers and "
-                                f"sp.optim.as_lr_scheduler do), or call step.reset() to capture again")
+                                f"shardplan.capture: {at} was replaced (by {now!r}) since the step was captured, but "
+                                f"the graph reads the tensor it was captured with. Update that tensor in place "
+                                f"({k}.fill_(new), as schedulers and sp.optim.as_lr_scheduler do), or call "
+                                f"step.reset() to capture again")
                     elif now != v:
                         raise CaptureError(
-                            f"shardplan.capture: {type(opt).__name__}.param_groups[{i}][{k!r}] changed from {v!r} to "
-                            f"{now!r} since the step was captured, but as a Python number it is baked into the graph. "
-                            f"Hold it as a tensor on the device ({k}=torch.tensor({v!r}, device='cuda'), and "
-                            f"capturable=True), which schedulers update in place")
+                            f"shardplan.capture: {at} changed from {v!r} to {now!r} since the step was captured, but "
+                            f"as a Python number it is baked into the graph. "
+                            + (advice.format(k=k, v=v) or "Call step.reset() to capture again with the new value"))
 
     # [Note: gradient sync around a replay] the graph reduces the gradients as the capture did: a call made under
     # sp.no_sync (or the drop-in's set_requires_gradient_sync(False)) after a capture outside it would reduce

@@ -14,6 +14,7 @@ the device and steps there (``offload_fraction < 1``), with the same kernels.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Callable, Optional
 
@@ -21,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import RuntimeShardingError
+from . import capture as CAP
 from .builder import engine_of
 from .offload.host import STATS
 from .offload.kernels import _by_step, adamw  # noqa: F401  (the kernel both sides share)
@@ -84,6 +86,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             if model is None:
                 raise RuntimeShardingError("shardplan.offload_optimizer: the model was garbage-collected")
             self.last_grad_norm = clip_grad_norm_(model, self.max_grad_norm)
+        if CAP.as_graph():  # [Note: offload under capture] (runtime/offload/)
+            self._graph_step()
+            return loss
         dev = [p for p in self._device if p.grad is not None]
         if dev:  # first: on a GPU these kernels run while the host finishes its steps
             st = [self.state[p] for p in dev]
@@ -105,6 +110,29 @@ class OffloadAdamW(torch.optim.Optimizer):
             if self.overlap and not self.overlap_forward:  # torch's contract: after step() the parameters are new
                 self._host.settle()
         return loss
+
+    def _graph_step(self) -> None:
+        """``step()`` in a captured step: the host work between the graph's segments, then the copies back."""
+        device = [(p, p.grad) for p in self._device if p.grad is not None]  # (the graph's own gradient tensors)
+        work = self._host.graph_work(self._hosts) if self._host is not None else []
+        CAP.host_call(functools.partial(self._replayed_step, device, work))
+        if self._host is not None:
+            self._host.graph_landing(work)
+
+    @torch.no_grad()
+    def _replayed_step(self, device: list, work: list) -> None:
+        group = self.param_groups[0]  # read at every replay, as eagerly: a schedule may set a Python lr
+        if device:  # the buffers kept on the device: launched here, before the host steps (their step counts
+            st = [self.state[p] for p, _ in device]  # live on the host)
+            adamw([p for p, _ in device], [g for _, g in device], [s["exp_avg"] for s in st],
+                  [s["exp_avg_sq"] for s in st], [s["step"] for s in st], group, None)
+        if self._host is not None:
+            self._host.graph_host_step(work, group, self.fused)
+
+    def graph_constants(self) -> dict:
+        """What a captured step bakes into its graph (compared before every replay; the hyper-parameters are read
+        by the host step at every replay, as eagerly)."""
+        return {"max_grad_norm": self.max_grad_norm}
 
     def synchronize(self) -> None:
         """Wait for the host steps still running (they overlap the next forward) and put their shards on the

@@ -66,6 +66,17 @@ copied; it tells this module the coefficient (:meth:`OffloadState.grads_scaled`)
 scaled by the same number before the step. Any other change to a gradient after its copy (its tensor or
 version differs at step time) makes the step copy that gradient again: slower, never stale. With
 overlap, ``clip_grad_norm_`` after a host step already ran raises (pass ``max_grad_norm=`` instead).
+
+[Note: offload under capture] ``shardplan.capture`` captures an offloaded step in segments ([Note: a step in
+segments], runtime/capture.py). In a call that runs as its graph (the capture; the eager backend's calls after
+it) nothing goes to the worker: ``optim_step`` hands nothing over, ``opt.step()`` clips on the device as eagerly,
+joins the gradients' copies into the segment, and gives the capture one host call (``graph_host_step``: wait for
+the segment, scale the host gradients by the clip coefficients the graph computed, AdamW on the host; the
+buffers kept on the device step there too, with the gradient tensors the graph writes), then issues the
+copies of the new masters to the device, which the next segment records. Before the capture every host step
+in flight lands and the copies finish (a graph cannot wait for work issued outside it); after it, the copies'
+events it recorded are forgotten (the host never waits on a graph's event). Each replay leaves the host state
+as the capture did: nothing in flight, the masters on the device.
 """
 
 from .copies import HostCopies

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from ...errors import RuntimeShardingError
+from .. import capture as CAP
 from ..host_worker import HostWorker
 from . import kernels
 from .host import HostBuffer, HostStep, InFlightStep, _hyper, _snapshot
@@ -23,8 +24,8 @@ class HostSteps:
     def start_steps(self, hosts: list[HostBuffer]) -> None:
         """``optim_step``: hand the host steps of ``hosts`` to the worker, where that gives opt.step()'s result."""
         opt = self.optimizer_ref() if self.optimizer_ref is not None else None
-        if opt is None or not opt.overlap or opt.max_grad_norm is not None:
-            return  # the step runs in opt.step()
+        if opt is None or not opt.overlap or opt.max_grad_norm is not None or CAP.as_graph():
+            return  # the step runs in opt.step() (under capture: [Note: offload under capture])
         used = self.exe.grads.used
         group = opt.param_groups[0]
         for hb in hosts:
@@ -132,8 +133,9 @@ class HostSteps:
 
     # -- the host step in opt.step() ----------------------------------------------------------------------
     def grads_scaled(self, coef: torch.Tensor) -> None:
-        """``sp.clip_grad_norm_`` multiplied the device gradients by ``coef``: do the same to the copies."""
-        c = coef.detach().to("cpu")
+        """``sp.clip_grad_norm_`` multiplied the device gradients by ``coef``: do the same to the copies (under
+        capture, the host step reads ``coef`` at each replay: [Note: offload under capture])."""
+        c = coef.detach() if CAP.as_graph() else coef.detach().to("cpu")
         for hb in self.hosts.values():
             hb.scales.append(c)
             for m in hb.trainable:
@@ -198,6 +200,62 @@ class HostSteps:
                         hb.grad[m.shard].mul_(c.to(hb.grad.dtype))
             hb.scales.clear()
         return [m for m, _ in active]
+    # -- under a captured step ([Note: offload under capture], runtime/offload/) ---------------------------
+    def before_graph(self) -> None:
+        """Before a step is captured: every host step done, its shard on the device, no copy in flight (a graph
+        cannot wait for work issued before its capture)."""
+        self.settle()
+        if self.cuda:
+            torch.cuda.synchronize(self.exe.device)
+        self.after_graph()
+
+    def after_graph(self) -> None:
+        """After the capture: the copies' events it recorded belong to the graph (the host never waits on them)."""
+        for hb in self.hosts.values():
+            hb.d2h = hb.h2d = None
+
+    def graph_work(self, hosts: list[HostBuffer]) -> list:
+        """``opt.step()`` under capture: per host buffer, the members that step and the clip coefficients to apply
+        to their host gradients (device tensors the replay computes); the gradients' copies end this segment."""
+        work = []
+        for hb in hosts:
+            work.append((hb, [m for m in hb.trainable if m.local.grad is not None], list(hb.scales)))
+            hb.scales.clear()
+        if self.cuda:  # (the copies ran on the side stream: joined before the graph's segment ends)
+            torch.cuda.current_stream().wait_stream(self.d2h_stream)
+        return work
+
+    def graph_host_step(self, work: list, group: dict, fused: Optional[bool]) -> None:
+        """The host steps of a replay, between its segments: the segment before is waited for (the gradients are on
+        the host), each buffer's host gradient scaled as the clipping did, then AdamW, as the eager step does."""
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()
+        for hb, active, scales in work:
+            if not active:
+                continue
+            t0 = time.perf_counter()
+            if scales:
+                with torch.no_grad():
+                    for c in scales:
+                        c = c.to("cpu")
+                        for m in active:
+                            if m.held:
+                                hb.grad[m.shard].mul_(c.to(hb.grad.dtype))
+            _, kernel = kernels._host_compute(hb, active, group, fused, None, None)
+            seconds = time.perf_counter() - t0
+            self.stats["host_step_s"] += seconds
+            self.stats["kernel_s"] += kernel
+            self.stats["exposed_s"] += seconds
+            self.stats["steps"] += 1
+
+    def graph_landing(self, work: list) -> None:
+        """After the host steps (the next segment, under capture): the new master shards to the device, and what the
+        compute stream runs next after them."""
+        for hb, active, _ in work:
+            if active:
+                self._issue_h2d(hb)
+        self.finish_step()
+
     # -- helpers ------------------------------------------------------------------------------------------
     def _pool(self) -> HostWorker:
         if self.worker is None:  # one thread, the unit the next forward needs first, first

@@ -1,0 +1,112 @@
+"""CPU offload under ``sp.capture``: the captured step is a program of graph segments with the host optimizer
+step between them ([Note: a step in segments], runtime/capture.py; [Note: offload under capture],
+runtime/offload/). On the CPU the eager backend runs every call as the graph's program would (the host step as
+the replay's host call, the copies where the segments hold them): its steps must equal the eager offloaded
+steps bit for bit. The CUDA graphs themselves: benchmarks/capture_check.py --parity (offload cases)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardplan as sp
+
+from distributed import run
+from models import Toy, batches, toy_rules
+
+UNITS = [r"blocks\.\d+"]
+
+
+def _system(world, strategy, offload, fraction, clip, overlap_forward, evals):
+    model = Toy()
+    plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), strategy=strategy, units=UNITS, min_unit_bytes=0,
+                   offload=offload, offload_fraction=fraction)
+    sp.shard(model, plan)
+    opt = sp.offload_optimizer(model, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
+                               max_grad_norm=0.05 if clip else None, overlap_forward=overlap_forward)
+
+    def step(x, y):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+    return model, opt, step
+
+
+def _state(model):
+    eng = model._shardplan  # (offload="params": the shards live in host memory; local_value reads them there)
+    return {n: eng.local_value(n, p).clone() for n, p in eng.local_params().items()}
+
+
+def _parity_worker(rank, world, cases):
+    data = batches(7, seed=1 + rank)
+    out = []
+    for case in cases:
+        runs = {}
+        for mode in ("eager", "captured"):
+            model, opt, step = _system(world, **case)
+            f = sp.capture(step, backend="eager") if mode == "captured" else step
+            losses, evals = [], []
+            for i, (x, y) in enumerate(data[:6]):
+                losses.append(float(f(x, y)))
+                opt.param_groups[0]["lr"] = 1e-2 / (2 + i)  # a Python-number schedule: the host step reads it
+                if case["evals"]:
+                    opt.synchronize()
+                    with torch.no_grad():
+                        evals.append(float(model(*data[6])))
+            st = opt.state_dict()["state"]
+            runs[mode] = (losses, evals, _state(model), {k: {n: v.clone() for n, v in s.items()} for k, s in st.items()},
+                          f.replays if mode == "captured" else None)
+        (le, ee, pe, se, _), (lc, ec, pc, sc, replays) = runs["eager"], runs["captured"]
+        out.append(dict(losses=le == lc, evals=ee == ec, params=all(torch.equal(pe[n], pc[n]) for n in pe),
+                        state=all(torch.equal(se[k][n], sc[k][n]) for k in se for n in se[k]), replays=replays,
+                        moved=any(not torch.equal(pe[n], _state(_system(world, **case)[0])[n]) for n in pe)))
+    return out
+
+
+CASES = [dict(strategy=3, offload="optimizer", fraction=1.0, clip=False, overlap_forward=False, evals=False),
+         dict(strategy=3, offload="optimizer", fraction=1.0, clip=True, overlap_forward=False, evals=False),
+         dict(strategy=1, offload="optimizer", fraction=1.0, clip=False, overlap_forward=True, evals=True),
+         dict(strategy=2, offload="optimizer", fraction=0.5, clip=True, overlap_forward=False, evals=True),
+         dict(strategy=3, offload="params", fraction=1.0, clip=True, overlap_forward=False, evals=False),
+         dict(strategy=3, offload="params", fraction=0.5, clip=False, overlap_forward=True, evals=True)]
+
+
+@pytest.mark.timeout(300)
+def test_an_offloaded_step_captured_equals_the_eager_one_bit_for_bit():
+    """ZeRO-1/2/3 with the optimizer or the parameters offloaded, part of them kept on the device
+    (offload_fraction=0.5), clipping inside the optimizer, the overlapped forward, a Python learning rate changed
+    after every step, evaluations between replays: losses, evaluations, parameters and the optimizer's state
+    equal the eager offloaded run's exactly."""
+    for rank_out in run(_parity_worker, 2, CASES, timeout=280):
+        for case, r in zip(CASES, rank_out):
+            assert r["moved"] and r["replays"] == 3, (case, r)
+            assert r["losses"] and r["evals"] and r["params"] and r["state"], (case, r)
+
+
+def test_offloading_plans_can_be_captured():
+    model = Toy()
+    for offload, fraction in (("optimizer", 1.0), ("params", 0.5)):
+        plan = sp.plan(model, toy_rules(), sp.Mesh(dp=2), units=UNITS, min_unit_bytes=0, offload=offload,
+                       offload_fraction=fraction)
+        assert plan.capturable and "capture: yes" in str(plan)
+
+
+def _constant_worker(rank, world):
+    data = batches(5, seed=1 + rank)
+    model, opt, step = _system(world, 3, "optimizer", 1.0, True, False, False)
+    f = sp.capture(step, backend="eager")
+    for x, y in data[:3]:
+        f(x, y)
+    opt.max_grad_norm = 1.0  # baked into the graph (the clipping runs on the device)
+    try:
+        f(*data[3])
+    except sp.CaptureError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_clipping_threshold_changed_after_the_capture_is_refused():
+    for msg in run(_constant_worker, 2, timeout=120):
+        assert msg and "OffloadAdamW.max_grad_norm" in msg and "step.reset()" in msg, msg
