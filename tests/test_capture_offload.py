@@ -110,3 +110,19 @@ def _constant_worker(rank, world):
 def test_a_clipping_threshold_changed_after_the_capture_is_refused():
     for msg in run(_constant_worker, 2, timeout=120):
         assert msg and "OffloadAdamW.max_grad_norm" in msg and "step.reset()" in msg, msg
+
+
+def _rehearse_worker(_rank, _world):
+    from shardplan.models import gpt
+    torch.set_num_threads(1)
+    plan = sp.plan(gpt.build("tiny"), [(r".*", sp.P("dp"))], sp.Mesh(dp=4), units=[r"layers\.\d+"], offload="optimizer")
+    r = sp.rehearse(lambda: gpt.build("tiny"), plan, rank=1, batch=(2, 16), steps=2, capture=True)
+    return r.to_dict()
+
+
+@pytest.mark.timeout(120)
+def test_rehearse_captures_an_offloaded_step():
+    """``rehearse(capture=True)`` of an offloading plan: one rank's step captured with the offloading optimizer
+    (the host step between the segments) and replayed."""
+    d = run(_rehearse_worker, 1, init=False, timeout=110)[0]
+    assert d["captured"] and len(d["step_s"]) == 2

@@ -224,10 +224,10 @@ def _start_up(model_fn: Callable[[], nn.Module], plan: Plan, batch: tuple[int, i
                      f"({', '.join(filled[:3])}{' ...' if len(filled) > 3 else ''})")
     if optimizer_fn is not None:
         opt = optimizer_fn(model.parameters())
+    elif plan.offload:  # host master shards and moments: the offloading AdamW steps them (captured too: the
+        opt = offload_optimizer(model, lr=1e-4)  # host step between the graph's segments)
     elif capture and device.type == "cuda":  # on a CPU the captured step runs eagerly: the default optimizer
         opt = CAP.capturable_optimizer(model.parameters(), device)
-    elif plan.offload:  # host master shards and moments: the offloading AdamW steps them
-        opt = offload_optimizer(model, lr=1e-4)
     else:
         opt = _default_optimizer(model.parameters(), device)
     return model, opt
