@@ -341,9 +341,10 @@ def captured_system(base, args, dev, world):
             system.params, system.state, loss = captured(system.params, system.state, x, y)
             return loss
         return CapturedSystem(step, system.parameters), CapturedSystem(None, None), None, info
-    if base not in ("unsharded", "shardplan", "shardplan_compile"):
+    if base not in ("unsharded", "shardplan", "shardplan_compile", "shardplan_offload"):
         raise SystemExit(f"no captured variant of {base}")
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, capturable=True, **ADAMW)
+    if base != "shardplan_offload":  # (offload: its own optimizer, the host step between the graph's segments)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, capturable=True, **ADAMW)
     if ctx is not None:  # autocast's weight-cast cache cannot live across replays
         dt = torch.bfloat16
         ctx = lambda: torch.autocast(dev.type, dtype=dt, cache_enabled=False)  # noqa: E731

@@ -605,19 +605,19 @@ class CapturedStep:
             for i, (grp, then) in enumerate(zip(nows, groups)):
                 for k, v in then.items():
                     now = grp.get(k)
+                    if now is v or not (isinstance(v, torch.Tensor) or isinstance(now, torch.Tensor) or now != v):
+                        continue
                     at = where.format(name=type(opt).__name__, i=i, k=k)
                     if isinstance(v, torch.Tensor):
-                        if now is not v:
-                            raise CaptureError(
-                                f"shardplan.capture: {at} was replaced (by {now!r}) since the step was captured, but "
-                                f"the graph reads the tensor it was captured with. Update that tensor in place "
-                                f"({k}.fill_(new), as schedulers and sp.optim.as_lr_scheduler do), or call "
-                                f"step.reset() to capture again")
-                    elif now != v:
                         raise CaptureError(
-                            f"shardplan.capture: {at} changed from {v!r} to {now!r} since the step was captured, but "
-                            f"as a Python number it is baked into the graph. "
-                            + (advice.format(k=k, v=v) or "Call step.reset() to capture again with the new value"))
+                            f"shardplan.capture: {at} was replaced (by {now!r}) since the step was captured, but the "
+                            f"graph reads the tensor it was captured with. Update that tensor in place "
+                            f"({k}.fill_(new), as schedulers and sp.optim.as_lr_scheduler do), or call "
+                            f"step.reset() to capture again")
+                    raise CaptureError(  # (a tensor put where a number was captured too: the graph reads the number)
+                        f"shardplan.capture: {at} changed from {v!r} to {now!r} since the step was captured, but as "
+                        f"a Python number it is baked into the graph. "
+                        + (advice.format(k=k, v=v) or "Call step.reset() to capture again with the new value"))
 
     # [Note: gradient sync around a replay] the graph reduces the gradients as the capture did: a call made under
     # sp.no_sync (or the drop-in's set_requires_gradient_sync(False)) after a capture outside it would reduce
