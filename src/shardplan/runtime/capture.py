@@ -16,7 +16,8 @@ What changes between steps must live on the device: torch optimizers with ``capt
 ``lr`` (``sp.optim.as_lr_scheduler`` and torch's schedulers update it in place), ``sp.optim`` optimizers keep
 their step count on the parameters' device and evaluate schedules there.
 
-Outputs are the graph's own tensors, overwritten by the next replay (clone what you keep), as
+Outputs are the graph's own tensors, overwritten by the next replay (clone what you keep; the eager backend
+writes its replays' outputs into the same tensors), as
 ``torch.cuda.make_graphed_callables``' are. Arguments in ``donate_argnums`` become the graph's inputs
 themselves (no copy: a functional step that returns them updated in place, ``opt.update(..., donate=True)``,
 needs no copy per step); the others are copied into static buffers before each replay, skipped when the
@@ -516,7 +517,7 @@ class CapturedStep:
                 if isinstance(x, torch.Tensor) and x is not s:
                     s.copy_(x)
         if g.graph is None:  # backend="eager": the same static buffers, run again
-            g.out = self._run(g, *g.static_args, capturing=True)
+            _overwrite(g.out, self._run(g, *g.static_args, capturing=True))
         else:
             g.graph.replay()
             self._copy_checks(g)
@@ -698,6 +699,24 @@ class CapturedStep:
         optimizer state replaced the captured one, say)."""
         self.graphs.clear()
         self._last = None
+
+
+def _overwrite(out, new) -> None:
+    """The eager backend's replay: its outputs written into the capture's, as a graph's replay overwrites them
+    (a caller keeping several calls' outputs without cloning sees on the CPU what it would see on a GPU)."""
+    leaves, spec = optree.tree_flatten(out, none_is_leaf=True)
+    fresh, spec2 = optree.tree_flatten(new, none_is_leaf=True)
+    if spec != spec2:
+        raise CaptureError(f"shardplan.capture: the step returned another structure than when it was captured "
+                           f"({spec2} against {spec}): a graph's replay returns the capture's outputs")
+    with torch.no_grad():
+        for a, b in zip(leaves, fresh):
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a is not b:
+                if a.shape != b.shape or a.dtype != b.dtype:
+                    raise CaptureError(f"shardplan.capture: the step returned a {tuple(b.shape)} {b.dtype} tensor "
+                                       f"where its capture returned {tuple(a.shape)} {a.dtype}: a graph's replay "
+                                       f"returns the capture's outputs")
+                a.copy_(b)
 
 
 def _leaf_key(x) -> tuple:
