@@ -17,17 +17,22 @@ from models import Toy, batches, toy_rules
 UNITS = [r"blocks\.\d+"]
 
 
-def _system(world, strategy, offload, fraction, clip, overlap_forward, evals):
+def _system(world, strategy, offload, fraction, clip, overlap_forward, evals, rescale=False):
     model = Toy()
     plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), strategy=strategy, units=UNITS, min_unit_bytes=0,
                    offload=offload, offload_fraction=fraction)
     sp.shard(model, plan)
-    opt = sp.offload_optimizer(model, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
+    opt = sp.offload_optimizer(model, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, overlap=not rescale,
                                max_grad_norm=0.05 if clip else None, overlap_forward=overlap_forward)
 
     def step(x, y):
         loss = model(x, y)
         loss.backward()
+        if rescale:  # gradients changed after their copy to the host (by hand), then clipped
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(0.25)
+            sp.clip_grad_norm_(model, 0.05)
         opt.step()
         opt.zero_grad()
         return loss.detach()
@@ -70,15 +75,18 @@ CASES = [dict(strategy=3, offload="optimizer", fraction=1.0, clip=False, overlap
          dict(strategy=1, offload="optimizer", fraction=1.0, clip=False, overlap_forward=True, evals=True),
          dict(strategy=2, offload="optimizer", fraction=0.5, clip=True, overlap_forward=False, evals=True),
          dict(strategy=3, offload="params", fraction=1.0, clip=True, overlap_forward=False, evals=False),
-         dict(strategy=3, offload="params", fraction=0.5, clip=False, overlap_forward=True, evals=True)]
+         dict(strategy=3, offload="params", fraction=0.5, clip=False, overlap_forward=True, evals=True),
+         dict(strategy=2, offload="optimizer", fraction=1.0, clip=False, overlap_forward=False, evals=False,
+              rescale=True)]
 
 
 @pytest.mark.timeout(300)
 def test_an_offloaded_step_captured_equals_the_eager_one_bit_for_bit():
     """ZeRO-1/2/3 with the optimizer or the parameters offloaded, part of them kept on the device
     (offload_fraction=0.5), clipping inside the optimizer, the overlapped forward, a Python learning rate changed
-    after every step, evaluations between replays: losses, evaluations, parameters and the optimizer's state
-    equal the eager offloaded run's exactly."""
+    after every step, evaluations between replays, gradients changed by hand after their copy to the host and
+    then clipped: losses, evaluations, parameters and the optimizer's state equal the eager offloaded run's
+    exactly.""" 
     for rank_out in run(_parity_worker, 2, CASES, timeout=280):
         for case, r in zip(CASES, rank_out):
             assert r["moved"] and r["replays"] == 3, (case, r)
@@ -126,3 +134,51 @@ def test_rehearse_captures_an_offloaded_step():
     (the host step between the segments) and replayed."""
     d = run(_rehearse_worker, 1, init=False, timeout=110)[0]
     assert d["captured"] and len(d["step_s"]) == 2
+
+
+def _outside_worker(rank, world):
+    data = batches(4, seed=1 + rank)
+    model, opt, _ = _system(world, 3, "optimizer", 1.0, False, False, False)
+
+    def backward_only(x, y):
+        loss = model(x, y)
+        loss.backward()
+        return loss.detach()
+    f = sp.capture(backward_only, backend="eager")
+    try:
+        for x, y in data:
+            f(x, y)
+            opt.step()
+            opt.zero_grad()
+    except sp.CaptureError as exc:
+        return str(exc)
+    return None
+
+
+def test_an_offloaded_optimizer_stepping_outside_the_captured_step_is_refused():
+    """The captured step copies the gradients to the host; a replay's copies land asynchronously, so an
+    ``opt.step()`` outside the step would read the host gradients before them: refused at the capture."""
+    for msg in run(_outside_worker, 2, timeout=120):
+        assert msg and "opt.step()" in msg and "inside the captured step" in msg, msg
+
+
+def _python_output_worker(rank, world):
+    data = batches(5, seed=1 + rank)
+    model, opt, step = _system(world, 3, "optimizer", 1.0, False, False, False)
+    calls = []
+
+    def counted(x, y):
+        calls.append(1)
+        return step(x, y), len(calls)  # a Python value: a graph returns the capture's at every replay
+    f = sp.capture(counted, backend="eager")
+    try:
+        for x, y in data:
+            f(x, y)
+    except sp.CaptureError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_python_output_that_changes_between_replays_is_refused_by_the_eager_backend():
+    for msg in run(_python_output_worker, 2, timeout=120):
+        assert msg and "returned 4 where its capture returned 3" in msg, msg

@@ -195,7 +195,7 @@ def test_offloaded_and_device_bytes_are_conserved_and_monotone(strategy, f1, f2,
 # -- runtime: training with offload equals training without it -----------------------------------------
 
 def _trained(rank, world, strategy, offload, fraction=1.0, *, clip=False, accum=False, fused=True, steps=3,
-             compute_dtype=None, overlap=True, sched=False, **plan_kw):
+             compute_dtype=None, overlap=True, sched=False, rescale=False, **plan_kw):
     """``clip``: by the global norm, through ``max_grad_norm=`` (offload with overlap) or
     ``sp.clip_grad_norm_`` (otherwise); ``sched``: a learning-rate scheduler stepped after ``opt.step()``."""
     model = Toy()
@@ -213,6 +213,10 @@ def _trained(rank, world, strategy, offload, fraction=1.0, *, clip=False, accum=
             with sp.no_sync(model):
                 model(*data[2 * s + 1]).backward()
         model(*data[2 * s]).backward()
+        if rescale:  # the gradients changed by hand after their copy to the host, then clipped
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(0.25)
         if clip and not own_clip:
             sp.clip_grad_norm_(model, 0.05)
         opt.step()
@@ -242,6 +246,7 @@ TRAIN_CASES = [(s, "optimizer", 1.0, {}) for s in range(4)] + [
     (3, "optimizer", 0.5, {}), (1, "optimizer", 0.5, {}),
     (3, "optimizer", 1.0, dict(clip=True)), (2, "optimizer", 1.0, dict(clip=True, accum=True)),
     (3, "optimizer", 1.0, dict(clip=True, overlap=False)), (1, "optimizer", 0.5, dict(clip=True, overlap=False)),
+    (3, "optimizer", 1.0, dict(clip=True, overlap=False, rescale=True)),
     (3, "optimizer", 1.0, dict(accum=True)), (3, "optimizer", 1.0, dict(fused=False)),
     (3, "optimizer", 1.0, dict(compute_dtype=torch.bfloat16)), (2, "optimizer", 1.0, dict(sched=True)),
     (3, "optimizer", 1.0, dict(sched=True, accum=True)), (0, "optimizer", 1.0, dict(overlap=False)),

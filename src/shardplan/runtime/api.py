@@ -238,10 +238,14 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
     total = NORMS.global_norm(eng, groups, norm_type, foreach)
     total = total.float()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    host = getattr(eng, "offload", None)
+    if grads and host is not None and host.cuda:  # the gradients' copies to the host (a side stream) read them
+        torch.cuda.current_stream().wait_stream(host.d2h_stream)  # first: scaled under them, the host step
+        # would scale the scaled gradients again
     if grads:
         with torch._C.DisableTorchFunctionSubclass():  # the gradients are norms.ShardGrad: plain here
             torch._foreach_mul_(grads, coef.to(grads[0].dtype))
-    if getattr(eng, "offload", None) is not None:  # the host copies of the gradients are scaled alike
+    if host is not None:  # the host copies of the gradients are scaled alike
         eng.offload.grads_scaled(coef.to(grads[0].dtype) if grads else coef)
     return total
 

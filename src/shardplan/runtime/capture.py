@@ -84,6 +84,15 @@ class _Session:
                 record = exe.record = []
             self.records[id(exe)] = (record, len(record), ours)
 
+    def offloads(self) -> list:
+        """The host sides (CPU offload) of the executors this call ran."""
+        return [h for h in (getattr(r(), "offload", None) for r in self.executors) if h is not None]
+
+    def join_side_streams(self) -> None:
+        """Before a graph's segment ends: every offloaded model's copy streams joined (a capture ends joined)."""
+        for host in self.offloads():
+            host.join_streams()
+
     def ops_run(self) -> dict:
         """What each executor ran in this call (``id -> tuple of ops``); stops the recordings it started."""
         out = {}
@@ -138,6 +147,7 @@ def host_call(fn: Callable[[], None]) -> None:
     step is being captured ([Note: a step in segments])."""
     s = _ACTIVE
     if s is not None and s.program is not None:
+        s.join_side_streams()
         s.program.split(fn)
     else:
         fn()
@@ -196,6 +206,7 @@ class _Program:
         self.graphs: list = []
         self.hosts: list = []
         self._ctx = None
+        self._open = False
 
     def __enter__(self):
         import gc
@@ -208,7 +219,8 @@ class _Program:
 
     def __exit__(self, *exc):
         try:
-            self.graphs[-1].capture_end()
+            if self._open:
+                self._end()
         finally:
             self._ctx.__exit__(*exc)
         return False
@@ -217,9 +229,14 @@ class _Program:
         g = torch.cuda.CUDAGraph()
         g.capture_begin(pool=self.pool)
         self.graphs.append(g)
+        self._open = True
+
+    def _end(self) -> None:
+        self._open = False  # (a capture_end that raises is not retried: its error is the one to report)
+        self.graphs[-1].capture_end()
 
     def split(self, fn: Callable[[], None]) -> None:
-        self.graphs[-1].capture_end()
+        self._end()
         self.hosts.append(fn)
         self._begin()
 
@@ -361,6 +378,10 @@ class CapturedStep:
                                as_graph=capturing, program=program)
         try:
             out = self.fn(*args, **kwargs)
+            if s.as_graph:
+                self._graph_copies_used(s)
+                if s.program is not None:
+                    s.join_side_streams()
         finally:
             _ACTIVE = None
             ops = s.ops_run()
@@ -486,6 +507,17 @@ class CapturedStep:
         self._copy_checks(g)
         g.replays += 1
         return out
+
+    @staticmethod
+    def _graph_copies_used(s: _Session) -> None:
+        """[Note: offload under capture] gradients the step copied to the host are stepped by its own
+        ``opt.step()``: one outside the step would read them before a replay's copies land."""
+        for host in s.offloads():
+            if host.graph_copies:
+                host.graph_copies = False
+                raise CaptureError("shardplan.capture: the step copies the offloaded gradients to the host, but the "
+                                   "offloading optimizer does not step inside it: call opt.step() (and zero_grad) "
+                                   "inside the captured step, so that one replay is one optimizer step")
 
     @staticmethod
     def _host_boundary(g: _Graph, before: bool) -> None:
@@ -711,6 +743,10 @@ def _overwrite(out, new) -> None:
                            f"({spec2} against {spec}): a graph's replay returns the capture's outputs")
     with torch.no_grad():
         for a, b in zip(leaves, fresh):
+            if not isinstance(a, torch.Tensor) and a is not b and (isinstance(b, torch.Tensor) or a != b):
+                raise CaptureError(f"shardplan.capture: the step returned {b!r} where its capture returned {a!r}: a "
+                                   f"graph's replay returns the capture's outputs, and Python values computed in "
+                                   f"the step are computed once. Return tensors (computed on the device)")
             if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a is not b:
                 if a.shape != b.shape or a.dtype != b.dtype:
                     raise CaptureError(f"shardplan.capture: the step returned a {tuple(b.shape)} {b.dtype} tensor "

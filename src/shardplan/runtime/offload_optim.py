@@ -122,12 +122,16 @@ class OffloadAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def _replayed_step(self, device: list, work: list) -> None:
         group = self.param_groups[0]  # read at every replay, as eagerly: a schedule may set a Python lr
-        if device:  # the buffers kept on the device: launched here, before the host steps (their step counts
-            st = [self.state[p] for p, _ in device]  # live on the host)
+        ready = None
+        if self._host is not None and self._host.cuda:  # the segment before: its gradients on the host
+            ready = torch.cuda.Event()
+            ready.record()
+        if device:  # the buffers kept on the device: launched here, running while the host steps (their step
+            st = [self.state[p] for p, _ in device]  # counts live on the host)
             adamw([p for p, _ in device], [g for _, g in device], [s["exp_avg"] for s in st],
                   [s["exp_avg_sq"] for s in st], [s["step"] for s in st], group, None)
         if self._host is not None:
-            self._host.graph_host_step(work, group, self.fused)
+            self._host.graph_host_step(work, group, self.fused, ready)
 
     def graph_constants(self) -> dict:
         """What a captured step bakes into its graph (compared before every replay; the hyper-parameters are read

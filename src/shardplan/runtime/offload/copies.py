@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from .. import capture as CAP
 from ..buffers import alloc_storage, free_storage
 from .host import HostBuffer
 
@@ -35,6 +36,8 @@ class HostCopies:
                     torch._foreach_copy_(dsts, srcs, non_blocking=self.cuda)
                 hb.scales.clear()
                 hb.d2h = self._event(self.d2h_stream)
+        if CAP.as_graph():  # (the captured step's opt.step() must use them: checked at the end of the call)
+            self.graph_copies = True
 
     def copy_params(self, hosts: list[HostBuffer], before_gather: bool = False) -> None:
         """The stepped master shards on the device before anything reads them (idempotent): waits for these

@@ -32,6 +32,7 @@ class OffloadState(HostCopies, HostSteps):
         self.hosts: dict[int, HostBuffer] = {}
         self.submitted: list[HostBuffer] = []  # steps queued during backward, in the order they were queued
         self.values: dict[str, torch.Tensor] = {}  # offload="params": parameter name -> view of its host master
+        self.graph_copies = False  # under capture: gradients copied to the host that no opt.step() used yet
         offloaded = [b for u in exe.unit_list for b in u.buffers if b.bp.offload]
         slabs = _slabs(offloaded, exe.device)
         for b in offloaded:

@@ -138,9 +138,9 @@ class HostSteps:
         c = coef.detach() if CAP.as_graph() else coef.detach().to("cpu")
         for hb in self.hosts.values():
             hb.scales.append(c)
-            for m in hb.trainable:
-                g = m.local.grad
-                if hb.copied.get(m.index) is not None and g is not None and hb.copied[m.index][0] == id(g):
+            for m in hb.trainable:  # the copy holds the gradient the clipping scaled (one version before it):
+                g = m.local.grad    # it still stands for it, scaled; one changed in between is copied again
+                if g is not None and hb.copied.get(m.index) == (id(g), g._version - 1):
                     hb.copied[m.index] = (id(g), g._version)
 
     def host_step(self, hb: HostBuffer, group: dict, fused: Optional[bool]) -> None:
@@ -215,22 +215,44 @@ class HostSteps:
             hb.d2h = hb.h2d = None
 
     def graph_work(self, hosts: list[HostBuffer]) -> list:
-        """``opt.step()`` under capture: per host buffer, the members that step and the clip coefficients to apply
-        to their host gradients (device tensors the replay computes); the gradients' copies end this segment."""
+        """``opt.step()`` under capture: per host buffer, the members that step, those whose gradient changed after
+        its copy to the host (copied again here, in this segment, as ``_prepare`` does eagerly) and the clip
+        coefficients to apply to the others' host gradients (device tensors the replay computes)."""
+        self.join_streams()  # the gradients' copies ran on the side stream: this segment waits for them
         work = []
         for hb in hosts:
-            work.append((hb, [m for m in hb.trainable if m.local.grad is not None], list(hb.scales)))
+            active, fresh = [], set()
+            for m in hb.trainable:
+                g = m.local.grad
+                if g is None:
+                    continue
+                active.append(m)
+                if hb.copied.get(m.index) != (id(g), g._version):  # changed after its copy (not by clipping)
+                    if m.held:
+                        hb.grad[m.shard].copy_(g.detach().reshape(-1), non_blocking=self.cuda)
+                    hb.copied[m.index] = (id(g), g._version)
+                    fresh.add(m.index)
+            work.append((hb, active, fresh, list(hb.scales)))
             hb.scales.clear()
-        if self.cuda:  # (the copies ran on the side stream: joined before the graph's segment ends)
-            torch.cuda.current_stream().wait_stream(self.d2h_stream)
+        self.graph_copies = False
         return work
 
-    def graph_host_step(self, work: list, group: dict, fused: Optional[bool]) -> None:
-        """The host steps of a replay, between its segments: the segment before is waited for (the gradients are on
-        the host), each buffer's host gradient scaled as the clipping did, then AdamW, as the eager step does."""
+    def join_streams(self) -> None:
+        """Under capture: the compute stream after every copy issued so far (a graph's segment ends joined), and
+        no event recorded in this segment left for the next one to wait on (it runs after this one ends)."""
         if self.cuda:
-            torch.cuda.current_stream().synchronize()
-        for hb, active, scales in work:
+            torch.cuda.current_stream().wait_stream(self.d2h_stream)
+            torch.cuda.current_stream().wait_stream(self.h2d_stream)
+        for hb in self.hosts.values():
+            hb.d2h = hb.h2d = None
+
+    def graph_host_step(self, work: list, group: dict, fused: Optional[bool], ready=None) -> None:
+        """The host steps of a replay, between its segments: the segment before is waited for (``ready``: an
+        event recorded at its end; the gradients are on the host), each buffer's host gradient scaled as the
+        clipping did, then AdamW, as the eager step does."""
+        if ready is not None:
+            ready.synchronize()
+        for hb, active, fresh, scales in work:
             if not active:
                 continue
             t0 = time.perf_counter()
@@ -239,7 +261,7 @@ class HostSteps:
                     for c in scales:
                         c = c.to("cpu")
                         for m in active:
-                            if m.held:
+                            if m.held and m.index not in fresh:
                                 hb.grad[m.shard].mul_(c.to(hb.grad.dtype))
             _, kernel = kernels._host_compute(hb, active, group, fused, None, None)
             seconds = time.perf_counter() - t0
@@ -251,7 +273,7 @@ class HostSteps:
     def graph_landing(self, work: list) -> None:
         """After the host steps (the next segment, under capture): the new master shards to the device, and what the
         compute stream runs next after them."""
-        for hb, active, _ in work:
+        for hb, active, _, _ in work:
             if active:
                 self._issue_h2d(hb)
         self.finish_step()

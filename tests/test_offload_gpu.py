@@ -1,0 +1,57 @@
+"""CPU offload on a GPU, where the copies to the host run on a side stream: what the CPU suite (copies in order)
+cannot show. Skipped without a GPU; run with ``SHARDPLAN_TEST_GPU=1 python -m pytest -m cuda tests/test_offload_gpu.py``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                   reason="needs a GPU (the copies' side stream); SHARDPLAN_TEST_GPU=1")]
+
+_CLIP = r"""
+import os, torch, torch.distributed as dist
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ["MASTER_PORT"] = "29583"
+dist.init_process_group("nccl", rank=0, world_size=1)
+import shardplan as sp
+from shardplan.models import gpt
+dev = torch.device("cuda")
+torch.manual_seed(0)
+model = gpt.build("small", vocab=131072, dim=512, layers=2).to(dev)  # a 256 MiB embedding: its copy takes ms
+plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=1), units=[r"layers\.\d+"], offload="optimizer")
+sp.shard(model, plan)
+opt = sp.offload_optimizer(model, lr=1e-3, overlap=False)
+host = model._shardplan.offload
+worst = 0.0
+for step in range(4):
+    x = torch.randint(0, 131072, (4, 64), device=dev)
+    model(x, x).backward()
+    sp.clip_grad_norm_(model, 1e-3)  # the coefficient far from 1: a gradient scaled twice is far off
+    opt.step()
+    torch.cuda.synchronize()
+    for hb in host.hosts.values():  # the host gradient the step used equals the device gradient the clip left
+        for m in hb.trainable:
+            if m.held and m.local.grad is not None:
+                dev_g = m.local.grad.detach().reshape(-1).cpu()
+                worst = max(worst, float((hb.grad[m.shard] - dev_g).abs().max() / dev_g.abs().max().clamp_min(1e-30)))
+    opt.zero_grad()
+print("WORST", worst)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_clipping_waits_for_the_gradients_copies_to_the_host():
+    """``sp.clip_grad_norm_`` scales the device gradients in place while their copies to the host may still run on
+    the side copy stream: a copy that read them scaled, then scaled again by the host step, stepped with the
+    coefficient squared. The clipping waits for the copies: the host gradients equal the clipped device ones."""
+    p = subprocess.run([sys.executable, "-c", _CLIP], cwd=ROOT, capture_output=True, text=True, timeout=280,
+                       env=dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONPATH=os.pathsep.join(
+                           [os.path.join(ROOT, "src")] + [q for q in [os.environ.get("PYTHONPATH")] if q])))
+    assert p.returncode == 0, p.stderr[-3000:]
+    worst = float(p.stdout.split("WORST")[-1])
+    assert worst == 0.0, worst
