@@ -182,3 +182,41 @@ def _python_output_worker(rank, world):
 def test_a_python_output_that_changes_between_replays_is_refused_by_the_eager_backend():
     for msg in run(_python_output_worker, 2, timeout=120):
         assert msg and "returned 4 where its capture returned 3" in msg, msg
+
+
+def _cut_short_worker(rank, world):
+    from shardplan.runtime.offload import kernels
+    data = batches(6, seed=1 + rank)
+    model, opt, step = _system(world, 3, "optimizer", 1.0, False, False, False)
+    f = sp.capture(step, backend="eager")
+    for x, y in data[:3]:
+        f(x, y)  # two warm-ups, the capture
+    compute, seen = kernels._host_compute, []
+
+    def failing(hb, *a, **k):  # the second buffer's host step fails in the next replay
+        seen.append(hb)
+        if len(seen) == 2:
+            raise MemoryError("host out of memory (injected)")
+        return compute(hb, *a, **k)
+    kernels._host_compute = failing
+    try:
+        f(*data[3])
+    except MemoryError:
+        pass
+    finally:
+        kernels._host_compute = compute
+    g = next(iter(f.graphs.values()))
+    phase = g.phase.value
+    opt.synchronize()
+    host = model._shardplan.offload
+    same = all(torch.equal(hb.b.shard.detach(), hb.master) for hb in host.hosts.values())
+    f(*data[4])  # captured again
+    return phase, same, g.phase.value, f.replays
+
+
+def test_a_replay_cut_short_by_its_host_step_is_captured_again():
+    """A host step that raises between the segments leaves the step half done (some masters stepped, their
+    copies to the device never issued): the graph is stale (the next call captures again) and the stepped masters
+    reach the device when the host settles (without: the device kept the old shards under the new masters)."""
+    for phase, same, after, replays in run(_cut_short_worker, 2, timeout=120):
+        assert phase == "stale" and same and after == "captured" and replays == 0, (phase, same, after, replays)

@@ -548,10 +548,22 @@ class CapturedStep:
             for x, s in zip(leaves, g.statics):
                 if isinstance(x, torch.Tensor) and x is not s:
                     s.copy_(x)
-        if g.graph is None:  # backend="eager": the same static buffers, run again
-            _overwrite(g.out, self._run(g, *g.static_args, capturing=True))
-        else:
-            g.graph.replay()
+        try:
+            if g.graph is None:  # backend="eager": the same static buffers, run again
+                _overwrite(g.out, self._run(g, *g.static_args, capturing=True))
+            else:
+                g.graph.replay()
+        except BaseException:
+            # a replay cut short (a host call between the segments raised: [Note: a step in segments]): the part
+            # after it never ran, so nothing the capture assumed holds; the next call captures again, from the
+            # state the host settles (an offloaded model's stepped masters copied to the device first)
+            g.phase = Phase.STALE
+            for r in g.executors:
+                host = getattr(r(), "offload", None) if r() is not None else None
+                if host is not None:
+                    host.replay_cut_short()
+            raise
+        if g.graph is not None:
             self._copy_checks(g)
             self._leave_as_captured(g)
         g.replays += 1

@@ -237,6 +237,12 @@ class HostSteps:
         self.graph_copies = False
         return work
 
+    def replay_cut_short(self) -> None:
+        """A replay stopped between its segments: host masters may be stepped without their copies to the device
+        (the next ``settle``, before a capture, issues them)."""
+        for hb in self.hosts.values():
+            hb.dirty = True
+
     def join_streams(self) -> None:
         """Under capture: the compute stream after every copy issued so far (a graph's segment ends joined), and
         no event recorded in this segment left for the next one to wait on (it runs after this one ends)."""
