@@ -43,6 +43,21 @@ class Toy(nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), y.flatten())
 
 
+def accumulating_step(model, opt, loss_of):
+    """A training step of two micro-batches (the first under ``sp.no_sync``), clipped by the global norm to 0.5,
+    then ``opt``'s step: one optimizer step per call, returning the second micro-batch's loss."""
+    def step(x, y):
+        with sp.no_sync(model):
+            (loss_of(x[:2], y[:2]) / 2).backward()
+        loss = loss_of(x[2:], y[2:]) / 2
+        loss.backward()
+        sp.clip_grad_norm_(model, 0.5)
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+    return step
+
+
 def toy_rules(axis: str = "dp", odd: bool = True):
     rules = [(r"blocks\.\d+\.ln\..*", sp.P())]
     if odd:  # a spec over dim 1: interleaved layout, copy-out after the gather

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import shardplan as sp
 from distributed import run
-from models import Toy, batches, toy_rules
+from models import Toy, accumulating_step, batches, toy_rules
 
 
 def _seq():
@@ -824,15 +824,7 @@ def _hf_capture_worker(rank, world, name, strategy):
         def loss_of(x, y):
             return model(input_ids=x, labels=y if name == "t5" else x).loss
 
-        def step(x, y):
-            with sp.no_sync(model):  # two micro-batches: one optimizer step per call
-                (loss_of(x[:2], y[:2]) / 2).backward()
-            loss = loss_of(x[2:], y[2:]) / 2
-            loss.backward()
-            sp.clip_grad_norm_(model, 0.5)
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
+        step = accumulating_step(model, opt, loss_of)  # two micro-batches, clipped: one optimizer step a call
 
         f = sp.capture(step, backend="eager") if mode == "captured" else step
         torch.manual_seed(100 + rank)  # dropout: the same draws in both runs

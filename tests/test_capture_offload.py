@@ -12,7 +12,7 @@ import torch
 import shardplan as sp
 
 from distributed import run
-from models import Toy, batches, toy_rules
+from models import Toy, accumulating_step, batches, toy_rules
 
 UNITS = [r"blocks\.\d+"]
 
@@ -246,15 +246,7 @@ def _hf_offload_worker(rank, world, name, offload, ckpt_dir):
         def loss_of(x, y):
             return model(input_ids=x, labels=y if name == "t5" else x).loss
 
-        def step(x, y):
-            with sp.no_sync(model):  # two micro-batches: one optimizer step per call
-                (loss_of(x[:2], y[:2]) / 2).backward()
-            loss = loss_of(x[2:], y[2:]) / 2
-            loss.backward()
-            sp.clip_grad_norm_(model, 0.5)
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
+        step = accumulating_step(model, opt, loss_of)  # two micro-batches, clipped: one optimizer step a call
         return model, opt, step, loss_of
 
     def train(f, opt, loss_of, batches, start):
