@@ -28,6 +28,7 @@ buffers (CPU, debugging): it is never chosen for you.
 from __future__ import annotations
 
 import enum
+import gc
 import operator
 import time
 import weakref
@@ -209,7 +210,6 @@ class _Program:
         self._open = False
 
     def __enter__(self):
-        import gc
         gc.collect()  # as torch.cuda.graph: what the capture allocates comes from memory freed now
         torch.cuda.empty_cache()
         self._ctx = torch.cuda.stream(self.stream)
