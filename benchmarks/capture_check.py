@@ -147,7 +147,9 @@ def system(face, config, dev, dtype, act_ckpt=False, units=None, min_unit_bytes=
                 with sync, (ctx() if ctx else _null()):
                     loss = model(x[i], y[i]) / x.shape[0]
                 loss.backward()
-            if face == "shard" and not offload:
+            if offload:
+                pass  # the offloading optimizer clips (max_grad_norm=1.0)
+            elif face == "shard":
                 sp.clip_grad_norm_(model, 1.0)
             else:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
