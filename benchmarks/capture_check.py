@@ -200,6 +200,9 @@ class _null:
         return False
 
 
+SEGMENTS: list = []  # the last captured run's graph segments per signature
+
+
 def train(face, config, dev, dtype, batches, captured, evals=False, save=None, load=None, **kw):
     """Losses, final parameters and replays of ``batches`` trained eagerly or captured; ``evals``: a no-grad
     forward after every step (its loss recorded too; ``"captured"``: an evaluation step captured beside the
@@ -236,6 +239,8 @@ def train(face, config, dev, dtype, batches, captured, evals=False, save=None, l
         if save:
             sp.checkpoint.save(save, model, step.opt, step=len(batches))
     torch.cuda.synchronize()
+    if captured:  # graphs of the captured program (2 with an offloaded optimizer: its host step between them)
+        SEGMENTS[:] = [getattr(g.graph, "segments", 1) for g in f.graphs.values() if g.graph is not None]
     return losses, params(), (f.replays if captured else 0)
 
 
@@ -322,7 +327,8 @@ def _parity_cases(args, dev, cases):
                     rec["eager_vs_eager_max_diff"] = max(float((pe[n].float() - p2[n].float()).abs().max()) for n in pe)
             rec.update(losses_equal=le == lc, params_equal=all(torch.equal(pe[n], pc[n]) for n in pe),
                        max_param_diff=max(float((pe[n].float() - pc[n].float()).abs().max()) for n in pe),
-                       first_losses=le[:3], last_loss_eager=le[-1], last_loss_captured=lc[-1], replays=replays)
+                       first_losses=le[:3], last_loss_eager=le[-1], last_loss_captured=lc[-1], replays=replays,
+                       segments=list(SEGMENTS))
         except Exception as exc:  # noqa: BLE001
             rec["error"] = f"{type(exc).__name__}: {exc}"[:2000]
             rec["traceback"] = traceback.format_exc()[-3000:]
