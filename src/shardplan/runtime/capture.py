@@ -87,7 +87,7 @@ class _Session:
 
     def offloads(self) -> list:
         """The host sides (CPU offload) of the executors this call ran."""
-        return [h for h in (getattr(r(), "offload", None) for r in self.executors) if h is not None]
+        return _offloads(self.executors)
 
     def join_side_streams(self) -> None:
         """Before a graph's segment ends: every offloaded model's copy streams joined (a capture ends joined)."""
@@ -106,6 +106,11 @@ class _Session:
             if ours and exe.record is record:
                 exe.record = None
         return out
+
+
+def _offloads(refs) -> list:
+    """The host sides (CPU offload: ``exe.offload``) of the executors behind the weak references ``refs``."""
+    return [h for h in (getattr(r(), "offload", None) for r in refs) if h is not None]
 
 
 _ACTIVE: Optional[_Session] = None  # the session of the captured call running now (None: plain eager code)
@@ -523,11 +528,8 @@ class CapturedStep:
     def _host_boundary(g: _Graph, before: bool) -> None:
         """Around the capture, the host state of the executors the warm-up ran (offload: runtime/offload/): before
         it, their work in flight done; after it, nothing left that names what the capture recorded."""
-        for r in g.executors:
-            exe = r()
-            host = getattr(exe, "offload", None) if exe is not None else None
-            if host is not None:
-                host.before_graph() if before else host.after_graph()
+        for host in _offloads(g.executors):
+            host.before_graph() if before else host.after_graph()
 
     @staticmethod
     def _stale_on_load(g: _Graph) -> None:
@@ -558,10 +560,8 @@ class CapturedStep:
             # after it never ran, so nothing the capture assumed holds; the next call captures again, from the
             # state the host settles (an offloaded model's stepped masters copied to the device first)
             g.phase = Phase.STALE
-            for r in g.executors:
-                host = getattr(r(), "offload", None) if r() is not None else None
-                if host is not None:
-                    host.replay_cut_short()
+            for host in _offloads(g.executors):
+                host.replay_cut_short()
             raise
         if g.graph is not None:
             self._copy_checks(g)

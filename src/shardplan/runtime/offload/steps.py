@@ -151,11 +151,7 @@ class HostSteps:
             return
         _, kernel = kernels._host_compute(hb, active, group, fused, hb.d2h, hb.h2d)
         hb.d2h = None
-        seconds = time.perf_counter() - t0
-        self.stats["host_step_s"] += seconds
-        self.stats["kernel_s"] += kernel
-        self.stats["exposed_s"] += seconds
-        self.stats["steps"] += 1
+        self._count_exposed(time.perf_counter() - t0, kernel)
         hb.dirty = True
         self._issue_h2d(hb)
 
@@ -270,11 +266,7 @@ class HostSteps:
                             if m.held and m.index not in fresh:
                                 hb.grad[m.shard].mul_(c.to(hb.grad.dtype))
             _, kernel = kernels._host_compute(hb, active, group, fused, None, None)
-            seconds = time.perf_counter() - t0
-            self.stats["host_step_s"] += seconds
-            self.stats["kernel_s"] += kernel
-            self.stats["exposed_s"] += seconds
-            self.stats["steps"] += 1
+            self._count_exposed(time.perf_counter() - t0, kernel)
 
     def graph_landing(self, work: list) -> None:
         """After the host steps (the next segment, under capture): the new master shards to the device, and what the
@@ -285,6 +277,13 @@ class HostSteps:
         self.finish_step()
 
     # -- helpers ------------------------------------------------------------------------------------------
+    def _count_exposed(self, seconds: float, kernel: float) -> None:
+        """A host step the caller waited for (run in ``opt.step()`` or between a replay's segments)."""
+        self.stats["host_step_s"] += seconds
+        self.stats["kernel_s"] += kernel
+        self.stats["exposed_s"] += seconds
+        self.stats["steps"] += 1
+
     def _pool(self) -> HostWorker:
         if self.worker is None:  # one thread, the unit the next forward needs first, first
             self.worker = HostWorker()
