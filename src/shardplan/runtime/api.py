@@ -24,6 +24,7 @@ from . import dtensor_params as DP
 from .builder import ATTR as _ATTR, build, engine_of
 from .executor import Executor
 from .startup import device_for, tp_local
+from .streams import join
 from .seams import guard_apply
 from .faces import ModuleFace
 from . import identity
@@ -240,7 +241,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     host = getattr(eng, "offload", None)
     if grads and host is not None and host.cuda:  # the gradients' copies to the host (a side stream) read them
-        torch.cuda.current_stream().wait_stream(host.d2h_stream)  # first: scaled under them, the host step
+        join(host.d2h_stream)  # first: scaled under them, the host step
         # would scale the scaled gradients again
     if grads:
         with torch._C.DisableTorchFunctionSubclass():  # the gradients are norms.ShardGrad: plain here

@@ -45,3 +45,17 @@ class Streams:
     def wait(self, event) -> None:
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
+
+
+def join(side) -> None:
+    """The current CUDA stream waits for everything queued on ``side`` so far, also while a graph is captured."""
+    # [Note: joining a side stream under capture] a capturing stream may wait only on work of the same capture:
+    # waiting on a side stream that has run nothing since the capture (or the segment, [Note: a step in
+    # segments]) began fails with cudaErrorStreamCaptureIsolation ("dependency created on uncaptured work in
+    # another stream"). Under capture the side stream first waits on the current one, which pulls it into the
+    # capture (the work it ran before is settled: a capture starts with nothing in flight); the wait back then
+    # joins it, as a capture must end.
+    cur = torch.cuda.current_stream()
+    if torch.cuda.is_current_stream_capturing():
+        side.wait_stream(cur)
+    cur.wait_stream(side)

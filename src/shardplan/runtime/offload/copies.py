@@ -36,6 +36,9 @@ class HostCopies:
                     torch._foreach_copy_(dsts, srcs, non_blocking=self.cuda)
                 hb.scales.clear()
                 hb.d2h = self._event(self.d2h_stream)
+                if self.cuda and CAP.capturing():  # [Note: the replay's host step overlaps] (offload/steps.py)
+                    hb.landed = torch.cuda.Event(external=True)
+                    hb.landed.record(self.d2h_stream)
         if CAP.as_graph():  # (the captured step's opt.step() must use them: checked at the end of the call)
             self.graph_copies = True
 

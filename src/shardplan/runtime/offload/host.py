@@ -98,6 +98,8 @@ class HostBuffer:
     scales: list = field(default_factory=list)    # clip coefficients applied to the device grads since the copy
     d2h: Any = None                   # event: the gradient copy is done
     h2d: Any = None                   # event: the master's copy to the device is done
+    landed: Any = None                # captured step: an external event a replay records once the gradient copy is
+                                      # done (the host steps this buffer then: [Note: the replay's host step overlaps])
     dirty: bool = False               # the master changed since it was last copied to the device
     inflight: Optional[InFlightStep] = None  # its host step, in the worker (or done, not yet landed)
     state: HostStep = HostStep.IDLE

@@ -12,6 +12,7 @@ import torch
 from ...errors import RuntimeShardingError
 from .. import capture as CAP
 from ..host_worker import HostWorker
+from ..streams import join
 from . import kernels
 from .host import HostBuffer, HostStep, InFlightStep, _hyper, _snapshot
 
@@ -208,7 +209,7 @@ class HostSteps:
     def after_graph(self) -> None:
         """After the capture: the copies' events it recorded belong to the graph (the host never waits on them)."""
         for hb in self.hosts.values():
-            hb.d2h = hb.h2d = None
+            hb.d2h = hb.h2d = hb.landed = None
 
     def graph_work(self, hosts: list[HostBuffer]) -> list:
         """``opt.step()`` under capture: per host buffer, the members that step, those whose gradient changed after
@@ -228,8 +229,9 @@ class HostSteps:
                         hb.grad[m.shard].copy_(g.detach().reshape(-1), non_blocking=self.cuda)
                     hb.copied[m.index] = (id(g), g._version)
                     fresh.add(m.index)
-            work.append((hb, active, fresh, list(hb.scales)))
+            work.append((hb, active, fresh, list(hb.scales), None if fresh else hb.landed))
             hb.scales.clear()
+            hb.landed = None
         self.graph_copies = False
         return work
 
@@ -243,8 +245,8 @@ class HostSteps:
         """Under capture: the compute stream after every copy issued so far (a graph's segment ends joined), and
         no event recorded in this segment left for the next one to wait on (it runs after this one ends)."""
         if self.cuda:
-            torch.cuda.current_stream().wait_stream(self.d2h_stream)
-            torch.cuda.current_stream().wait_stream(self.h2d_stream)
+            join(self.d2h_stream)  # [Note: joining a side stream under capture], runtime/streams.py
+            join(self.h2d_stream)
         for hb in self.hosts.values():
             hb.d2h = hb.h2d = None
 
@@ -252,11 +254,22 @@ class HostSteps:
         """The host steps of a replay, between its segments: the segment before is waited for (``ready``: an
         event recorded at its end; the gradients are on the host), each buffer's host gradient scaled as the
         clipping did, then AdamW, as the eager step does."""
-        if ready is not None:
-            ready.synchronize()
-        for hb, active, fresh, scales in work:
+        # [Note: the replay's host step overlaps] a replay's first segment runs asynchronously once launched;
+        # each buffer's gradient copy in it records an external event (``HostBuffer.landed``, recorded at the
+        # capture with cudaEventRecordExternal: a graph node the host can wait on, unlike the capture's own
+        # events). The host steps the buffers in gradient order as each one's copy lands, while the graph's
+        # backward goes on, as the eager step's worker does during backward ([Note: the overlapped step]). A
+        # buffer with clip coefficients waits for them (their copy to the host waits for the whole segment,
+        # which computes them after the backward), one with a gradient copied again at the segment's end
+        # waits for ``ready`` (the segment's end); so does everything without an event (the CPU).
+        for hb, active, fresh, scales, landed in work:
             if not active:
                 continue
+            if landed is not None and not scales:
+                landed.synchronize()
+            elif ready is not None:
+                ready.synchronize()
+            hidden = ready is not None and not ready.query()  # the segment still runs: this step overlaps it
             t0 = time.perf_counter()
             if scales:
                 with torch.no_grad():
@@ -266,22 +279,24 @@ class HostSteps:
                             if m.held and m.index not in fresh:
                                 hb.grad[m.shard].mul_(c.to(hb.grad.dtype))
             _, kernel = kernels._host_compute(hb, active, group, fused, None, None)
-            self._count_exposed(time.perf_counter() - t0, kernel)
+            self._count_exposed(time.perf_counter() - t0, kernel, hidden)
 
     def graph_landing(self, work: list) -> None:
         """After the host steps (the next segment, under capture): the new master shards to the device, and what the
         compute stream runs next after them."""
-        for hb, active, _, _ in work:
+        for hb, active, *_ in work:
             if active:
                 self._issue_h2d(hb)
         self.finish_step()
 
     # -- helpers ------------------------------------------------------------------------------------------
-    def _count_exposed(self, seconds: float, kernel: float) -> None:
-        """A host step the caller waited for (run in ``opt.step()`` or between a replay's segments)."""
+    def _count_exposed(self, seconds: float, kernel: float, hidden: bool = False) -> None:
+        """A host step the caller waited for (run in ``opt.step()`` or between a replay's segments; ``hidden``:
+        it began while the replay's segment still ran, [Note: the replay's host step overlaps])."""
         self.stats["host_step_s"] += seconds
         self.stats["kernel_s"] += kernel
-        self.stats["exposed_s"] += seconds
+        self.stats["exposed_s"] += 0.0 if hidden else seconds
+        self.stats["overlapped"] += hidden
         self.stats["steps"] += 1
 
     def _pool(self) -> HostWorker:
