@@ -101,7 +101,7 @@ def data(config, batch, seq, n, dev, micro=1):
 
 
 def system(face, config, dev, dtype, act_ckpt=False, units=None, min_unit_bytes=None, start=0, gather=None,
-           fp8=False, strategy=3, offload=None, fraction=1.0):
+           fp8=False, strategy=3, offload=None, fraction=1.0, clip=True):
     """``(step_fn(x, y) -> loss, params_fn() -> {name: tensor})``: one training step of ``face``."""
     model = build(config, dev)
     units = units or UNITS.get(config, r"layers\.\d+")
@@ -126,7 +126,10 @@ def system(face, config, dev, dtype, act_ckpt=False, units=None, min_unit_bytes=
             sp.fully_shard(model, mp_policy=mp, reshard_after_forward=strategy == 3)
         if offload:  # the host optimizer (clipping inside it: its host steps overlap the backward eagerly), its
             # learning rate a Python number the host step reads at every replay
-            opt = sp.offload_optimizer(model, lr=float(sched(start)), weight_decay=0.1, max_grad_norm=1.0)
+            # (without clipping, a replay's host step overlaps the graph's backward: [Note: the replay's host step
+            # overlaps], runtime/offload/steps.py)
+            opt = sp.offload_optimizer(model, lr=float(sched(start)), weight_decay=0.1,
+                                       max_grad_norm=1.0 if clip else None)
             count = [start]
 
             class lr_sched:  # noqa: N801
@@ -144,9 +147,10 @@ def system(face, config, dev, dtype, act_ckpt=False, units=None, min_unit_bytes=
             for i in range(x.shape[0]):  # micro-batches: gradients accumulate, synchronised on the last
                 last = i == x.shape[0] - 1
                 sync = sp.no_sync(model) if (not last and face == "shard") else _null()
-                with sync, (ctx() if ctx else _null()):
-                    loss = model(x[i], y[i]) / x.shape[0]
-                loss.backward()
+                with sync:  # (backward inside no_sync: it is the backward that skips the reduction)
+                    with (ctx() if ctx else _null()):
+                        loss = model(x[i], y[i]) / x.shape[0]
+                    loss.backward()
             if offload:
                 pass  # the offloading optimizer clips (max_grad_norm=1.0)
             elif face == "shard":
@@ -272,6 +276,8 @@ def parity(args, dev):
               dict(face="shard", dtype="fp32", micro=1, offload="optimizer", strategy=1, evals=True),
               dict(face="shard", dtype="bf16", micro=1, offload="optimizer", fraction=0.5, strategy=2),
               dict(face="shard", dtype="bf16", micro=1, offload="params"),
+              dict(face="shard", dtype="bf16", micro=2, offload="optimizer", clip=False),
+              dict(face="shard", dtype="bf16", micro=1, offload="params", clip=False, strategy=3),
               dict(face="shard", dtype="fp32", micro=1, offload="optimizer", resume=True)]
     if args.cases == "offload":
         cases = [c for c in cases if c.get("offload")]
@@ -287,7 +293,7 @@ def _parity_cases(args, dev, cases):
             batches = data(args.config, args.batch, args.seq, args.steps, dev, c["micro"])
             kw = dict(act_ckpt=c.get("act_ckpt", False), evals=c.get("evals", False), gather=c.get("gather"),
                       fp8=c.get("fp8", False), strategy=c.get("strategy", 3), offload=c.get("offload"),
-                      fraction=c.get("fraction", 1.0))
+                      fraction=c.get("fraction", 1.0), clip=c.get("clip", True))
             if c.get("nan"):  # a NaN put in a weight between replays: a later call raises naming it
                 step, after, params, model = system(c["face"], args.config, dev, c["dtype"], gather=c["gather"])
                 f = sp.capture(step)

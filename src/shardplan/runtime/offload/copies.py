@@ -36,9 +36,8 @@ class HostCopies:
                     torch._foreach_copy_(dsts, srcs, non_blocking=self.cuda)
                 hb.scales.clear()
                 hb.d2h = self._event(self.d2h_stream)
-                if self.cuda and CAP.capturing():  # [Note: the replay's host step overlaps] (offload/steps.py)
-                    hb.landed = torch.cuda.Event(external=True)
-                    hb.landed.record(self.d2h_stream)
+                if self.cuda and CAP.capturing() and self._overlapping():  # [Note: the replay's host step
+                    hb.landed = self._landed(hb.d2h)                          # overlaps] (offload/steps.py)
         if CAP.as_graph():  # (the captured step's opt.step() must use them: checked at the end of the call)
             self.graph_copies = True
 
@@ -135,6 +134,23 @@ class HostCopies:
             return contextlib.nullcontext()
         stream.wait_stream(torch.cuda.current_stream())
         return torch.cuda.stream(stream)
+
+    def _overlapping(self) -> bool:
+        """Whether a replay's host step may start before the segment ends: an optimizer that steps each buffer
+        as its gradient lands (overlap, no clipping: clipping needs the norm of every gradient first)."""
+        opt = self.optimizer_ref() if self.optimizer_ref is not None else None
+        return opt is not None and opt.overlap and opt.max_grad_norm is None
+
+    def _landed(self, copied):
+        """An external event (a graph node the host can wait on) a replay records once ``copied`` (the gradient
+        copy's event) is done: on a stream of its own, so that the copy stream's last captured node stays a
+        copy ([Note: the replay's host step overlaps])."""
+        if self.signal_stream is None:
+            self.signal_stream = torch.cuda.Stream(self.exe.device)
+        self.signal_stream.wait_event(copied)
+        ev = torch.cuda.Event(external=True)
+        ev.record(self.signal_stream)
+        return ev
 
     def _event(self, stream):
         if not self.cuda:

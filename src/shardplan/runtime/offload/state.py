@@ -24,6 +24,7 @@ class OffloadState(HostCopies, HostSteps):
         # one stream per direction: PCIe copies both ways at once
         self.d2h_stream = torch.cuda.Stream(exe.device) if self.cuda else None
         self.h2d_stream = torch.cuda.Stream(exe.device) if self.cuda else None
+        self.signal_stream = None  # captured steps: the replay's external events ([Note: the replay's host step overlaps])
         self.optimizer_ref = None         # weak reference to the OffloadAdamW stepping this model (it registers)
         self.worker: Optional[HostWorker] = None
         # the worker's priority of a unit's host step: its place in the forward ([Note: host step order])

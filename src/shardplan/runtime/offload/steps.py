@@ -247,6 +247,8 @@ class HostSteps:
         if self.cuda:
             join(self.d2h_stream)  # [Note: joining a side stream under capture], runtime/streams.py
             join(self.h2d_stream)
+            if self.signal_stream is not None:
+                join(self.signal_stream)
         for hb in self.hosts.values():
             hb.d2h = hb.h2d = None
 
