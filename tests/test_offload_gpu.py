@@ -30,6 +30,8 @@ host = model._shardplan.offload
 worst = 0.0
 for step in range(4):
     x = torch.randint(0, 131072, (4, 64), device=dev)
+    with torch.cuda.stream(host.d2h_stream):  # every gradient copy waits behind this: without the clipping's wait
+        torch.cuda._sleep(200_000_000)        # for the copies, each would read the gradients already scaled
     model(x, x).backward()
     sp.clip_grad_norm_(model, 1e-3)  # the coefficient far from 1: a gradient scaled twice is far off
     opt.step()
@@ -105,7 +107,9 @@ def test_a_replayed_offloaded_step_equals_the_eager_one_and_overlaps_its_host_st
 def test_clipping_waits_for_the_gradients_copies_to_the_host():
     """``sp.clip_grad_norm_`` scales the device gradients in place while their copies to the host may still run on
     the side copy stream: a copy that read them scaled, then scaled again by the host step, stepped with the
-    coefficient squared. The clipping waits for the copies: the host gradients equal the clipped device ones."""
+    coefficient squared. The clipping waits for the copies: the host gradients equal the clipped device ones.
+    (A sleep queued on the copy stream before each backward makes every copy run late: without the wait, the
+    race is certain, not left to the copies' timing.)"""
     p = subprocess.run([sys.executable, "-c", _CLIP], cwd=ROOT, capture_output=True, text=True, timeout=280,
                        env=dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONPATH=os.pathsep.join(
                            [os.path.join(ROOT, "src")] + [q for q in [os.environ.get("PYTHONPATH")] if q])))
