@@ -37,7 +37,7 @@ class HostCopies:
                 hb.scales.clear()
                 hb.d2h = self._event(self.d2h_stream)
                 if self.cuda and CAP.capturing() and self._overlapping():  # [Note: the replay's host step
-                    hb.landed = self._landed(hb.d2h)                          # overlaps] (offload/steps.py)
+                    hb.landed = self._landed(hb.d2h, hb.h2d if hb.params else None)  # overlaps] (offload/steps.py)
         if CAP.as_graph():  # (the captured step's opt.step() must use them: checked at the end of the call)
             self.graph_copies = True
 
@@ -141,13 +141,16 @@ class HostCopies:
         opt = self.optimizer_ref() if self.optimizer_ref is not None else None
         return opt is not None and opt.overlap and opt.max_grad_norm is None
 
-    def _landed(self, copied):
+    def _landed(self, copied, staged=None):
         """An external event (a graph node the host can wait on) a replay records once ``copied`` (the gradient
-        copy's event) is done: on a stream of its own, so that the copy stream's last captured node stays a
-        copy ([Note: the replay's host step overlaps])."""
+        copy's event) is done, and ``staged`` (a hosted parameter shard's last copy in, read from the master the
+        host step writes: the eager worker waits for it too); on a stream of its own, so that the copy stream's
+        last captured node stays a copy ([Note: the replay's host step overlaps])."""
         if self.signal_stream is None:
             self.signal_stream = torch.cuda.Stream(self.exe.device)
         self.signal_stream.wait_event(copied)
+        if staged is not None:
+            self.signal_stream.wait_event(staged)
         ev = torch.cuda.Event(external=True)
         ev.record(self.signal_stream)
         return ev

@@ -260,10 +260,13 @@ class HostSteps:
         # each buffer's gradient copy in it records an external event (``HostBuffer.landed``, recorded at the
         # capture with cudaEventRecordExternal: a graph node the host can wait on, unlike the capture's own
         # events). The host steps the buffers in gradient order as each one's copy lands, while the graph's
-        # backward goes on, as the eager step's worker does during backward ([Note: the overlapped step]). A
-        # buffer with clip coefficients waits for them (their copy to the host waits for the whole segment,
-        # which computes them after the backward), one with a gradient copied again at the segment's end
-        # waits for ``ready`` (the segment's end); so does everything without an event (the CPU).
+        # backward goes on, as the eager step's worker does during backward ([Note: the overlapped step]).
+        # The events are recorded only where that is the step: an optimizer that overlaps and does not clip
+        # (``_overlapping``). With clipping, in the optimizer or by hand, every host step needs the coefficient
+        # the segment computes after the backward: the host waits for ``ready`` (the segment's end); so does a
+        # buffer whose gradient was copied again at the segment's end, and everything on the CPU. (Recording
+        # the events in a clipping step also crashed torch 2.11's capture_end on an H100; not recording what
+        # nothing waits on sidesteps it.)
         for hb, active, fresh, scales, landed in work:
             if not active:
                 continue
