@@ -534,7 +534,7 @@ def main():
                 torch.cuda.reset_peak_memory_stats()
             try:
                 model, opt, ctx, info = make_system(s, args, dev, world)
-                if cuda and s == "shardplan_offload":  # its peak: training only (set-up builds the model unsharded)
+                if cuda and s.startswith("shardplan_offload"):  # its peak: training only (set-up builds the model unsharded)
                     torch.cuda.reset_peak_memory_stats()
                 if s == "shardplan":
                     eng = sp.runtime.engine_of(model)
