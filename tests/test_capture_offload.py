@@ -62,10 +62,11 @@ def _parity_worker(rank, world, cases):
                         evals.append(float(model(*data[6])))
             st = opt.state_dict()["state"]
             runs[mode] = (losses, evals, _state(model), {k: {n: v.clone() for n, v in s.items()} for k, s in st.items()},
-                          f.replays if mode == "captured" else None)
-        (le, ee, pe, se, _), (lc, ec, pc, sc, replays) = runs["eager"], runs["captured"]
+                          f.replays if mode == "captured" else None, opt.host_stats()["recopied"])
+        (le, ee, pe, se, _, _), (lc, ec, pc, sc, replays, recopied) = runs["eager"], runs["captured"]
         out.append(dict(losses=le == lc, evals=ee == ec, params=all(torch.equal(pe[n], pc[n]) for n in pe),
                         state=all(torch.equal(se[k][n], sc[k][n]) for k in se for n in se[k]), replays=replays,
+                        recopied=recopied,
                         moved=any(not torch.equal(pe[n], _state(_system(world, **case)[0])[n]) for n in pe)))
     return out
 
@@ -91,6 +92,8 @@ def test_an_offloaded_step_captured_equals_the_eager_one_bit_for_bit():
         for case, r in zip(CASES, rank_out):
             assert r["moved"] and r["replays"] == 3, (case, r)
             assert r["losses"] and r["evals"] and r["params"] and r["state"], (case, r)
+            # the graph copies again only gradients changed after their copy ([Note: versions of scaled gradients])
+            assert (r["recopied"] > 0) == case.get("rescale", False), (case, r)
 
 
 def test_offloading_plans_can_be_captured():

@@ -237,8 +237,9 @@ def _train_worker(rank, world, cases):
         base = _state(_trained(rank, world, strategy, None, **extra)[0])
         model, _, opt = _trained(rank, world, strategy, offload, fraction, **extra)
         got = _state(model)
+        st = opt.host_stats()
         out.append((max((base[n] - got[n]).abs().max().item() if base[n].numel() else 0.0 for n in base),
-                    opt.host_stats()["overlapped"]))
+                    st["overlapped"], st["recopied"]))
     return out
 
 
@@ -262,11 +263,14 @@ TRAIN_CASES = [(s, "optimizer", 1.0, {}) for s in range(4)] + [
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_training_with_offload_matches_training_without(world):
     for rank_out in run(_train_worker, world, TRAIN_CASES, timeout=280):
-        for case, (diff, overlapped) in zip(TRAIN_CASES, rank_out):
+        for case, (diff, overlapped, recopied) in zip(TRAIN_CASES, rank_out):
             assert diff <= 1e-6, (case, diff)
             extra = case[3]
             # the host steps ran during backward unless clipping or overlap=False kept them in opt.step()
             assert (overlapped > 0) == (extra.get("overlap", True) and not extra.get("clip")), (case, overlapped)
+            # [Note: versions of scaled gradients] clipping leaves the host copies current (they are scaled on
+            # the host); only gradients changed by hand after their copy are copied again
+            assert (recopied > 0) == bool(extra.get("rescale")), (case, recopied)
 
 
 # -- checkpoints: saved with offload, loaded without (and vice versa), across world sizes -------------

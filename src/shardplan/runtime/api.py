@@ -240,6 +240,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
     total = total.float()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     host = getattr(eng, "offload", None)
+    current = host.copies_current() if host is not None else set()  # the host copies the scaling leaves current
     if grads and host is not None and host.cuda:  # the gradients' copies to the host (a side stream) read them
         join(host.d2h_stream)  # first: scaled under them, the host step
         # would scale the scaled gradients again
@@ -247,7 +248,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
         with torch._C.DisableTorchFunctionSubclass():  # the gradients are norms.ShardGrad: plain here
             torch._foreach_mul_(grads, coef.to(grads[0].dtype))
     if host is not None:  # the host copies of the gradients are scaled alike
-        eng.offload.grads_scaled(coef.to(grads[0].dtype) if grads else coef)
+        eng.offload.grads_scaled(coef.to(grads[0].dtype) if grads else coef, current)
     return total
 
 

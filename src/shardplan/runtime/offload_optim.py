@@ -157,8 +157,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Seconds the host steps took (``host_step_s``; ``kernel_s`` of them in the AdamW kernels, the rest
         waiting for the gradient's copy to the host) and how many of them ``step()`` waited for
         (``exposed_s``; the rest overlapped backward: ``hidden_s``), summed since the start (or the last
-        reset); ``steps``: buffer steps, ``overlapped``: those that ran during backward; ``threads``: the
-        CPU threads torch's kernels use."""
+        reset); ``steps``: buffer steps, ``overlapped``: those that ran during backward; ``recopied``:
+        gradients copied to the host again at the step (changed after their copy, other than by clipping);
+        ``threads``: the CPU threads torch's kernels use."""
         self.synchronize()  # (the host steps still overlapping the next forward land first)
         st = dict(self._host.stats) if self._host is not None else dict(STATS)
         st["threads"] = torch.get_num_threads()

@@ -37,7 +37,7 @@ class HostCopies:
                 hb.scales.clear()
                 hb.d2h = self._event(self.d2h_stream)
                 if self.cuda and CAP.capturing() and self._overlapping():  # [Note: the replay's host step
-                    hb.landed = self._landed(hb.d2h, hb.h2d if hb.params else None)  # overlaps] (offload/steps.py)
+                    hb.landed.append(self._landed(hb.d2h, hb.h2d if hb.params else None))  # overlaps] (steps.py)
         if CAP.as_graph():  # (the captured step's opt.step() must use them: checked at the end of the call)
             self.graph_copies = True
 

@@ -18,7 +18,7 @@ from ..buffers import BufferState
 HYPER = ("lr", "betas", "eps", "weight_decay")  # what the host step reads from the optimizer's param group
 # opt.host_stats(): seconds of host steps (kernel_s of them in the AdamW kernels, the rest waiting for the
 # gradient's copy), seconds opt.step() waited for them, buffer steps, of which during backward
-STATS = dict(host_step_s=0.0, kernel_s=0.0, exposed_s=0.0, steps=0, overlapped=0)
+STATS = dict(host_step_s=0.0, kernel_s=0.0, exposed_s=0.0, steps=0, overlapped=0, recopied=0)
 
 
 def _slabs(buffers: list, device: torch.device) -> dict:
@@ -98,8 +98,8 @@ class HostBuffer:
     scales: list = field(default_factory=list)    # clip coefficients applied to the device grads since the copy
     d2h: Any = None                   # event: the gradient copy is done
     h2d: Any = None                   # event: the master's copy to the device is done
-    landed: Any = None                # captured step: an external event a replay records once the gradient copy is
-                                      # done (the host steps this buffer then: [Note: the replay's host step overlaps])
+    landed: list = field(default_factory=list)  # captured step: the external events a replay records once the
+    # gradient copy is done (the host steps this buffer after the last: [Note: the replay's host step overlaps])
     dirty: bool = False               # the master changed since it was last copied to the device
     inflight: Optional[InFlightStep] = None  # its host step, in the worker (or done, not yet landed)
     state: HostStep = HostStep.IDLE

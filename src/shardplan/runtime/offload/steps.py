@@ -133,15 +133,33 @@ class HostSteps:
         self.finish_step()
 
     # -- the host step in opt.step() ----------------------------------------------------------------------
-    def grads_scaled(self, coef: torch.Tensor) -> None:
+    def copies_current(self) -> set:
+        """The members whose host copy holds their device gradient as it is now: taken by ``sp.clip_grad_norm_``
+        just before it scales the gradients (:meth:`grads_scaled`)."""
+        out = set()
+        for hb in self.hosts.values():
+            for m in hb.trainable:
+                g = m.local.grad
+                if g is not None and hb.copied.get(m.index) == (id(g), g._version):
+                    out.add((hb.b.bp.index, m.index))
+        return out
+
+    def grads_scaled(self, coef: torch.Tensor, current: set) -> None:
         """``sp.clip_grad_norm_`` multiplied the device gradients by ``coef``: do the same to the copies (under
-        capture, the host step reads ``coef`` at each replay: [Note: offload under capture])."""
+        capture, the host step reads ``coef`` at each replay: [Note: offload under capture]). ``current``: the
+        members whose copy held their gradient just before (:meth:`copies_current`); a copy of one changed
+        before the clipping is stale and copied again at the step."""
+        # [Note: versions of scaled gradients] the clipping's in-place multiply moves a gradient's version by
+        # as many as the gradients that share its storage (views of one flat buffer share one version
+        # counter, and the foreach multiply bumps it once per view), not by one: the copies it leaves current
+        # are named before the multiply, not inferred from the version after it (they were all taken for
+        # changed, and copied again, synchronously, at every clipped step).
         c = coef.detach() if CAP.as_graph() else coef.detach().to("cpu")
         for hb in self.hosts.values():
             hb.scales.append(c)
-            for m in hb.trainable:  # the copy holds the gradient the clipping scaled (one version before it):
-                g = m.local.grad    # it still stands for it, scaled; one changed in between is copied again
-                if g is not None and hb.copied.get(m.index) == (id(g), g._version - 1):
+            for m in hb.trainable:
+                g = m.local.grad
+                if g is not None and (hb.b.bp.index, m.index) in current:
                     hb.copied[m.index] = (id(g), g._version)
 
     def host_step(self, hb: HostBuffer, group: dict, fused: Optional[bool]) -> None:
@@ -180,6 +198,7 @@ class HostSteps:
                     hb.d2h = None
                 if m.held:
                     hb.grad[m.shard].copy_(g.detach().reshape(-1))
+                    self.stats["recopied"] += 1
                 hb.copied[m.index] = (id(g), g._version)
                 # [Note: a fresh copy holds whatever scaling the device gradient has: no pending scale]
                 active.append((m, True))
@@ -209,7 +228,8 @@ class HostSteps:
     def after_graph(self) -> None:
         """After the capture: the copies' events it recorded belong to the graph (the host never waits on them)."""
         for hb in self.hosts.values():
-            hb.d2h = hb.h2d = hb.landed = None
+            hb.d2h = hb.h2d = None
+            hb.landed = []
 
     def graph_work(self, hosts: list[HostBuffer]) -> list:
         """``opt.step()`` under capture: per host buffer, the members that step, those whose gradient changed after
@@ -227,11 +247,14 @@ class HostSteps:
                 if hb.copied.get(m.index) != (id(g), g._version):  # changed after its copy (not by clipping)
                     if m.held:
                         hb.grad[m.shard].copy_(g.detach().reshape(-1), non_blocking=self.cuda)
+                        self.stats["recopied"] += 1  # (counted at the capture: the graph copies it every replay)
                     hb.copied[m.index] = (id(g), g._version)
                     fresh.add(m.index)
-            work.append((hb, active, fresh, list(hb.scales), None if fresh else hb.landed))
+            # (every external event the capture recorded stays with the host call, used or not: a graph's node
+            # must not outlive its event)
+            work.append((hb, active, fresh, list(hb.scales), hb.landed))
             hb.scales.clear()
-            hb.landed = None
+            hb.landed = []
         self.graph_copies = False
         return work
 
@@ -264,14 +287,15 @@ class HostSteps:
         # The events are recorded only where that is the step: an optimizer that overlaps and does not clip
         # (``_overlapping``). With clipping, in the optimizer or by hand, every host step needs the coefficient
         # the segment computes after the backward: the host waits for ``ready`` (the segment's end); so does a
-        # buffer whose gradient was copied again at the segment's end, and everything on the CPU. (Recording
-        # the events in a clipping step also crashed torch 2.11's capture_end on an H100; not recording what
-        # nothing waits on sidesteps it.)
+        # buffer whose gradient was copied again at the segment's end, and everything on the CPU. (Every event
+        # the capture recorded stays with the host call: in a clipping step, before [Note: versions of scaled
+        # gradients], each buffer counted as copied again and its event object was dropped during the capture,
+        # and torch 2.11's capture_end segfaulted on an H100; the likely cause, not proven on a GPU.)
         for hb, active, fresh, scales, landed in work:
             if not active:
                 continue
-            if landed is not None and not scales:
-                landed.synchronize()
+            if landed and not scales and not fresh:
+                landed[-1].synchronize()
             elif ready is not None:
                 ready.synchronize()
             hidden = ready is not None and not ready.query()  # the segment still runs: this step overlaps it
