@@ -441,8 +441,8 @@ def test_params_offload_keeps_no_device_shard_and_state_dict_names_the_fix():
 def test_params_offload_on_one_rank():
     """A shard group of one: the gather is a local copy on the compute stream, after the shard's copy in."""
     cases = [(3, "params", 1.0, {}), (3, "params", 0.5, dict(accum=True, clip=True))]
-    for diff, _ in run(_train_worker, 1, cases, timeout=100)[0]:
-        assert diff <= 1e-6
+    for diff, _, recopied in run(_train_worker, 1, cases, timeout=100)[0]:
+        assert diff <= 1e-6 and recopied == 0
 
 
 # -- the host step overlaps the next forward: no stale parameter, in forward order ------------------------

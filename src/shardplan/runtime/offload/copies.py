@@ -11,7 +11,7 @@ import torch
 
 from .. import capture as CAP
 from ..buffers import alloc_storage, free_storage
-from .host import HostBuffer
+from .host import HostBuffer, stamp
 
 
 class HostCopies:
@@ -31,7 +31,7 @@ class HostCopies:
                         srcs.append(src)
                         if self.cuda:  # [Note: keeping copies' tensors alive]: made on the compute stream
                             g.record_stream(self.d2h_stream)
-                    hb.copied[m.index] = None if g is None else (id(g), g._version)
+                    hb.copied[m.index] = stamp(g)
                 if dsts:
                     torch._foreach_copy_(dsts, srcs, non_blocking=self.cuda)
                 hb.scales.clear()

@@ -5,6 +5,7 @@ reads and the statistics ``opt.host_stats()`` gives."""
 from __future__ import annotations
 
 import enum
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -18,6 +19,17 @@ from ..buffers import BufferState
 HYPER = ("lr", "betas", "eps", "weight_decay")  # what the host step reads from the optimizer's param group
 # opt.host_stats(): seconds of host steps (kernel_s of them in the AdamW kernels, the rest waiting for the
 # gradient's copy), seconds opt.step() waited for them, buffer steps, of which during backward
+def stamp(g: Optional[torch.Tensor]):
+    """What a host copy of gradient ``g`` was taken from: the tensor itself (weakly) and its version then."""
+    return None if g is None else (weakref.ref(g), g._version)
+
+
+def holds(s, g: Optional[torch.Tensor]) -> bool:
+    """Whether a copy stamped ``s`` holds ``g`` as it is now: the same tensor (not one that reuses a freed
+    tensor's id: a gradient set by hand where backward's was) at the same version."""
+    return s is not None and g is not None and s[0]() is g and s[1] == g._version
+
+
 STATS = dict(host_step_s=0.0, kernel_s=0.0, exposed_s=0.0, steps=0, overlapped=0, recopied=0)
 
 
@@ -94,7 +106,7 @@ class HostBuffer:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     steps: dict = field(default_factory=dict)     # member index -> 0-dim float32 step count (torch's "step")
-    copied: dict = field(default_factory=dict)    # member index -> (id, version) of the device grad copied
+    copied: dict = field(default_factory=dict)    # member index -> stamp() of the device grad copied
     scales: list = field(default_factory=list)    # clip coefficients applied to the device grads since the copy
     d2h: Any = None                   # event: the gradient copy is done
     h2d: Any = None                   # event: the master's copy to the device is done

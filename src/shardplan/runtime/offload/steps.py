@@ -14,7 +14,7 @@ from .. import capture as CAP
 from ..host_worker import HostWorker
 from ..streams import join
 from . import kernels
-from .host import HostBuffer, HostStep, InFlightStep, _hyper, _snapshot
+from .host import HostBuffer, HostStep, InFlightStep, _hyper, _snapshot, holds, stamp
 
 
 class HostSteps:
@@ -99,7 +99,7 @@ class HostSteps:
                     f"shardplan.offload_optimizer(..., overlap=False)")
             for m in hb.trainable:
                 g = m.local.grad
-                if hb.copied.get(m.index) is not None and (g is None or hb.copied[m.index] != (id(g), g._version)):
+                if hb.copied.get(m.index) is not None and not holds(hb.copied[m.index], g):
                     raise RuntimeShardingError(
                         f"shardplan: the gradient of {m.name!r} changed after backward, but its host step already ran "
                         f"during backward with the gradient backward produced: to clip, pass max_grad_norm= to "
@@ -140,7 +140,7 @@ class HostSteps:
         for hb in self.hosts.values():
             for m in hb.trainable:
                 g = m.local.grad
-                if g is not None and hb.copied.get(m.index) == (id(g), g._version):
+                if holds(hb.copied.get(m.index), g):
                     out.add((hb.b.bp.index, m.index))
         return out
 
@@ -160,7 +160,7 @@ class HostSteps:
             for m in hb.trainable:
                 g = m.local.grad
                 if g is not None and (hb.b.bp.index, m.index) in current:
-                    hb.copied[m.index] = (id(g), g._version)
+                    hb.copied[m.index] = stamp(g)
 
     def host_step(self, hb: HostBuffer, group: dict, fused: Optional[bool]) -> None:
         """AdamW on ``hb``'s master shard, on the CPU, in ``opt.step()``; then its copy back to the device."""
@@ -192,14 +192,14 @@ class HostSteps:
             g = m.local.grad
             if g is None:  # no gradient this step: skipped, as torch's optimizers skip it
                 continue
-            if hb.copied.get(m.index) != (id(g), g._version):  # changed after its copy (or never copied): again
+            if not holds(hb.copied.get(m.index), g):  # changed after its copy (or never copied): again
                 if hb.d2h is not None:  # the pending copy into the host gradient lands first
                     hb.d2h.synchronize()
                     hb.d2h = None
                 if m.held:
                     hb.grad[m.shard].copy_(g.detach().reshape(-1))
                     self.stats["recopied"] += 1
-                hb.copied[m.index] = (id(g), g._version)
+                hb.copied[m.index] = stamp(g)
                 # [Note: a fresh copy holds whatever scaling the device gradient has: no pending scale]
                 active.append((m, True))
             else:
@@ -244,11 +244,11 @@ class HostSteps:
                 if g is None:
                     continue
                 active.append(m)
-                if hb.copied.get(m.index) != (id(g), g._version):  # changed after its copy (not by clipping)
+                if not holds(hb.copied.get(m.index), g):  # changed after its copy (not by clipping)
                     if m.held:
                         hb.grad[m.shard].copy_(g.detach().reshape(-1), non_blocking=self.cuda)
                         self.stats["recopied"] += 1  # (counted at the capture: the graph copies it every replay)
-                    hb.copied[m.index] = (id(g), g._version)
+                    hb.copied[m.index] = stamp(g)
                     fresh.add(m.index)
             # (every external event the capture recorded stays with the host call, used or not: a graph's node
             # must not outlive its event)
