@@ -406,12 +406,25 @@ def _overlap_refusal_worker(rank, world):
         out.append("ran")
     except sp.RuntimeShardingError as exc:
         out.append(str(exc))
+    model, opt = fresh()
+    model(*x[0]).backward()
+    name, p = [(n, p) for n, p in model.named_parameters() if p.grad is not None and p.grad.numel()][-1]
+    with torch.no_grad():
+        p.grad.mul_(0.5)                                                  # a gradient changed by hand after backward
+    try:
+        opt.step()
+        out.append(("ran", name))
+    except sp.RuntimeShardingError as exc:
+        out.append((str(exc), name))
     return out
 
 
 @pytest.mark.timeout(120)
 def test_the_overlapped_step_refuses_what_it_cannot_honour():
-    for clip, again, lr in run(_overlap_refusal_worker, 2, timeout=100):
+    for clip, again, lr, (changed, name) in run(_overlap_refusal_worker, 2, timeout=100):
+        # the message names the parameter, or the flat buffer's members that share its version counter
+        assert "changed after backward" in changed and "overlap=False" in changed, changed
+        assert repr(name) in changed or "..." in changed, (name, changed)
         assert "max_grad_norm=" in clip and "overlap=False" in clip, clip
         assert "opt.step() was not called" in again and "overlap=False" in again, again
         assert "hyper-parameters changed between backward and opt.step()" in lr and "scheduler.step()" in lr, lr

@@ -100,8 +100,14 @@ class HostSteps:
             for m in hb.trainable:
                 g = m.local.grad
                 if hb.copied.get(m.index) is not None and not holds(hb.copied[m.index], g):
+                    names = [x.name for x in hb.trainable]
+                    which = repr(m.name)
+                    if g is not None and hb.copied[m.index][0]() is g and len(names) > 1:  # only a version moved:
+                        # views of one flat buffer share it ([Note: versions of scaled gradients]), any may have
+                        which = (f"one of {', '.join(map(repr, names[:4]))}{', ...' if len(names) > 4 else ''} (views "
+                                 f"of one flat buffer, sharing one version counter)")
                     raise RuntimeShardingError(
-                        f"shardplan: the gradient of {m.name!r} changed after backward, but its host step already ran "
+                        f"shardplan: the gradient of {which} changed after backward, but its host step already ran "
                         f"during backward with the gradient backward produced: to clip, pass max_grad_norm= to "
                         f"shardplan.offload_optimizer (it clips before stepping); to change gradients by hand, build "
                         f"it with overlap=False")
