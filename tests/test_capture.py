@@ -273,6 +273,24 @@ def test_capture_arguments_are_checked():
         sp.capture(lambda: 0, backend="xla")
 
 
+def test_an_argument_neither_tensor_nor_hashable_is_refused_naming_it():
+    """[Note: non-tensor arguments] a graph keeps what its capture computed from a non-tensor argument; one that
+    cannot be compared by value (keyed by its id before) would replay its old values after a change in place."""
+    class Cfg:
+        __hash__ = None  # (mutable, compared by identity: what a graph cannot follow)
+        scale = 0.5
+
+    f = sp.capture(lambda x, cfg: x * cfg.scale, backend="eager", warmup=1)
+    for cfg in (Cfg(), bytearray(b"ab"), {1, 2}):
+        with pytest.raises(sp.CaptureError, match=r"args\[1\] is a .*neither a tensor nor hashable.*as a tensor"):
+            f(torch.ones(2), cfg)
+    assert not f.graphs  # refused before anything ran
+    g = sp.capture(lambda x, scale: x * scale, backend="eager", warmup=1)
+    for s in (0.5, 0.5, 0.5, 0.25):  # a hashable value: a new value is a new signature
+        assert torch.equal(g(torch.ones(2), s), torch.full((2,), s))
+    assert len(g.graphs) == 2
+
+
 def test_static_inputs_new_shapes_and_donation():
     seen = []
 

@@ -348,9 +348,12 @@ class CapturedStep:
     def __call__(self, *args, **kwargs):
         leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
         g = self._last
-        if g is not None and g.phase is Phase.CAPTURED and self._same_call(g, leaves, spec):
-            return self._replay(g, leaves)  # [Note: a replay's signature]
-        key = (spec, tuple(map(_leaf_key, leaves)))
+        try:
+            if g is not None and g.phase is Phase.CAPTURED and self._same_call(g, leaves, spec):
+                return self._replay(g, leaves)  # [Note: a replay's signature]
+            key = (spec, tuple(map(_leaf_key, leaves)))
+        except _Unhashable as exc:
+            raise CaptureError(_unhashable(exc.value, leaves, (args, kwargs))) from None
         g = self.graphs.get(key)
         if g is None:
             if self.graphs and self.on_new_shape == ERROR:
@@ -770,15 +773,35 @@ def _overwrite(out, new) -> None:
                 a.copy_(b)
 
 
+class _Unhashable(Exception):
+    def __init__(self, value):
+        super().__init__()
+        self.value = value
+
+
 def _leaf_key(x) -> tuple:
     """One argument leaf's part of a call's signature (a tuple, not the torch.Size: comparing keys is 1.7x faster)."""
     if isinstance(x, torch.Tensor):
         return ("T", tuple(x.shape), x.dtype, x.device, x.requires_grad)
     try:
         hash(x)
-        return ("V", type(x), x)
     except TypeError:
-        return ("id", id(x))
+        raise _Unhashable(x) from None
+    return ("V", type(x), x)
+
+
+def _unhashable(value, leaves: list, tree) -> str:
+    """[Note: non-tensor arguments] a graph replays what the capture's Python computed from a non-tensor argument
+    (a constant in its kernels' arguments); calls are told apart by such arguments compared with ``==``, as JAX's
+    static arguments are. One that is neither a tensor nor hashable (a NumPy array, a set, an object without a
+    hash) was keyed by its ``id()``: changed in place, or a new one at a freed one's address, it replayed the
+    old values, silently. Refused, naming it."""
+    paths = optree.tree_paths(tree, none_is_leaf=True)
+    where = next((_path(p) for p, leaf in zip(paths, leaves) if leaf is value), "an argument")
+    return (f"shardplan.capture: {where} is a {type(value).__name__}, neither a tensor nor hashable: a captured "
+            f"step's graph keeps what its capture computed from a non-tensor argument and tells calls apart by such "
+            f"arguments (compared with ==), so it would not see this one change. Pass it as a tensor (read at every "
+            f"replay) or as a hashable, immutable value (a new value is a new signature)")
 
 
 def _path(path: tuple) -> str:
