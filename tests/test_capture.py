@@ -502,6 +502,34 @@ def test_a_replay_refuses_a_tensor_hyper_parameter_replaced_since_the_capture():
     f(torch.ones(3))
     assert f.replays == replays + 1
 
+def test_a_replay_refuses_a_tuple_or_flag_hyper_parameter_changed_since_the_capture():
+    """[Note: hyper-parameters a graph bakes in] AdamW's betas reach its kernels as Python floats: a beta2
+    schedule that sets a new tuple (or a flag such as ``maximize`` flipped) left every replay with the capture's,
+    silently (only numbers and tensors were compared). Refused at the next replay, naming the key."""
+    w = nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([w], lr=0.1, betas=(0.9, 0.99), foreach=True)
+
+    def step(x):
+        (w * x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    f = sp.capture(step, backend="eager", warmup=1)
+    for _ in range(3):
+        f(torch.ones(3))
+    opt.param_groups[0]["betas"] = (0.9, 0.99)  # an equal tuple: the same graph
+    f(torch.ones(3))
+    for key, new, shown in (("betas", (0.9, 0.95), r"\(0\.9, 0\.99\) to \(0\.9, 0\.95\)"),
+                            ("maximize", True, "False to True")):
+        then = opt.param_groups[0][key]
+        opt.param_groups[0][key] = new
+        with pytest.raises(sp.CaptureError, match=rf"param_groups\[0\]\['{key}'\] changed from {shown}"):
+            f(torch.ones(3))
+        opt.param_groups[0][key] = then
+    f(torch.ones(3))  # back to the captured values: replays
+    assert f.replays == 3
+
+
 def test_capture_failure_message_names_the_right_cause():
     """A capture-rule violation (torch's "operation not permitted when stream is capturing") gets the host-read
     hint; another error of the step under capture (an attention backend unavailable in a graph) does not."""

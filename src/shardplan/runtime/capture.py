@@ -623,7 +623,8 @@ class CapturedStep:
     # [Note: Python numbers in a captured step] a hyper-parameter held as a Python number (lr=3e-4) is baked into
     # the graph when it is captured: a scheduler that changes it afterwards would be silently ignored by every
     # replay. The numbers of every optimizer the step used are recorded at the capture and compared before each
-    # replay (a few per param group); a tensor (lr=torch.tensor(3e-4, device="cuda")) is read by the graph in
+    # replay (a few per param group; tuples such as betas and flags such as maximize too: [Note: hyper-parameters
+    # a graph bakes in]); a tensor (lr=torch.tensor(3e-4, device="cuda")) is read by the graph in
     # place, so it is recorded as the tensor itself: one assigned in its place (group["lr"] = 0.05, as a manual
     # decay loop does) would leave every replay reading the old one, silently.
     # An optimizer that steps on the host between the graph's segments (an offloaded one: [Note: a step in
@@ -639,8 +640,7 @@ class CapturedStep:
             if hasattr(opt, "graph_constants"):
                 out.append((r, [opt.graph_constants()], "{name}.{k}", ""))
             else:
-                out.append((r, [{k: v for k, v in grp.items()
-                                 if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool)}
+                out.append((r, [{k: v for k, v in grp.items() if k != "params" and _hyper_value(v)}
                                 for grp in opt.param_groups], "{name}.param_groups[{i}][{k!r}]",
                             "Hold it as a tensor on the device ({k}=torch.tensor({v!r}, device='cuda'), and "
                             "capturable=True), which schedulers update in place, or call step.reset() to capture "
@@ -656,18 +656,23 @@ class CapturedStep:
             for i, (grp, then) in enumerate(zip(nows, groups)):
                 for k, v in then.items():
                     now = grp.get(k)
-                    if now is v or not (isinstance(v, torch.Tensor) or isinstance(now, torch.Tensor) or now != v):
+                    if _same_hyper(now, v):
                         continue
                     at = where.format(name=type(opt).__name__, i=i, k=k)
-                    if isinstance(v, torch.Tensor):
+                    if _has_tensor(v):
                         raise CaptureError(
                             f"shardplan.capture: {at} was replaced (by {now!r}) since the step was captured, but the "
                             f"graph reads the tensor it was captured with. Update that tensor in place "
                             f"({k}.fill_(new), as schedulers and sp.optim.as_lr_scheduler do), or call "
                             f"step.reset() to capture again")
+                    if isinstance(v, (tuple, list)):
+                        advice = ("Hold its numbers as tensors on the device ({k}=(torch.tensor(...), ...), where the "
+                                  "optimizer takes them) updated in place, or call step.reset() to capture again")
+                    elif isinstance(v, bool):
+                        advice = ""
                     raise CaptureError(  # (a tensor put where a number was captured too: the graph reads the number)
                         f"shardplan.capture: {at} changed from {v!r} to {now!r} since the step was captured, but as "
-                        f"a Python number it is baked into the graph. "
+                        f"a Python value it is baked into the graph. "
                         + (advice.format(k=k, v=v) or "Call step.reset() to capture again with the new value"))
 
     # [Note: gradient sync around a replay] the graph reduces the gradients as the capture did: a call made under
@@ -771,6 +776,29 @@ def _overwrite(out, new) -> None:
                                        f"where its capture returned {tuple(a.shape)} {a.dtype}: a graph's replay "
                                        f"returns the capture's outputs")
                 a.copy_(b)
+
+
+# [Note: hyper-parameters a graph bakes in] a torch optimizer's group values reach its kernels as Python numbers
+# (baked into the graph at the capture) or as tensors (read in place at every replay): numbers, flags and tuples
+# of them (``betas``: a beta2 schedule sets a new tuple; ``maximize``, ``amsgrad``) are recorded at the capture
+# and compared before every replay, tensors by identity (one replaced is not the one the graph reads).
+def _hyper_value(v) -> bool:
+    if isinstance(v, (tuple, list)):
+        return bool(v) and all(_hyper_value(x) for x in v)
+    return isinstance(v, (int, float, bool, torch.Tensor))
+
+
+def _has_tensor(v) -> bool:
+    return isinstance(v, torch.Tensor) or (isinstance(v, (tuple, list)) and any(map(_has_tensor, v)))
+
+
+def _same_hyper(now, then) -> bool:
+    if isinstance(then, torch.Tensor) or isinstance(now, torch.Tensor):
+        return now is then
+    if isinstance(then, (tuple, list)):
+        return (isinstance(now, (tuple, list)) and len(now) == len(then)
+                and all(map(_same_hyper, now, then)))
+    return bool(now == then)
 
 
 class _Unhashable(Exception):
