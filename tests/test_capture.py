@@ -219,6 +219,37 @@ def test_a_replay_under_no_sync_is_refused():
     for msg in run(_no_sync_replay_worker, 2, timeout=120):
         assert msg is not None and "under sp.no_sync(Toy)" in msg and "captured outside" in msg, msg
 
+def _mode_worker(rank, world):
+    model, step = _toy_sgd_step(world, strategy=3)
+    f = sp.capture(step, backend="eager")
+    data = batches(6, seed=rank + 1)
+    for x, y in data[:3]:  # two warm-up steps and the capture, in training mode
+        f(x, y)
+    model.eval()  # an evaluation between steps ...
+    with torch.no_grad():
+        model(*data[5])
+    out = []
+    try:  # ... and no model.train() after it
+        f(*data[3])
+        out.append(None)
+    except sp.CaptureError as exc:
+        out.append(str(exc))
+    model.train()
+    replays = f.replays
+    f(*data[4])
+    out.append(f.replays == replays + 1)
+    return out
+
+
+def test_a_replay_in_the_other_mode_is_refused():
+    """[Note: train and eval modes] a graph replays the mode it was captured in: a model left in eval mode after
+    an evaluation would have trained with dropout and batch-norm updates as in training mode, unlike the eager
+    step. Refused, naming the mode and model.train(); back in training mode, the graph replays."""
+    for msg, replayed in run(_mode_worker, 2, timeout=120):
+        assert msg is not None and "Toy is in eval mode" in msg and "model.train()" in msg, msg
+        assert replayed
+
+
 class _Skips(nn.Module):
     """The middle layer runs every other call: its parameters get no gradient in the others."""
 

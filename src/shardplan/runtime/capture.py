@@ -487,7 +487,7 @@ class CapturedStep:
             g.statics, g.static_args, g.out, g.phase = statics, (args, kwargs), out, Phase.CAPTURED
             g.hyper = self._hyper(g)
             self._note_shards(g)
-            g.left = [(r, r().stale, r().sync) for r in g.executors if r() is not None]
+            g.left = [(r, r().stale, r().sync, _mode(r())) for r in g.executors if r() is not None]
             self._stale_on_load(g)
             g.replays += 1
             return out
@@ -512,7 +512,7 @@ class CapturedStep:
         g.graph, g.pool, g.statics, g.out, g.phase = graph, pool, statics, out, Phase.CAPTURED
         g.hyper = self._hyper(g)
         self._note_shards(g)
-        g.left = [(r, r().stale, r().sync) for r in g.executors if r() is not None]
+        g.left = [(r, r().stale, r().sync, _mode(r())) for r in g.executors if r() is not None]
         self._stale_on_load(g)
         graph.replay()
         self._copy_checks(g)
@@ -588,7 +588,7 @@ class CapturedStep:
     # loads every leaf again.
     @staticmethod
     def _leave_as_captured(g: _Graph) -> None:
-        for r, stale, _ in g.left:
+        for r, stale, *_ in g.left:
             exe = r()
             if exe is None:
                 continue
@@ -680,8 +680,19 @@ class CapturedStep:
     # and step anyway, and one outside it after a capture inside would not reduce, silently. Refused.
     @staticmethod
     def _check_sync(g: _Graph) -> None:
-        for r, _, sync in g.left:
+        for r, _, sync, training in g.left:
             exe = r()
+            if exe is not None and training is not None and _mode(exe) != training:
+                # [Note: train and eval modes] a graph replays the mode it was captured in (dropout, batch-norm
+                # statistics); a model left in the other (model.eval() for an evaluation, then no model.train())
+                # would train differently from the eager step, silently. (A step that sets the mode itself runs no
+                # Python at a replay: set it before the call.)
+                name = type(exe.root()).__name__
+                raise CaptureError(
+                    f"shardplan.capture: {name} is in {'training' if _mode(exe) else 'eval'} mode, the step was "
+                    f"captured in {'training' if training else 'eval'} mode, which every replay runs. Call "
+                    f"model.{'train' if training else 'eval'}() before the step (after an evaluation), or capture a "
+                    f"step for the other mode apart (sp.capture(eval_step))")
             if exe is not None and exe.sync != sync:
                 name = type(exe.root()).__name__ if exe.root() is not None else "the model"
                 raise CaptureError(
@@ -799,6 +810,12 @@ def _same_hyper(now, then) -> bool:
         return (isinstance(now, (tuple, list)) and len(now) == len(then)
                 and all(map(_same_hyper, now, then)))
     return bool(now == then)
+
+
+def _mode(exe):
+    """The training flag of the module an executor runs (``None``: no module, the functional face)."""
+    root = exe.root()
+    return None if root is None else root.training
 
 
 class _Unhashable(Exception):
