@@ -322,6 +322,35 @@ def test_an_argument_neither_tensor_nor_hashable_is_refused_naming_it():
     assert len(g.graphs) == 2
 
 
+def test_a_call_in_another_grad_or_autocast_context_is_refused():
+    """[Note: the state around a call] a replay runs the step as captured: under torch.no_grad() it would still
+    run its backward and optimizer step (eagerly, backward raises), under an autocast entered around the call it
+    would compute in the capture's dtypes. Refused, naming the context; the captured one replays."""
+    w = nn.Parameter(torch.ones(4, 4))
+    opt = torch.optim.SGD([w], lr=0.1)
+
+    def step(x):
+        loss = (x @ w).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    f = sp.capture(step, backend="eager", warmup=1)
+    for _ in range(3):
+        f(torch.ones(2, 4))
+    for ctx, says in ((torch.no_grad, r"gradients disabled \(torch.no_grad\(\)\) around this call"),
+                      (lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+                       r"autocast\('cpu', dtype=torch.bfloat16\) around this call, no cpu autocast around the capture")):
+        before = w.detach().clone()
+        with pytest.raises(sp.CaptureError, match=says):
+            with ctx():
+                f(torch.ones(2, 4))
+        assert torch.equal(w, before)  # refused before anything ran
+    f(torch.ones(2, 4))
+    assert f.replays == 2
+
+
 def test_static_inputs_new_shapes_and_donation():
     seen = []
 

@@ -278,6 +278,7 @@ class _Graph:
     grads_at_start: list = field(default_factory=list)
     checks: list = field(default_factory=list)       # (buffer, kind, device index) written by every replay
     checked: Any = None                              # (pinned host indices, event) of the last replay's checks
+    ambient: Any = None                              # grad mode and autocast around the capture's call (_ambient)
     hyper: list = field(default_factory=list)        # (optimizer ref, Python-number hyper-parameters per group)
     ops: Optional[dict] = None                       # executor id -> the schedule ops the last call ran
     held: list = field(default_factory=list)         # what the graph reads in place: tensor inputs and local
@@ -485,7 +486,7 @@ class CapturedStep:
             self._host_boundary(g, before=True)
             out = self._run(g, args, kwargs, capturing=True)
             g.statics, g.static_args, g.out, g.phase = statics, (args, kwargs), out, Phase.CAPTURED
-            g.hyper = self._hyper(g)
+            g.hyper, g.ambient = self._hyper(g), _ambient()
             self._note_shards(g)
             g.left = [(r, r().stale, r().sync, _mode(r())) for r in g.executors if r() is not None]
             self._stale_on_load(g)
@@ -510,7 +511,7 @@ class CapturedStep:
         finally:
             self._host_boundary(g, before=False)
         g.graph, g.pool, g.statics, g.out, g.phase = graph, pool, statics, out, Phase.CAPTURED
-        g.hyper = self._hyper(g)
+        g.hyper, g.ambient = self._hyper(g), _ambient()
         self._note_shards(g)
         g.left = [(r, r().stale, r().sync, _mode(r())) for r in g.executors if r() is not None]
         self._stale_on_load(g)
@@ -552,6 +553,8 @@ class CapturedStep:
         self._check_grads_before_replay(g)
         self._check_hyper(g)
         self._check_sync(g)
+        if g.ambient is not None and _ambient() != g.ambient:
+            raise CaptureError(_ambient_changed(g.ambient, _ambient()))
         with torch.no_grad():
             for x, s in zip(leaves, g.statics):
                 if isinstance(x, torch.Tensor) and x is not s:
@@ -810,6 +813,33 @@ def _same_hyper(now, then) -> bool:
         return (isinstance(now, (tuple, list)) and len(now) == len(then)
                 and all(map(_same_hyper, now, then)))
     return bool(now == then)
+
+
+# [Note: the state around a call] what a caller's context sets for the step's torch calls is baked into the
+# graph as the capture saw it: gradient mode (a replay under torch.no_grad() still runs its backward and
+# optimizer step; eagerly, backward would raise) and autocast entered around the call (a replay computes in the
+# capture's dtypes, eagerly the step would follow the new context). Recorded at the capture, compared before
+# each replay; a call in another context is refused.
+_AUTOCAST = ("cuda", "cpu")
+
+
+def _ambient() -> tuple:
+    return (torch.is_grad_enabled(),) + tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                                               for d in _AUTOCAST)
+
+
+def _ambient_changed(then: tuple, now: tuple) -> str:
+    parts = []
+    if then[0] != now[0]:
+        parts.append(f"gradients {'enabled' if now[0] else 'disabled (torch.no_grad())'} around this call, "
+                     f"{'enabled' if then[0] else 'disabled'} around the capture")
+    for d, (te, td), (ne, nd) in zip(_AUTOCAST, then[1:], now[1:]):
+        if (te, te and td) != (ne, ne and nd):
+            what = lambda e, t: f"autocast({d!r}, dtype={t})" if e else f"no {d} autocast"  # noqa: E731
+            parts.append(f"{what(ne, nd)} around this call, {what(te, td)} around the capture")
+    return (f"shardplan.capture: {'; '.join(parts)}: a replay runs the step as it was captured in its context. "
+            f"Call it in the same context, enter autocast (or no_grad) inside the step function, or capture a step "
+            f"for the other context apart")
 
 
 def _mode(exe):
