@@ -552,6 +552,7 @@ class CapturedStep:
         self._check_addresses(g)
         self._check_grads_before_replay(g)
         self._check_hyper(g)
+        self._check_mode(g)
         self._check_sync(g)
         if g.ambient is not None and _ambient() != g.ambient:
             raise CaptureError(_ambient_changed(g.ambient, _ambient()))
@@ -678,12 +679,9 @@ class CapturedStep:
                         f"a Python value it is baked into the graph. "
                         + (advice.format(k=k, v=v) or "Call step.reset() to capture again with the new value"))
 
-    # [Note: gradient sync around a replay] the graph reduces the gradients as the capture did: a call made under
-    # sp.no_sync (or the drop-in's set_requires_gradient_sync(False)) after a capture outside it would reduce
-    # and step anyway, and one outside it after a capture inside would not reduce, silently. Refused.
     @staticmethod
-    def _check_sync(g: _Graph) -> None:
-        for r, _, sync, training in g.left:
+    def _check_mode(g: _Graph) -> None:
+        for r, _, _, training in g.left:
             exe = r()
             if exe is not None and training is not None and _mode(exe) != training:
                 # [Note: train and eval modes] a graph replays the mode it was captured in (dropout, batch-norm
@@ -696,6 +694,14 @@ class CapturedStep:
                     f"captured in {'training' if training else 'eval'} mode, which every replay runs. Call "
                     f"model.{'train' if training else 'eval'}() before the step (after an evaluation), or capture a "
                     f"step for the other mode apart (sp.capture(eval_step))")
+
+    # [Note: gradient sync around a replay] the graph reduces the gradients as the capture did: a call made under
+    # sp.no_sync (or the drop-in's set_requires_gradient_sync(False)) after a capture outside it would reduce
+    # and step anyway, and one outside it after a capture inside would not reduce, silently. Refused.
+    @staticmethod
+    def _check_sync(g: _Graph) -> None:
+        for r, _, sync, _ in g.left:
+            exe = r()
             if exe is not None and exe.sync != sync:
                 name = type(exe.root()).__name__ if exe.root() is not None else "the model"
                 raise CaptureError(
