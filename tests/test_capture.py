@@ -349,6 +349,13 @@ def test_a_call_in_another_grad_or_autocast_context_is_refused():
         assert torch.equal(w, before)  # refused before anything ran
     f(torch.ones(2, 4))
     assert f.replays == 2
+    was = torch.get_autocast_dtype("cpu")
+    torch.set_autocast_dtype("cpu", torch.float16)  # a disabled autocast's default dtype: not another context
+    try:
+        f(torch.ones(2, 4))
+    finally:
+        torch.set_autocast_dtype("cpu", was)
+    assert f.replays == 3
 
 
 def test_static_inputs_new_shapes_and_donation():

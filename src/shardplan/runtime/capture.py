@@ -830,8 +830,9 @@ _AUTOCAST = ("cuda", "cpu")
 
 
 def _ambient() -> tuple:
-    return (torch.is_grad_enabled(),) + tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
-                                               for d in _AUTOCAST)
+    # (an autocast's dtype only where it is on: a disabled one's default dtype changes nothing the step runs)
+    return (torch.is_grad_enabled(),) + tuple((e, torch.get_autocast_dtype(d) if e else None)
+                                               for d in _AUTOCAST for e in (torch.is_autocast_enabled(d),))
 
 
 def _ambient_changed(then: tuple, now: tuple) -> str:
@@ -840,7 +841,7 @@ def _ambient_changed(then: tuple, now: tuple) -> str:
         parts.append(f"gradients {'enabled' if now[0] else 'disabled (torch.no_grad())'} around this call, "
                      f"{'enabled' if then[0] else 'disabled'} around the capture")
     for d, (te, td), (ne, nd) in zip(_AUTOCAST, then[1:], now[1:]):
-        if (te, te and td) != (ne, ne and nd):
+        if (te, td) != (ne, nd):
             what = lambda e, t: f"autocast({d!r}, dtype={t})" if e else f"no {d} autocast"  # noqa: E731
             parts.append(f"{what(ne, nd)} around this call, {what(te, td)} around the capture")
     return (f"shardplan.capture: {'; '.join(parts)}: a replay runs the step as it was captured in its context. "
