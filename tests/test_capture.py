@@ -250,6 +250,69 @@ def test_a_replay_in_the_other_mode_is_refused():
         assert replayed
 
 
+def _trained_worker(rank, world):
+    model, step = _toy_sgd_step(world, strategy=3)
+    f = sp.capture(step, backend="eager")
+    data = batches(8, seed=rank + 1)
+    for x, y in data[:3]:  # two warm-up steps and the capture
+        f(x, y)
+    name, p = next((n, q) for n, q in model.named_parameters() if q.requires_grad)
+    out = []
+    for flip in (False, True):  # frozen after the capture; then back as captured (replays)
+        p.requires_grad_(flip)
+        try:
+            f(*data[3 + flip])
+            out.append(None)
+        except sp.CaptureError as exc:
+            out.append(str(exc))
+    replays = f.replays
+    f(*data[5])
+    out.append(f.replays == replays + 1)
+    return name, out
+
+
+def test_a_replay_refuses_a_parameter_frozen_or_unfrozen_since_the_capture():
+    """[Note: what a step trains] a graph replays the gradients and updates its capture recorded: a parameter
+    frozen afterwards would still be trained by every replay (the eager step leaves it). Refused naming the
+    parameter; unfrozen again, the graph replays."""
+    for name, (frozen, back, replayed) in run(_trained_worker, 2, timeout=120):
+        assert frozen is not None and "requires_grad=False" in frozen and "step.reset()" in frozen, frozen
+        assert name.split(".")[-1] in frozen, (name, frozen)
+        assert back is None and replayed
+
+
+def test_a_replay_refuses_a_param_group_added_since_the_capture():
+    """[Note: what a step trains] a param group added after the capture (progressive unfreezing) would never be
+    stepped by a replay; and a parameter unfrozen after it would get no gradient. Both refused."""
+    w, v = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3), requires_grad=False)
+    opt = torch.optim.SGD([w], lr=0.1)
+
+    def step(x):
+        (w * x).sum().backward() if not v.requires_grad else ((w + v) * x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    f = sp.capture(step, backend="eager", warmup=1)
+    for _ in range(3):
+        f(torch.ones(3))
+    opt.add_param_group({"params": [v]})
+    with pytest.raises(sp.CaptureError, match=r"SGD's param groups changed.*1 groups of \[1\].*2 of \[1, 1\]"):
+        f(torch.ones(3))
+    opt.param_groups.pop()
+    w.requires_grad_(False)
+    with pytest.raises(sp.CaptureError, match=r"SGD.param_groups\[0\]\['params'\]\[0\] has requires_grad=False"):
+        f(torch.ones(3))
+    w.requires_grad_(True)
+    f(torch.ones(3))
+    assert f.replays == 2  # (one before the changes, one after)
+    f.reset()  # captured again with the group: steps it
+    opt.add_param_group({"params": [v]})
+    v.requires_grad_(True)
+    for _ in range(3):
+        f(torch.ones(3))
+    assert not torch.equal(v.detach(), torch.ones(3))
+
+
 class _Skips(nn.Module):
     """The middle layer runs every other call: its parameters get no gradient in the others."""
 

@@ -47,6 +47,7 @@ from .seams import replaced_local
 RECAPTURE, ERROR = "recapture", "error"
 _GRAD = operator.attrgetter("grad")
 _PTR = torch.Tensor.data_ptr
+_RG = operator.attrgetter("requires_grad")
 BACKENDS = ("cuda_graph", "eager")
 
 
@@ -280,6 +281,7 @@ class _Graph:
     checked: Any = None                              # (pinned host indices, event) of the last replay's checks
     ambient: Any = None                              # grad mode and autocast around the capture's call (_ambient)
     hyper: list = field(default_factory=list)        # (optimizer ref, Python-number hyper-parameters per group)
+    trained: Any = None                              # (names, parameters, requires_grad flags, param groups): _trained
     ops: Optional[dict] = None                       # executor id -> the schedule ops the last call ran
     held: list = field(default_factory=list)         # what the graph reads in place: tensor inputs and local
     addresses: list = field(default_factory=list)    # parameters, their addresses at the capture, and the inputs'
@@ -487,6 +489,7 @@ class CapturedStep:
             out = self._run(g, args, kwargs, capturing=True)
             g.statics, g.static_args, g.out, g.phase = statics, (args, kwargs), out, Phase.CAPTURED
             g.hyper, g.ambient = self._hyper(g), _ambient()
+            g.trained = self._trained(g)
             self._note_shards(g)
             g.left = [(r, r().stale, r().sync, _mode(r())) for r in g.executors if r() is not None]
             self._stale_on_load(g)
@@ -512,6 +515,7 @@ class CapturedStep:
             self._host_boundary(g, before=False)
         g.graph, g.pool, g.statics, g.out, g.phase = graph, pool, statics, out, Phase.CAPTURED
         g.hyper, g.ambient = self._hyper(g), _ambient()
+        g.trained = self._trained(g)
         self._note_shards(g)
         g.left = [(r, r().stale, r().sync, _mode(r())) for r in g.executors if r() is not None]
         self._stale_on_load(g)
@@ -552,6 +556,7 @@ class CapturedStep:
         self._check_addresses(g)
         self._check_grads_before_replay(g)
         self._check_hyper(g)
+        self._check_trained(g)
         self._check_mode(g)
         self._check_sync(g)
         if g.ambient is not None and _ambient() != g.ambient:
@@ -678,6 +683,57 @@ class CapturedStep:
                         f"shardplan.capture: {at} changed from {v!r} to {now!r} since the step was captured, but as "
                         f"a Python value it is baked into the graph. "
                         + (advice.format(k=k, v=v) or "Call step.reset() to capture again with the new value"))
+
+    # [Note: what a step trains] a graph replays the gradients and the optimizer updates its capture recorded: a
+    # parameter frozen afterwards (``p.requires_grad_(False)``) would still be trained by every replay, one
+    # unfrozen not at all, and a param group added to the optimizer (progressive unfreezing) never stepped,
+    # where the eager step would do each. The parameters' ``requires_grad`` (the local ones and every one an
+    # optimizer steps) and the optimizers' param groups are recorded at the capture and compared before each
+    # replay; a change is refused naming the parameter.
+    def _trained(self, g: _Graph) -> tuple:
+        names, params, seen = [], [], set()
+        for r in g.executors:
+            exe = r()
+            if exe is not None and getattr(exe.face, "owns_locals", False):
+                for name, p in exe.local_params().items():
+                    names.append(name); params.append(p); seen.add(id(p))  # noqa: E702
+        groups = []
+        for r in g.optimizers:
+            opt = r()
+            if opt is None:
+                continue
+            groups.append((r, list(opt.param_groups), [len(grp["params"]) for grp in opt.param_groups]))
+            for i, grp in enumerate(opt.param_groups):
+                for j, p in enumerate(grp["params"]):
+                    if id(p) not in seen:
+                        names.append(f"{type(opt).__name__}.param_groups[{i}]['params'][{j}]")
+                        params.append(p); seen.add(id(p))  # noqa: E702
+        return names, params, list(map(_RG, params)), groups
+
+    @staticmethod
+    def _check_trained(g: _Graph) -> None:
+        if g.trained is None:
+            return
+        names, params, flags, groups = g.trained
+        if list(map(_RG, params)) != flags:
+            name, now = next((n, p.requires_grad) for n, p, f in zip(names, params, flags) if p.requires_grad != f)
+            raise CaptureError(
+                f"shardplan.capture: {name} has requires_grad={now} and had {not now} when the step was captured: "
+                f"every replay {'trains' if not now else 'leaves'} it as the capture did. Freeze or unfreeze "
+                f"parameters before the capture, or call step.reset() to capture again after changing them")
+        for r, then, lens in groups:
+            opt = r()
+            if opt is None:
+                continue
+            now = opt.param_groups
+            if len(now) != len(then) or any(a is not b for a, b in zip(now, then)) \
+                    or [len(grp["params"]) for grp in now] != lens:
+                raise CaptureError(
+                    f"shardplan.capture: {type(opt).__name__}'s param groups changed since the step was captured "
+                    f"({len(then)} groups of {lens} parameters then, {len(now)} of "
+                    f"{[len(grp['params']) for grp in now]} now): every replay steps the parameters it was captured "
+                    f"with. Call step.reset() to capture again after add_param_group or a change of a group's "
+                    f"parameters")
 
     @staticmethod
     def _check_mode(g: _Graph) -> None:
