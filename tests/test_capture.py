@@ -177,6 +177,9 @@ def _replaced_worker(rank, world, kind):
     with torch.no_grad():
         if kind == "data":
             p.data = p.data.clone()  # the shard the graph reads is no longer the parameter's
+        elif kind == "buffer":
+            name = "Toy.scale"
+            model.scale = torch.tensor(0.25)  # a buffer assigned anew: the graph reads the old one
         else:
             model.zero_grad()
             p.grad = torch.zeros_like(p)  # a replay would assign where the eager step adds
@@ -187,12 +190,16 @@ def _replaced_worker(rank, world, kind):
     return name, None
 
 
-@pytest.mark.parametrize("kind", ["data", "grad"])
+@pytest.mark.parametrize("kind", ["data", "grad", "buffer"])
 def test_a_replay_refuses_a_replaced_parameter_and_a_gradient_left_between_calls(kind):
+    """A replay reads parameters and buffers in place: one replaced (``p.data = ...``, ``model.scale = new``) would
+    be read in its old memory, silently; a gradient left would be assigned where the eager step adds."""
     for name, msg in run(_replaced_worker, 2, kind, timeout=120):
         assert msg is not None, kind
         if kind == "data":
             assert repr(name) in msg and "p.copy_(new)" in msg and "capture again" in msg
+        elif kind == "buffer":
+            assert f"buffer {name} was replaced" in msg and "scale.copy_(new)" in msg, msg
         else:
             assert "did not have when the step was captured" in msg
 
@@ -238,16 +245,25 @@ def _mode_worker(rank, world):
     replays = f.replays
     f(*data[4])
     out.append(f.replays == replays + 1)
+    name, sub = [(n, m) for n, m in model.named_modules() if n][-1]
+    sub.eval()  # one submodule switched (a frozen batch norm's way): the root's flag is unchanged
+    try:
+        f(*data[5])
+        out.append(None)
+    except sp.CaptureError as exc:
+        out.append((name, str(exc)))
     return out
 
 
 def test_a_replay_in_the_other_mode_is_refused():
     """[Note: train and eval modes] a graph replays the mode it was captured in: a model left in eval mode after
     an evaluation would have trained with dropout and batch-norm updates as in training mode, unlike the eager
-    step. Refused, naming the mode and model.train(); back in training mode, the graph replays."""
-    for msg, replayed in run(_mode_worker, 2, timeout=120):
+    step. Refused, naming the mode and model.train(); back in training mode, the graph replays. One submodule
+    switched alone (the root's flag unchanged) is refused too, naming it."""
+    for msg, replayed, sub in run(_mode_worker, 2, timeout=120):
         assert msg is not None and "Toy is in eval mode" in msg and "model.train()" in msg, msg
         assert replayed
+        assert sub is not None and f"Toy.{sub[0]} is in eval mode" in sub[1] and "step.reset()" in sub[1], sub
 
 
 def _trained_worker(rank, world):

@@ -48,6 +48,7 @@ RECAPTURE, ERROR = "recapture", "error"
 _GRAD = operator.attrgetter("grad")
 _PTR = torch.Tensor.data_ptr
 _RG = operator.attrgetter("requires_grad")
+_TRAINING = operator.attrgetter("training")
 BACKENDS = ("cuda_graph", "eager")
 
 
@@ -286,7 +287,8 @@ class _Graph:
     held: list = field(default_factory=list)         # what the graph reads in place: tensor inputs and local
     addresses: list = field(default_factory=list)    # parameters, their addresses at the capture, and the inputs'
     paths: list = field(default_factory=list)        # paths in the arguments (None: a parameter)
-    left: list = field(default_factory=list)         # (executor ref, stale, sync) as the capture left each executor
+    buffers: list = field(default_factory=list)      # (name, module, attribute, tensor, address): the models' buffers
+    left: list = field(default_factory=list)         # (executor ref, stale, sync, modes) as the capture left each one
 
 
 class CapturedStep:
@@ -737,19 +739,31 @@ class CapturedStep:
 
     @staticmethod
     def _check_mode(g: _Graph) -> None:
-        for r, _, _, training in g.left:
+        for r, _, _, mode in g.left:
             exe = r()
-            if exe is not None and training is not None and _mode(exe) != training:
-                # [Note: train and eval modes] a graph replays the mode it was captured in (dropout, batch-norm
-                # statistics); a model left in the other (model.eval() for an evaluation, then no model.train())
-                # would train differently from the eager step, silently. (A step that sets the mode itself runs no
-                # Python at a replay: set it before the call.)
-                name = type(exe.root()).__name__
+            if exe is None or mode is None:
+                continue
+            names, modules, flags = mode
+            if list(map(_TRAINING, modules)) == flags:
+                continue
+            # [Note: train and eval modes] a graph replays the mode it was captured in (dropout, batch-norm
+            # statistics), every module's: a model left in the other (model.eval() for an evaluation, then no
+            # model.train()), or one submodule switched (a batch norm frozen with .eval()), would train
+            # differently from the eager step, silently. (A step that sets the mode itself runs no Python at a
+            # replay: set it before the call.) One flag read per module.
+            name, training = next((n, f) for n, m, f in zip(names, modules, flags) if m.training != f)
+            now = "eval" if training else "training"
+            root = type(exe.root()).__name__
+            if not name:
                 raise CaptureError(
-                    f"shardplan.capture: {name} is in {'training' if _mode(exe) else 'eval'} mode, the step was "
-                    f"captured in {'training' if training else 'eval'} mode, which every replay runs. Call "
+                    f"shardplan.capture: {root} is in {now} mode, the step was captured in "
+                    f"{'training' if training else 'eval'} mode, which every replay runs. Call "
                     f"model.{'train' if training else 'eval'}() before the step (after an evaluation), or capture a "
                     f"step for the other mode apart (sp.capture(eval_step))")
+            raise CaptureError(
+                f"shardplan.capture: {root}.{name} is in {now} mode, it was in {'training' if training else 'eval'} "
+                f"mode when the step was captured, which every replay runs. Set the modules' modes before the "
+                f"capture, or call step.reset() to capture again after changing them")
 
     # [Note: gradient sync around a replay] the graph reduces the gradients as the capture did: a call made under
     # sp.no_sync (or the drop-in's set_requires_gradient_sync(False)) after a capture outside it would reduce
@@ -773,13 +787,26 @@ class CapturedStep:
     # old values. On a mismatch the error names the input, or the parameter (the eager step's buffer walk,
     # runtime/seams.py)
     def _note_shards(self, g: _Graph) -> None:
-        """Add the local parameters (known once the capture ran) to what the graph reads in place."""
+        """Add the local parameters (known once the capture ran) to what the graph reads in place, and the
+        models' buffers (compared as the module's attribute: one assigned anew is a new tensor)."""
         params = [t for t in map(plain, self._local_params(g)) if t.numel()]
         g.held += params
         g.paths += [None] * len(params)
         g.addresses += list(map(_PTR, params))
+        roots = {id(m): m for m in (r().root() for r in g.executors if r() is not None) if m is not None}
+        g.buffers = [(f"{type(root).__name__}.{name}", mod, attr, t, t.data_ptr())
+                     for root in roots.values() for name, mod in root.named_modules()
+                     for attr, t in mod._buffers.items() if t is not None
+                     for name in (f"{name}.{attr}" if name else attr,)]
 
     def _check_addresses(self, g: _Graph) -> None:
+        for name, mod, attr, t, ptr in g.buffers:
+            now = mod._buffers.get(attr)
+            if now is not t or t.data_ptr() != ptr:
+                raise CaptureError(f"shardplan.capture: the buffer {name} was {'removed' if now is None else 'replaced'}"
+                                   f" since the step was captured: the replay reads the one it was captured with, in "
+                                   f"place. Change buffers' values in place ({attr}.copy_(new)), or call step.reset() "
+                                   f"to capture again")
         if list(map(_PTR, g.held)) == g.addresses:
             return
         path = next(p for t, a, p in zip(g.held, g.addresses, g.paths) if t.data_ptr() != a)
@@ -906,9 +933,13 @@ def _ambient_changed(then: tuple, now: tuple) -> str:
 
 
 def _mode(exe):
-    """The training flag of the module an executor runs (``None``: no module, the functional face)."""
+    """The training flags of the modules an executor runs, with their names (``None``: no module, the
+    functional face)."""
     root = exe.root()
-    return None if root is None else root.training
+    if root is None:
+        return None
+    names, modules = zip(*root.named_modules())
+    return list(names), list(modules), list(map(_TRAINING, modules))
 
 
 class _Unhashable(Exception):
