@@ -630,6 +630,31 @@ def test_host_worker_runs_the_ready_job_the_forward_needs_first():
     w.shutdown()
 
 
+def _deleted_worker(rank, world):
+    import gc
+    import threading
+    import weakref
+    model, _, opt = _trained(rank, world, 3, "optimizer")
+    shards = [weakref.ref(p) for p in model.parameters()]
+    worker = model._shardplan.offload.worker
+    assert worker is not None and worker._thread.is_alive()  # (the overlapped step ran on it)
+    thread = worker._thread
+    del model, opt, worker
+    gc.collect()
+    thread.join(timeout=10)
+    return sum(r() is not None for r in shards), thread.is_alive(), \
+        [t.name for t in threading.enumerate() if t.name == "shardplan-host-step"]
+
+
+def test_a_deleted_offloaded_model_frees_its_tensors_and_its_host_thread():
+    """[Note: the worker's thread holds no worker] (runtime/host_worker.py): the host-step thread kept the worker
+    (its target a bound method) and its last job (a local), whose arguments reach the executor and every device
+    tensor of the model: a model and optimizer deleted kept their memory, and each new one added a thread
+    (benchmarks measured 0.8 GiB of a deleted 124M model in the next system's peak)."""
+    for alive, thread_alive, threads in run(_deleted_worker, 2, timeout=120):
+        assert alive == 0 and not thread_alive and threads == [], (alive, thread_alive, threads)
+
+
 def test_forecast_and_print_state_the_host_step_bound():
     from examples import gpt
     with torch.device("meta"):

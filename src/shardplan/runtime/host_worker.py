@@ -14,12 +14,12 @@ needs last. When no job is ready it waits for the oldest one's copy (the copies 
 one stream). The order changes nothing in the math: each job steps its own buffer's tensors.
 
 One thread: torch's CPU AdamW kernels use the intra-op pool themselves and release the GIL. The thread is a
-daemon; an ``atexit`` hook lets it finish the job it runs (never a half-written master at interpreter exit).
+daemon; a finalizer, run at exit and when the worker is collected, lets it finish the jobs queued (never a
+half-written master at interpreter exit) and stops it.
 """
 
 from __future__ import annotations
 
-import atexit
 import threading
 import weakref
 from concurrent.futures import Future
@@ -40,61 +40,85 @@ class Job:
         return self.ready is None or self.ready.query()
 
 
+class _Queue:
+    """What the worker's thread shares with its :class:`HostWorker`: the jobs and the lock (not the worker
+    itself: [Note: the worker's thread holds no worker])."""
+
+    def __init__(self):
+        self.cv = threading.Condition()
+        self.jobs: list[Job] = []
+        self.stop = False
+
+    def next(self) -> Job:
+        ready = [j for j in self.jobs if j.is_ready()]
+        pick = min(ready, key=lambda j: (j.priority, j.seq)) if ready else min(self.jobs, key=lambda j: j.seq)
+        self.jobs.remove(pick)
+        return pick
+
+
+def _run(q: _Queue) -> None:
+    # [Note: the worker's thread holds no worker] a job's arguments are the offloaded buffers, and through
+    # them the executor with every device tensor of the model. The thread waits for the next job for as long
+    # as the process lives; had it run a bound method of the worker, or kept its last job in a local, a model
+    # and its optimizer deleted (a sweep building one after another) would keep their device memory and this
+    # thread for good. The thread holds only the queue and no job between jobs; the worker's collection stops
+    # it (``weakref.finalize`` in :meth:`HostWorker.submit`).
+    while True:
+        with q.cv:
+            while not q.jobs and not q.stop:
+                q.cv.wait()
+            if not q.jobs:
+                return
+            job = q.next()
+        if job.future.set_running_or_notify_cancel():
+            try:
+                job.future.set_result(job.fn(*job.args))
+            except BaseException as exc:  # noqa: BLE001 - re-raised where the future's result is read
+                job.future.set_exception(exc)
+        job = None  # (nothing of it held while waiting for the next)
+
+
+def _shutdown(q: _Queue, t: threading.Thread) -> None:
+    with q.cv:
+        q.stop = True
+        q.cv.notify()
+    if t is not threading.current_thread():
+        t.join()
+
+
 class HostWorker:
     """One thread running submitted jobs, the smallest priority among the ready ones first ([Note: host step
     order])."""
 
     def __init__(self, name: str = "shardplan-host-step"):
-        self._cv = threading.Condition()
-        self._jobs: list[Job] = []
+        self._q = _Queue()
         self._seq = 0
-        self._stop = False
         self._name = name
         self._thread: Optional[threading.Thread] = None
 
     def submit(self, priority: int, fn: Callable, args: tuple = (), ready=None) -> Future:
         fut: Future = Future()
-        with self._cv:
+        q = self._q
+        with q.cv:
             self._seq += 1
-            self._jobs.append(Job(priority, self._seq, fn, args, fut, ready))
+            q.jobs.append(Job(priority, self._seq, fn, args, fut, ready))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
-                ref = weakref.ref(self)
-                atexit.register(lambda: ref() is not None and ref().shutdown())
-            self._cv.notify()
+                self._thread = t = threading.Thread(target=_run, args=(q,), name=self._name, daemon=True)
+                t.start()
+                # run what is queued, then stop: at the worker's collection, and at exit (never a half-written
+                # master at interpreter exit)
+                weakref.finalize(self, _shutdown, q, t).atexit = True
+            q.cv.notify()
         return fut
 
     def pending(self) -> int:
-        with self._cv:
-            return len(self._jobs)
+        with self._q.cv:
+            return len(self._q.jobs)
 
     def shutdown(self) -> None:
         """Run what is queued, then stop the thread (idempotent)."""
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-            t = self._thread
-        if t is not None and t is not threading.current_thread():
-            t.join()
-
-    def _next(self) -> Job:
-        ready = [j for j in self._jobs if j.is_ready()]
-        pick = min(ready, key=lambda j: (j.priority, j.seq)) if ready else min(self._jobs, key=lambda j: j.seq)
-        self._jobs.remove(pick)
-        return pick
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._jobs and not self._stop:
-                    self._cv.wait()
-                if not self._jobs:
-                    return
-                job = self._next()
-            if not job.future.set_running_or_notify_cancel():
-                continue
-            try:
-                job.future.set_result(job.fn(*job.args))
-            except BaseException as exc:  # noqa: BLE001 - re-raised where the future's result is read
-                job.future.set_exception(exc)
+        if self._thread is None:
+            with self._q.cv:
+                self._q.stop = True
+            return
+        _shutdown(self._q, self._thread)
