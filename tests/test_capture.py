@@ -168,11 +168,7 @@ def test_a_capture_that_runs_other_ops_than_the_warm_up_is_refused():
 
 
 def _replaced_worker(rank, world, kind):
-    model, step = _toy_sgd_step(world)
-    f = sp.capture(step, backend="eager")
-    data = batches(4, seed=rank + 1)
-    for x, y in data[:3]:  # two warm-up steps and the capture
-        f(x, y)
+    model, f, data = _captured_toy(rank, world, 4)  # two warm-up steps and the capture
     name, p = next((n, p) for n, p in model.named_parameters() if n.startswith("blocks.1"))
     with torch.no_grad():
         if kind == "data":
@@ -206,11 +202,7 @@ def test_a_replay_refuses_a_replaced_parameter_and_a_gradient_left_between_calls
 
 
 def _no_sync_replay_worker(rank, world):
-    model, step = _toy_sgd_step(world, strategy=2)
-    f = sp.capture(step, backend="eager")
-    data = batches(4, seed=rank + 1)
-    for x, y in data[:3]:  # two warm-up steps and the capture
-        f(x, y)
+    model, f, data = _captured_toy(rank, world, 4, strategy=2)  # two warm-up steps and the capture
     try:
         with sp.no_sync(model):  # accumulation around the call: the graph would reduce and step anyway
             f(*data[3])
@@ -227,11 +219,7 @@ def test_a_replay_under_no_sync_is_refused():
         assert msg is not None and "under sp.no_sync(Toy)" in msg and "captured outside" in msg, msg
 
 def _mode_worker(rank, world):
-    model, step = _toy_sgd_step(world, strategy=3)
-    f = sp.capture(step, backend="eager")
-    data = batches(6, seed=rank + 1)
-    for x, y in data[:3]:  # two warm-up steps and the capture, in training mode
-        f(x, y)
+    model, f, data = _captured_toy(rank, world, 6, strategy=3)  # two warm-up steps and the capture, in training mode
     model.eval()  # an evaluation between steps ...
     with torch.no_grad():
         model(*data[5])
@@ -267,11 +255,7 @@ def test_a_replay_in_the_other_mode_is_refused():
 
 
 def _trained_worker(rank, world):
-    model, step = _toy_sgd_step(world, strategy=3)
-    f = sp.capture(step, backend="eager")
-    data = batches(8, seed=rank + 1)
-    for x, y in data[:3]:  # two warm-up steps and the capture
-        f(x, y)
+    model, f, data = _captured_toy(rank, world, 8, strategy=3)  # two warm-up steps and the capture
     name, p = next((n, q) for n, q in model.named_parameters() if q.requires_grad)
     out = []
     for flip in (False, True):  # frozen after the capture; then back as captured (replays)
@@ -768,6 +752,17 @@ def _train_step(model, opt):
         opt.zero_grad()
         return loss.detach()
     return step
+
+
+def _captured_toy(rank, world, n, **plan_kw):
+    """A sharded Toy's SGD step captured with the eager backend (two warm-up calls and the capture made, on the
+    first three of ``n`` batches): the model, the captured step and the batches."""
+    model, step = _toy_sgd_step(world, **plan_kw)
+    f = sp.capture(step, backend="eager")
+    data = batches(n, seed=rank + 1)
+    for x, y in data[:3]:
+        f(x, y)
+    return model, f, data
 
 
 def _toy_sgd_step(world, **plan_kw):
