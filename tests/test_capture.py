@@ -176,6 +176,9 @@ def _replaced_worker(rank, world, kind):
         elif kind == "buffer":
             name = "Toy.scale"
             model.scale = torch.tensor(0.25)  # a buffer assigned anew: the graph reads the old one
+        elif kind == "module":
+            name = "Toy.blocks.0.ln"
+            model.blocks[0].ln = nn.LayerNorm(13)  # a module replaced: the graph runs the old one
         else:
             model.zero_grad()
             p.grad = torch.zeros_like(p)  # a replay would assign where the eager step adds
@@ -186,16 +189,19 @@ def _replaced_worker(rank, world, kind):
     return name, None
 
 
-@pytest.mark.parametrize("kind", ["data", "grad", "buffer"])
+@pytest.mark.parametrize("kind", ["data", "grad", "buffer", "module"])
 def test_a_replay_refuses_a_replaced_parameter_and_a_gradient_left_between_calls(kind):
-    """A replay reads parameters and buffers in place: one replaced (``p.data = ...``, ``model.scale = new``) would
-    be read in its old memory, silently; a gradient left would be assigned where the eager step adds."""
+    """A replay reads parameters and buffers in place and runs the modules it was captured with: one replaced
+    (``p.data = ...``, ``model.scale = new``, ``block.ln = nn.LayerNorm(...)``) would be read or run in its old
+    form, silently; a gradient left would be assigned where the eager step adds."""
     for name, msg in run(_replaced_worker, 2, kind, timeout=120):
         assert msg is not None, kind
         if kind == "data":
             assert repr(name) in msg and "p.copy_(new)" in msg and "capture again" in msg
         elif kind == "buffer":
             assert f"buffer {name} was replaced" in msg and "scale.copy_(new)" in msg, msg
+        elif kind == "module":
+            assert f"{name} is another module" in msg and "step.reset()" in msg, msg
         else:
             assert "did not have when the step was captured" in msg
 
@@ -254,6 +260,36 @@ def test_a_replay_in_the_other_mode_is_refused():
         assert sub is not None and f"Toy.{sub[0]} is in eval mode" in sub[1] and "step.reset()" in sub[1], sub
 
 
+class _Assigning(Toy):
+    """Its forward assigns its buffer anew (out of place), as a running statistic kept without in-place ops."""
+
+    def forward(self, idx, y):
+        self.scale = self.scale * 1.0
+        return super().forward(idx, y)
+
+
+def _assigning_worker(rank, world):
+    model = _Assigning()
+    sp.shard(model, sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=[r"blocks\.\d+"], min_unit_bytes=0))
+    f = sp.capture(_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1)), backend="eager")
+    data = batches(3, seed=rank + 1)
+    f(*data[0])
+    f(*data[1])  # two warm-up calls: eager, as the step is
+    try:
+        f(*data[2])  # the capture
+    except sp.CaptureError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_step_that_assigns_a_buffer_anew_is_refused_at_the_capture():
+    """A buffer the step itself replaces (``self.scale = self.scale * 1.0``) would be read by every replay where the
+    capture found it (a tensor the module no longer holds: freed memory under a CUDA graph), not the one the step
+    made. Refused at the capture, naming the buffer and the in-place fix."""
+    for msg in run(_assigning_worker, 2, timeout=120):
+        assert msg is not None and "assigns the buffer _Assigning.scale anew" in msg and "scale.copy_(new)" in msg, msg
+
+
 def _trained_worker(rank, world):
     model, f, data = _captured_toy(rank, world, 8, strategy=3)  # two warm-up steps and the capture
     name, p = next((n, q) for n, q in model.named_parameters() if q.requires_grad)
@@ -299,6 +335,11 @@ def test_a_replay_refuses_a_param_group_added_since_the_capture():
     with pytest.raises(sp.CaptureError, match=r"SGD's param groups changed.*1 groups of \[1\].*2 of \[1, 1\]"):
         f(torch.ones(3))
     opt.param_groups.pop()
+    params, swapped = opt.param_groups[0]["params"], nn.Parameter(torch.ones(3))
+    params[0] = swapped  # the same count, another parameter: the replay would step the old one
+    with pytest.raises(sp.CaptureError, match=r"a parameter of a group replaced by another"):
+        f(torch.ones(3))
+    params[0] = w
     w.requires_grad_(False)
     with pytest.raises(sp.CaptureError, match=r"SGD.param_groups\[0\]\['params'\]\[0\] has requires_grad=False"):
         f(torch.ones(3))

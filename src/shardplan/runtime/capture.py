@@ -288,7 +288,7 @@ class _Graph:
     addresses: list = field(default_factory=list)    # parameters, their addresses at the capture, and the inputs'
     paths: list = field(default_factory=list)        # paths in the arguments (None: a parameter)
     buffers: list = field(default_factory=list)      # (name, module, attribute, tensor, address): the models' buffers
-    left: list = field(default_factory=list)         # (executor ref, stale, sync, modes) as the capture left each one
+    left: list = field(default_factory=list)         # (executor ref, stale, sync, _mode) as the capture left each
 
 
 class CapturedStep:
@@ -486,9 +486,11 @@ class CapturedStep:
         g.addresses = list(map(_PTR, g.held))
         self._last = g
         self._check_fresh_grads(g)
+        before = _buffers(g)
         if self.backend == "eager":
             self._host_boundary(g, before=True)
             out = self._run(g, args, kwargs, capturing=True)
+            _check_buffers_kept(before)
             g.statics, g.static_args, g.out, g.phase = statics, (args, kwargs), out, Phase.CAPTURED
             g.hyper, g.ambient = self._hyper(g), _ambient()
             g.trained = self._trained(g)
@@ -515,6 +517,7 @@ class CapturedStep:
             raise CaptureError(_capture_failed(exc)) from exc
         finally:
             self._host_boundary(g, before=False)
+        _check_buffers_kept(before)
         g.graph, g.pool, g.statics, g.out, g.phase = graph, pool, statics, out, Phase.CAPTURED
         g.hyper, g.ambient = self._hyper(g), _ambient()
         g.trained = self._trained(g)
@@ -704,7 +707,7 @@ class CapturedStep:
             opt = r()
             if opt is None:
                 continue
-            groups.append((r, list(opt.param_groups), [len(grp["params"]) for grp in opt.param_groups]))
+            groups.append((r, list(opt.param_groups), [list(grp["params"]) for grp in opt.param_groups]))
             for i, grp in enumerate(opt.param_groups):
                 for j, p in enumerate(grp["params"]):
                     if id(p) not in seen:
@@ -723,19 +726,22 @@ class CapturedStep:
                 f"shardplan.capture: {name} has requires_grad={now} and had {not now} when the step was captured: "
                 f"every replay {'trains' if not now else 'leaves'} it as the capture did. Freeze or unfreeze "
                 f"parameters before the capture, or call step.reset() to capture again after changing them")
-        for r, then, lens in groups:
+        for r, then, params in groups:
             opt = r()
             if opt is None:
                 continue
             now = opt.param_groups
-            if len(now) != len(then) or any(a is not b for a, b in zip(now, then)) \
-                    or [len(grp["params"]) for grp in now] != lens:
-                raise CaptureError(
-                    f"shardplan.capture: {type(opt).__name__}'s param groups changed since the step was captured "
-                    f"({len(then)} groups of {lens} parameters then, {len(now)} of "
-                    f"{[len(grp['params']) for grp in now]} now): every replay steps the parameters it was captured "
-                    f"with. Call step.reset() to capture again after add_param_group or a change of a group's "
-                    f"parameters")
+            if len(now) == len(then) and all(map(operator.is_, now, then)) and all(
+                    len(grp["params"]) == len(ps) and all(map(operator.is_, grp["params"], ps))
+                    for grp, ps in zip(now, params)):
+                continue
+            lens, nows = [len(ps) for ps in params], [len(grp["params"]) for grp in now]
+            what = (f"{len(then)} groups of {lens} parameters then, {len(now)} of {nows} now" if lens != nows
+                    else "a parameter of a group replaced by another")
+            raise CaptureError(
+                f"shardplan.capture: {type(opt).__name__}'s param groups changed since the step was captured "
+                f"({what}): every replay steps the parameters it was captured with. Call step.reset() to capture "
+                f"again after add_param_group or a change of a group's parameters")
 
     @staticmethod
     def _check_mode(g: _Graph) -> None:
@@ -743,7 +749,14 @@ class CapturedStep:
             exe = r()
             if exe is None or mode is None:
                 continue
-            names, modules, flags = mode
+            names, modules, flags, (paths, dicts, attrs, kids) = mode
+            root = type(exe.root()).__name__
+            if not all(map(operator.is_, map(dict.get, dicts, attrs), kids)):  # (one dict read per module)
+                path = next(p for p, d, a, c in zip(paths, dicts, attrs, kids) if d.get(a) is not c)
+                raise CaptureError(
+                    f"shardplan.capture: {root}.{path} is another module than when the step was captured (it was "
+                    f"replaced, or removed): every replay runs the one it was captured with. Call step.reset() to "
+                    f"capture again after replacing modules")
             if list(map(_TRAINING, modules)) == flags:
                 continue
             # [Note: train and eval modes] a graph replays the mode it was captured in (dropout, batch-norm
@@ -753,7 +766,6 @@ class CapturedStep:
             # replay: set it before the call.) One flag read per module.
             name, training = next((n, f) for n, m, f in zip(names, modules, flags) if m.training != f)
             now = "eval" if training else "training"
-            root = type(exe.root()).__name__
             if not name:
                 raise CaptureError(
                     f"shardplan.capture: {root} is in {now} mode, the step was captured in "
@@ -762,8 +774,8 @@ class CapturedStep:
                     f"step for the other mode apart (sp.capture(eval_step))")
             raise CaptureError(
                 f"shardplan.capture: {root}.{name} is in {now} mode, it was in {'training' if training else 'eval'} "
-                f"mode when the step was captured, which every replay runs. Set the modules' modes before the "
-                f"capture, or call step.reset() to capture again after changing them")
+                f"mode when the step was captured, which every replay runs. Set it back ({root}.{name}."
+                f"{'train' if training else 'eval'}()), or call step.reset() to capture again in the new modes")
 
     # [Note: gradient sync around a replay] the graph reduces the gradients as the capture did: a call made under
     # sp.no_sync (or the drop-in's set_requires_gradient_sync(False)) after a capture outside it would reduce
@@ -793,20 +805,16 @@ class CapturedStep:
         g.held += params
         g.paths += [None] * len(params)
         g.addresses += list(map(_PTR, params))
-        roots = {id(m): m for m in (r().root() for r in g.executors if r() is not None) if m is not None}
-        g.buffers = [(f"{type(root).__name__}.{name}", mod, attr, t, t.data_ptr())
-                     for root in roots.values() for name, mod in root.named_modules()
-                     for attr, t in mod._buffers.items() if t is not None
-                     for name in (f"{name}.{attr}" if name else attr,)]
+        g.buffers = [(name, mod, attr, t, t.data_ptr()) for name, mod, attr, t in _buffers(g)]
 
     def _check_addresses(self, g: _Graph) -> None:
         for name, mod, attr, t, ptr in g.buffers:
             now = mod._buffers.get(attr)
             if now is not t or t.data_ptr() != ptr:
-                raise CaptureError(f"shardplan.capture: the buffer {name} was {'removed' if now is None else 'replaced'}"
-                                   f" since the step was captured: the replay reads the one it was captured with, in "
-                                   f"place. Change buffers' values in place ({attr}.copy_(new)), or call step.reset() "
-                                   f"to capture again")
+                how = "removed" if now is None else "replaced"
+                raise CaptureError(f"shardplan.capture: the buffer {name} was {how} since the step was captured: the "
+                                   f"replay reads the one it was captured with, in place. Change buffers' values in "
+                                   f"place ({attr}.copy_(new)), or call step.reset() to capture again")
         if list(map(_PTR, g.held)) == g.addresses:
             return
         path = next(p for t, a, p in zip(g.held, g.addresses, g.paths) if t.data_ptr() != a)
@@ -932,6 +940,26 @@ def _ambient_changed(then: tuple, now: tuple) -> str:
             f"for the other context apart")
 
 
+def _buffers(g: _Graph) -> list:
+    """(name, module, attribute, tensor) of every buffer of the modules the step's executors run."""
+    roots = {id(m): m for m in (r().root() for r in g.executors if r() is not None) if m is not None}
+    return [(f"{type(root).__name__}.{name}", mod, attr, t)
+            for root in roots.values() for name, mod in root.named_modules()
+            for attr, t in mod._buffers.items() if t is not None
+            for name in (f"{name}.{attr}" if name else attr,)]
+
+
+def _check_buffers_kept(before: list) -> None:
+    """At the capture: a buffer the step itself assigns anew (``self.x = self.x * 2`` in a forward) would be read by
+    every replay where the capture found it (memory the module no longer holds), not the one the step made."""
+    for name, mod, attr, t in before:
+        if mod._buffers.get(attr) is not t:
+            raise CaptureError(f"shardplan.capture: the step assigns the buffer {name} anew (a module attribute set to "
+                               f"a new tensor): a replay would read the tensor the capture started from, not the one "
+                               f"the step made. Update it in place ({attr}.copy_(new), {attr}.mul_(...)), or keep it "
+                               f"out of the captured step")
+
+
 def _mode(exe):
     """The training flags of the modules an executor runs, with their names (``None``: no module, the
     functional face)."""
@@ -939,7 +967,9 @@ def _mode(exe):
     if root is None:
         return None
     names, modules = zip(*root.named_modules())
-    return list(names), list(modules), list(map(_TRAINING, modules))
+    children = [(f"{prefix}.{n}" if prefix else n, m._modules, n, c)
+                for prefix, m in zip(names, modules) for n, c in m._modules.items()]
+    return list(names), list(modules), list(map(_TRAINING, modules)), tuple(map(list, zip(*children))) or ([],) * 4
 
 
 class _Unhashable(Exception):
