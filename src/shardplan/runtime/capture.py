@@ -750,9 +750,9 @@ class CapturedStep:
             if exe is None or mode is None:
                 continue
             names, modules, flags, (paths, dicts, attrs, kids) = mode
-            root = type(exe.root()).__name__
             if not all(map(operator.is_, map(dict.get, dicts, attrs), kids)):  # (one dict read per module)
                 path = next(p for p, d, a, c in zip(paths, dicts, attrs, kids) if d.get(a) is not c)
+                root = type(exe.root()).__name__
                 raise CaptureError(
                     f"shardplan.capture: {root}.{path} is another module than when the step was captured (it was "
                     f"replaced, or removed): every replay runs the one it was captured with. Call step.reset() to "
@@ -766,6 +766,7 @@ class CapturedStep:
             # replay: set it before the call.) One flag read per module.
             name, training = next((n, f) for n, m, f in zip(names, modules, flags) if m.training != f)
             now = "eval" if training else "training"
+            root = type(exe.root()).__name__
             if not name:
                 raise CaptureError(
                     f"shardplan.capture: {root} is in {now} mode, the step was captured in "

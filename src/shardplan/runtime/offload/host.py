@@ -17,8 +17,8 @@ from ...plan.offload import slab_layout
 from ..buffers import BufferState
 
 HYPER = ("lr", "betas", "eps", "weight_decay")  # what the host step reads from the optimizer's param group
-# opt.host_stats(): seconds of host steps (kernel_s of them in the AdamW kernels, the rest waiting for the
-# gradient's copy), seconds opt.step() waited for them, buffer steps, of which during backward
+
+
 def stamp(g: Optional[torch.Tensor]):
     """What a host copy of gradient ``g`` was taken from: the tensor itself (weakly) and its version then."""
     return None if g is None else (weakref.ref(g), g._version)
@@ -30,6 +30,8 @@ def holds(s, g: Optional[torch.Tensor]) -> bool:
     return s is not None and g is not None and s[0]() is g and s[1] == g._version
 
 
+# opt.host_stats(): seconds of host steps (kernel_s of them in the AdamW kernels, the rest waiting for the
+# gradient's copy), seconds opt.step() waited for them, buffer steps, of which during backward
 STATS = dict(host_step_s=0.0, kernel_s=0.0, exposed_s=0.0, steps=0, overlapped=0, recopied=0)
 
 
