@@ -428,14 +428,61 @@ def _hf_refuse(module, what: str, fix: str):
     return RuntimeShardingError(f"Hugging Face attention {HF_ATTENTION!r} in {type(module).__name__} {what}; {fix}")
 
 
+def _layer_window(module, kwargs) -> Optional[int]:
+    """The sliding window this attention module's layer uses (``None``: full causal attention), as the model's
+    own mask would apply it: the ``sliding_window=`` argument where the model passes one (Mistral, Qwen2,
+    Gemma2/3), else the module's ``sliding_window`` attribute (Qwen2-MoE sets it on its sliding layers and
+    passes the window through the mask only), else ``config.layer_types`` at the module's ``layer_idx``.
+
+    [Note: a window passed through the mask only] transformers builds no mask for an attention name it does
+    not know, so a model that windows a layer through its mask alone would attend fully here, silently. A
+    config with a window that none of the above places on this layer (PhiMoE masks every layer with
+    ``config.sliding_window`` and says so nowhere else; other models keep a window in the config unused) is
+    refused, naming the fix, rather than guessed.]"""
+    window = kwargs.get("sliding_window")
+    if window is not None:
+        return int(window)
+    window = getattr(module, "sliding_window", None)
+    if window:
+        return int(window)
+    cfg = getattr(module, "config", None)
+    types, idx = getattr(cfg, "layer_types", None), getattr(module, "layer_idx", None)
+    if types is not None and isinstance(idx, int) and 0 <= idx < len(types):
+        if types[idx] == "sliding_attention":
+            return int(cfg.sliding_window)
+        if types[idx] != "full_attention":
+            raise _hf_refuse(module, f"is a {types[idx]!r} layer (config.layer_types[{idx}])",
+                             "it runs full or sliding-window causal attention only; use attn_implementation='sdpa' "
+                             "without the cp axis")
+        return None
+    if hasattr(module, "sliding_window") or not getattr(cfg, "sliding_window", None):
+        return None  # (the module says it attends fully, or there is no window)
+    raise _hf_refuse(module, f"cannot tell whether its layer uses config.sliding_window={cfg.sliding_window} (the "
+                             f"model passes no sliding_window= argument, the module has no sliding_window attribute "
+                             f"and the config no layer_types)",
+                     "set the window each attention module uses as its sliding_window attribute (None for full "
+                     "attention), e.g. `for layer in model.model.layers: layer.self_attn.sliding_window = "
+                     "config.sliding_window` where the model masks every layer with it")
+
+
+def _window_mask(t: int, window: int, device) -> torch.Tensor:
+    """transformers' sliding-window causal mask over ``t`` positions (masking_utils: key kept where
+    ``kv_idx <= q_idx`` and ``kv_idx > q_idx - sliding_window``), ``[1, 1, t, t]``."""
+    q = torch.arange(t, device=device)[:, None]
+    k = torch.arange(t, device=device)[None, :]
+    return ((k <= q) & (k > q - window))[None, None]
+
+
 def _hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
                   **kwargs):
     """The ``AttentionInterface`` function registered as ``"shardplan_cp"`` (:func:`hf_attention`)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    for key_name in ("sliding_window", "softcap", "s_aux", "sinks", "position_bias"):
+    for key_name in ("softcap", "s_aux", "sinks", "position_bias"):
         if kwargs.get(key_name) is not None:
             raise _hf_refuse(module, f"was given {key_name}={kwargs[key_name]!r}",
                              "it runs plain causal (or full) attention only; train this model without the cp axis")
+    window = _layer_window(module, kwargs)
+    kwargs.pop("sliding_window", None)
     if attention_mask is not None and not (attention_mask.ndim == 2 and (_checked("mask", attention_mask)
                                                                        or bool(attention_mask.all()))):
         if attention_mask.ndim == 2:
@@ -452,8 +499,15 @@ def _hf_attention(module, query, key, value, attention_mask, dropout: float = 0.
                 _CHECKED.pop("positions_plain", None)
                 raise _hf_refuse(module, "got position_ids other than 0..T-1 outside context parallelism (packed "
                                  "sequences?)", "use attn_implementation='sdpa' for such batches")
-        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
+        mask = None
+        # (transformers' sdpa mask: none while the window covers every key, as masking_utils skips it)
+        if window is not None and query.shape[-2] >= window:
+            mask = _window_mask(query.shape[-2], window, query.device)
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    if window is not None and not tracing():
+        raise _hf_refuse(module, f"uses a sliding window of {window}", "it runs plain causal (or full) attention "
+                         "under context parallelism only; train this model without the cp axis")
     if g is not None:
         t = query.shape[-2]
         if position_ids is None:
