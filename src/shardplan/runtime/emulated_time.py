@@ -11,12 +11,13 @@ thread, which plays a group's stream on a host (one FIFO thread per process grou
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from ..errors import CollectiveError
 from ..forecast.network import Network, Placement, collective_time
@@ -110,13 +111,18 @@ class Ledger:
 
 
 class _Book:
-    """The process's ledger (thread-safe: comm threads and callers write it)."""
+    """The process's ledger (thread-safe: comm threads and callers write it), and which op kinds are timed
+    (``timed``: ``None``, all; else the kinds given their modelled time, the others none)."""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.entries: dict[str, LedgerEntry] = {}
         self.spans: collections.deque = collections.deque(maxlen=SPANS_KEPT)
         self.network = ""
+        self.timed: Optional[frozenset] = None
+
+    def scale(self, kind: str) -> float:
+        return 1.0 if self.timed is None or kind in self.timed else 0.0
 
     def issued(self, kind: str, nbytes: int, seconds: float) -> None:
         with self.lock:
@@ -161,6 +167,23 @@ def reset_ledger() -> None:
     >>> reset_ledger()
     """
     BOOK.reset()
+
+
+@contextlib.contextmanager
+def timed_kinds(kinds: Optional[Sequence[str]] = None) -> Iterator[None]:
+    """Inside, only ops of ``kinds`` take their modelled time (``()``: none, the network switched off; ``None``:
+    all); the others complete at once, with the same outputs. The ledger counts the time each op was given.
+    A rehearsal measures its exposed communication with it (the same steps, timed and not).
+
+    >>> with timed_kinds(()):
+    ...     pass
+    """
+    before = BOOK.timed
+    BOOK.timed = None if kinds is None else frozenset(kinds)
+    try:
+        yield
+    finally:
+        BOOK.timed = before
 
 
 def spans(since: float = float("-inf")) -> list[Span]:
