@@ -134,15 +134,15 @@ def test_alpha_beta_times_by_hand():
     net = network("h100-8x-ib400")
     gib = 2 ** 30
     t = collective_time(net, "all_gather", gib, Placement(("dp",), 8, 1, 8, "intra"))
-    assert t.algorithm == "ring" and math.isclose(t.transfer_s, gib * 7 / 8 / 355e9)
+    assert t.algorithm == "ring" and math.isclose(t.transfer_s, gib * 7 / 8 / 360e9)
     assert math.isclose(t.latency_s, 7 * 1.5e-6)
-    # a whole-node axis over 8 nodes: 8 NICs per node carry the ring's cross-node traffic (min(355, 8 x 45))
+    # a whole-node axis over 8 nodes: 8 NICs per node carry the ring's cross-node traffic (min(360, 8 x 47))
     t = collective_time(net, "reduce_scatter", gib, Placement(("dp",), 64, 8, 8, "inter"))
-    assert math.isclose(t.transfer_s, gib * 63 / 64 / 355e9)
+    assert math.isclose(t.transfer_s, gib * 63 / 64 / 360e9)
     assert math.isclose(t.latency_s, (63 - 7) * 1.5e-6 + 7 * 6e-6)
     # one rank per node (HSDP's replica axis): one NIC
     t = collective_time(net, "all_reduce", gib, Placement(("replica",), 8, 8, 1, "inter"))
-    assert math.isclose(t.transfer_s, 2 * gib * 7 / 8 / 45e9)
+    assert math.isclose(t.transfer_s, 2 * gib * 7 / 8 / 47e9)
     # a tiny all-reduce across many nodes takes the tree
     t = collective_time(net, "all_reduce", 8, Placement(("dp",), 512, 64, 8, "inter"))
     assert t.algorithm == "tree" and math.isclose(t.latency_s, 2 * (7 * 1.5e-6 + 6 * 6e-6))

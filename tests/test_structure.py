@@ -198,7 +198,7 @@ def test_whole_package_has_no_import_cycle():
 # ---- the public surface -----------------------------------------------------------------------------------
 
 PUBLIC_MODULES = {"checkpoint", "optim", "metrics", "forecast", "expert_parallel", "context_parallel", "errors"}
-SURFACE_BUDGET = 40
+SURFACE_BUDGET = 41
 
 
 def _public_names() -> list[str]:

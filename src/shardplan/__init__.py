@@ -74,6 +74,7 @@ _LAZY = {
     "offload_optimizer": "runtime.offload_optim",
     "rehearse": "rehearsal",
     "capture": "runtime.capture",
+    "emulated_network": "runtime.emulated",
 }
 _LAZY_MODULES = {"checkpoint": "runtime.checkpoint", "optim": "optim", "metrics": "metrics",
                  "expert_parallel": "runtime.expert_parallel", "context_parallel": "runtime.context_parallel"}
@@ -127,7 +128,7 @@ __all__ = [
     # FSDP2 / Megatron-FSDP drop-ins
     "fully_shard", "fully_shard_model", "MixedPrecisionPolicy", "plan_of",
     # training
-    "offload_optimizer", "rehearse", "run_main", "capture",
+    "offload_optimizer", "rehearse", "run_main", "capture", "emulated_network",
     # subpackages
     "checkpoint", "optim", "metrics", "forecast", "expert_parallel", "context_parallel", "errors",
     # the base of every shardplan error (the others: shardplan.errors)

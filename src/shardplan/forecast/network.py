@@ -3,7 +3,7 @@ group sits on the nodes, and the time of one collective.
 
 >>> net = network("h100-8x-ib400")
 >>> net.inter.all_gather.busbw, net.gpus_per_node          # GB/s per GPU over InfiniBand; GPUs per node
-(45.0, 8)
+(47.0, 8)
 >>> faster = net.with_link("inter", busbw=90.0)            # change one link, forecast again
 
 The model (``collective_time``), per collective kind and link:
@@ -61,8 +61,8 @@ class Cost:
 class Link:
     """One link class (in-node NVLink, inter-node network): a :class:`Cost` per collective kind.
 
-    >>> Link.uniform("nvlink", alpha_us=1.5, busbw=355.0).all_reduce.busbw
-    355.0
+    >>> Link.uniform("nvlink", alpha_us=1.5, busbw=360.0).all_reduce.busbw
+    360.0
     """
 
     name: str
@@ -223,26 +223,35 @@ def _merge_link(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, A
 
 
 # -- presets -----------------------------------------------------------------------------------------
-# [Note: sources. In-node: NVIDIA's nccl-tests on DGX/HGX H100 (NVLink 4, NVSwitch, 900 GB/s per GPU
-# unidirectional sum) report all_gather / reduce_scatter bus bandwidth of about 350-360 GB/s at large sizes
-# on 8 GPUs, and all_reduce about the same without NVLink SHARP (NVLS, which shardplan's HSDP all-reduce
-# does not rely on); H200 uses the same NVLink 4 and NVSwitch. A100 (NVLink 3, 600 GB/s): about 230 GB/s.
-# Between nodes: 400 Gb/s NDR InfiniBand, one NIC per GPU, gives 40-50 GB/s bus bandwidth per GPU in
-# nccl-tests (45 taken); 200 Gb/s HDR on DGX A100: about 185 GB/s all_reduce busbw over a node's 8 NICs,
-# i.e. 23 GB/s per NIC. Latencies per algorithm step are NCCL's order of magnitude (its tuning tables:
-# about 1-2 µs per NVLink hop, 5-8 µs per network hop); they matter only for small collectives.]
-_NVLINK4 = Link("nvlink4", Cost(1.5, 355.0), Cost(1.5, 355.0), Cost(1.5, 360.0))
+# [Note: sources, published nccl-tests bus bandwidths at large sizes (the figures the presets take):
+# * NVLink 4 (H100 and H200 SXM, NVSwitch; 450 GB/s line rate per direction): NCCL's maintainer, "360 GB/s
+#   is exactly what we'd expect on H100" for all_gather_perf and all_reduce_perf on 8 H100s
+#   (https://github.com/NVIDIA/nccl-tests/issues/326), and "with the protocol overhead (~20%) NCCL can get an
+#   effective NVLink bandwidth of 370GB/s, which you can observe as BusBw when running non-allreduce
+#   operations, or when running with NCCL_ALGO=RING" (https://github.com/NVIDIA/nccl-tests/issues/212): 360
+#   taken for all three kinds (rings). NCCL's default in-node all_reduce on NVSwitch is NVLink SHARP (NVLS),
+#   peak busbw ~480 GB/s on 8 H100s (same issue 212) and 475 GB/s measured on 8 H200s
+#   (https://github.com/NVIDIA/nccl-tests/issues/272): not modelled (an in-node all_reduce is timed as a
+#   ring, up to 1.3x slow); shardplan's all-reduces are HSDP's, across nodes.
+# * 400 Gb/s NDR InfiniBand, one ConnectX-7 NIC per GPU: "For NDR @ 400Gbps you should see 46-48GB/s per
+#   NIC" (NVIDIA, https://github.com/NVIDIA/nccl-tests/issues/290): 47 taken.
+# * NVLink 3 (A100): about 230 GB/s on 8 GPUs; 200 Gb/s HDR (DGX A100): about 185 GB/s all_reduce busbw over
+#   a node's 8 NICs, i.e. 23 GB/s per NIC.
+# Latencies per algorithm step are NCCL's order of magnitude (its tuning tables: about 1-2 µs per NVLink
+# hop, 5-8 µs per network hop); they matter only for small collectives.]
+_NVLINK4 = Link.uniform("nvlink4", alpha_us=1.5, busbw=360.0)
 _NVLINK3 = Link("nvlink3", Cost(2.0, 230.0), Cost(2.0, 230.0), Cost(2.0, 230.0))
-_IB400 = Link.uniform("ib-ndr400", alpha_us=6.0, busbw=45.0)
+_IB400 = Link.uniform("ib-ndr400", alpha_us=6.0, busbw=47.0)
 _IB200 = Link.uniform("ib-hdr200", alpha_us=7.0, busbw=23.0)
+_NCCL_TESTS = ("busbw from published nccl-tests: NVLink 360 GB/s (NVIDIA/nccl-tests#326, #212; rings, NVLS not "
+               "modelled), NDR IB 47 GB/s per NIC (NVIDIA/nccl-tests#290: 46-48)")
 
 PRESETS: dict[str, Network] = {
     "h100-8x-ib400": Network("h100-8x-ib400", 8, _NVLINK4, _IB400, device="h100-sxm-bf16",
-                             source="8x H100 SXM per node (NVLink 4 / NVSwitch), 400 Gb/s InfiniBand per GPU; "
-                                    "busbw from published nccl-tests (NVLink ~355 GB/s, IB ~45 GB/s per GPU)"),
+                             source="8x H100 SXM per node (NVLink 4 / NVSwitch), 400 Gb/s InfiniBand per GPU; " + _NCCL_TESTS),
     "h200-8x-ib400": Network("h200-8x-ib400", 8, _NVLINK4, _IB400, device="h200-sxm-bf16",
                              source="8x H200 SXM per node (NVLink 4 / NVSwitch, as H100), 400 Gb/s InfiniBand per "
-                                    "GPU; busbw from published nccl-tests"),
+                                    "GPU; " + _NCCL_TESTS),
     "a100-8x-ib200": Network("a100-8x-ib200", 8, _NVLINK3, _IB200, device="a100-sxm-bf16",
                              source="8x A100 SXM per node (NVLink 3), 200 Gb/s HDR InfiniBand per GPU; busbw from "
                                     "published nccl-tests (NVLink ~230 GB/s, ~185 GB/s all_reduce over 8 NICs)"),
@@ -339,7 +348,7 @@ def collective_time(net: Network, kind: str, payload: int, where: Placement) -> 
     >>> net = network("h100-8x-ib400")
     >>> t = collective_time(net, "all_gather", 2**30, Placement(("dp",), 8, 1, 8, "intra"))
     >>> round(t.seconds * 1e3, 2)                  # 1 GiB over 8 GPUs of one node, ms
-    2.66
+    2.62
     """
     n = where.size
     if kind == "all_to_all":

@@ -1,5 +1,6 @@
-"""``shardplan rehearse TARGET --mesh dp=64 --rank 0 --batch 1x4096 [--steps 3] [--checkpoint] [--json]``: rank R of
-the plan ``shardplan plan`` builds from the same options, trained for a few steps on this machine.
+"""``shardplan rehearse TARGET --mesh dp=64 --rank 0 --batch 1x4096 [--steps 3] [--checkpoint] [--network NAME|FILE]
+[--json]``: rank R of the plan ``shardplan plan`` builds from the same options, trained for a few steps on this
+machine (under ``--network``, its collectives timed by that network model: emulated).
 
 The subcommand takes the options of ``shardplan plan`` that build the plan (not its views: ``--summary``,
 ``--schedule``, ``--explain``) plus its own; without ``--trace-tokens`` the plan is traced on ``--batch`` (so
@@ -16,7 +17,7 @@ from typing import Callable
 from ..errors import RehearsalError
 from ..planner.facade import Plan
 
-OWN = ("batch", "steps", "checkpoint", "out", "capture")
+OWN = ("batch", "steps", "checkpoint", "out", "capture", "network", "step_trace")
 
 
 def add_parser(sub, plan_parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -37,6 +38,12 @@ def add_parser(sub, plan_parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     r.add_argument("--checkpoint", action="store_true", help="checkpoint every unit (activation checkpointing)")
     r.add_argument("--capture", action="store_true",
                    help="rehearse the captured step (shardplan.capture): warm up, capture, then time --steps replays")
+    r.add_argument("--network", default=None, metavar="NAME|FILE",
+                   help="time every collective by this network model on the emulated backend (a preset: "
+                        "h100-8x-ib400, h200-8x-ib400, a100-8x-ib200; or a benchmarks/collectives.py JSON file): "
+                        "adds exposed communication, overlap, tokens/s and MFU, all EMULATED (docs/emulated.md)")
+    r.add_argument("--step-trace", default=None, metavar="FILE.json",
+                   help="with --network: write one step as a Chrome trace (compute and each collective's stream)")
     r.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
     r.add_argument("--out", default=None, metavar="FILE.json",
                    help="also write the results as JSON to FILE (`shardplan forecast --compute FILE` reads it)")
@@ -65,7 +72,8 @@ def run(args: argparse.Namespace, plan_text: Callable[[argparse.Namespace], str]
         plan_args.trace_tokens = f"{batch[0]}x{batch[1]}"
     plan = Plan.from_json(plan_text(plan_args))
     r = rehearse(lambda: build_model(args.target, args.param_dtype), plan, rank=args.rank, batch=batch,
-                 steps=args.steps, checkpoint=args.checkpoint, capture=args.capture)
+                 steps=args.steps, checkpoint=args.checkpoint, capture=args.capture, network=args.network,
+                 trace=args.step_trace)
     if args.out:
         try:
             with open(args.out, "w") as f:

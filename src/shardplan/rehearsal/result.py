@@ -28,6 +28,82 @@ class UnitTime:
 
 
 @dataclass(frozen=True)
+class NetworkTiming:
+    """A rehearsal's steps under an emulated network (``rehearse(network=...)``): EMULATED, not measured on
+    several GPUs. The network is a model (``network``, its dict), this rank's compute and memory are real.
+
+    ``step_s``: the median step with the network (measured: a pass of its own, interleaved step by step with
+    the others; a captured step: its replays); ``baseline_step_s``: the median of the same steps with the
+    network's time switched off (measured, same process); ``exposed_s``: their difference, the time
+    compute waited on communication (derived); ``exposed_by_kind``: per op kind, the median step with only that
+    kind timed minus the baseline (derived; empty for a captured step); ``modelled_s``, ``ops``, ``bytes``: per
+    step and op kind, from the ledger (the model's times, summed as if serial); ``waited_s``: host time blocked
+    in ``Work.wait()`` per step and kind (measured on a CPU's comm threads, thread hand-offs included; 0 on
+    CUDA); ``overlap``: ``1 - exposed / modelled``. ``flops_per_step`` and ``mfu``: this rank's training FLOPs
+    (6 x Linear weights per token plus attention, ``sp.metrics.flops_per_token``) over the step and the
+    device's bf16 peak (``None`` on a CPU or an unknown device).
+
+    >>> r = sp.rehearse(model_fn, plan, batch=(2, 64), network="h100-8x-ib400")
+    >>> r.network.exposed_s, r.network.overlap, r.network.tokens_per_s_per_gpu
+    """
+
+    network: dict
+    step_s: float
+    baseline_step_s: float
+    exposed_s: float
+    exposed_by_kind: dict
+    modelled_s: dict
+    ops: dict
+    bytes: dict
+    waited_s: dict
+    tokens_per_s_per_gpu: float
+    flops_per_step: float
+    peak_tflops: Optional[float]
+    mfu: Optional[float]
+    baseline_steps: tuple = ()
+    captured: bool = False
+    trace: Optional[str] = None
+
+    @property
+    def modelled_total_s(self) -> float:
+        return sum(self.modelled_s.values())
+
+    @property
+    def overlap(self) -> Optional[float]:
+        """The share of the modelled communication hidden behind compute (``None``: no communication)."""
+        total = self.modelled_total_s
+        return None if total <= 0 else min(max(1.0 - self.exposed_s / total, 0.0), 1.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["baseline_steps"] = list(self.baseline_steps)
+        d["overlap"], d["modelled_total_s"], d["emulated"] = self.overlap, self.modelled_total_s, True
+        return d
+
+    def lines(self) -> list[str]:
+        name = self.network.get("name", "?")
+        mfu = "n/a (no peak for this device)" if self.mfu is None else f"{100 * self.mfu:.1f}%"
+        overlap = "-" if self.overlap is None else f"{100 * self.overlap:.1f}%"
+        out = [f"EMULATED network {name!r} (a model: {self.network.get('source') or 'see its dict in the JSON'}); "
+               f"nothing here ran on several GPUs",
+               f"step {_ms(self.step_s)} with the network, {_ms(self.baseline_step_s)} without it (same steps, "
+               f"network time switched off); {self.tokens_per_s_per_gpu:,.0f} tokens/s per GPU; MFU {mfu}",
+               f"exposed communication {_ms(self.exposed_s)} per step (the difference); modelled communication "
+               f"{_ms(self.modelled_total_s)} per step; overlap {overlap}; medians of {len(self.baseline_steps)} steps per pass",
+               f"{'kind':<16} {'ops/step':>9} {'bytes/step':>12} {'modelled':>11} {'exposed':>11} {'host waited':>12}"]
+        for k in sorted(self.modelled_s):
+            exp = _ms(self.exposed_by_kind[k]) if k in self.exposed_by_kind else "-"
+            out.append(f"{k:<16} {self.ops.get(k, 0):>9.1f} {_gib(self.bytes.get(k, 0)):>12} {_ms(self.modelled_s[k]):>11} "
+                       f"{exp:>11} {_ms(self.waited_s.get(k, 0.0)):>12}")
+        if self.captured:
+            out.append("captured step: exposure from the replays with and without the network (two captures); "
+                       "not per kind")
+        if self.trace:
+            out.append(f"Chrome trace of one step (emulated): {self.trace}")
+        return out
+
+
+@dataclass(frozen=True)
 class Rehearsal:
     """One rank of an N-rank plan, run for real on this machine with every collective a local stand-in.
 
@@ -74,6 +150,8 @@ class Rehearsal:
     host_baseline: Optional[int] = None
     # the steps shown are replays of the captured step (``rehearse(capture=True)``): no per-unit times
     captured: bool = False
+    # under an emulated network (``rehearse(network=...)``): the steps were timed with its collectives
+    network: Optional[NetworkTiming] = None
 
     @property
     def median_step_s(self) -> float:
@@ -110,6 +188,7 @@ class Rehearsal:
         d["peak_ratio"] = self.peak_ratio
         d["peak_ratio_with_workspace"] = self.peak_ratio_with_workspace
         d["median_step_s"] = self.median_step_s
+        d["network"] = None if self.network is None else self.network.to_dict()
         d["rehearsal"] = 1  # what `shardplan forecast --compute FILE` looks for
         d["compute"] = self.compute_model()
         return d
@@ -122,8 +201,10 @@ class Rehearsal:
         out = [f"rehearsal of rank {self.rank} of {self.world} ({self.mesh}) on {self.device}, batch {b}x{t} per rank, "
                f"activation checkpointing {'on' if self.checkpoint else 'off'}"
                f"{', captured step (replays)' if self.captured else ''}; plan {self.plan_fingerprint}",
-               "ONE RANK ONLY: collectives were local stand-ins (no communication, no waiting for other ranks); "
-               "the loss is not meaningful and is not shown",
+               ("ONE RANK ONLY: collectives were local stand-ins (no communication, no waiting for other ranks); "
+                if self.network is None else
+                "ONE RANK ONLY: collectives took an EMULATED network's time (below), never another rank's data; ")
+               + "the loss is not meaningful and is not shown",
                "",
                "step  time        peak measured   peak planned"]
         for i, s in enumerate(self.step_s):
@@ -157,12 +238,15 @@ class Rehearsal:
             out.append(f"{u.unit:<28} {_ms(u.forward_s):>10} {_ms(u.backward_s):>10}")
         if self.captured:
             out.append(f"per-unit and optimizer times: not measured (one graph); host time in shardplan per unit per "
-                       f"replay {_ms(self.host_s_per_unit)}; median replay {_ms(self.median_step_s)} (compute only: no "
-                       f"communication)")
+                       f"replay {_ms(self.host_s_per_unit)}; median replay {_ms(self.median_step_s)} "
+                       f"({'with the emulated network' if self.network else 'compute only: no communication'})")
         else:
             out.append(f"optimizer step {_ms(self.optimizer_s)}; host time in shardplan's hooks "
                        f"{_ms(self.host_s_per_unit)} per unit per step; median step {_ms(self.median_step_s)} (after the "
-                       f"first; compute only: no communication)")
+                       f"first; {'with the emulated network' if self.network else 'compute only: no communication'})")
+        if self.network is not None:
+            out.append("")
+            out += self.network.lines()
         if self.notes:
             out.append("")
             out += [f"note: {n}" for n in self.notes]

@@ -15,8 +15,11 @@ from ..errors import RehearsalError, ShardingError
 from ..planner import Plan
 from ..planner.render import fmt_bytes
 from ..planner.schedule import ROOT
+from ..forecast.network import Network
 from ..runtime import collectives as C
+from ..runtime import emulated_time as ET
 from . import captured as CAP
+from . import timed as TIMED
 from .host import _host_rss, _reset_host_peak, fix_host_allocator
 from .init import RehearsalInit, _fill_meta_buffers
 from .result import Rehearsal, UnitTime
@@ -96,9 +99,10 @@ def position_limit(model: nn.Module) -> Optional[tuple[int, str]]:
 
 
 @contextlib.contextmanager
-def fake_world(rank: int, world: int):
-    """This process as rank ``rank`` of ``world`` ranks whose collectives are local stand-ins."""
-    C.start_rehearsal(rank, world)
+def fake_world(rank: int, world: int, network=None):
+    """This process as rank ``rank`` of ``world`` ranks whose collectives are local stand-ins (under ``network``:
+    the emulated backend's, timed by it)."""
+    C.start_rehearsal(rank, world, network)
     try:
         yield
     finally:
@@ -118,7 +122,8 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
              init_fn: Optional[Callable[[nn.Module], None]] = None,
              optimizer_fn: Optional[Callable[..., torch.optim.Optimizer]] = None,
              inputs_fn: Optional[Callable[[nn.Module, torch.Tensor], object]] = None,
-             device_memory: Optional[int] = None, capture: bool = False) -> Rehearsal:
+             device_memory: Optional[int] = None, capture: bool = False,
+             network: Union[str, dict, Network, None] = None, trace: Optional[str] = None) -> Rehearsal:
     """Run ``steps`` training steps of ``rank`` of ``plan`` on this process's device (a GPU if there is one)
     and measure them; every collective is a local stand-in of the right shape and dtype (torch's fake
     process group), so one GPU (or a CPU) plays one rank of an N-rank job.
@@ -141,13 +146,17 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
     ``plan.memory(rank, recompute=True)``. ``capture=True`` rehearses the captured step
     (:func:`shardplan.capture`; :mod:`shardplan.rehearsal.captured`): two eager steps and the capture, then
     ``steps`` replays, timed; per-unit times are not measured (one graph), the host time per replay is.
-    Must run in a process without a process group of its own.
+    ``network`` (a preset name, a dict, a JSON file, a ``Network``) times every collective by that network
+    model on the emulated backend (docs/emulated.md) and adds :class:`NetworkTiming` (``r.network``): exposed
+    communication, overlap, tokens/s and MFU, all EMULATED (:mod:`shardplan.rehearsal.timed` says how they are
+    measured); ``trace`` writes one such step as a Chrome trace. Must run in a process without a process group.
     """
     b, t = _check_batch(batch, steps)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     check(plan, rank, world, device, checkpoint, device_memory)
     if capture:
         CAP.check(plan)
+    net = TIMED.check(plan, network, trace)
     mem = plan.memory(rank, recompute=checkpoint)
     notes = [START_UP_NOTE]
     if plan.activations is None:
@@ -162,9 +171,11 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
             notes.append(fixed)
     host_base = _host_rss()
     host_measured = host_base is not None and _reset_host_peak()
-    with fake_world(rank, plan.mesh.size):
+    with fake_world(rank, plan.mesh.size, net):
         model, opt = _start_up(model_fn, plan, (b, t), device, init_fn, optimizer_fn, notes, capture)
         run = _Steps(model, plan, rank, (b, t), device, checkpoint, inputs_fn)
+        if net is not None:
+            run.net = TIMED.Under(net, model_fn, (b, t), plan, trace)
         note = run.measure(opt, steps, host_base if host_measured else None, capture)
         if note:
             notes.append(note)
@@ -188,7 +199,8 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
         states_peak_measured=run.states, states_peak_planned=mem.states_peak - mem.optimizer, units=times,
         host_s_per_unit=statistics.median(run.host_s[measured_from]) / max(len(unit_list), 1),
         optimizer_s=statistics.median(run.opt_s[measured_from]), notes=tuple(notes), library_workspace=run.workspace,
-        host_peak=run.host_peak, host_baseline=host_base if host_measured else None, captured=capture)
+        host_peak=run.host_peak, host_baseline=host_base if host_measured else None, captured=capture,
+        network=run.timing)
 
 
 def _check_batch(batch, steps: int) -> tuple[int, int]:
@@ -249,6 +261,8 @@ class _Steps:
         self.opt_s: list = []
         self.host_s: list = []
         self.states = self.workspace = self.host_peak = None
+        self.net: Optional[TIMED.Under] = None  # rehearse(network=...): what to time the steps by
+        self.timing = None
 
     def measure(self, opt, steps: int, host_base: Optional[int], capture: bool = False) -> Optional[str]:
         """Run and measure ``steps`` steps (``capture``: replays of the captured step; returns its note)."""
@@ -260,12 +274,17 @@ class _Steps:
         timer = None
         note = None
         try:
+            ET.reset_ledger()
             if capture:
                 note = self._replays(opt, steps, gen, vocab)
             else:
                 clock = Clock(device)
                 timer = UnitTimer(model, entries, clock)
                 self._eager(opt, steps, gen, vocab, clock, timer)
+                if self.net is not None:
+                    timer.remove()
+                    timer = None
+                    self.timing = self.net.eager(self, opt, steps, lambda i: self._call(gen, vocab), entries)
             self.states = memory_stats(model)["peak"]
             self.host_peak = _host_rss("VmHWM") - host_base if host_base is not None else None
             self.workspace = _library_workspace(device)
@@ -315,7 +334,10 @@ class _Steps:
         """The captured step (rehearsal/captured.py): warm-up and capture unmeasured, then ``steps`` replays."""
         if steps > 1:
             reset_peak(self.model)
-        replays = CAP.run(self.model, opt, lambda i: self._call(gen, vocab), steps, self.device)
+        batch_fn = (lambda i: self._call(gen, vocab)) if self.net is None else self.net.ledger_of_step(1, lambda i: self._call(gen, vocab))
+        replays = CAP.run(self.model, opt, batch_fn, steps, self.device)
+        if self.net is not None:
+            self.timing = self.net.captured(self, list(replays.step_s), lambda: CAP.run(self.model, opt, lambda i: self._call(gen, vocab), steps, self.device).step_s)
         self.step_s, self.peaks = list(replays.step_s), list(replays.peaks)
         self.host_s, self.opt_s = [replays.host_s_per_replay] * steps, [0.0] * steps
         self.per_unit = [None] * steps

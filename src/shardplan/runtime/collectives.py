@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RuntimeShardingError
+from . import emulated  # registers the shardplan-emulated backend
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -275,7 +276,7 @@ def build_groups(plan, rank: int, backend: str, timeout_s: float) -> Groups:
         made[key] = mine
     world = made[everyone]
     used = world  # its tensor lives on the CPU: on any other backend it gets a gloo group of its own
-    if backend not in ("gloo", REHEARSAL_BACKEND) and world.pg is not None:
+    if backend not in ("gloo", REHEARSAL_BACKEND, EMULATED_BACKEND) and world.pg is not None:
         used = Group(dist.new_group(list(range(mesh.size)), backend="gloo", timeout=timeout), mesh.size, rank)
     return Groups(made, world, used)
 
@@ -283,16 +284,18 @@ def build_groups(plan, rank: int, backend: str, timeout_s: float) -> Groups:
 # -- rehearsal: one rank of an N-rank world, every collective a local stand-in ----------------------------
 
 REHEARSAL_BACKEND = "fake"
-
+EMULATED_BACKEND = "shardplan-emulated"  # rehearse(network=...): runtime/emulated.py's timed collectives
 
 _REHEARSALS = itertools.count(1)
 _rehearsal = ""
 """The running rehearsal's tag (``""``: none), unique in this process and in processes forked from it."""
 
 
-def start_rehearsal(rank: int, world: int) -> None:
+def start_rehearsal(rank: int, world: int, network=None) -> None:
     """Make this process rank ``rank`` of a ``world``-rank process group whose collectives do not
-    communicate (torch's fake process group: outputs keep their shape and dtype, nothing is sent).
+    communicate: torch's fake process group (outputs keep their shape and dtype, nothing is sent, no time
+    passes), or under ``network`` (a preset name, dict, JSON file or ``Network``) shardplan's emulated one
+    (runtime/emulated.py: the same outputs, each collective taking the network model's time on its stream).
 
     [Note: the fake store implements no keys, so nothing that goes through the store (the start-up
     exchange, an error report) can run: :func:`rehearsing` tells start-up to check locally only]"""
@@ -301,19 +304,22 @@ def start_rehearsal(rank: int, world: int) -> None:
     if dist.is_initialized():
         raise RuntimeShardingError("a rehearsal makes its own (fake) process group, but one is already initialised "
                                    "in this process; rehearse in a process without torch.distributed.init_process_group")
-    dist.init_process_group(REHEARSAL_BACKEND, store=FakeStore(), rank=rank, world_size=world)
+    if network is not None:
+        emulated.configure(network)  # the backend's network
+    dist.init_process_group(REHEARSAL_BACKEND if network is None else EMULATED_BACKEND, store=FakeStore(), rank=rank,
+                            world_size=world)
     _rehearsal = f"rehearsal{next(_REHEARSALS)}"
 
 
 def rehearsing() -> bool:
-    """Whether the default process group is a rehearsal's (:func:`start_rehearsal`)."""
-    return dist.is_available() and dist.is_initialized() and dist.get_backend() == REHEARSAL_BACKEND
+    """Whether the default process group is a rehearsal's (:func:`start_rehearsal`), fake or emulated."""
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() in (REHEARSAL_BACKEND, EMULATED_BACKEND)
 
 
 def end_rehearsal() -> None:
     global _rehearsal
     if rehearsing():
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # an emulated group drains its comm thread and streams first (its shutdown)
     _rehearsal = ""
 
 
