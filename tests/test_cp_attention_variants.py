@@ -32,8 +32,8 @@ def _model(family: str, impl: str, seed: int = 0, **over):
             num_hidden_layers=4, sliding_window=6, use_sliding_window=True, max_window_layers=2)),
         "mistral": (T.MistralForCausalLM, T.MistralConfig, dict(  # every layer slides (an argument)
             num_hidden_layers=2, sliding_window=6)),
-        "gemma2": (T.Gemma2ForCausalLM, T.Gemma2Config, dict(  # sliding and full in turn; softcap 50
-            num_hidden_layers=2, head_dim=8, sliding_window=6)),
+        "gemma2": (T.Gemma2ForCausalLM, T.Gemma2Config, dict(  # sliding and full in turn; logits capped at 1
+            num_hidden_layers=2, head_dim=8, sliding_window=6, attn_logit_softcapping=1.0, initializer_range=0.3)),
         "gemma3": (T.Gemma3ForCausalLM, T.Gemma3TextConfig, dict(
             num_hidden_layers=2, head_dim=8, sliding_window=6, layer_types=["sliding_attention", "full_attention"])),
     }[family]
@@ -60,19 +60,24 @@ def test_shardplan_cp_outside_cp_is_sdpa_with_the_window():
         assert torch.equal(ours, theirs), (family, (ours - theirs).abs().max())
 
 
-def _train(rank, world, family, text, steps=2, seq=16, **over):
+def _train(rank, world, family, text, steps=2, seq=16, traced=False, **over):
     """Per-step losses of ``family`` sharded on ``text`` with "shardplan_cp", and of one process running the
-    reference attention on the whole batch."""
+    reference attention on the whole batch; ``traced``: the plan traced on one rank's inputs."""
     name = sp.context_parallel.hf_attention()
     mesh = sp.Mesh.parse(text)
     model, ref = _model(family, name, **over), _model(family, _REFERENCE.get(family, "sdpa"), **over)
-    plan = sp.plan(model, _RULES, mesh, units=_UNITS, min_unit_bytes=0)
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 128, (4, seq), generator=g) for _ in range(steps)]
+    trace = None
+    if traced:
+        one = sp.plan(model, _RULES, mesh, units=_UNITS)
+        xs, pos = sp.context_parallel.shard_batch(one, rank, batches[0])
+        trace = ((), dict(input_ids=xs, position_ids=pos[None]))
+    plan = sp.plan(model, _RULES, mesh, units=_UNITS, min_unit_bytes=0, trace=trace)
     sp.shard(model, plan)
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
-    g = torch.Generator().manual_seed(3)
     losses, ref_losses = [], []
-    for _ in range(steps):
-        ids = torch.randint(0, 128, (4, seq), generator=g)
+    for ids in batches:
         y = torch.roll(ids, -1, 1)                      # shifted over the whole sequences, then sharded
         xs, ys, pos = sp.context_parallel.shard_batch(plan, rank, ids, y)
         loss = model(input_ids=xs, position_ids=pos[None], labels=ys, shift_labels=ys).loss
@@ -97,3 +102,88 @@ def test_qwen2_moe_window_through_the_mask_only_at_dp2_equals_one_process():
     fully (loss 5.4e-3 off at step 0), silently."""
     for losses, ref_losses in run(_train, 2, "qwen2_moe", "dp=2,cp=1"):
         assert losses == pytest.approx(ref_losses, abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma2", "gemma3"])
+def test_sliding_windows_and_softcap_under_cp_equal_one_process(family):
+    """Sliding windows (Mistral's every layer, Qwen2's upper layers, Gemma2/3's every other one) and Gemma2's
+    soft-capped logits under cp, with Hugging Face's default use_cache=True: refused before (the window, the cap,
+    and the sliding cache's slicing of this rank's chunks); now the losses of one process. Untraced at cp=2 (the
+    flow check's first step), traced at dp=2 x cp=2."""
+    for world, text in ((2, "dp=1,cp=2"), (4, "dp=2,cp=2")):
+        for losses, ref_losses in run(_train, world, family, text, 2, 32, world == 4):
+            assert losses == pytest.approx(ref_losses, abs=1e-5), (family, text)
+
+
+def _gpt_oss(impl):
+    cfg = transformers.GptOssConfig(**dict(_TINY, num_hidden_layers=2, head_dim=8, num_local_experts=4,
+                                           num_experts_per_tok=2, sliding_window=4))
+    cfg._attn_implementation = impl
+    torch.manual_seed(0)
+    return transformers.GptOssForCausalLM(cfg)
+
+
+@pytest.mark.slow
+def test_what_shardplan_cp_does_not_run_is_refused_before_the_first_step_naming_the_module_and_attribute():
+    """Attention sinks (gpt-oss's ``sinks``, passed as ``s_aux=``): refused at plan time under cp, at the first call
+    outside it. A window the model keeps in its config and applies through its mask alone, which the module does
+    not say (PhiMoE): refused at plan time when traced, at the first call otherwise, naming the fix, which runs."""
+    name = sp.context_parallel.hf_attention()
+    with pytest.raises(sp.PlanError, match=r"module 'model.layers.0.self_attn' \(GptOssAttention\) has 'sinks'"):
+        sp.plan(_gpt_oss(name), _RULES, sp.Mesh(dp=1, cp=2), units=_UNITS)
+    ids = torch.randint(0, 128, (2, 16))
+    with pytest.raises(sp.RuntimeShardingError, match=r"GptOssAttention \(layer 0\) was given s_aux= \(attention "
+                                                      r"sinks, its attribute 'sinks'\)"):
+        _gpt_oss(name)(input_ids=ids)
+
+    def phimoe(impl):
+        cfg = transformers.PhimoeConfig(**dict(_TINY, num_hidden_layers=2, num_local_experts=4, sliding_window=4))
+        cfg._attn_implementation = impl
+        torch.manual_seed(0)
+        return transformers.PhimoeForCausalLM(cfg)
+    fix = r"PhimoeAttention \(layer 0\) cannot tell whether its layer uses config.sliding_window=4.*sliding_window ="
+    with pytest.raises(sp.PlanError, match=fix):
+        sp.plan(phimoe(name), _RULES, sp.Mesh(dp=2, cp=1), units=_UNITS, trace=((), dict(input_ids=ids)))
+    model = phimoe(name)
+    with pytest.raises(sp.RuntimeShardingError, match=fix):
+        model(input_ids=ids)
+    for layer in model.model.layers:               # the fix the message names: PhiMoE windows every layer
+        layer.self_attn.sliding_window = model.config.sliding_window
+    assert torch.equal(model(input_ids=ids).logits, phimoe("sdpa")(input_ids=ids).logits)
+
+
+def test_gemma2_soft_capped_logits_outside_cp_are_eager_attention():
+    """Gemma2 caps its attention logits (softcap=; here at 1.0, with weights large enough for the cap to bite),
+    which transformers' sdpa refuses: outside cp "shardplan_cp" computes them as transformers' eager attention
+    does (with the window of its sliding layers)."""
+    name = sp.context_parallel.hf_attention()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    ours, eager = _model("gemma2", name)(input_ids=ids).logits, _model("gemma2", "eager")(input_ids=ids).logits
+    uncapped = _model("gemma2", "eager", attn_logit_softcapping=None)(input_ids=ids).logits
+    assert (eager - uncapped).abs().max() > 0.1                  # the cap matters here
+    assert torch.equal(ours, eager)
+
+
+def _refusals(rank, world):
+    name = sp.context_parallel.hf_attention()
+    model = _model("mistral", name)
+    plan = sp.plan(model, _RULES, sp.Mesh(dp=1, cp=2), units=_UNITS)
+    sp.shard(model, plan)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    xs, pos = sp.context_parallel.shard_batch(plan, rank, ids)
+    try:
+        model(input_ids=xs, position_ids=pos[None], use_cache=True)
+        return "ran"
+    except sp.RuntimeShardingError as exc:
+        return str(exc)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_use_cache_true_under_cp_is_refused_naming_use_cache_false():
+    """Hugging Face's default (use_cache left out) runs under cp with no cache (the parity tests above); asked for
+    explicitly, a cache of this rank's chunks is refused, naming the fix."""
+    for got in run(_refusals, 2):
+        assert "use_cache=True" in got and "pass use_cache=False" in got, got

@@ -7,7 +7,9 @@ has not got.
   to a ``DynamicCache``; the activation profile's checkpointed pass recomputes every unit, which appends
   them again (``CheckpointError: Recomputed values ... different metadata``, or eager attention's
   broadcast error over twice the keys), and the cache would hold every layer's keys and values until the
-  output dies, which a training step does not.
+  output dies, which a training step does not. The forward of a context-parallel model gets the same
+  (runtime/context_group.py): a cache there would hold this rank's chunks only, and a sliding-window cache
+  slices them (transformers' own training with ``use_cache=False``).
 * :class:`MetaTrace`, a dispatch mode active while shardplan runs a model on meta tensors:
 
   - a scalar read of a meta **bool** tensor (``bool(t)``, ``if t.all():``, ``t.item()``) answers
@@ -26,34 +28,46 @@ from __future__ import annotations
 import inspect
 import os
 import traceback
-from typing import Any
+from typing import Any, Optional
 
 from .errors import PlanError, ShardingError
 
 
-def takes_use_cache(model) -> bool:
+def forward_parameters(model) -> list[str]:
+    """The names of ``model.forward``'s parameters, in order (``[]``: no signature to read)."""
     try:
-        return "use_cache" in inspect.signature(model.forward).parameters
+        return list(inspect.signature(model.forward).parameters)
     except (TypeError, ValueError):
-        return False
+        return []
 
 
-def training_call(model, args: tuple, kwargs: dict, where: str = "trace=") -> tuple[tuple, dict]:
+def takes_use_cache(model) -> bool:
+    return "use_cache" in forward_parameters(model)
+
+
+_TRACED_WHY = ("the activation profile's checkpointed pass recomputes each unit, which appends its keys and values "
+               "to the cache a second time")
+
+
+def training_call(model, args: tuple, kwargs: dict, where: str = "trace=", error=PlanError, why: str = _TRACED_WHY,
+                  names: Optional[list] = None) -> tuple[tuple, dict]:
     """``(args, kwargs)`` as a training step calls ``model``: ``use_cache=False`` added where its forward
-    takes ``use_cache`` and the call does not say (see the module's docstring)."""
-    if not takes_use_cache(model):
+    takes ``use_cache`` and the call does not say (see the module's docstring); ``use_cache=True`` refused
+    with ``error``, saying ``why``. ``names``: the forward's parameters, read once by a caller that calls often."""
+    names = forward_parameters(model) if names is None else names
+    if "use_cache" not in names:
         return args, kwargs
-    names = list(inspect.signature(model.forward).parameters)
-    if "use_cache" in kwargs:
-        if kwargs["use_cache"]:
-            raise PlanError(
+    i = names.index("use_cache")
+    given = kwargs["use_cache"] if "use_cache" in kwargs else args[i] if i < len(args) else None
+    if given is not None:
+        if given:
+            raise error(
                 f"{where} calls {type(model).__name__}.forward with use_cache=True: a training step keeps no KV cache, "
-                f"and the activation profile's checkpointed pass recomputes each unit, which appends its keys and values "
-                f"to the cache a second time. Fix: leave use_cache out (shardplan then passes use_cache=False) or pass "
+                f"and {why}. Fix: leave use_cache out (shardplan then passes use_cache=False) or pass "
                 f"use_cache=False")
         return args, kwargs
-    if names.index("use_cache") < len(args):  # given positionally
-        return args, kwargs
+    if i < len(args):  # (None, given positionally)
+        return args[:i] + (False,) + args[i + 1:], kwargs
     return args, dict(kwargs, use_cache=False)
 
 

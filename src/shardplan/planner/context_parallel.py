@@ -57,11 +57,18 @@ _through_attention = in_cp_attention
 HF_ATTENTION = "shardplan_cp"  # runtime.context_parallel.HF_ATTENTION (the planner does not import the runtime)
 
 
+# attributes of an attention module that transformers passes to its attention function as arguments
+# "shardplan_cp" cannot honour (runtime/context_parallel_hf.py:UNSUPPORTED): learned attention sinks (gpt-oss)
+UNSUPPORTED_ATTRIBUTES = {"sinks": "learned attention sinks (passed as s_aux=)",
+                          "s_aux": "learned attention sinks (passed as s_aux=)"}
+
+
 def check_hf_attention(model, mesh: Mesh, error=PlanError) -> None:
     """Refuse a Hugging Face model (any module whose ``config`` names an ``_attn_implementation``) that
     attends with anything but shardplan's ``"shardplan_cp"`` under ``cp > 1``: eager, sdpa, flash and flex
     attention, and functions registered under other names, attend over this rank's chunks only. Untraced
-    plans included: the name is on the model."""
+    plans included: the name is on the model. Under ``"shardplan_cp"``, a module with an attribute it cannot
+    honour (attention sinks) is refused, naming the module and the attribute."""
     cp = axis_size(mesh)
     if cp <= 1 or model is None or not hasattr(model, "named_modules"):
         return
@@ -76,6 +83,13 @@ def check_hf_attention(model, mesh: Mesh, error=PlanError) -> None:
                 f"AttentionInterface) and build the model with attn_implementation={HF_ATTENTION!r} (or call "
                 f"model.set_attn_implementation({HF_ATTENTION!r})); pass position_ids from "
                 f"sp.context_parallel.shard_batch; or plan without the cp axis")
+        attr = next((a for a in UNSUPPORTED_ATTRIBUTES if getattr(mod, a, None) is not None), None)
+        if impl == HF_ATTENTION and attr is not None:
+            raise error(
+                f"module {path or '<root>'!r} ({type(mod).__name__}) has {attr!r}, "
+                f"{UNSUPPORTED_ATTRIBUTES[attr]}: Hugging Face attention {HF_ATTENTION!r} runs causal attention (a "
+                f"sliding window and soft-capped logits included) without them. Fix: plan without the cp axis, "
+                f"with the model's own attention")
 
 
 def check_flow(model, trace, mesh: Mesh, tp_modules=(), error=PlanError) -> None:
