@@ -47,17 +47,26 @@ def _model(family: str, impl: str, seed: int = 0, **over):
 _REFERENCE = {"gemma2": "eager"}
 
 
-def test_shardplan_cp_outside_cp_is_sdpa_with_the_window():
-    """One process, no cp: "shardplan_cp" is transformers' sdpa, sliding windows included, whether the model passes
-    the window as an argument (Qwen2, Mistral, Gemma3) or only through the mask it builds (Qwen2-MoE)."""
+def _outside_cp(families) -> None:
     name = sp.context_parallel.hf_attention()
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-    for family in ("qwen2_moe", "qwen2", "mistral", "gemma3"):
+    for family in families:
         ours = _model(family, name)(input_ids=ids).logits
         theirs = _model(family, "sdpa")(input_ids=ids).logits
         full = _model(family, "sdpa", sliding_window=64)(input_ids=ids).logits
         assert (ours - full).abs().max() > 1e-3, family     # the window matters at this length
         assert torch.equal(ours, theirs), (family, (ours - theirs).abs().max())
+
+
+def test_shardplan_cp_outside_cp_is_sdpa_with_the_window():
+    """One process, no cp: "shardplan_cp" is transformers' sdpa, sliding windows included, whether the model passes
+    the window only through the mask it builds (Qwen2-MoE: it attended fully, silently) or as an argument (Qwen2)."""
+    _outside_cp(("qwen2_moe", "qwen2"))
+
+
+@pytest.mark.slow
+def test_shardplan_cp_outside_cp_is_sdpa_with_the_window_mistral_gemma3():
+    _outside_cp(("mistral", "gemma3"))
 
 
 def _train(rank, world, family, text, steps=2, seq=16, traced=False, **over):
@@ -154,6 +163,7 @@ def test_what_shardplan_cp_does_not_run_is_refused_before_the_first_step_naming_
     assert torch.equal(model(input_ids=ids).logits, phimoe("sdpa")(input_ids=ids).logits)
 
 
+@pytest.mark.slow
 def test_gemma2_soft_capped_logits_outside_cp_are_eager_attention():
     """Gemma2 caps its attention logits (softcap=; here at 1.0, with weights large enough for the cap to bite),
     which transformers' sdpa refuses: outside cp "shardplan_cp" computes them as transformers' eager attention
@@ -187,3 +197,20 @@ def test_use_cache_true_under_cp_is_refused_naming_use_cache_false():
     explicitly, a cache of this rank's chunks is refused, naming the fix."""
     for got in run(_refusals, 2):
         assert "use_cache=True" in got and "pass use_cache=False" in got, got
+
+
+def test_attention_window_and_softcap_outside_cp():
+    """sp.context_parallel.attention's own window= and softcap= (the plain call): the window keeps the keys
+    i-window < j <= i, the cap is eager attention's, and a window without is_causal=True is refused."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(3))
+    pos = torch.arange(8)
+    band = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - 3)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=band)
+    assert torch.allclose(sp.context_parallel.attention(q, k, v, is_causal=True, window=3), want, atol=1e-6)
+    s = torch.tanh((q @ k.transpose(-1, -2)) * 0.5 / 0.7) * 0.7
+    capped = torch.softmax(s.masked_fill(~band, float("-inf")), -1) @ v
+    got = sp.context_parallel.attention(q, k, v, is_causal=True, window=3, softcap=0.7)
+    assert torch.allclose(got, capped, atol=1e-6)
+    with pytest.raises(sp.RuntimeShardingError, match="without is_causal=True"):
+        sp.context_parallel.attention(q, k, v, window=3)

@@ -25,7 +25,6 @@ during the call: fine up to sequences whose K/V fit, which is where this starts.
 
 from __future__ import annotations
 
-
 import torch
 
 from ..errors import ShardingError
@@ -37,8 +36,8 @@ from .context_group import (CONTEXT_AXIS, ContextGroup, _BACKWARD, _bind_backwar
                             group_of, install, positions)
 from .context_parallel_hf import HF_ATTENTION, hf_attention
 
-__all__ = ["CONTEXT_AXIS", "ContextGroup", "HF_ATTENTION", "active", "attention", "disabled", "group_of",
-           "hf_attention", "install", "loss_mean", "positions", "shard_batch"]
+__all__ = ["ContextGroup", "HF_ATTENTION", "active", "attention", "disabled", "group_of", "hf_attention", "loss_mean",
+           "positions", "shard_batch"]  # (install, CONTEXT_AXIS and the binding's internals: runtime/axes.py, tests)
 
 
 def shard_batch(plan, rank: int, *tensors: torch.Tensor, seq_dim: int = 1):

@@ -74,6 +74,10 @@ def _layer_window(module, kwargs) -> Optional[int]:
     types, idx = getattr(cfg, "layer_types", None), getattr(module, "layer_idx", None)
     if types is not None and isinstance(idx, int) and 0 <= idx < len(types):
         if types[idx] == "sliding_attention":
+            if not getattr(cfg, "sliding_window", None):
+                raise _hf_refuse(module, f"is a sliding layer (config.layer_types[{idx}]) without a window "
+                                 f"(config.sliding_window={getattr(cfg, 'sliding_window', None)!r})",
+                                 "set config.sliding_window, or make the layer 'full_attention'")
             return int(cfg.sliding_window)
         if types[idx] != "full_attention":
             raise _hf_refuse(module, f"is a {types[idx]!r} layer (config.layer_types[{idx}])",
