@@ -175,6 +175,7 @@ def _elsewhere_worker(rank, world, path):
         chunked = _build("llama", "chunked", world)
         _train("llama", chunked[0], chunked[1], range(1), rank, world)
         out["other_plan"] = _refusal(lambda: chunked[1].load_state_dict(torch.load(f"{path}-{rank}.pt")))
+        torch.save(chunked[1].state_dict(), f"{path}-chunked-{rank}.pt")  # DTensor states
         flat = StateDictOptions(flatten_optimizer_state_dict=True)
         osd = get_optimizer_state_dict(model, opt, options=flat)
         out["dcp_flat"] = _refusal(lambda: dcp.save({"optim": osd}, checkpoint_id=f"{path}-dcp"))
@@ -183,6 +184,10 @@ def _elsewhere_worker(rank, world, path):
         model, opt, _ = _build("llama", "auto", world)
         _train("llama", model, opt, range(1), rank, world)
         out["other_world"] = _refusal(lambda: opt.load_state_dict(torch.load(f"{path}-0.pt")))
+        # a DTensor torch.save wrote at world 2: its mesh's process groups are not this run's
+        chunked = _build("llama", "chunked", world)
+        _train("llama", chunked[0], chunked[1], range(1), rank, world)
+        out["dtensor_other_world"] = _refusal(lambda: chunked[1].load_state_dict(torch.load(f"{path}-chunked-0.pt")))
     return out
 
 
@@ -199,3 +204,5 @@ def test_local_states_refused_on_other_shards_and_by_dcp(tmp_path):
         assert "CheckpointError" in out["get_state_dict"] and "cannot be given as a DTensor" in out["get_state_dict"]
     (one,) = run(_elsewhere_worker, 1, path, timeout=200)
     assert "rank 0 of 2" in one["other_world"] and "rank 0 of 1" in one["other_world"], one["other_world"]
+    assert "CheckpointError" in one["dtensor_other_world"] and "the world has 1" in one["dtensor_other_world"] \
+        and "shardplan.checkpoint.load" in one["dtensor_other_world"], one["dtensor_other_world"]
