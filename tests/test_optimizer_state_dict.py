@@ -172,6 +172,7 @@ def _elsewhere_worker(rank, world, path):
         fresh_model, fresh = _build("llama", "auto", world)[:2]
         fresh.load_state_dict(torch.load(other))  # no hooks yet: refused at the first step, before any update
         out["fresh"] = _refusal(lambda: _step("llama", fresh_model, fresh, 0, rank, world))
+        out["fresh_again"] = _refusal(lambda: _step("llama", fresh_model, fresh, 0, rank, world))  # still refused
         chunked = _build("llama", "chunked", world)
         _train("llama", chunked[0], chunked[1], range(1), rank, world)
         out["other_plan"] = _refusal(lambda: chunked[1].load_state_dict(torch.load(f"{path}-{rank}.pt")))
@@ -200,6 +201,7 @@ def test_local_states_refused_on_other_shards_and_by_dcp(tmp_path):
         for key in ("fresh", "other_plan"):
             assert "CheckpointError" in out[key] and "shardplan.checkpoint.load" in out[key], (key, out[key])
         assert f"rank {1 - rank} of 2" in out["fresh"] and "first step" in out["fresh"], out["fresh"]
+        assert "CheckpointError" in out["fresh_again"], out["fresh_again"]
         assert "cannot be given as DTensors" in out["dcp_flat"], out["dcp_flat"]
         assert "CheckpointError" in out["get_state_dict"] and "cannot be given as a DTensor" in out["get_state_dict"]
     (one,) = run(_elsewhere_worker, 1, path, timeout=200)

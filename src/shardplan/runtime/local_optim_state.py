@@ -138,9 +138,11 @@ def adopt_loaded(optimizer: torch.optim.Optimizer, exe=None) -> None:
     exe = exe if exe is not None else _engine_of(optimizer)
     if exe is None or getattr(exe, "state_dict_hooks", None) is None or getattr(exe, "dtensor_params", False):
         return
-    found = [g.pop(KEY) for g in optimizer.param_groups if KEY in g]
-    if found:
+    found = [g[KEY] for g in optimizer.param_groups if KEY in g]
+    if found:  # (refused: the marker stays, so that every later step() refuses too)
         check(found[0], marker(optimizer, exe), "optimizer.load_state_dict() (checked at the first step() after it)")
+        for g in optimizer.param_groups:
+            g.pop(KEY, None)
     from torch.distributed.tensor import DTensor
     names = {id(lp): n for n, lp in exe.local_params().items()}
     for p, st in optimizer.state.items():
