@@ -133,30 +133,27 @@ def _fmt(box: Box) -> str:
 
 def adopt_loaded(optimizer: torch.optim.Optimizer, exe=None) -> None:
     """What ``load_state_dict`` gave an optimizer before shardplan's hooks existed (they come at its first
-    ``step()``): the marker checked and taken out of ``param_groups``, DTensor and full states made this rank's
-    shards, as the load hook does. ``exe``: the engine of the optimizer's parameters (found when ``None``)."""
+    ``step()``): the marker checked and taken out of ``param_groups``, DTensor states made this rank's shards,
+    as the load hook does. (Plain states of the full shape stay refused by the step's check: built before
+    sharding, they cannot be told from loaded ones.) ``exe``: the engine of the optimizer's parameters (found
+    when ``None``)."""
+    from torch.distributed.tensor import DTensor
     exe = exe if exe is not None else _engine_of(optimizer)
-    if exe is None or getattr(exe, "state_dict_hooks", None) is None or getattr(exe, "dtensor_params", False):
+    if exe is None or getattr(exe, "state_dict_hooks", None) is None or getattr(exe, "dtensor_params", False) \
+            or exe.plan.offload or getattr(optimizer, "_shardplan_offload", False):
         return
     found = [g[KEY] for g in optimizer.param_groups if KEY in g]
     if found:  # (refused: the marker stays, so that every later step() refuses too)
         check(found[0], marker(optimizer, exe), "optimizer.load_state_dict() (checked at the first step() after it)")
         for g in optimizer.param_groups:
             g.pop(KEY, None)
-    from torch.distributed.tensor import DTensor
     names = {id(lp): n for n, lp in exe.local_params().items()}
     for p, st in optimizer.state.items():
         name = names.get(id(p))
-        if name is None:
-            continue
-        full = exe.plan.param(name).global_shape
         for k, v in list(st.items()):
-            if not isinstance(v, torch.Tensor) or v.dim() == 0:
-                continue
-            if not isinstance(v, DTensor) and (tuple(v.shape) != full or tuple(v.shape) == tuple(p.shape)):
-                continue  # this rank's shard already (or not shaped like the parameter)
-            local = exe.state_dict_hooks.local_value(name, f"state.{name}.{k}", v, p)
-            st[k] = torch.zeros_like(p) if local.numel() == 0 else local.clone()
+            if name is not None and isinstance(v, DTensor):
+                local = exe.state_dict_hooks.local_value(name, f"state.{name}.{k}", v, p)
+                st[k] = torch.zeros_like(p) if local.numel() == 0 else local.clone()
 
 
 def _engine_of(optimizer: torch.optim.Optimizer):
