@@ -127,10 +127,10 @@ def test_packed_layout_optimizer_state_dict_round_trips_and_refuses_elsewhere(tm
 # -- slow: per-rank torch.save, resumed in fresh processes, on both models and both layouts ----------------
 
 def _save_worker(rank, world, path, kind, layout):
-    model, opt, _ = _build(kind, layout, world)
+    model, opt, plan = _build(kind, layout, world)
     _train(kind, model, opt, range(2), rank, world)
     torch.save({"model": _shards(model), "optim": opt.state_dict()}, f"{path}-{rank}.pt")
-    return _train(kind, model, opt, range(2, 5), rank, world)
+    return (*_train(kind, model, opt, range(2, 5), rank, world), {b.layout for b in plan.buffers})
 
 
 def _resume_worker(rank, world, path, kind, layout):
@@ -151,6 +151,9 @@ def test_per_rank_torch_save_resumes_bit_for_bit(tmp_path, kind, layout):
     path = str(tmp_path / "ck")
     ran = run(_save_worker, 2, path, kind, layout, timeout=280)
     resumed = run(_resume_worker, 2, path, kind, layout, timeout=280)
+    # the llama's rules put every layout in one plan: packed (contiguous) or chunked, interleaved, replicated
+    assert kind != "llama" or ran[0][2] == {"contiguous" if layout == "auto" else "interleaved", "interleaved",
+                                            "replicated"}, ran[0][2]
     for rank, (a, b) in enumerate(zip(ran, resumed)):
         assert a[0] == b[0], (rank, a[0], b[0])
         assert all(torch.equal(a[1][n], b[1][n]) for n in a[1]), rank
