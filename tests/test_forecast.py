@@ -325,6 +325,18 @@ def test_cli_forecast_table_json_trace(tmp_path):
         assert code == 2 and msg in err and err.count("\n") == 1, err
 
 
+def test_cli_compute_takes_what_it_offers(tmp_path):
+    """--compute takes a number (the achievable TFLOP/s, as --tflops does) and its refusal offers only what it takes."""
+    base = ["forecast", f"{EXAMPLES / 'gpt.py'}:tiny", "--mesh", "dp=2", "--network", "a100-8x-ib200", "--batch", "2x64",
+            "--json"]
+    code, out, err = _cli(*base, "--compute", "0.5")
+    assert code == 0, err
+    assert json.loads(out)["compute"]["tflops"] == 0.5   # as compute=0.5 in Python: that rate alone
+    for bad, msg in [("fast", "not a preset, a file or a number"), ("-3", "positive number")]:
+        code, _, err = _cli(*base, "--compute", bad)
+        assert code == 2 and msg in err and "a dict" not in err and err.count("\n") == 1, err
+
+
 def test_cli_entry_point_runs():
     env = {**os.environ, "PYTHONPATH": str(EXAMPLES.parent / "src")}
     out = subprocess.run([sys.executable, "-m", "shardplan", "forecast", f"{EXAMPLES / 'gpt.py'}:tiny", "--mesh", "dp=2",

@@ -48,18 +48,5 @@ def _dtensor_optimizer_state(opt: torch.optim.Optimizer, args, kwargs) -> None:
         opt.register_state_dict_pre_hook(refuse)
         opt.register_load_state_dict_pre_hook(refuse)
         return
-    SD.install_optimizer(opt, ours[0])
+    SD.install_optimizer(opt, ours[0])  # (states loaded before it, DTensors included, become this rank's pieces)
     opt.__dict__["_shardplan_dtensor_state"] = True
-    _local_states(opt, ours[0])
-
-
-def _local_states(opt: torch.optim.Optimizer, eng) -> None:
-    """DTensor states a never-stepped optimizer was given by ``load_state_dict`` before its hooks existed (FSDP2's
-    or shardplan's ``optimizer.state_dict()``, loaded directly): this rank's pieces, as the hook would have."""
-    from torch.distributed.tensor import DTensor
-    names = {id(lp): n for n, lp in eng.local_params().items()}
-    for p, st in opt.state.items():
-        for k, v in list(st.items()):
-            if isinstance(v, DTensor):
-                local = eng.state_dict_hooks.local_value(names[id(p)], f"state.{names[id(p)]}.{k}", v, p)
-                st[k] = torch.zeros_like(p) if local.numel() == 0 else local.clone()

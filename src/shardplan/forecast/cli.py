@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Callable
 
 from ..errors import ForecastError
 from ..planner.facade import Plan
-from .compute import ComputeModel, compute_model
+from .compute import PRESETS, ComputeModel, compute_model
 from .network import network
+from .sources import preset_or_file
 
 OWN = ("network", "batch", "compute", "tflops", "trace", "scalar_all_reduces")
 PLAN_ONLY = ("schedule", "summary", "explain")  # views of `shardplan plan` that a forecast does not print
@@ -32,8 +34,10 @@ def add_parser(sub, plan_parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="a preset (h100-8x-ib400, h200-8x-ib400, a100-8x-ib200) or a JSON file "
                         "(benchmarks/collectives.py --out FILE writes one)")
     f.add_argument("--batch", required=True, metavar="BxT", help="tokens per rank per step, e.g. 1x4096")
-    f.add_argument("--compute", default=None, help="compute model: a preset (h100-sxm-bf16, ...) or a JSON file "
-                                                   "(default: the network's device)")
+    f.add_argument("--compute", default=None, metavar="PRESET|FILE|TFLOPS",
+                   help="compute model: a preset (h100-sxm-bf16, ...), a JSON file (shardplan rehearse --json "
+                        "writes one) or a number, the achievable TFLOP/s per GPU and nothing else (--tflops "
+                        "instead keeps the rest of the compute model); default: the network's device")
     f.add_argument("--tflops", type=float, default=None, help="achievable TFLOP/s per GPU (overrides the compute model's)")
     f.add_argument("--trace", default=None, metavar="OUT.json", help="write the predicted timeline as a Chrome trace")
     f.add_argument("--scalar-all-reduces", type=int, default=0, metavar="N",
@@ -50,6 +54,27 @@ def parse_batch(text: str) -> tuple[int, int]:
     return b, t
 
 
+def parse_compute(text: str) -> ComputeModel:
+    """``--compute``: a preset, a JSON file, or a number (the achievable TFLOP/s per GPU alone, as
+    ``plan.forecast(compute=400.0)`` takes it).
+
+    >>> parse_compute("0.5").tflops
+    0.5
+    """
+    found = preset_or_file(text, PRESETS, "compute", "compute")   # a file named like a number wins
+    if found is not None:
+        return compute_model(text)
+    try:
+        rate = float(text)
+    except ValueError:
+        raise ForecastError(f"--compute {text!r}: not a preset, a file or a number; use a preset "
+                            f"({', '.join(PRESETS)}), a JSON file (shardplan rehearse --json writes one) or the "
+                            f"achievable TFLOP/s per GPU, e.g. --compute 400") from None
+    if not (math.isfinite(rate) and rate > 0):
+        raise ForecastError(f"--compute {text}: an achievable rate is a positive number of TFLOP/s per GPU")
+    return compute_model(rate)
+
+
 def run(args: argparse.Namespace, plan_text: Callable[[argparse.Namespace], str]) -> str:
     """The forecast for ``args``; ``plan_text`` is ``shardplan plan``'s own runner, asked for JSON.
 
@@ -62,7 +87,7 @@ def run(args: argparse.Namespace, plan_text: Callable[[argparse.Namespace], str]
             raise ForecastError(f"--{name} is an option of `shardplan plan`; run that for it")
     batch = parse_batch(args.batch)
     net = network(args.network)
-    cm = compute_model(args.compute) if args.compute is not None else None   # None: the network's device
+    cm = parse_compute(args.compute) if args.compute is not None else None   # None: the network's device
     if args.tflops is not None:
         cm = (cm or (compute_model(net.device) if net.device else ComputeModel())).with_rate(args.tflops)
     plan_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in OWN})

@@ -243,6 +243,14 @@ def local_box(plan, rank: int, name: str, key: str, v, lp: torch.Tensor, mesh, p
                 v = v.redistribute(mesh, placements)
             local = v.to_local()
         else:  # another mesh or a layout DTensor cannot describe: every rank gathers it and cuts its box
+            stale = stale_mesh(v.device_mesh)
+            if stale:
+                raise CheckpointError(
+                    f"load_state_dict: {key!r} is a DTensor over a DeviceMesh this process cannot gather over: "
+                    f"{stale}. A DTensor that torch.save wrote in another run (a per-rank optimizer.state_dict() "
+                    f"file, say) loads back only at the same world size; to load at another, save with "
+                    f"torch.distributed.checkpoint (dcp.save({{'optim': opt.state_dict()}}), which reshards) or "
+                    f"shardplan.checkpoint.save(path, model, opt) and load with shardplan.checkpoint.load")
             full = v.full_tensor()
             local = None if box is None else full[box]
     elif tuple(v.shape) == p.global_shape:
@@ -252,6 +260,36 @@ def local_box(plan, rank: int, name: str, key: str, v, lp: torch.Tensor, mesh, p
     if local is None or local.numel() == 0:
         return lp.detach()  # this rank holds none of it: nothing to copy
     return local.reshape(lp.shape)
+
+
+def stale_mesh(mesh) -> str:
+    """Why ``mesh`` cannot run collectives in this process ("" where it can).
+
+    >>> stale_mesh(torch.load("optim-0.pt")["state"][0]["exp_avg"].device_mesh)   # saved at world 2, here 1
+    'it spans ranks 0..1, and the world has 1'
+
+    [Note: a DeviceMesh unpickled from another run (``torch.save`` of a DTensor) names its process groups by
+    the names they were registered under there; here a name resolves to nothing or to another group (at world
+    4, the world-2 mesh's dim-0 name is a group of 4 ranks), and a ``full_tensor()`` over it fails with a raw
+    size error or, where the sizes happen to fit, gathers the wrong ranks' pieces. So each dimension's group
+    must hold exactly the mesh's ranks along it.]
+    """
+    import torch.distributed as dist
+    ranks, world = mesh.mesh, dist.get_world_size()
+    if ranks.numel() and int(ranks.max()) >= world:
+        return f"it spans ranks {int(ranks.min())}..{int(ranks.max())}, and the world has {world}"
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return f"rank {dist.get_rank()} is not one of its ranks {ranks.flatten().tolist()}"
+    for d in range(ranks.dim()):
+        along = ranks[tuple(slice(None) if i == d else c for i, c in enumerate(coord))].tolist()
+        try:
+            have = dist.get_process_group_ranks(mesh.get_group(d))
+        except (RuntimeError, ValueError, KeyError) as exc:
+            return f"its dimension {d}'s process group does not resolve here ({exc})"
+        if sorted(have) != sorted(along):
+            return f"its dimension {d} names the process group of ranks {sorted(have)} here, not of ranks {along}"
+    return ""
 
 
 # -- the same values over host copies (async_save's staging) ------------------------------------------------

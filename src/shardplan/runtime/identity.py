@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..errors import RuntimeShardingError
+from .local_optim_state import adopt_loaded
 from .state_dict import install_torch_optimizer
 
 _REPLACED = "_shardplan_replaced"  # on an original parameter the runtime could not adopt: its plan name
@@ -65,6 +66,7 @@ def check_optimizer(opt: torch.optim.Optimizer, args, kwargs) -> None:
     parameters. Once per optimizer after each ``shard()``; a dictionary look-up otherwise."""
     if _checked.get(opt) == _generation[0]:
         return
+    adopt_loaded(opt)  # states loaded before the state-dict hooks existed: checked, made this rank's shards
     whole_only = _not_elementwise(opt)
     for group in opt.param_groups:
         for i, p in enumerate(group["params"]):

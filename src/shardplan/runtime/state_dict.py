@@ -12,7 +12,9 @@ Otherwise ``model.state_dict()`` raises :class:`CheckpointError` naming the para
 ``model.load_state_dict`` takes DTensors (any mesh or placement: redistributed or gathered), full plain
 tensors (what ``set_model_state_dict`` hands it) and this rank's plain local shards, for any layout.
 Both conversions are :mod:`.dcp_values`'s (the one converter shardplan's own checkpoints use too); this
-module installs them as the module's and optimizer's state-dict hooks.
+module installs them as the module's and optimizer's state-dict hooks. An optimizer's states follow the same
+rule where DTensors describe the layout; elsewhere ``optimizer.state_dict()`` gives this rank's local shards,
+marked so that they load back only onto the same shards and DCP refuses them (:mod:`.local_optim_state`).
 """
 
 from __future__ import annotations
@@ -29,13 +31,8 @@ from ..errors import CheckpointError
 from . import collectives as C
 from .dcp_values import describe, dtensor_piece, dtensor_value, local_box
 from .dtensor_params import plain
+from .local_optim_state import WAYS_OUT as _WAYS_OUT, adopt_loaded, mark, unmark
 from .tensor_parallel import full_device_mesh
-
-_WAYS_OUT = ("save and load sharded checkpoints with shardplan.state_dict(model, opt) / "
-             "shardplan.load_state_dict(model, sd, opt) (or shardplan.checkpoint.save(path, model, opt) / "
-             "shardplan.checkpoint.load), export with shardplan.full_state_dict(model), or plan with "
-             "layout=\"chunked\" (shardplan.plan(..., layout=\"chunked\")), whose shards are torch.chunk pieces "
-             "as with FSDP2")
 
 
 class StateDictHooks:
@@ -190,48 +187,39 @@ def install(module: nn.Module, exe, meshes: Optional[dict] = None) -> list:
 
 def install_torch_optimizer(optimizer: torch.optim.Optimizer, exe) -> list:
     """For a plain torch optimizer over a sharded model's local shards (installed at its first ``step()``, which
-    torch's ``get_state_dict`` itself runs on a fresh optimizer): ``optimizer.state_dict()`` gives its sharded
-    states as DTensors, as an optimizer over FSDP2's DTensor parameters has them, wherever it is called (torch's
-    ``get_state_dict`` / ``get_optimizer_state_dict``, ``dcp.save({"optim": opt.state_dict()})``), and
-    ``load_state_dict`` takes them back (DTensors, full tensors or this rank's local shards).
+    torch's ``get_state_dict`` itself runs on a fresh optimizer): :func:`install_optimizer`'s hooks.
 
-    [Note: without this, torch's helpers hand DCP plain tensors that differ per rank; DCP takes a plain
+    [Note: without them, torch's helpers hand DCP plain tensors that differ per rank; DCP takes a plain
     tensor for a replicated value and keeps one rank's copy, so a load at the same world size gives every
-    rank rank 0's moments, silently (and ``full_state_dict=True`` returns local shards as if full). Where the
-    plan's layout cannot be described by DTensors, ``optimizer.state_dict()`` raises instead, as
-    ``model.state_dict()`` does: a state dict is either right for DCP or refused, whoever asks for it.]
+    rank rank 0's moments, silently (and ``full_state_dict=True`` returns local shards as if full). So the
+    states are DTensors where the plan's layout allows it, as FSDP2's are, and elsewhere this rank's shards
+    marked as such: torch's optimizer contract holds (``load_state_dict(state_dict())``, ``deepcopy``, a
+    per-rank ``torch.save``), and the marker refuses DCP and a load where this rank holds other elements.]
     """
     if getattr(optimizer, "_shardplan_dcp_hooks", False) or getattr(exe, "dtensor_params", False):
         return []  # (DTensor parameters: the optimizer's states are DTensors already, as FSDP2's)
-    hooks = exe.state_dict_hooks
-    if hooks.bad is not None:
-        optimizer._shardplan_dcp_hooks = True
-
-        def refuse(_opt):
-            why = hooks.layout[hooks.bad][1]
-            raise CheckpointError(
-                f"optimizer.state_dict(): the optimizer's states of parameter {hooks.bad!r} cannot be given as "
-                f"DTensors ({why}), and as plain per-rank tensors DCP (and torch's get_optimizer_state_dict) would "
-                f"keep one rank's copy. To checkpoint this model, {_WAYS_OUT}")
-        return [optimizer.register_state_dict_pre_hook(refuse)]
     return install_optimizer(optimizer, exe)
 
 
 def install_optimizer(optimizer: torch.optim.Optimizer, exe) -> list:
-    """Make ``optimizer.state_dict()`` give its sharded states as DTensors, as ``model.state_dict()`` gives the
-    parameters (so ``dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()})`` reshards),
-    and ``optimizer.load_state_dict`` take them back (DTensors, full tensors or local shards).
+    """Make ``optimizer.state_dict()`` give its sharded states as DTensors where the plan's layout is DTensor
+    placements, as ``model.state_dict()`` gives the parameters (so ``dcp.save({"model": model.state_dict(),
+    "optim": optimizer.state_dict()})`` reshards), and as this rank's local shards elsewhere, with a marker
+    (:mod:`.local_optim_state`: it loads back on the same shards only, and DCP refuses it); and make
+    ``optimizer.load_state_dict`` take either back (and full tensors).
 
     >>> install_optimizer(opt, engine_of(model)); dcp.save({"optim": opt.state_dict()}, checkpoint_id=path)
 
     A never-stepped optimizer gets its state first (a zero-lr step, counters put back), so that a state dict
-    built to load into has tensors for DCP to fill.
+    built to load into has tensors for DCP to fill; what it was loaded with before these hooks existed is
+    checked and made local now (``adopt_loaded``).
     """
     optimizer._shardplan_dcp_hooks = True  # the automatic hooks for torch's helpers (above) are not needed
-    init_state, to_dtensors, from_dtensors = _optimizer_hooks(optimizer, exe)
+    adopt_loaded(optimizer, exe)
+    init_state, save, load = _optimizer_hooks(optimizer, exe)
     return [optimizer.register_state_dict_pre_hook(init_state),
-            optimizer.register_state_dict_post_hook(to_dtensors),
-            optimizer.register_load_state_dict_pre_hook(from_dtensors)]
+            optimizer.register_state_dict_post_hook(save),
+            optimizer.register_load_state_dict_pre_hook(load)]
 
 
 def _optimizer_hooks(optimizer: torch.optim.Optimizer, exe):
@@ -263,12 +251,15 @@ def _optimizer_hooks(optimizer: torch.optim.Optimizer, exe):
     def to_dtensors(_opt, sd):
         return convert(sd, lambda name, key, v, p: hooks.value(name, v))
 
-    def from_dtensors(_opt, sd):
+    def to_local(_opt, sd):  # a layout no DTensor describes: torch's own state dict, marked (local_optim_state.py)
+        return mark(sd, optimizer, exe)
+
+    def from_saved(_opt, sd):
         def local(name, key, v, p):
             out = hooks.local_value(name, key, v, p)
             # [Note: local_value answers "this rank holds nothing" with the (empty) shard; a state must not alias it]
             return torch.zeros_like(p) if out.numel() == 0 else out
-        return convert(sd, local)
+        return convert(unmark(sd, optimizer, exe), local)
 
     def init_state(opt):
         if opt.state:
@@ -282,7 +273,7 @@ def _optimizer_hooks(optimizer: torch.optim.Optimizer, exe):
             if wrapper is not None:
                 opt.step = wrapper
 
-    return init_state, to_dtensors, from_dtensors
+    return init_state, (to_dtensors if hooks.bad is None else to_local), from_saved
 
 
 def _sharded_state(v, shapes: tuple) -> bool:
