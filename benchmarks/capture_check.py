@@ -168,7 +168,7 @@ def system(face, config, dev, dtype, act_ckpt=False, units=None, min_unit_bytes=
         def params():
             if face == "unsharded":
                 return {n: p.detach().clone() for n, p in model.named_parameters()}
-            return {n: p.detach().clone() for n, p in sp.full_state_dict(model, cpu=False).items()}
+            return {n: p.detach().clone() for n, p in sp.checkpoint.full_state_dict(model, cpu=False).items()}
         return step, after, params, model
     if face == "functional":
         plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=1), units=[units], compute_dtype=dt, reduce_dtype=red,
@@ -183,7 +183,7 @@ def system(face, config, dev, dtype, act_ckpt=False, units=None, min_unit_bytes=
 
         def fstep(params, state, x, y):
             loss, grads = vg(params, x[0], y[0])
-            grads, _ = sp.clip_by_global_norm(grads, 1.0, plan, donate=True)
+            grads, _ = sp.optim.clip_by_global_norm(grads, 1.0, plan, donate=True)
             params, state = opt.update(grads, state, params, donate=True)
             return params, state, loss.detach()
 

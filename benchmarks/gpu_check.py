@@ -43,7 +43,7 @@ def parity(strategy, dev, dtype=None):
             model(x, y).backward()
             opt.step()
             opt.zero_grad()
-    full = sp.full_state_dict(model, cpu=False)
+    full = sp.checkpoint.full_state_dict(model, cpu=False)
     diff = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
     return {"max_param_diff": diff, "ops_equal_schedule": ops == list(plan.ops()) * len(data), "ops": len(ops)}
 
@@ -67,7 +67,7 @@ def dynamic(dev):
                 m(x, y).backward()
                 o.step()
                 o.zero_grad()
-        full = sp.full_state_dict(model, cpu=False)
+        full = sp.checkpoint.full_state_dict(model, cpu=False)
         out[f"{mode}/{order}"] = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
     return out
 

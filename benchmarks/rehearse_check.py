@@ -46,7 +46,7 @@ def one_case(config: str, dp: int, checkpoint: bool, batch: tuple[int, int], ste
     out = {"config": config, "dp": dp, "tp": tp, "rank": 0, "checkpoint": checkpoint, "batch": list(batch), "plan_s": plan_s}
     try:
         r = sp.rehearse(lambda: gpt.build(config), plan, rank=0, batch=batch, steps=steps, checkpoint=checkpoint)
-    except sp.RehearsalError as exc:
+    except sp.errors.RehearsalError as exc:
         return {**out, "refused": str(exc), "planned_peak": plan.memory(0, recompute=checkpoint).peak}
     d = r.to_dict()
     keep = ("device", "step_s", "median_step_s", "measured_peak", "measured_peaks", "planned_peak",

@@ -58,7 +58,7 @@ def main(argv=None) -> list[float]:
         t0 = time.perf_counter()
         lr = sched(step)  # what opt.update uses at this step (its state counts the steps)
         loss, grads = step_fn(params, x, y)
-        grads, norm = sp.clip_by_global_norm(grads, 1.0, plan)
+        grads, norm = sp.optim.clip_by_global_norm(grads, 1.0, plan)
         params, state = opt.update(grads, state, params)
         mean = loss.float().clone()
         dist.all_reduce(mean)

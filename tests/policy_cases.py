@@ -1,7 +1,6 @@
-"""Plans made with the flat keywords of ``sp.plan``, before the options were grouped into policies
-(``sp.Precision``, ``sp.Offload``, ``sp.Schedule``, ``sp.Layout``): tests/test_policies.py checks that their
-JSON (written by the planner of commit 35feb7b, ``tests/fixtures/plans_before_policies.json``) still loads, and
-that the automatic offload fraction still chooses the numbers it chose then.
+"""Plans made with the keywords of ``sp.plan``: tests/test_policies.py checks that their JSON (written by the
+planner of commit 35feb7b, format 2, ``tests/fixtures/plans_before_policies.json``) still loads and is made the
+same, and that the automatic offload fraction still chooses the numbers it chose then.
 
 Regenerate the fixture (only on purpose: it pins the old planner's output) with
 ``PYTHONPATH=src python3 tests/policy_cases.py``.
@@ -37,7 +36,7 @@ MODELS = {"sequential": (sequential, [(r".*", sp.P("dp"))], [r"1\.\d"]),
                         (r".*", sp.P("dp"))], [r"blocks\.\d+"]),
           "gpt": (build, [(r".*norm.*", sp.P()), (r".*", sp.P("dp"))], None)}
 
-# name -> (model, mesh axes, flat keywords)
+# name -> (model, mesh axes, keywords)
 CASES = {
     "default": ("toy", dict(dp=4), {}),
     "mixed_precision": ("gpt", dict(dp=4), dict(compute_dtype="bfloat16", reduce_dtype="float32", prefetch=2)),
@@ -63,7 +62,7 @@ AUTO = [(m, s, w, budget) for m, s, w, budgets in (
 
 
 def make(name: str, **keywords) -> "sp.Plan":
-    """The plan of case ``name`` (its flat keywords, overridden by ``keywords``)."""
+    """The plan of case ``name`` (its keywords, overridden by ``keywords``)."""
     model, mesh, flat = CASES[name]
     builder, rules, units = MODELS[model]
     return sp.plan(builder(), rules, sp.Mesh(**mesh), units=units, **{**flat, **keywords})
@@ -84,7 +83,7 @@ def write() -> None:
         try:
             p = make_auto(model, strategy, what, budget)
             fraction, fingerprint = p.offload_fraction, p.fingerprint()
-        except sp.PlanError:
+        except sp.errors.PlanError:
             fraction = fingerprint = None  # does not fit even fully offloaded
         out["auto"].append([model, strategy, what, budget, fraction, fingerprint])
     FIXTURE.parent.mkdir(exist_ok=True)

@@ -97,9 +97,9 @@ def _capture_worker(rank, world, case):
                     opt.zero_grad()  # once, before the capture: later steps add to what the step leaves
                 losses.append(float(f(x, y)))
                 sched.step()
-        except sp.CaptureError as exc:
+        except sp.errors.CaptureError as exc:
             return {"error": str(exc), "steps": len(losses)}
-        out[mode] = (losses, {k: v.clone() for k, v in sp.full_state_dict(model).items()},
+        out[mode] = (losses, {k: v.clone() for k, v in sp.checkpoint.full_state_dict(model).items()},
                      getattr(f, "replays", 0))
     return out
 
@@ -148,9 +148,9 @@ def _edited_worker(rank, world, case):
         f = sp.capture(step, backend="eager") if mode == "captured" else step
         try:
             losses = [float(f(x[rank * 2:rank * 2 + 2], y[rank * 2:rank * 2 + 2])) for x, y in data]
-        except sp.CaptureError as exc:
+        except sp.errors.CaptureError as exc:
             return {"error": str(exc), "calls": calls[0]}
-        out[mode] = (losses, {k: v.clone() for k, v in sp.full_state_dict(m).items()}, plan.capturable)
+        out[mode] = (losses, {k: v.clone() for k, v in sp.checkpoint.full_state_dict(m).items()}, plan.capturable)
     return out
 
 
@@ -184,7 +184,7 @@ def _replaced_worker(rank, world, kind):
             p.grad = torch.zeros_like(p)  # a replay would assign where the eager step adds
     try:
         f(*data[3])
-    except sp.CaptureError as exc:
+    except sp.errors.CaptureError as exc:
         return name, str(exc)
     return name, None
 
@@ -212,7 +212,7 @@ def _no_sync_replay_worker(rank, world):
     try:
         with sp.no_sync(model):  # accumulation around the call: the graph would reduce and step anyway
             f(*data[3])
-    except sp.CaptureError as exc:
+    except sp.errors.CaptureError as exc:
         return str(exc)
     return None
 
@@ -233,7 +233,7 @@ def _mode_worker(rank, world):
     try:  # ... and no model.train() after it
         f(*data[3])
         out.append(None)
-    except sp.CaptureError as exc:
+    except sp.errors.CaptureError as exc:
         out.append(str(exc))
     model.train()
     replays = f.replays
@@ -244,7 +244,7 @@ def _mode_worker(rank, world):
     try:
         f(*data[5])
         out.append(None)
-    except sp.CaptureError as exc:
+    except sp.errors.CaptureError as exc:
         out.append((name, str(exc)))
     return out
 
@@ -277,7 +277,7 @@ def _assigning_worker(rank, world):
     f(*data[1])  # two warm-up calls: eager, as the step is
     try:
         f(*data[2])  # the capture
-    except sp.CaptureError as exc:
+    except sp.errors.CaptureError as exc:
         return str(exc)
     return None
 
@@ -299,7 +299,7 @@ def _trained_worker(rank, world):
         try:
             f(*data[3 + flip])
             out.append(None)
-        except sp.CaptureError as exc:
+        except sp.errors.CaptureError as exc:
             out.append(str(exc))
     replays = f.replays
     f(*data[5])
@@ -332,16 +332,16 @@ def test_a_replay_refuses_a_param_group_added_since_the_capture():
     for _ in range(3):
         f(torch.ones(3))
     opt.add_param_group({"params": [v]})
-    with pytest.raises(sp.CaptureError, match=r"SGD's param groups changed.*1 groups of \[1\].*2 of \[1, 1\]"):
+    with pytest.raises(sp.errors.CaptureError, match=r"SGD's param groups changed.*1 groups of \[1\].*2 of \[1, 1\]"):
         f(torch.ones(3))
     opt.param_groups.pop()
     params, swapped = opt.param_groups[0]["params"], nn.Parameter(torch.ones(3))
     params[0] = swapped  # the same count, another parameter: the replay would step the old one
-    with pytest.raises(sp.CaptureError, match=r"a parameter of a group replaced by another"):
+    with pytest.raises(sp.errors.CaptureError, match=r"a parameter of a group replaced by another"):
         f(torch.ones(3))
     params[0] = w
     w.requires_grad_(False)
-    with pytest.raises(sp.CaptureError, match=r"SGD.param_groups\[0\]\['params'\]\[0\] has requires_grad=False"):
+    with pytest.raises(sp.errors.CaptureError, match=r"SGD.param_groups\[0\]\['params'\]\[0\] has requires_grad=False"):
         f(torch.ones(3))
     w.requires_grad_(True)
     f(torch.ones(3))
@@ -379,7 +379,7 @@ def _used_worker(rank, world):
     try:
         for _ in range(3):
             f(torch.randn(2, 4))
-    except sp.CaptureError as exc:
+    except sp.errors.CaptureError as exc:
         return str(exc)
     return None
 
@@ -395,16 +395,16 @@ def test_capture_without_a_gpu_refuses_and_names_the_eager_backend():
     f(torch.ones(2))  # the warm-up call runs eagerly
     if torch.cuda.is_available():  # pragma: no cover - the CPU suite
         pytest.skip("a GPU is here: the capture would run")
-    with pytest.raises(sp.CaptureError, match="backend='eager'"):
+    with pytest.raises(sp.errors.CaptureError, match="backend='eager'"):
         f(torch.ones(2))
 
 
 def test_capture_arguments_are_checked():
-    with pytest.raises(sp.CaptureError, match="warmup"):
+    with pytest.raises(sp.errors.CaptureError, match="warmup"):
         sp.capture(lambda: 0, warmup=0)
-    with pytest.raises(sp.CaptureError, match="on_new_shape"):
+    with pytest.raises(sp.errors.CaptureError, match="on_new_shape"):
         sp.capture(lambda: 0, on_new_shape="sometimes")
-    with pytest.raises(sp.CaptureError, match="backend"):
+    with pytest.raises(sp.errors.CaptureError, match="backend"):
         sp.capture(lambda: 0, backend="xla")
 
 
@@ -417,7 +417,7 @@ def test_an_argument_neither_tensor_nor_hashable_is_refused_naming_it():
 
     f = sp.capture(lambda x, cfg: x * cfg.scale, backend="eager", warmup=1)
     for cfg in (Cfg(), bytearray(b"ab"), {1, 2}):
-        with pytest.raises(sp.CaptureError, match=r"args\[1\] is a .*neither a tensor nor hashable.*as a tensor"):
+        with pytest.raises(sp.errors.CaptureError, match=r"args\[1\] is a .*neither a tensor nor hashable.*as a tensor"):
             f(torch.ones(2), cfg)
     assert not f.graphs  # refused before anything ran
     g = sp.capture(lambda x, scale: x * scale, backend="eager", warmup=1)
@@ -447,7 +447,7 @@ def test_a_call_in_another_grad_or_autocast_context_is_refused():
                       (lambda: torch.autocast("cpu", dtype=torch.bfloat16),
                        r"autocast\('cpu', dtype=torch.bfloat16\) around this call, no cpu autocast around the capture")):
         before = w.detach().clone()
-        with pytest.raises(sp.CaptureError, match=says):
+        with pytest.raises(sp.errors.CaptureError, match=says):
             with ctx():
                 f(torch.ones(2, 4))
         assert torch.equal(w, before)  # refused before anything ran
@@ -482,7 +482,7 @@ def test_static_inputs_new_shapes_and_donation():
     assert len(f.graphs) == 2
     g = sp.capture(fn, backend="eager", warmup=1, on_new_shape="error")
     g(torch.ones(3))
-    with pytest.raises(sp.CaptureError, match="new signature"):
+    with pytest.raises(sp.errors.CaptureError, match="new signature"):
         g(torch.ones(3), scale=2.0)  # another non-tensor argument is a new signature too
     d = sp.capture(fn, backend="eager", warmup=1, donate_argnums=(0,))
     d(torch.ones(3))
@@ -510,7 +510,7 @@ def test_a_replay_refuses_a_donated_tensor_whose_storage_was_replaced():
         tree["w"].copy_(torch.zeros(3))  # in place: fine
     assert float(step(tree, torch.ones(3))) == 3.0
     tree["w"].data = torch.zeros(3)  # new storage
-    with pytest.raises(sp.CaptureError, match=r"args\[0\]\['w'\].*storage"):
+    with pytest.raises(sp.errors.CaptureError, match=r"args\[0\]\['w'\].*storage"):
         step(tree, torch.ones(3))
     step.reset()
     step(tree, torch.ones(3))  # captured again
@@ -530,7 +530,7 @@ def _functional_worker(rank, world):
 
         def step(params, state, x, y):
             loss, grads = vg(params, x, y)
-            grads, _ = sp.clip_by_global_norm(grads, 0.5, plan)
+            grads, _ = sp.optim.clip_by_global_norm(grads, 0.5, plan)
             params, state = opt.update(grads, state, params, donate=True)
             return params, state, loss.detach()
 
@@ -629,7 +629,7 @@ def _hyper_worker(rank, world, tmp):
     try:
         f(x, y)
         msg = None
-    except sp.CaptureError as exc:
+    except sp.errors.CaptureError as exc:
         msg = str(exc)
     return kept, msg
 
@@ -662,7 +662,7 @@ def test_a_replay_refuses_a_tensor_hyper_parameter_replaced_since_the_capture():
     f(torch.ones(3))
     for new in (0.05, torch.tensor(0.05)):
         opt.param_groups[0]["lr"] = new
-        with pytest.raises(sp.CaptureError, match=r"param_groups\[0\]\['lr'\].*replaced.*fill_"):
+        with pytest.raises(sp.errors.CaptureError, match=r"param_groups\[0\]\['lr'\].*replaced.*fill_"):
             f(torch.ones(3))
     opt.param_groups[0]["lr"] = lr
     f(torch.ones(3))  # the captured tensor back: replays
@@ -694,7 +694,7 @@ def test_a_replay_refuses_a_tuple_or_flag_hyper_parameter_changed_since_the_capt
                             ("maximize", True, "False to True")):
         then = opt.param_groups[0][key]
         opt.param_groups[0][key] = new
-        with pytest.raises(sp.CaptureError, match=rf"param_groups\[0\]\['{key}'\] changed from {shown}"):
+        with pytest.raises(sp.errors.CaptureError, match=rf"param_groups\[0\]\['{key}'\] changed from {shown}"):
             f(torch.ones(3))
         opt.param_groups[0][key] = then
     f(torch.ones(3))  # back to the captured values: replays
@@ -742,7 +742,7 @@ def _mesh_capture_worker(rank, world, case):
         for _ in range(5):
             losses.append(float(f(torch.randint(0, 64, (4, 17), generator=g))))
             sched.step()
-        out[mode] = (losses, {k: v.clone() for k, v in sp.full_state_dict(model).items()}, getattr(f, "replays", 0))
+        out[mode] = (losses, {k: v.clone() for k, v in sp.checkpoint.full_state_dict(model).items()}, getattr(f, "replays", 0))
     return out
 
 
@@ -859,9 +859,9 @@ def _eval_every_step_worker(rank, world):
                 if i < 3:  # an evaluation after each warm-up call and the capture (then none)
                     with torch.no_grad():
                         evals.append(float(model(*data[0])))
-        except sp.CaptureError as exc:
+        except sp.errors.CaptureError as exc:
             return {"error": str(exc)}
-        out[mode] = (losses, evals, {k: v.clone() for k, v in sp.full_state_dict(model).items()}, gathers)
+        out[mode] = (losses, evals, {k: v.clone() for k, v in sp.checkpoint.full_state_dict(model).items()}, gathers)
     return out
 
 
@@ -916,7 +916,7 @@ def _functional_eval_worker(rank, world, donate):
                 if i < 3:  # an evaluation after each warm-up call and the capture
                     with torch.no_grad():
                         evals.append(float(sp.functional_call(model, plan, params, data[0])))
-        except sp.CaptureError as exc:
+        except sp.errors.CaptureError as exc:
             return {"error": str(exc)}
         out[mode] = (losses, evals, {k: v.clone() for k, v in params.items()},
                      _capture_gathers(f) if mode == "captured" else None, [c for inside, c in loads if inside])
@@ -1000,7 +1000,7 @@ def _eval_step_worker(rank, world):
                 t(*data[k])
                 for j in range(3):  # an evaluation phase of three batches, the evaluation step captured too
                     evals.append(float(e(*data[4 + j])))
-        except sp.CaptureError as exc:
+        except sp.errors.CaptureError as exc:
             return {"error": str(exc)}
         out[mode] = (evals, _capture_gathers(e) if mode == "captured" else None)
     return out
@@ -1065,7 +1065,7 @@ def _hf_capture_worker(rank, world, name, strategy):
             sched.step()
             with torch.no_grad():  # an evaluation after every warm-up call, the capture and every replay
                 evals.append(float(loss_of(*data[0])))
-        out[mode] = (losses, evals, {k: v.clone() for k, v in sp.full_state_dict(model).items()},
+        out[mode] = (losses, evals, {k: v.clone() for k, v in sp.checkpoint.full_state_dict(model).items()},
                      getattr(f, "replays", 0))
     return out
 

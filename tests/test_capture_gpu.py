@@ -93,7 +93,7 @@ def test_capture_refuses_an_hf_model_whose_mask_changes_under_capture():
             "    f = sp.capture(step)\n"
             "    try:\n"
             "        [f() for _ in range(4)]; return 'captured'\n"
-            "    except sp.CaptureError as e: return str(e)\n"
+            "    except sp.errors.CaptureError as e: return str(e)\n"
             "lo, hi = hf._MASK_UNDER_CAPTURE; affected = lo <= hf._version(transformers.__version__) < hi\n"
             "a, b = run(False), run(True)\n"
             "print('AFFECTED' if affected else 'FINE', repr(a), repr(b))\n"

@@ -113,7 +113,7 @@ def _constant_worker(rank, world):
     opt.max_grad_norm = 1.0  # baked into the graph (the clipping runs on the device)
     try:
         f(*data[3])
-    except sp.CaptureError as exc:
+    except sp.errors.CaptureError as exc:
         return str(exc)
     return None
 
@@ -153,7 +153,7 @@ def _outside_worker(rank, world):
             f(x, y)
             opt.step()
             opt.zero_grad()
-    except sp.CaptureError as exc:
+    except sp.errors.CaptureError as exc:
         return str(exc)
     return None
 
@@ -177,7 +177,7 @@ def _python_output_worker(rank, world):
     try:
         for x, y in data:
             f(x, y)
-    except sp.CaptureError as exc:
+    except sp.errors.CaptureError as exc:
         return str(exc)
     return None
 
@@ -263,17 +263,17 @@ def _hf_offload_worker(rank, world, name, offload, ckpt_dir):
 
     model, opt, step, loss_of = build()
     eager = train(step, opt, loss_of, data, 0)
-    eager_state = {n: v.clone() for n, v in sp.full_state_dict(model).items()}
+    eager_state = {n: v.clone() for n, v in sp.checkpoint.full_state_dict(model).items()}
     model, opt, step, loss_of = build()
     f = sp.capture(step, backend="eager")
     first = train(f, opt, loss_of, data[:4], 0)  # warm-ups, the capture, one replay; then a checkpoint
     sp.checkpoint.save(ckpt_dir, model, opt, step=4)
     rest = train(f, opt, loss_of, data[4:], 4)
-    captured_state = sp.full_state_dict(model)
+    captured_state = sp.checkpoint.full_state_dict(model)
     model, opt, step, loss_of = build()  # the checkpoint written between replays, resumed eagerly
     sp.checkpoint.load(ckpt_dir, model, opt)
     resumed = train(step, opt, loss_of, data[4:], 4)
-    resumed_state = sp.full_state_dict(model)
+    resumed_state = sp.checkpoint.full_state_dict(model)
     return (eager[0] == first[0] + rest[0] and eager[1] == first[1] + rest[1],
             all(torch.equal(eager_state[n], captured_state[n]) for n in eager_state),
             resumed == rest and all(torch.equal(eager_state[n], resumed_state[n]) for n in eager_state), f.replays)

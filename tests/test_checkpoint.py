@@ -49,12 +49,12 @@ def _save_worker(rank, world, path, strategy):
     # a fresh, never-stepped optimizer's state dict has its state created (for DCP to load into), equal to
     # a fresh optimizer's: zero moments, step 0 (the first real step is still step 1)
     fresh = torch.optim.AdamW(model.parameters())
-    sd = sp.state_dict(model, fresh)
+    sd = sp.checkpoint.state_dict(model, fresh)
     assert set(sd["optimizer"]["state"]) == {n for n, p in model.named_parameters() if p.requires_grad}
     assert all(float(st["step"]) == 0 and not st["exp_avg"].any() for st in fresh.state.values())
-    assert sp.state_dict(model, fresh, init_optimizer=False)["optimizer"]["state"]
+    assert sp.checkpoint.state_dict(model, fresh, init_optimizer=False)["optimizer"]["state"]
     sp.checkpoint.save(path, model, opt, step=SPLIT)
-    saved = sp.full_state_dict(model)
+    saved = sp.checkpoint.full_state_dict(model)
     rest = _steps(model, opt, rank, world, data[SPLIT:])
     return first + rest, {k: v for k, v in saved.items()}
 
@@ -63,7 +63,7 @@ def _resume_worker(rank, world, path, strategy, units, odd):
     data = batches(DATA)
     model, opt, _ = _make(rank, world, strategy, units=units, odd=odd, seed=123)  # other weights: load must overwrite
     step = sp.checkpoint.load(path, model, opt)
-    loaded = sp.full_state_dict(model)
+    loaded = sp.checkpoint.full_state_dict(model)
     rest = _steps(model, opt, rank, world, data[step:])
     return step, rest, loaded
 
@@ -96,7 +96,7 @@ def test_save_at_4_resume_at_4_2_1_other_strategies_and_rules(tmp_path):
 def _roundtrip_worker(rank, world, path, strategy):
     model, opt, plan = _make(rank, world, strategy)
     _steps(model, opt, rank, world, batches(2))
-    sd = sp.state_dict(model, opt)
+    sd = sp.checkpoint.state_dict(model, opt)
     torch.distributed.checkpoint.save(sd, checkpoint_id=path)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     state_before = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters() if p in opt.state}
@@ -105,9 +105,9 @@ def _roundtrip_worker(rank, world, path, strategy):
             p.add_(1.0)
         for st in opt.state.values():
             st["exp_avg"].zero_()
-    sd2 = sp.state_dict(model, opt)
+    sd2 = sp.checkpoint.state_dict(model, opt)
     torch.distributed.checkpoint.load(sd2, checkpoint_id=path)
-    sp.load_state_dict(model, sd2, opt)
+    sp.checkpoint.load_state_dict(model, sd2, opt)
     ok_params = all(torch.equal(before[n], p) for n, p in model.named_parameters())
     ok_state = all(torch.equal(state_before[n][k], opt.state[p][k]) for n, p in model.named_parameters()
                    if n in state_before for k in state_before[n])
@@ -116,8 +116,8 @@ def _roundtrip_worker(rank, world, path, strategy):
     names = {p.name for p in plan.params} | {a for p in plan.params for a in p.aliases} | {"scale"}
     try:
         msd = model.state_dict()
-    except sp.CheckpointError as exc:
-        contract = "shardplan.state_dict" in str(exc)
+    except sp.errors.CheckpointError as exc:
+        contract = "shardplan.checkpoint.state_dict" in str(exc)
     else:
         from torch.distributed.tensor import DTensor
         model.load_state_dict(msd)
@@ -144,7 +144,7 @@ def _mismatch_worker(rank, world, path):
     try:
         sp.checkpoint.load(path, model)
         strict = "no error"
-    except sp.CheckpointError as exc:
+    except sp.errors.CheckpointError as exc:
         strict = str(exc)
     untouched = all(torch.equal(before[n], p) for n, p in model.named_parameters())
     import warnings
@@ -195,13 +195,13 @@ def test_mismatch_is_reported_and_killed_save_leaves_previous(tmp_path):
 def _full_worker(rank, world):
     ref = Toy()
     model, opt, plan = _make(rank, world, "optim_grads_params")
-    full = sp.full_state_dict(model)
+    full = sp.checkpoint.full_state_dict(model)
     exact = rank != 0 or all(torch.equal(full[n], t) for n, t in ref.state_dict().items() if n != "scale")
     other_ranks_empty = rank == 0 or full == {}
     # import: a plain state dict (as from torch.load) into a model with other weights
     target, _, _ = _make(rank, world, "optim_grads", seed=7)
-    sp.load_full_state_dict(target, ref.state_dict() if rank == 0 else {})
-    back = sp.full_state_dict(target)
+    sp.checkpoint.load_full_state_dict(target, ref.state_dict() if rank == 0 else {})
+    back = sp.checkpoint.full_state_dict(target)
     round_trip = rank != 0 or all(torch.equal(back[n], t) for n, t in ref.state_dict().items() if n != "scale")
     return exact, other_ranks_empty, round_trip
 
@@ -229,7 +229,7 @@ def _meta_worker(rank, world):
 
     sp.shard(model, plan, init_fn=init_fn)
     model.scale.fill_(0.5)  # non-parameter buffers built on meta are the caller's to fill
-    full = sp.full_state_dict(model)
+    full = sp.checkpoint.full_state_dict(model)
     same = rank != 0 or all(torch.equal(full[n], t) for n, t in ref.state_dict().items() if n != "scale")
     loss = model(*batches(1)[0][0:2]).item()
     return same, seen_full_elsewhere, all(p.device.type == "cpu" for p in model.parameters()), loss
@@ -267,7 +267,7 @@ def _hsdp_save_worker(rank, world, path, mesh_key, strategy):
     model, opt = _make_on(rank, world, mesh_key, strategy)
     first = _steps(model, opt, rank, world, data[:SPLIT])
     sp.checkpoint.save(path, model, opt, step=SPLIT)
-    saved = sp.full_state_dict(model)
+    saved = sp.checkpoint.full_state_dict(model)
     return first + _steps(model, opt, rank, world, data[SPLIT:]), saved
 
 
@@ -275,7 +275,7 @@ def _hsdp_load_worker(rank, world, path, mesh_key, strategy):
     data = batches(DATA)
     model, opt = _make_on(rank, world, mesh_key, strategy, seed=9)
     step = sp.checkpoint.load(path, model, opt)
-    loaded = sp.full_state_dict(model)
+    loaded = sp.checkpoint.full_state_dict(model)
     return step, _steps(model, opt, rank, world, data[step:]), loaded
 
 
@@ -306,12 +306,12 @@ def _raw_dcp_worker(rank, world, path, phase):
     model, opt, _ = _make(rank, world, "optim_grads_params", seed=0 if phase == "save" else 5)
     if phase == "save":
         first = _steps(model, opt, rank, world, data[:SPLIT])
-        torch.distributed.checkpoint.save(sp.state_dict(model, opt), checkpoint_id=path)
+        torch.distributed.checkpoint.save(sp.checkpoint.state_dict(model, opt), checkpoint_id=path)
         return first + _steps(model, opt, rank, world, data[SPLIT:])
     # the path the docs advertise, on a freshly built optimizer that has no state yet
-    sd = sp.state_dict(model, opt)
+    sd = sp.checkpoint.state_dict(model, opt)
     torch.distributed.checkpoint.load(sd, checkpoint_id=path)
-    sp.load_state_dict(model, sd, opt)
+    sp.checkpoint.load_state_dict(model, sd, opt)
     return _steps(model, opt, rank, world, data[SPLIT:])
 
 
@@ -343,8 +343,8 @@ def _filters_worker(rank, world, path):
         inside = list(warnings.filters)
         sp.checkpoint.save(path, model, opt, step=3)
         step = sp.checkpoint.load(path, model, opt)
-        sp.full_state_dict(model)
-        sp.load_state_dict(model, sp.state_dict(model, opt), opt)
+        sp.checkpoint.full_state_dict(model)
+        sp.checkpoint.load_state_dict(model, sp.checkpoint.state_dict(model, opt), opt)
         kept = list(warnings.filters) == inside
     leaked = [f"{w.filename}:{w.lineno}: {str(w.message)[:100]}" for w in seen
               if "ShardedTensor" in str(w.message) or "_shard" in str(w.message)]

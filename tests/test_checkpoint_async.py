@@ -64,7 +64,7 @@ def _save_worker(rank, world, root):
     data = batches(DATA)
     model, opt = _make(rank, world)
     first = _steps(model, opt, rank, world, data[:SPLIT])
-    at_save = sp.full_state_dict(model)
+    at_save = sp.checkpoint.full_state_dict(model)
     state_at_save = _optimizer_state(model, opt)
     _slow_writes(0.5)
     path = sp.checkpoint.step_dir(root, SPLIT)
@@ -77,7 +77,7 @@ def _save_worker(rank, world, root):
     # the checkpoint holds the values at async_save time, not the trained ones
     fresh, fresh_opt = _make(rank, world, seed=11)
     step = sp.checkpoint.load(published, fresh, fresh_opt)
-    loaded = sp.full_state_dict(fresh)
+    loaded = sp.checkpoint.full_state_dict(fresh)
     same_params = rank != 0 or (loaded.keys() == at_save.keys() and all(torch.equal(loaded[n], t) for n, t in at_save.items()))
     loaded_state = _optimizer_state(fresh, fresh_opt)
     same_state = loaded_state.keys() == state_at_save.keys() and all(
@@ -129,19 +129,19 @@ def _failing_worker(rank, world, root):
     try:
         fut.result()
         err = None
-    except sp.CheckpointError as exc:
+    except sp.errors.CheckpointError as exc:
         err = str(exc)
     latest_after_failure = sp.checkpoint.latest(root)
     # an unchecked failure is reported by the next save of the process
     fut = sp.checkpoint.async_save(sp.checkpoint.step_dir(root, 2), model, opt, step=2)
     try:
         fut.result()
-    except sp.CheckpointError:
+    except sp.errors.CheckpointError:
         pass
     try:
         sp.checkpoint.save(sp.checkpoint.step_dir(root, 2), model, opt, step=2)
         unchecked = None
-    except sp.CheckpointError as exc:
+    except sp.errors.CheckpointError as exc:
         unchecked = str(exc)
     async_io._Writer.write_data = real
     # fut above was checked by result(): the next one goes ahead
@@ -177,7 +177,7 @@ def _unchecked_worker(rank, world, root):
     try:
         sp.checkpoint.save(sp.checkpoint.step_dir(root, 2), model, opt, step=2)
         return None
-    except sp.CheckpointError as exc:
+    except sp.errors.CheckpointError as exc:
         return str(exc)
 
 
@@ -190,7 +190,7 @@ def _kill_worker(rank, world, root):
     fut = sp.checkpoint.async_save(sp.checkpoint.step_dir(root, 2), model, opt, step=2)
     try:
         fut.result(timeout=60)
-    except sp.CheckpointError as exc:
+    except sp.errors.CheckpointError as exc:
         return str(exc)
     return "published"
 

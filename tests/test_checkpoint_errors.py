@@ -34,7 +34,7 @@ def _train(model, opt, rank, world):
 def _error(fn) -> str:
     try:
         fn()
-    except sp.CheckpointError as exc:
+    except sp.errors.CheckpointError as exc:
         return str(exc)
     return "no error"
 
@@ -48,8 +48,8 @@ def _writer(rank, world, root):
     sgd = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     _train(model, sgd, rank, world)
     sp.checkpoint.save(f"{root}/sgd", model, sgd, step=2)
-    dcp.save(sp.state_dict(model)["model"], checkpoint_id=f"{root}/bare")  # FSDP2 style: no "model." prefix
-    full = sp.full_state_dict(model)
+    dcp.save(sp.checkpoint.state_dict(model)["model"], checkpoint_id=f"{root}/bare")  # FSDP2 style: no "model." prefix
+    full = sp.checkpoint.full_state_dict(model)
     if rank == 0:
         os.makedirs(f"{root}/full_dir", exist_ok=True)
         torch.save(full, f"{root}/full.pt")
@@ -80,18 +80,18 @@ def _reader(rank, world, root):
             f"{root}/module", plan, {"params": sp.shard_tree(dict(Toy().named_parameters()), plan)})),
     }
     out["no_opt_model_only"] = sp.checkpoint.load(f"{root}/no_opt", model)  # the fixes the messages name work
-    sd = sp.state_dict(model)
+    sd = sp.checkpoint.state_dict(model)
     dcp.load(sd["model"], checkpoint_id=f"{root}/bare")
-    sp.load_state_dict(model, sd)
-    loaded, saved = sp.full_state_dict(model), torch.load(f"{root}/full.pt") if rank == 0 else {}
+    sp.checkpoint.load_state_dict(model, sd)
+    loaded, saved = sp.checkpoint.full_state_dict(model), torch.load(f"{root}/full.pt") if rank == 0 else {}
     out["bare_recipe"] = all(torch.equal(loaded[k], v) for k, v in saved.items())
     bigger, _ = _sharded(rank, world, n=4)  # one block more: a changed parameter set
     out["bigger"] = _error(lambda: sp.checkpoint.load(f"{root}/module", bigger))
     wider, _ = _sharded(rank, world, h=31)
     out["wider"] = _error(lambda: sp.checkpoint.load(f"{root}/module", wider))
     full = torch.load(f"{root}/full.pt") if rank == 0 else {}
-    out["nested"] = _error(lambda: sp.load_full_state_dict(model, {"model": full, "step": 3} if rank == 0 else {}))
-    out["prefixed"] = _error(lambda: sp.load_full_state_dict(
+    out["nested"] = _error(lambda: sp.checkpoint.load_full_state_dict(model, {"model": full, "step": 3} if rank == 0 else {}))
+    out["prefixed"] = _error(lambda: sp.checkpoint.load_full_state_dict(
         model, {f"module.{k}": v for k, v in full.items()} if rank == 0 else {}))
     return out
 
@@ -103,11 +103,11 @@ def test_checkpoints_of_another_form_say_what_they_are_and_how_to_load_them(tmp_
     run(_writer, 2, root)
     os.makedirs(f"{root}/killed.tmp-0123abcd")
     for r in run(_reader, 2, root):
-        assert "is a file" in r["file"] and "sp.load_full_state_dict(model, torch.load(path)" in r["file"], r["file"]
+        assert "is a file" in r["file"] and "sp.checkpoint.load_full_state_dict(model, torch.load(path)" in r["file"], r["file"]
         assert "holds full state dict files (model.pt)" in r["full_dir"], r["full_dir"]
         assert "functional checkpoint" in r["tree"] and "sp.checkpoint.load_tree" in r["tree"], r["tree"]
         assert "saved at step 3" in r["tree"], r["tree"]
-        assert "saved directly" in r["bare"] and "sd = sp.state_dict(model)" in r["bare"], r["bare"]
+        assert "saved directly" in r["bare"] and "sd = sp.checkpoint.state_dict(model)" in r["bare"], r["bare"]
         assert "holds no optimizer state" in r["no_opt"] and "no optimizer" in r["no_opt"], r["no_opt"]
         assert "momentum_buffer" in r["sgd"] and "exp_avg, exp_avg_sq" in r["sgd"], r["sgd"]
         assert "another optimizer type" in r["sgd"], r["sgd"]
@@ -121,9 +121,9 @@ def test_checkpoints_of_another_form_say_what_they_are_and_how_to_load_them(tmp_
         assert "full_state_dict" in r["wider"], r["wider"]
         assert "pass full['model']" in r["nested"], r["nested"]
         assert "names differ by a prefix" in r["prefixed"] and "'module.'" in r["prefixed"], r["prefixed"]
-    msg = str(pytest.raises(sp.CheckpointError, _load_meta, f"{root}/killed.tmp-0123abcd").value)
+    msg = str(pytest.raises(sp.errors.CheckpointError, _load_meta, f"{root}/killed.tmp-0123abcd").value)
     assert "did not finish" in msg, msg
-    msg = str(pytest.raises(sp.CheckpointError, _load_meta, root).value)
+    msg = str(pytest.raises(sp.errors.CheckpointError, _load_meta, root).value)
     assert "directory of checkpoints" in msg and "module" in msg, msg
 
 
@@ -152,7 +152,7 @@ def test_latest_and_prune_keep_complete_checkpoints_only(tmp_path):
     assert sorted(os.path.basename(p) for p in removed) == ["step_00000002", "step_00000004", "step_00000014.tmp-0123abcd"]
     assert sorted(os.listdir(root)) == ["step_00000006", "step_00000010", "step_00000012"]
     assert os.path.isdir(unfinished)  # not touched: it may be a save in flight of another writer
-    msg = str(pytest.raises(sp.CheckpointError, _load_meta, root).value)
+    msg = str(pytest.raises(sp.errors.CheckpointError, _load_meta, root).value)
     assert "directory of checkpoints" in msg and "step_00000010" in msg
-    with pytest.raises(sp.CheckpointError, match="keep at least"):
+    with pytest.raises(sp.errors.CheckpointError, match="keep at least"):
         sp.checkpoint.prune(root, keep=0)

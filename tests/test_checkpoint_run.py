@@ -115,11 +115,11 @@ def _mismatch_worker(rank, world, root):
         try:
             sp.checkpoint.load(path, model, opt, **kw)
             out[name] = "loaded"
-        except sp.CheckpointError as exc:
+        except sp.errors.CheckpointError as exc:
             out[name] = str(exc)
     try:
         sp.checkpoint.load(os.path.join(root, "bare"), model, opt, lr_scheduler=sched)
-    except sp.CheckpointError as exc:
+    except sp.errors.CheckpointError as exc:
         out["bare"] = str(exc)
     out["unchanged"] = all(torch.equal(before[n], p) for n, p in model.named_parameters())
     with warnings.catch_warnings(record=True) as caught:
@@ -156,7 +156,7 @@ def test_a_loader_without_state_is_refused_with_the_fix(tmp_path):
         loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
         try:
             sp.checkpoint.save(os.path.join(root, "ck"), model, opt, dataloader=loader)
-        except sp.CheckpointError as exc:
+        except sp.errors.CheckpointError as exc:
             return str(exc), os.path.exists(os.path.join(root, "ck"))
     (msg, written), = run(worker, 1, str(tmp_path))
     assert msg.startswith("dataloader=DataLoader: it has no state_dict()/load_state_dict() to save and restore.")

@@ -90,7 +90,7 @@ def test_new_user_rough_edges(tmp_path):
         errs.append(out.stderr)
     assert "given twice" in errs[0] and "no parameter 'no.such'" in errs[1]
     assert "rule #0" in errs[4] and "boom" in errs[4] and "tok_embeddings.weight" in errs[4]
-    with __import__("pytest").raises(sp.MeshError, match="twice"):
+    with __import__("pytest").raises(sp.errors.MeshError, match="twice"):
         sp.Mesh.parse("dp=2,dp=4")
     out = cli("plan", "examples.gpt:tiny", "--mesh", "replica=2,shard=2",
               "--rules", "examples/gpt_rules.py:HSDP_RULES", "--min-unit-bytes", "1MiB", "--summary")

@@ -78,7 +78,7 @@ def test_traced_plan_schedules_and_counts_the_kv_traffic():
                       (dict(kind="reduce_scatter"), "all-gathered at module_forward")):
         edited = list(plan.schedule)
         edited[i] = dataclasses.replace(edited[i], **bad)
-        with pytest.raises(sp.PlanError, match=says):                  # hand-edited schedules are checked
+        with pytest.raises(sp.errors.PlanError, match=says):                  # hand-edited schedules are checked
             plan.with_schedule(edited)
     back = sp.Plan.from_json(plan.to_json())
     assert back == plan and back.mesh.axis_names == ("dp", "cp")          # the axis order survives JSON
@@ -115,19 +115,19 @@ class _MaskedAttention(torch.nn.Module):
 def test_attention_cp_cannot_run_is_refused_at_plan_time():
     m = _MaskedAttention()
     rules = [(r".*", sp.P(("dp", "cp")))]
-    with pytest.raises(sp.PlanError, match=r"attention in 'the root module' passes an attn_mask.*is_causal=True"):
+    with pytest.raises(sp.errors.PlanError, match=r"attention in 'the root module' passes an attn_mask.*is_causal=True"):
         sp.plan(m, rules, sp.Mesh(dp=1, cp=2), trace=torch.zeros(1, 4, 8))
     sp.plan(m, rules, sp.Mesh(dp=2, cp=1), trace=torch.zeros(1, 4, 8))       # cp=1: nothing to honour
     # attention that does not come through sp.context_parallel.attention would see its own chunks only
     direct = _MaskedAttention()
     direct.forward = lambda x: torch.nn.functional.scaled_dot_product_attention(
         *[direct.proj(x).view(x.shape[0], 1, x.shape[1], 8)] * 3, is_causal=True)
-    with pytest.raises(sp.PlanError, match=r"calls F.scaled_dot_product_attention itself.*sp.context_parallel.attention"):
+    with pytest.raises(sp.errors.PlanError, match=r"calls F.scaled_dot_product_attention itself.*sp.context_parallel.attention"):
         sp.plan(direct, rules, sp.Mesh(dp=1, cp=2), trace=torch.zeros(1, 4, 8))
     gpt_model = gpt.build("tiny")
     mesh = sp.Mesh(cp=2)
     x = torch.randint(0, 256, (1, 7))
-    with pytest.raises(sp.PlanError, match=r"7 tokens.*\(14\) is not divisible by 2\*cp = 4"):
+    with pytest.raises(sp.errors.PlanError, match=r"7 tokens.*\(14\) is not divisible by 2\*cp = 4"):
         sp.plan(gpt_model, gpt_rules.rules_over(mesh), mesh, units=gpt_rules.UNITS, trace=(x, x))
 
 
@@ -173,7 +173,7 @@ def _train(rank, world, meshes):
                            (lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True),
                             "called directly while context parallelism is on")):
             h = model.layers[0].register_forward_pre_hook(lambda *_, _c=call: _c() and None)  # inside its forward
-            with pytest.raises(sp.RuntimeShardingError, match=says):
+            with pytest.raises(sp.errors.RuntimeShardingError, match=says):
                 model(xs, ys, positions=pos)
             h.remove()
             assert call().shape == q.shape                      # outside the model's step: the plain call
@@ -277,7 +277,7 @@ def _bound_worker(rank, world):
         try:
             model(xs, ys, positions=pos).backward()
             refused[label] = "ran"
-        except sp.RuntimeShardingError as exc:
+        except sp.errors.RuntimeShardingError as exc:
             refused[label] = str(exc)
         opt.zero_grad()
     attn.forward = inner
@@ -342,7 +342,7 @@ def test_one_backward_through_two_cp_models_refuses_a_recompute_it_cannot_attrib
     out_a, out_b = Recompute.apply(x) * 2, Recompute.apply(x) * 3
     CP._bind_backward(a, out_a)
     CP._bind_backward(b, out_b)
-    with pytest.raises(sp.RuntimeShardingError, match=r"(?s)two context-parallel models.*one backward"):
+    with pytest.raises(sp.errors.RuntimeShardingError, match=r"(?s)two context-parallel models.*one backward"):
         (out_a.sum() + out_b.sum()).backward()
     CP._BACKWARD.clear()
 
@@ -369,13 +369,13 @@ def test_hf_attention_other_than_shardplan_cp_is_refused_at_plan_time():
     pos = sp.context_parallel.positions(16, 2, 0)
     for impl in ("eager", "sdpa"):
         for trace in (None, ((), dict(input_ids=x, position_ids=pos[None]))):
-            with pytest.raises(sp.PlanError, match=rf"'<root>' \(LlamaForCausalLM\) attends with Hugging Face's "
+            with pytest.raises(sp.errors.PlanError, match=rf"'<root>' \(LlamaForCausalLM\) attends with Hugging Face's "
                                                    rf"attention '{impl}'.*attn_implementation='shardplan_cp'"):
                 sp.plan(_llama(impl), _LLAMA_RULES, sp.Mesh(dp=1, cp=2), units=_LLAMA_UNITS, trace=trace)
         sp.plan(_llama(impl), _LLAMA_RULES, sp.Mesh(dp=2, cp=1), units=_LLAMA_UNITS)      # cp=1: nothing split
     # a function of one's own under another name is refused too (it does not gather keys and values)
     transformers.AttentionInterface.register("mine", transformers.AttentionInterface._global_mapping["sdpa"])
-    with pytest.raises(sp.PlanError, match=r"attention 'mine'"):
+    with pytest.raises(sp.errors.PlanError, match=r"attention 'mine'"):
         sp.plan(_llama("mine"), _LLAMA_RULES, sp.Mesh(dp=1, cp=2), units=_LLAMA_UNITS)
     name = sp.context_parallel.hf_attention()
     traced = sp.plan(_llama(name), _LLAMA_RULES, sp.Mesh(dp=1, cp=2), units=_LLAMA_UNITS, min_unit_bytes=0,
@@ -384,7 +384,7 @@ def test_hf_attention_other_than_shardplan_cp_is_refused_at_plan_time():
     # per layer K and V of the 2 key/value heads gathered (not repeated to the 4 query heads first), 16 tokens wide 8
     assert [o.at for o in kv[:2]] == ["model.layers.0.self_attn"] * 2 and {o.bytes for o in kv} == {2 * 2 * 16 * 8 * 4}
     # Hugging Face's labels= shifts each rank's chunks by one, across the chunk boundaries: refused, naming the fix
-    with pytest.raises(sp.PlanError, match=r"pad in the root module.*shift_labels="):
+    with pytest.raises(sp.errors.PlanError, match=r"pad in the root module.*shift_labels="):
         sp.plan(_llama(name), _LLAMA_RULES, sp.Mesh(dp=1, cp=2), units=_LLAMA_UNITS,
                 trace=((), dict(input_ids=x, position_ids=pos[None], labels=x)))
 
@@ -420,10 +420,10 @@ class _EagerAttention(torch.nn.Module):
 
 def test_attention_the_plan_cannot_see_is_refused_at_plan_time():
     x = torch.zeros(2, 8, dtype=torch.long)
-    with pytest.raises(sp.PlanError, match=r"multi_head_attention_forward in 'layer.self_attn' holds the keys.*"
+    with pytest.raises(sp.errors.PlanError, match=r"multi_head_attention_forward in 'layer.self_attn' holds the keys.*"
                                            r"sp.context_parallel.attention"):
         sp.plan(_TorchEncoder(), [(r".*", sp.P("cp"))], sp.Mesh(cp=2), trace=x)
-    with pytest.raises(sp.PlanError, match=r"softmax in the root module.*sp.context_parallel.attention"):
+    with pytest.raises(sp.errors.PlanError, match=r"softmax in the root module.*sp.context_parallel.attention"):
         sp.plan(_EagerAttention(), [(r".*", sp.P("cp"))], sp.Mesh(cp=2), trace=x)
     sp.plan(_EagerAttention(), [(r".*", sp.P("dp"))], sp.Mesh(dp=2), trace=x)           # no cp: fine
 
@@ -440,7 +440,7 @@ def _guarded_worker(rank, world):
         try:
             model(xs).sum().backward()
             out[label] = "ran"
-        except sp.RuntimeShardingError as exc:
+        except sp.errors.RuntimeShardingError as exc:
             out[label] = str(exc)
     name = sp.context_parallel.hf_attention()
     model = _llama(name)
@@ -449,7 +449,7 @@ def _guarded_worker(rank, world):
     try:
         sp.shard(model, plan)
         out["switched"] = "ran"
-    except sp.RuntimeShardingError as exc:
+    except sp.errors.RuntimeShardingError as exc:
         out["switched"] = str(exc)
     model = _llama(name)
     sp.shard(model, sp.plan(model, _LLAMA_RULES, mesh, units=_LLAMA_UNITS))
@@ -459,7 +459,7 @@ def _guarded_worker(rank, world):
         try:
             model(input_ids=xs, **kwargs)
             out[label] = "ran"
-        except sp.RuntimeShardingError as exc:
+        except sp.errors.RuntimeShardingError as exc:
             out[label] = str(exc)
     return out
 

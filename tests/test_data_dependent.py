@@ -54,7 +54,7 @@ def _sharded(rank, world, case, data):
                 _loss(model, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per], case).backward()
                 opt.step()
                 opt.zero_grad()
-    except (sp.ShardingError, sp.CollectiveError) as exc:
+    except (sp.ShardingError, sp.errors.CollectiveError) as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
     params = dict(model.named_parameters())
     return {"local": {p.name: (plan.local_slices(p.name, rank), params[p.name].detach().clone()) for p in plan.params},

@@ -204,7 +204,7 @@ def _rest(rank, world, path):
             oo.zero_grad()
     res["sp_ckpt_same"] = all(torch.equal(a.full_tensor(), b.full_tensor())
                               for a, b in zip(m.parameters(), m2.parameters()))
-    full = sp.full_state_dict(m)  # rank 0 gets every full tensor
+    full = sp.checkpoint.full_state_dict(m)  # rank 0 gets every full tensor
     whole = {n: p.full_tensor() for n, p in m.named_parameters()}  # (a collective each: every rank)
     res["full_export"] = rank != 0 or all(torch.equal(full[n], whole[n]) for n in whole)
 

@@ -26,7 +26,7 @@ def test_experts_split_over_ep_and_reduced_over_the_other_data_axes():
     plan = sp.plan(moe.build("tiny"), moe.rules_for(mesh), mesh, units=moe.UNITS, min_unit_bytes=0)
     w1 = plan.param("layers.0.moe.experts.w1")
     assert w1.global_shape == (4, 64, 64) and w1.shape == (2, 64, 64) and w1.tp_axis == "ep"
-    assert plan.expert_module("layers.0.moe.experts").local_experts == 2
+    assert plan.axis("ep").module("layers.0.moe.experts").local_experts == 2
     assert plan.data_axes == ("dp", "ep") and plan.data_size == 4        # ep splits the batch too
     expert_buf = plan.buffers[w1.buffer]
     dense_buf = plan.buffers[plan.param("layers.0.moe.router.gate.weight").buffer]
@@ -74,7 +74,7 @@ def test_all_to_alls_are_in_the_schedule_and_the_forecast():
     for bad in (dict(at="layers.0.attention"), dict(axes=("dp",))):
         edited = list(plan.schedule)
         edited[i] = dataclasses.replace(edited[i], **bad)
-        with pytest.raises(sp.PlanError, match="all_to_all|all-to-alls"):
+        with pytest.raises(sp.errors.PlanError, match="all_to_all|all-to-alls"):
             plan.with_schedule(edited)
     # one rank of ep: nothing moves, no op
     one = sp.plan(moe.build("tiny"), moe.rules_for(sp.Mesh(dp=2, ep=1)), sp.Mesh(dp=2, ep=1), units=moe.UNITS)
@@ -83,13 +83,13 @@ def test_all_to_alls_are_in_the_schedule_and_the_forecast():
 
 def test_errors_name_the_fix():
     m = moe.build("tiny")
-    with pytest.raises(sp.SpecError, match=r"4 experts.*do not divide.*size 3.*\[1, 2, 4\]"):
+    with pytest.raises(sp.errors.SpecError, match=r"4 experts.*do not divide.*size 3.*\[1, 2, 4\]"):
         sp.plan(m, [(r".*experts\.w\d", sp.P("ep")), (r".*", sp.P())], sp.Mesh(ep=3))
-    with pytest.raises(sp.SpecError, match=r"dimension 1.*dimension 0 holds.*4 experts.*Write P\('ep'\)"):
+    with pytest.raises(sp.errors.SpecError, match=r"dimension 1.*dimension 0 holds.*4 experts.*Write P\('ep'\)"):
         sp.plan(m, [(r".*experts\.w\d", sp.P(None, "ep")), (r".*", sp.P())], sp.Mesh(ep=2))
-    with pytest.raises(sp.SpecError, match=r"must come first.*P\(\('ep', 'dp'\)"):
+    with pytest.raises(sp.errors.SpecError, match=r"must come first.*P\(\('ep', 'dp'\)"):
         sp.plan(m, [(r".*experts\.w\d", sp.P(("dp", "ep"))), (r".*", sp.P())], sp.Mesh(dp=2, ep=2))
-    with pytest.raises(sp.SpecError, match=r"split alike"):
+    with pytest.raises(sp.errors.SpecError, match=r"split alike"):
         sp.plan(m, [(r".*experts\.w1", sp.P("ep")), (r".*", sp.P())], sp.Mesh(ep=2))
     # a dense parameter may be ZeRO-sharded over ep: for it ep is a data axis
     plan = sp.plan(m, [(r".*", sp.P("ep"))], sp.Mesh(ep=2))
@@ -159,7 +159,7 @@ def _train(rank, world, meshes, skew):
         with sp.record_ops(model) as ops:                      # the all-to-alls are recorded where the plan has them
             model(xs, xs).backward()
         recorded = (ops == list(plan.ops()), sum(o.kind == "all_to_all" for o in ops))
-        full = sp.full_state_dict(model)
+        full = sp.checkpoint.full_state_dict(model)
         diff = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()) if rank == 0 else 0.0
         out.append((text, losses, ref_losses, diff, recorded))
     return out
@@ -258,7 +258,7 @@ def test_hf_routers_are_dense_and_the_documented_rules_plan(kind):
     mesh = sp.Mesh(dp=2, ep=2)
     rules = [(r".*experts\.(gate_up|down)_proj", sp.P(("ep", "dp"))), (r".*", sp.P(("dp", "ep")))]
     plan = sp.plan(model, rules, mesh)
-    assert [m.path for m in plan.expert_modules] == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    assert [m.path for m in plan.axis("ep").modules] == [f"model.layers.{i}.mlp.experts" for i in range(2)]
     for r in routers:
         w = plan.param(r + ".weight")
         assert w.compute is None and w.shape == w.global_shape == (4, 64)      # dense: whole on every rank
@@ -268,7 +268,7 @@ def test_hf_routers_are_dense_and_the_documented_rules_plan(kind):
     # the router may be replicated too, or carry ep first in its spec: for it ep is a data axis either way
     for spec in (sp.P(), sp.P(("ep", "dp"))):
         alt = sp.plan(model, [(r".*mlp\.gate\.weight", spec)] + rules, mesh)
-        assert [m.path for m in alt.expert_modules] == [m.path for m in plan.expert_modules]
+        assert [m.path for m in alt.axis("ep").modules] == [m.path for m in plan.axis("ep").modules]
         assert alt.param(routers[0] + ".weight").compute is None
 
 
@@ -277,11 +277,11 @@ def test_hf_experts_that_do_not_divide_over_ep_say_so(kind):
     """ep=3 with 8 experts: the experts do not divide (it used to suggest swapping the router's axes)."""
     model = _hf_moe(kind, experts=8)
     rules = [(r".*experts\.(gate_up|down)_proj", sp.P(("ep", "dp"))), (r".*", sp.P(("dp", "ep")))]
-    with pytest.raises(sp.SpecError, match=r"experts\.gate_up_proj.*8 experts, which do not divide over expert axis "
+    with pytest.raises(sp.errors.SpecError, match=r"experts\.gate_up_proj.*8 experts, which do not divide over expert axis "
                                            r"'ep' of size 3.*\[1, 2, 4, 8\]") as exc:
         sp.plan(model, rules, sp.Mesh(dp=2, ep=3))
     assert "must come first" not in str(exc.value) and "mlp.gate'" not in str(exc.value)
-    with pytest.raises(sp.SpecError, match=r"auto_rules.*experts\.gate_up_proj.*8 experts.*do not divide.*size 3"
+    with pytest.raises(sp.errors.SpecError, match=r"auto_rules.*experts\.gate_up_proj.*8 experts.*do not divide.*size 3"
                                            r".*\[1, 2, 4, 8\]"):
         sp.auto_rules(model, sp.Mesh(dp=2, ep=3), min_shard_bytes=0)
 
@@ -299,7 +299,7 @@ def test_hf_auto_rules_keep_a_1_mib_router_dense():
         assert specs[r + ".weight"] == sp.P(("dp", "ep"))                           # ... as a dense parameter
     assert specs["model.layers.0.mlp.experts.gate_up_proj"] == sp.P(("ep", "dp"))
     plan = sp.plan(model, rules, mesh)
-    assert [m.path for m in plan.expert_modules] == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    assert [m.path for m in plan.axis("ep").modules] == [f"model.layers.{i}.mlp.experts" for i in range(2)]
     assert plan.param("model.layers.0.mlp.gate.weight").compute is None
 
 
@@ -353,10 +353,10 @@ def _hf_auto_step(rank, world, kinds, meshes):
             with sp.record_ops(model) as ops:
                 model(input_ids=xs, labels=xs).loss.backward()
             recorded = (ops == list(plan.ops()), sum(o.kind == "all_to_all" for o in ops))
-            full = sp.full_state_dict(model)
+            full = sp.checkpoint.full_state_dict(model)
             diff = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()) if rank == 0 \
                 else 0.0
-            experts = [m.path for m in plan.expert_modules]
+            experts = [m.path for m in plan.axis("ep").modules]
             out.append((kind, text, losses, ref_losses, diff, recorded, routers, experts))
     return out
 

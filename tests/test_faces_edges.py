@@ -118,8 +118,8 @@ def _twice_worker(rank, world):
             out[key] = str(exc)
     # a gradient tree holding a tied parameter under both its names (one tensor): its norm counts once
     tied = torch.ones(plan.local_shape("emb.weight", rank))
-    _, one = sp.clip_by_global_norm({"emb.weight": tied}, 1.0, plan)
-    _, both = sp.clip_by_global_norm({"emb.weight": tied, "head.weight": tied}, 1.0, plan)
+    _, one = sp.optim.clip_by_global_norm({"emb.weight": tied}, 1.0, plan)
+    _, both = sp.optim.clip_by_global_norm({"emb.weight": tied, "head.weight": tied}, 1.0, plan)
     out["clip"] = (one.item(), both.item())
     return out
 
@@ -219,7 +219,7 @@ def _odd_worker(rank, world, cases):
                 model(x.chunk(d)[i]).backward()
                 opt.step()
                 opt.zero_grad()
-            full = sp.full_state_dict(model)
+            full = sp.checkpoint.full_state_dict(model)
             if rank:
                 continue
         else:
@@ -238,7 +238,7 @@ def _odd_worker(rank, world, cases):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.filterwarnings("ignore::shardplan.PlanWarning")
+@pytest.mark.filterwarnings("ignore::shardplan.errors.PlanWarning")
 def test_odd_shapes_train_like_one_process_on_four_ranks():
     """Dims of 7 over 4 ranks, parameters smaller than the world, a 1-element, a 0-d and a zero-size parameter,
     on dp=4 and HSDP, both faces: the zero-size one made the one-call gradient landing raise (_chunk_cat expects
@@ -255,11 +255,11 @@ def test_a_rule_for_a_tied_alias_says_why_it_is_unused():
     regex', which it does match: it now names the tie and the rule the parameter takes."""
     tied = nn.ModuleDict({"emb": nn.Embedding(8, 4), "head": nn.Linear(4, 8, bias=False)})
     tied.head.weight = tied.emb.weight
-    with pytest.warns(sp.UnusedRuleWarning, match=r"matches only 'head.weight', which is tied to 'emb.weight'.*"
+    with pytest.warns(sp.errors.UnusedRuleWarning, match=r"matches only 'head.weight', which is tied to 'emb.weight'.*"
                                                   r"takes rule #1 .*write the rule for 'emb.weight'"):
         plan = sp.plan(tied, [(r"head\.weight", sp.P(None, "dp")), (r".*", sp.P("dp"))], sp.Mesh(dp=2))
     assert plan.param("emb.weight").spec == sp.P("dp")
-    with pytest.warns(sp.UnusedRuleWarning, match="matches no parameter"):
+    with pytest.warns(sp.errors.UnusedRuleWarning, match="matches no parameter"):
         sp.plan(tied, [(r"nothing", sp.P()), (r".*", sp.P("dp"))], sp.Mesh(dp=2))
 
 

@@ -87,11 +87,11 @@ def test_float8_gathers_in_the_plan():
     # a hand-edited schedule is checked: a float8 gather without its scales, or scales over another group
     import dataclasses
     i = next(i for i, o in enumerate(plan.schedule) if o.what == "scales")
-    with pytest.raises(sp.PlanError, match="no all_reduce of their scales"):
+    with pytest.raises(sp.errors.PlanError, match="no all_reduce of their scales"):
         plan.with_schedule(plan.schedule[:i] + plan.schedule[i + 1:])
     edited = list(plan.schedule)
     edited[i] = dataclasses.replace(edited[i], axes=())
-    with pytest.raises(sp.PlanError, match="gathered over"):
+    with pytest.raises(sp.errors.PlanError, match="gathered over"):
         plan.with_schedule(edited)
     assert "float8 weights to torchao as they are (no dequantize)" in sched
     for kw in (dict(strategy="optim_grads"), dict(offload="optimizer")):  # no per-step gather, or not supported
@@ -106,13 +106,13 @@ def test_per_module_rules_and_refusals():
     assert [m.path for m in head.fp8_modules] == ["output"]         # a rule may take the head
     odd = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 10))
     assert [m.path for m in sp.plan(odd, RULES, sp.Mesh(dp=2), fp8="torchao").fp8_modules] == ["0"]
-    with pytest.raises(sp.PlanError, match="divisible by 16"):
+    with pytest.raises(sp.errors.PlanError, match="divisible by 16"):
         sp.plan(odd, RULES, sp.Mesh(dp=2), fp8=[(r".*", "torchao")])  # named explicitly: refused, not skipped
-    with pytest.raises(sp.PlanError, match="tied"):
+    with pytest.raises(sp.errors.PlanError, match="tied"):
         sp.plan(gpt.tiny(), RULES, sp.Mesh(dp=2), fp8=[(r"output", "torchao")])
-    with pytest.raises(sp.PlanError, match="fp8 must be"):
+    with pytest.raises(sp.errors.PlanError, match="fp8 must be"):
         sp.plan(odd, RULES, sp.Mesh(dp=2), fp8="e4m3")
-    with pytest.raises(sp.PlanError, match="no nn.Linear"):
+    with pytest.raises(sp.errors.PlanError, match="no nn.Linear"):
         sp.plan(nn.Sequential(nn.Linear(10, 10)), RULES, sp.Mesh(dp=2), fp8="torchao")
 
 
@@ -194,7 +194,7 @@ def test_convert_swaps_exactly_the_planned_modules():
     assert not isinstance(model.layers[0].attention.wq, Float8Linear)
     assert model.layers[0].feed_forward.w1.weight is w                  # the same Parameter: optimizers keep it
     FP8.convert(model, plan)                                               # again: nothing left to do
-    with pytest.raises(sp.RuntimeShardingError, match="build the plan from this model"):
+    with pytest.raises(sp.errors.RuntimeShardingError, match="build the plan from this model"):
         FP8.convert(nn.Sequential(nn.Linear(32, 32)), plan)
     # a module the user converted with another recipe would be cast by shardplan's float8 gather as if it had
     # the default one: refused (fp8_gather=False lets torchao cast with the module's own config)
@@ -202,7 +202,7 @@ def test_convert_swaps_exactly_the_planned_modules():
     other = gpt.tiny().init_weights(0)
     own = Float8LinearConfig(round_scales_to_power_of_2=True)
     other.layers[0].feed_forward.w1 = Float8Linear.from_float(other.layers[0].feed_forward.w1, config=own)
-    with pytest.raises(sp.RuntimeShardingError, match="already a torchao Float8Linear with a config other"):
+    with pytest.raises(sp.errors.RuntimeShardingError, match="already a torchao Float8Linear with a config other"):
         FP8.convert(other, plan)
     cast = sp.plan(gpt.tiny(), RULES, sp.Mesh(dp=1), units=UNITS, fp8=[(r".*feed_forward.*", "torchao")],
                    fp8_gather=False)
@@ -311,7 +311,7 @@ def _toy_and_memory(rank, world):
         sp.reset_peak(model)
         model(x, y).backward()
         torch.optim.SGD(model.parameters(), lr=1.0).step()  # the gradients, whole, in the updated weights
-        grads.append(sp.full_state_dict(model))
+        grads.append(sp.checkpoint.full_state_dict(model))
         out[("toy", gather)] = (sp.memory_stats(model)["peak"], plan.memory(rank).peak - plan.memory(rank).optimizer)
     out["toy grads equal"] = grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][k], grads[1][k])
                                                                           for k in grads[0])

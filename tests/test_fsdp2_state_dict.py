@@ -171,12 +171,12 @@ def _worker(rank, world, tmp, reshard_from):
     try:
         model.state_dict()
         res["refuses"] = "no error"
-    except sp.CheckpointError as exc:
+    except sp.errors.CheckpointError as exc:
         res["refuses"] = str(exc)
-    full = sp.full_state_dict(model)  # every rank takes part; rank 0 gets the tensors
+    full = sp.checkpoint.full_state_dict(model)  # every rank takes part; rank 0 gets the tensors
     res["contiguous_full_export"] = rank != 0 or _equal(full, ref)
     model.load_state_dict(_toy(seed=1).state_dict())  # full plain tensors load into any layout
-    full = sp.full_state_dict(model)
+    full = sp.checkpoint.full_state_dict(model)
     res["contiguous_full_load"] = rank != 0 or _equal(full, _toy(seed=1).state_dict())
     for strategy in ["optim", "optim_grads_params"]:
         model = _toy()
@@ -200,7 +200,7 @@ def test_fsdp2_state_dicts_world_4_then_reshard_to_2(tmp_path):
         out = run(_worker, world, str(tmp_path), src, timeout=280)
         for rank, res in enumerate(out):
             msg = res.pop("refuses")
-            assert "cannot be given as a DTensor" in msg and "shardplan.state_dict" in msg and "checkpoint.save" in msg
+            assert "cannot be given as a DTensor" in msg and "shardplan.checkpoint.state_dict" in msg and "checkpoint.save" in msg
             assert any(f"'{n}'" in msg for n in ("frozen", "emb.weight", "blocks.0.ln.weight", "blocks.0.fc1.weight")), msg
             bad = [k for k, v in res.items() if v is not True]
             assert not bad, (world, rank, bad)
@@ -211,37 +211,37 @@ def test_chunked_layout_is_a_plan_option():
     auto = sp.plan(model, toy_rules(), sp.Mesh(dp=2), units=[r"blocks\.\d+"], min_unit_bytes=0)
     chunked = sp.plan(model, toy_rules(), sp.Mesh(dp=2), units=[r"blocks\.\d+"], min_unit_bytes=0, layout="chunked")
     assert "contiguous" in {b.layout for b in auto.buffers} and "contiguous" not in {b.layout for b in chunked.buffers}
-    assert auto.layout == "auto" and "layout" not in auto.to_dict()  # older plans keep their fingerprints
+    assert auto.layout == "auto" and "layout" not in json.loads(auto.to_json())  # older plans keep their fingerprints
     assert chunked.fingerprint() != auto.fingerprint()
     assert sp.Plan.from_json(chunked.to_json()).layout == "chunked"
     assert sp.plan(model, **chunked.declarative()).equivalent(chunked) and "layout='chunked'" in chunked.to_source()
     assert chunked.local_slices("blocks.0.fc1.weight", 1) == (slice(15, 29), slice(0, 13))  # torch.chunk's piece
-    with pytest.raises(sp.PlanError, match="layout"):
+    with pytest.raises(sp.errors.PlanError, match="layout"):
         sp.plan(model, toy_rules(), sp.Mesh(dp=2), layout="rows")
 
 
 def _one_format_worker(rank, world, path):
-    """A chunked plan's checkpoint written from shardplan.state_dict (ShardedTensor values) and one written from
+    """A chunked plan's checkpoint written from shardplan.checkpoint.state_dict (ShardedTensor values) and one written from
     model.state_dict() (DTensor values): each loads into the other kind, exactly (DCP stores boxes, not types)."""
     def make(seed):
         m = Toy(seed=seed)
         return sp.shard(m, sp.plan(m, toy_rules(), sp.Mesh(dp=world), layout="chunked", min_unit_bytes=0))
     a = make(0)
-    want = sp.full_state_dict(a)
-    kinds = (type(sp.state_dict(a)["model"]["blocks.0.fc1.weight"]).__name__,
+    want = sp.checkpoint.full_state_dict(a)
+    kinds = (type(sp.checkpoint.state_dict(a)["model"]["blocks.0.fc1.weight"]).__name__,
              type(a.state_dict()["blocks.0.fc1.weight"]).__name__)
-    dcp.save(sp.state_dict(a), checkpoint_id=f"{path}/sharded")
+    dcp.save(sp.checkpoint.state_dict(a), checkpoint_id=f"{path}/sharded")
     dcp.save({"model": a.state_dict()}, checkpoint_id=f"{path}/dtensor")
     b = make(1)
-    own = sp.state_dict(b)["model"]  # (model.state_dict() names the tied head too: shardplan's holds one of the two)
+    own = sp.checkpoint.state_dict(b)["model"]  # (model.state_dict() names the tied head too: shardplan's holds one of the two)
     sd = {"model": {k: v for k, v in b.state_dict().items() if k in own}}
     dcp.load(sd, checkpoint_id=f"{path}/sharded")
     b.load_state_dict(sd["model"], strict=False)
     c = make(2)
-    sd = sp.state_dict(c)
+    sd = sp.checkpoint.state_dict(c)
     dcp.load(sd, checkpoint_id=f"{path}/dtensor")
-    sp.load_state_dict(c, sd)
-    got_b, got_c = sp.full_state_dict(b), sp.full_state_dict(c)
+    sp.checkpoint.load_state_dict(c, sd)
+    got_b, got_c = sp.checkpoint.full_state_dict(b), sp.checkpoint.full_state_dict(c)
     return kinds, all(torch.equal(got_b[n], t) and torch.equal(got_c[n], t) for n, t in want.items())
 
 

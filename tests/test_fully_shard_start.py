@@ -1,7 +1,7 @@
 """The start of an FSDP2 run on ``sp.fully_shard``, against torch's own ``fully_shard`` on the same code (issue 36):
 
 * item 8: right after the ``fully_shard`` calls (blocks, then root), before any forward, everything FSDP2 allows
-  works and gives FSDP2's values: ``model.state_dict()``, ``sp.full_state_dict``, ``get_model_state_dict``, DCP
+  works and gives FSDP2's values: ``model.state_dict()``, ``sp.checkpoint.full_state_dict``, ``get_model_state_dict``, DCP
   save and load, an optimizer built from ``model.parameters()`` and the training after it;
 * item 11: torchtitan's meta-device start-up: build under ``torch.device("meta")``, ``fully_shard`` blocks then
   root, ``model.to_empty(device="cpu")``, the model's own ``init_weights()`` (seeded; the root has no
@@ -173,7 +173,7 @@ def _right_after(kind, rank, world, path, mesh_shape):
     out["get_model_state_dict"] = _fulls(get_model_state_dict(fresh()))
     out["get_full"] = get_model_state_dict(fresh(), options=StateDictOptions(full_state_dict=True))
     if kind == "sp":
-        full = sp.full_state_dict(fresh())
+        full = sp.checkpoint.full_state_dict(fresh())
         out["sp_full_state_dict"] = full if rank == 0 else {}
     dcp.save({"model": fresh().state_dict()}, checkpoint_id=f"{path}/{kind}")
     dist.barrier()
@@ -286,7 +286,7 @@ def _start_errors(rank, world):
         m.init_weights()
     m(torch.zeros(1, 6, dtype=torch.long))
     catch("to_empty_after_use", lambda: m.to_empty(device="cpu"))
-    catch("inner_unit", lambda: sp.full_state_dict(m.layers["0"]))  # shardplan's functions take the root
+    catch("inner_unit", lambda: sp.checkpoint.full_state_dict(m.layers["0"]))  # shardplan's functions take the root
     return out
 
 

@@ -68,7 +68,7 @@ def _module_path(rank, world, case, data):
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    return losses, sp.full_state_dict(model)
+    return losses, sp.checkpoint.full_state_dict(model)
 
 
 def _functional_path(rank, world, case, data):
@@ -92,7 +92,7 @@ def _functional_path(rank, world, case, data):
             grads = g if grads is None else optree.tree_map(torch.add, grads, g)
             total += loss.item()
         if case.get("clip"):
-            grads, _ = sp.clip_by_global_norm(grads, case["clip"], plan)
+            grads, _ = sp.optim.clip_by_global_norm(grads, case["clip"], plan)
         local, state = opt.update(grads, state, local)
         losses.append(total)
         if step == 0:
@@ -193,7 +193,7 @@ def trees(draw):
     return mesh, tree, spec, draw(st.integers(0, 3))
 
 
-@pytest.mark.filterwarnings("ignore::shardplan.PlanWarning")
+@pytest.mark.filterwarnings("ignore::shardplan.errors.PlanWarning")
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trees())
 def test_assemble_of_every_ranks_shard_tree_is_the_tree_bit_for_bit(problem):
@@ -202,7 +202,7 @@ def test_assemble_of_every_ranks_shard_tree_is_the_tree_bit_for_bit(problem):
     locals_ = {r: sp.shard_tree(tree, plan, rank=r) for r in range(mesh.size)}
     for r, local in locals_.items():
         assert optree.tree_structure(local) == optree.tree_structure(tree)
-    back = sp.assemble(plan, locals_)
+    back = sp.tree.assemble(plan, locals_)
     for a, b in zip(optree.tree_leaves(back), optree.tree_leaves(tree)):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 

@@ -32,7 +32,7 @@ def test_one_op_per_group():
             b = [plan.buffers[i] for i in o.buffers]
             assert all((x.replica_axes if kind == "all_reduce" else x.axes) == o.axes for x in b)
     merged = [dataclasses_replace_axes(o) for o in plan.schedule]
-    with pytest.raises(sp.PlanError, match="one op per group|runs over axes"):
+    with pytest.raises(sp.errors.PlanError, match="one op per group|runs over axes"):
         plan.with_schedule(merged)
 
 
@@ -42,7 +42,7 @@ def test_a_schedule_missing_one_groups_reduction_is_refused():
     plan = _plan(_model())
     for kind in ("reduce_scatter", "all_reduce"):
         drop = next(o for o in plan.schedule if o.kind == kind and o.unit == "0" and o.axes == ("b",))
-        with pytest.raises(sp.PlanError, match=f"{kind} of buffer #{drop.buffers[0]} was never issued"):
+        with pytest.raises(sp.errors.PlanError, match=f"{kind} of buffer #{drop.buffers[0]} was never issued"):
             plan.with_schedule([o for o in plan.schedule if o is not drop])
 
 
@@ -73,7 +73,7 @@ def _worker(rank, world):
             ref(x).square().mean().backward()   # the mean over all ranks' batches: one process's loss
             ropt.step()
             ropt.zero_grad()
-        got = sp.full_state_dict(model)
+        got = sp.checkpoint.full_state_dict(model)
         out[strategy] = (ops == list(plan.ops(stale=strategy == "optim")),
                          max((got[k] - v).abs().max().item() for k, v in ref.state_dict().items()) if rank == 0 else 0.0)
     return out

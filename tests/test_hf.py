@@ -45,7 +45,7 @@ def _worker(rank, world):
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(r.item())
-    full = sp.full_state_dict(model)
+    full = sp.checkpoint.full_state_dict(model)
     diff = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()) if rank == 0 else 0.0
     return losses, ref_losses, diff, plan.param("lm_head.weight").name
 

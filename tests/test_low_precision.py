@@ -79,14 +79,14 @@ def test_quantized_plans_round_trip():
     (dict(offload="params"), "offload"),
 ])
 def test_refused_combinations_name_the_fix(kw, match):
-    with pytest.raises(sp.PlanError, match=match):
+    with pytest.raises(sp.errors.PlanError, match=match):
         _plan(**kw)
 
 
 @pytest.mark.parametrize("kw", [dict(compute_dtype=torch.int8), dict(reduce_dtype="uint8"), dict(reduce_dtype=torch.int32)])
 def test_integer_compute_or_reduce_dtypes_are_refused(kw):
     """A cast of the parameters or gradients to an integer type would be a silent wrong number."""
-    with pytest.raises(sp.PlanError, match="not a floating dtype"):
+    with pytest.raises(sp.errors.PlanError, match="not a floating dtype"):
         _plan(gather=None, **kw)
 
 
@@ -96,14 +96,14 @@ def test_integer_compute_or_reduce_dtypes_are_refused(kw):
 def test_float8_compute_or_reduce_dtypes_are_refused_at_plan_time(kw, fix):
     """Issue 36: reduce_dtype='float8_e5m2' was planned, and the first backward failed on every rank with a
     CollectiveError blaming mismatched schedules (no collective sums float8). Refused when planning, with the fix."""
-    with pytest.raises(sp.PlanError, match=r"is not supported.*" + re.escape(fix)):
+    with pytest.raises(sp.errors.PlanError, match=r"is not supported.*" + re.escape(fix)):
         _plan(gather=None, **kw)
 
 
 def test_bad_option_is_refused():
-    with pytest.raises(sp.PlanError, match="gather_dtype must be"):
+    with pytest.raises(sp.errors.PlanError, match="gather_dtype must be"):
         _plan(gather="int4")
-    with pytest.raises(sp.PlanError, match="not a \\(regex, dtype\\) pair"):
+    with pytest.raises(sp.errors.PlanError, match="not a \\(regex, dtype\\) pair"):
         _plan(gather=["int8"])
 
 
@@ -365,9 +365,9 @@ def test_quantized_reduction_plan():
             assert op.bytes == sum(lowp.wire_shard_bytes(q.buffers[i].shard_numel) * q.buffers[i].group_size
                                    for i in op.buffers)
     assert q.comm_bytes()["reduce_scatter"] < 0.27 * full.comm_bytes()["reduce_scatter"]  # vs fp32 reduction
-    with pytest.raises(sp.PlanError, match="optim_grads"):
+    with pytest.raises(sp.errors.PlanError, match="optim_grads"):
         _plan(gather=None, strategy="optim", reduce_dtype="int8")
-    with pytest.raises(sp.PlanError, match="HSDP"):
+    with pytest.raises(sp.errors.PlanError, match="HSDP"):
         sp.plan(gpt.tiny(), RULES, sp.Mesh(rep=2, dp=2), units=UNITS, min_unit_bytes=0, reduce_dtype="int8")
 
 

@@ -33,14 +33,14 @@ def _plan(strategy=3, offload="optimizer", fraction=1.0, dp=4, **kw):
 # -- planning ----------------------------------------------------------------------------------------
 
 def test_options_are_validated_naming_the_fix():
-    with pytest.raises(sp.PlanError, match="optim_grads_params"):
+    with pytest.raises(sp.errors.PlanError, match="optim_grads_params"):
         _plan(strategy=2, offload="params")
     for bad in (0, -0.5, 1.5, float("nan"), "half", True):
-        with pytest.raises(sp.PlanError, match="offload_fraction"):
+        with pytest.raises(sp.errors.PlanError, match="offload_fraction"):
             _plan(fraction=bad)
-    with pytest.raises(sp.PlanError, match="offload must be one of"):
+    with pytest.raises(sp.errors.PlanError, match="offload must be one of"):
         _plan(offload="gpu")
-    with pytest.raises(sp.PlanError, match="needs offload="):
+    with pytest.raises(sp.errors.PlanError, match="needs offload="):
         _plan(offload=None, fraction=0.5)
 
 
@@ -68,13 +68,13 @@ def test_auto_fraction_is_the_smallest_that_fits(strategy, mode):
         assert peaks[k] <= budget and (k == 0 or peaks[k - 1] > budget)  # fits, and the one before does not
         assert auto.equivalent(_plan(strategy, mode, auto.offload_fraction))  # the number chosen rebuilds it
         assert "offload_fraction='auto'" in auto.notes[-1]
-    with pytest.raises(sp.PlanError, match="even offloading every buffer"):
+    with pytest.raises(sp.errors.PlanError, match="even offloading every buffer"):
         _plan(strategy, mode, "auto", device_memory=peaks[-1] - 1)
-    with pytest.raises(sp.PlanError, match="pass device_memory"):
+    with pytest.raises(sp.errors.PlanError, match="pass device_memory"):
         _plan(strategy, mode, "auto")
-    with pytest.raises(sp.PlanError, match="offload_fraction='auto'"):
+    with pytest.raises(sp.errors.PlanError, match="offload_fraction='auto'"):
         _plan(strategy, mode, 0.5, device_memory=10**9)
-    with pytest.raises(sp.PlanError, match="needs offload="):
+    with pytest.raises(sp.errors.PlanError, match="needs offload="):
         _plan(strategy, None, "auto", device_memory=10**9)
 
 
@@ -91,9 +91,9 @@ def test_balanced_fraction_fits_the_host_step_in_the_window():
         half = _plan(fraction=0.5)  # measured at a fraction: the same rate per byte offloaded
         assert half.balanced_offload_fraction(host * offloaded_share(half.buffers), window) == f
     assert full.balanced_offload_fraction(host, 0.0, at_least=fractions[2]) == fractions[2]  # memory first
-    with pytest.raises(sp.PlanError, match="offloads nothing"):
+    with pytest.raises(sp.errors.PlanError, match="offloads nothing"):
         _plan(offload=None).balanced_offload_fraction(host, 0.1)
-    with pytest.raises(sp.PlanError, match="measured host step"):
+    with pytest.raises(sp.errors.PlanError, match="measured host step"):
         full.balanced_offload_fraction(0.0, 0.1)
 
 
@@ -128,21 +128,21 @@ def test_copies_are_ops_after_the_reduction_and_before_the_forward():
 
 def test_validation_rejects_a_missing_copy():
     plan = _plan()
-    with pytest.raises(sp.PlanError, match="never copies the gradients"):
+    with pytest.raises(sp.errors.PlanError, match="never copies the gradients"):
         plan.with_schedule([o for o in plan.schedule if o.kind not in (COPY_D2H, OPTIM_STEP)])
-    with pytest.raises(sp.PlanError, match="before their gradient was copied there"):
+    with pytest.raises(sp.errors.PlanError, match="before their gradient was copied there"):
         plan.with_schedule([o for o in plan.schedule if o.kind != COPY_D2H])
-    with pytest.raises(sp.PlanError, match="synchronising backwards only"):
+    with pytest.raises(sp.errors.PlanError, match="synchronising backwards only"):
         plan.with_schedule([dataclasses.replace(o, when="") if o.kind == OPTIM_STEP else o for o in plan.schedule])
     # without optim_step ops the schedule is valid: every host step then runs in opt.step()
     plan.with_schedule([o for o in plan.schedule if o.kind != OPTIM_STEP])
     pp = _plan(offload="params")
-    with pytest.raises(sp.PlanError, match="no copy_h2d before it"):
+    with pytest.raises(sp.errors.PlanError, match="no copy_h2d before it"):
         pp.with_schedule([o for o in pp.schedule if o.kind != COPY_H2D])
     sched = list(plan.schedule)
     k = next(i for i, o in enumerate(sched) if o.kind == COPY_D2H)
     sched[k - 1], sched[k] = sched[k], sched[k - 1]  # the copy before the wait for the reduction
-    with pytest.raises(sp.PlanError, match="before their reduction completed"):
+    with pytest.raises(sp.errors.PlanError, match="before their reduction completed"):
         plan.with_schedule(sched)
 
 
@@ -306,7 +306,7 @@ def _ckpt_worker(rank, world, root, jobs):
         else:  # "resume:NAME": load, then the third step
             assert sp.checkpoint.load(f"{root}/{job[7:]}", model, opt) == 2
             _steps(model, opt, [2])
-        out.append(sp.full_state_dict(model))
+        out.append(sp.checkpoint.full_state_dict(model))
     return out
 
 
@@ -370,7 +370,7 @@ def _refusal_worker(rank, world):
     try:
         opt.step()
         return "stepped"
-    except sp.RuntimeShardingError as exc:
+    except sp.errors.RuntimeShardingError as exc:
         return str(exc)
 
 
@@ -396,7 +396,7 @@ def _overlap_refusal_worker(rank, world):
         try:
             attempt()
             out.append("ran")
-        except sp.RuntimeShardingError as exc:
+        except sp.errors.RuntimeShardingError as exc:
             out.append(str(exc))
     model, opt = fresh()
     model(*x[0]).backward()
@@ -404,7 +404,7 @@ def _overlap_refusal_worker(rank, world):
     try:
         opt.step()
         out.append("ran")
-    except sp.RuntimeShardingError as exc:
+    except sp.errors.RuntimeShardingError as exc:
         out.append(str(exc))
     model, opt = fresh()
     model(*x[0]).backward()
@@ -414,7 +414,7 @@ def _overlap_refusal_worker(rank, world):
     try:
         opt.step()
         out.append(("ran", name))
-    except sp.RuntimeShardingError as exc:
+    except sp.errors.RuntimeShardingError as exc:
         out.append((str(exc), name))
     return out
 
@@ -439,7 +439,7 @@ def _hosted_state_dict_worker(rank, world):
     try:
         model.state_dict()
         return len(hosted), "ran"
-    except sp.CheckpointError as exc:
+    except sp.errors.CheckpointError as exc:
         return len(hosted), str(exc)
 
 

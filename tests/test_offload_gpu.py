@@ -78,7 +78,7 @@ def run(captured, clip):
     for i in range(8):
         t = torch.randint(0, V, (2, 4, 65), generator=g).to(dev)
         losses.append(float(f(t[..., :-1], t[..., 1:])))
-    params = {n: p.detach().cpu().clone() for n, p in sp.full_state_dict(model, cpu=False).items()}
+    params = {n: p.detach().cpu().clone() for n, p in sp.checkpoint.full_state_dict(model, cpu=False).items()}
     return losses, params, opt.host_stats()["overlapped"]
 
 for clip in ("none", "opt", "hand"):

@@ -72,7 +72,7 @@ def _worker(rank, world):
             sp.shard(model, sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[r"layers\.\d+"],
                                     min_unit_bytes=0, order=order))
         losses = _train(model, data, rank, world)
-        full = sp.full_state_dict(model)
+        full = sp.checkpoint.full_state_dict(model)
         out[face] = (losses, full)
     return out
 
@@ -118,11 +118,11 @@ def _ep_worker(rank, world):
     model = NaiveMoE()
     plan = sp.plan(model, [(r"experts\.w", sp.P("ep", None, None)), (r".*", sp.P())], sp.Mesh(ep=world),
                    units=(), min_unit_bytes=0)
-    assert [m.path for m in plan.expert_modules] == ["experts"]
+    assert [m.path for m in plan.axis("ep").modules] == ["experts"]
     sp.shard(model, plan)
     try:
         model(torch.randn(4, 8))
-    except sp.RuntimeShardingError as exc:
+    except sp.errors.RuntimeShardingError as exc:
         return str(exc)
     return None
 
@@ -161,7 +161,7 @@ def _bn_worker(rank, world, path, phase, saved=None):
         return {k: v.clone() for k, v in model.named_buffers()}
     with pytest.warns(UserWarning, match="older shardplan") if phase == "old" else _nothing():
         sp.checkpoint.load(path, model, opt)
-    sd = sp.state_dict(model)
+    sd = sp.checkpoint.state_dict(model)
     return {k: v.clone() for k, v in model.named_buffers()}, sorted(k for k in sd["model"] if "running" in k)
 
 
@@ -176,7 +176,7 @@ class _nothing:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_checkpoints_hold_buffers(tmp_path):
-    """BatchNorm running statistics were not in sp.checkpoint / sp.state_dict: a resumed run silently went on
+    """BatchNorm running statistics were not in sp.checkpoint / sp.checkpoint.state_dict: a resumed run silently went on
     with freshly initialised statistics. They are saved (rank 0's, as shard() and full_state_dict use) and loaded
     on every rank, at any world size; a checkpoint without them loads with a warning."""
     path = str(tmp_path / "ck")
@@ -226,7 +226,7 @@ def _data_assign_worker(rank, world):
         try:
             model(ids)
             out[strategy] = None
-        except sp.RuntimeShardingError as exc:
+        except sp.errors.RuntimeShardingError as exc:
             out[strategy] = str(exc)
     return out
 

@@ -17,6 +17,9 @@ import shardplan as sp
 from shardplan import Mesh, P
 from shardplan import layout as L
 from shardplan.dtypes import itemsize
+from shardplan.planner import strategy_level
+from shardplan.planner.geometry import replicas
+from shardplan.planner.transforms import schedule_edited
 from shardplan.runtime.buffers import BufferState
 
 MESHES = [Mesh(dp=1), Mesh(dp=2), Mesh(dp=3), Mesh(dp=4), Mesh(dp=8), Mesh(replica=2, shard=2), Mesh(a=2, b=3),
@@ -84,7 +87,7 @@ def _simulate_gather(plan, values):
             yield name, fp.detach()
 
 
-@pytest.mark.filterwarnings("ignore::shardplan.PlanWarning")
+@pytest.mark.filterwarnings("ignore::shardplan.errors.PlanWarning")
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_every_element_held_once_per_group_and_gather_reassembles(problem):
@@ -111,7 +114,7 @@ def test_every_element_held_once_per_group_and_gather_reassembles(problem):
         assert torch.equal(gathered, values[name].to(gathered.dtype)), f"{name}: gather(shard(x)) != x"
 
 
-@pytest.mark.filterwarnings("ignore::shardplan.PlanWarning")
+@pytest.mark.filterwarnings("ignore::shardplan.errors.PlanWarning")
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_layout_aligned_disjoint_and_memory_is_sum_of_buffers(problem):
@@ -128,13 +131,13 @@ def test_layout_aligned_disjoint_and_memory_is_sum_of_buffers(problem):
                 if box is None:
                     continue
                 n = math.prod(s.stop - s.start for s in box)
-                off = plan.local_offset(name, rank)
+                off = plan.piece(name, rank).shard_offset
                 assert 0 <= off and off + n <= b.shard_numel
                 pieces.append((off, off + n))
             pieces.sort()
             assert all(a[1] <= b_[0] for a, b_ in zip(pieces, pieces[1:])), "pieces overlap"
     mem = plan.memory(0)
-    if plan.level == 3:
+    if strategy_level(plan.strategy) == 3:
         assert mem.params == sum(b.shard_numel * itemsize(b.dtype) + (b.gathered_numel * itemsize(b.compute_dtype)
                                  if b.layout == L.REPLICATED and b.compute_dtype == b.dtype else 0)
                                  - (b.shard_numel * itemsize(b.dtype) if b.layout == L.REPLICATED and b.compute_dtype == b.dtype else 0)
@@ -192,7 +195,7 @@ def test_units_order_schedule_and_trace():
     direct = sp.plan(net, RULES, Mesh(dp=4), units=[r"layers\.\d+"], prefetch=1, min_unit_bytes=0,
                      reshard_after_forward={"layers.2": False})
     assert direct.equivalent(kept) and sp.plan(net, **kept.declarative()).equivalent(kept)
-    with pytest.raises(sp.PlanError, match=r"names unit\(s\) \['layers.9'\]"):
+    with pytest.raises(sp.errors.PlanError, match=r"names unit\(s\) \['layers.9'\]"):
         sp.plan(net, RULES, Mesh(dp=4), units=[r"layers\.\d+"], reshard_after_forward={"layers.9": False})
     assert ("free", "layers.2", "post_forward(layers.2)", False) not in [
         (o.kind, o.unit, o.trigger, o.prefetch) for o in kept.schedule]
@@ -237,7 +240,7 @@ def test_strategies_change_what_is_sharded():
     rs = [o for o in hsdp.schedule if o.kind == "reduce_scatter"]
     ar = [o for o in hsdp.schedule if o.kind == "all_reduce"]
     assert all(o.axes == ("shard",) for o in rs) and any(o.axes == ("replica",) for o in ar)
-    with pytest.raises(sp.PlanError, match="unknown strategy"):
+    with pytest.raises(sp.errors.PlanError, match="unknown strategy"):
         sp.plan(net, RULES, Mesh(dp=4), strategy="zero9")
 
 
@@ -268,17 +271,17 @@ def test_json_fingerprint_stable_across_processes():
 
 
 def test_plan_errors_name_the_fix():
-    with pytest.raises(sp.MeshError, match="world size is 8"):
+    with pytest.raises(sp.errors.MeshError, match="world size is 8"):
         sp.plan(Net(), RULES, Mesh(dp=4), world_size=8)
-    with pytest.raises(sp.SpecError, match="embed.weight"):
+    with pytest.raises(sp.errors.SpecError, match="embed.weight"):
         sp.plan(Net(), [(r".*", P("tp"))], Mesh(dp=4))
-    with pytest.raises(sp.RuleError, match="unit rule"):
+    with pytest.raises(sp.errors.RuleError, match="unit rule"):
         sp.plan(Net(), RULES, Mesh(dp=4), units=[r"layers\.(\d"])
-    with pytest.warns(sp.PlanWarning, match="matches no module"):
+    with pytest.warns(sp.errors.PlanWarning, match="matches no module"):
         sp.plan(Net(), RULES, Mesh(dp=4), units=[r"blocks\.\d+"])
-    with pytest.raises(sp.UnmatchedParametersError, match="layers.0.0.weight"):
+    with pytest.raises(sp.errors.UnmatchedParametersError, match="layers.0.0.weight"):
         sp.plan(Net(), [(r".*bias", P())], Mesh(dp=4))
-    with pytest.raises(sp.PlanError, match="prefetch"):
+    with pytest.raises(sp.errors.PlanError, match="prefetch"):
         sp.plan(Net(), RULES, Mesh(dp=4), prefetch=-1)
     uneven = sp.plan({"w": torch.empty(3, 5)}, [(r".*", P(None, "dp"))], Mesh(dp=8))
     assert any("held by only some ranks" in w for w in uneven.warnings)
@@ -339,7 +342,7 @@ def test_transformations_rebuild_the_schedule():
     dyn = plan.with_order("dynamic")
     assert all(o.event in ("begin_backward", "end_backward", "pre_backward") for o in dyn.ops() if o.phase == "backward")
     assert sp.Plan.from_json(dyn.to_json()) == dyn
-    with pytest.raises(sp.PlanError, match="no unit 'layers.9'"):
+    with pytest.raises(sp.errors.PlanError, match="no unit 'layers.9'"):
         plan.with_reshard_after_forward({"layers.9": False})
 
 
@@ -353,20 +356,20 @@ def test_invalid_edited_schedules_name_the_op():
     wait2 = first(lambda o: o.kind == "wait" and o.what == "grads" and o.unit == "layers.2")
     wait0 = first(lambda o: o.kind == "wait" and o.unit == "layers.0" and o.event == "pre_forward")
     root_bufs = plan.unit("<root>").buffers  # the root computes from the first forward to the end of backward
-    early_free = ops[:free0 + 1] + [sp.Op(kind="free", unit="<root>", what="params", event="post_forward", at="layers.0", buffers=root_bufs)] + ops[free0 + 1:]
+    early_free = ops[:free0 + 1] + [sp.planner.Op(kind="free", unit="<root>", what="params", event="post_forward", at="layers.0", buffers=root_bufs)] + ops[free0 + 1:]
     bad = {
         "before their gather": [o for i, o in enumerate(ops) if i != ag1],
         "still computes": early_free,
         "never issued": [o for i, o in enumerate(ops) if i != rs2],
         "unreduced": [o for i, o in enumerate(ops) if i not in (rs2, wait2, wait2 + 1)],
-        "never happens": ops[:3] + [sp.Op(kind="wait", unit="layers.0", what="params", event="pre_forward", at="nope")] + ops[3:],
+        "never happens": ops[:3] + [sp.planner.Op(kind="wait", unit="layers.0", what="params", event="pre_forward", at="nope")] + ops[3:],
         "trigger order": [ops[wait0]] + [o for i, o in enumerate(ops) if i != wait0],
-        "runs over axes": [sp.Op(kind=o.kind, unit=o.unit, what=o.what, event=o.event, at=o.at, buffers=o.buffers, axes=("x",),
+        "runs over axes": [sp.planner.Op(kind=o.kind, unit=o.unit, what=o.what, event=o.event, at=o.at, buffers=o.buffers, axes=("x",),
                                  bytes=o.bytes) if i == rs2 else o
                            for i, o in enumerate(ops)],
     }
     for needle, edited in bad.items():
-        with pytest.raises(sp.PlanError, match=needle) as err:
+        with pytest.raises(sp.errors.PlanError, match=needle) as err:
             plan.with_schedule(edited)
         assert "schedule op #" in str(err.value) or "unit" in str(err.value), str(err.value)
     assert plan.with_schedule(ops) == plan  # the builder's own schedule is valid
@@ -375,7 +378,7 @@ def test_invalid_edited_schedules_name_the_op():
 # -- pieces: one geometry, the same answers as the formulas they replaced ------------------------------------
 
 def _old_storage_slices(plan, name, rank):
-    """The formula ``Plan.storage_slices`` used before pieces (kept here as the reference)."""
+    """The formula of a piece's storage box before pieces (kept here as the reference)."""
     p = plan.param(name)
     b = plan.buffers[p.buffer]
     full = tuple(slice(0, d) for d in p.shape)
@@ -427,8 +430,7 @@ def _check_pieces(plan):
             assert q.shape == shape and q.numel == math.prod(shape)
             assert q.shard_offset == _old_local_offset(plan, p.name, r)
             assert plan.piece(p.name, r) == q and plan.local_slices(p.name, r) == q.box
-            assert (plan.local_shape(p.name, r), plan.local_offset(p.name, r), plan.storage_slices(p.name, r)) == \
-                (q.shape, q.shard_offset, q.storage_box)
+            assert plan.local_shape(p.name, r) == q.shape
     for b in plan.buffers:  # full_offset: the offsets the runtime lays the full parameters out at
         state = BufferState(plan, b, 0, torch.device("cpu"))
         assert [q.full_offset for q in plan.buffer_pieces(b.index, 0)] == [m.piece.full_offset for m in state.members]
@@ -438,10 +440,10 @@ def _check_pieces(plan):
             box = plan.piece(p.name, r).box
             if box is not None:
                 count[box] += 1
-        assert bool((count == plan.replicas(p.name)).all()), f"{p.name} {p.global_shape} {p.spec} on {plan.mesh}"
+        assert bool((count == replicas(plan, p.name)).all()), f"{p.name} {p.global_shape} {p.spec} on {plan.mesh}"
 
 
-@pytest.mark.filterwarnings("ignore::shardplan.PlanWarning")
+@pytest.mark.filterwarnings("ignore::shardplan.errors.PlanWarning")
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(), st.sampled_from(["auto", "chunked"]))
 def test_pieces_agree_with_the_old_formulas_and_cover_every_element(problem, layout):
@@ -461,12 +463,12 @@ def test_pieces_under_tensor_parallelism_and_their_cache():
                        min_unit_bytes=0, strategy=strategy)
         _check_pieces(plan)
     assert plan.pieces(1) is plan.pieces(1)                       # computed once per rank
-    with pytest.raises(sp.PlanError, match="not a rank"):
+    with pytest.raises(sp.errors.PlanError, match="not a rank"):
         plan.pieces(4)
-    with pytest.raises(sp.PlanError, match="no parameter"):
+    with pytest.raises(sp.errors.PlanError, match="no parameter"):
         plan.piece("nope", 0)
     name = plan.params[3].name
-    assert name in plan and plan.has_param(name) and "nope" not in plan and plan.params[plan.index(name)].name == name
+    assert name in plan and "nope" not in plan and plan.param(name).name == name
 
 
 def test_pieces_stay_lazy_on_a_70b_plan():
@@ -486,9 +488,9 @@ def test_pieces_stay_lazy_on_a_70b_plan():
 # -- values, not strings ------------------------------------------------------------------------------------
 
 def test_vocabularies_are_enums_whose_members_are_the_old_strings():
-    from shardplan.plan import schedule as S
+    from shardplan.planner import schedule as S
     plan = sp.plan(Net(), RULES, Mesh(dp=4), units=[r"layers\.\d+"], strategy="optim", order="dynamic", min_unit_bytes=0)
-    from shardplan.plan import OpKind, Order, Strategy, Subject
+    from shardplan.planner import OpKind, Order, Strategy, Subject
     assert plan.strategy is Strategy.OPTIM and plan.order is Order.DYNAMIC and plan.strategy == "optim"
     assert S.ALL_GATHER is OpKind.ALL_GATHER and S.ALL_GATHER == "all_gather" and S.GRADS is Subject.GRADS
     assert all(isinstance(o.kind, OpKind) and isinstance(o.what, Subject) for o in plan.schedule)
@@ -498,15 +500,15 @@ def test_vocabularies_are_enums_whose_members_are_the_old_strings():
     assert back == plan and back.strategy is Strategy.OPTIM and isinstance(back.schedule[0].kind, OpKind)
     for option, bad, choices in (("strategy", "zero9", "optim_grads_params"), ("order", "sideways", "'static', 'dynamic'"),
                                  ("layout", "diagonal", "'auto', 'chunked'")):
-        with pytest.raises(sp.PlanError, match=choices):
+        with pytest.raises(sp.errors.PlanError, match=choices):
             sp.plan(Net(), RULES, Mesh(dp=4), **{option: bad})
-    with pytest.raises(sp.PlanError, match="order must be one of"):
+    with pytest.raises(sp.errors.PlanError, match="order must be one of"):
         plan.with_order("sideways")
     with pytest.raises(TypeError):
-        sp.Op("wait", "layers.0", "params", "pre_forward")        # keyword-only
+        sp.planner.Op("wait", "layers.0", "params", "pre_forward")        # keyword-only
     ops = list(plan.schedule)
     ops[0] = dataclasses.replace(ops[0], kind="all_scatter")
-    with pytest.raises(sp.PlanError, match=r"schedule op #0 .*unknown kind 'all_scatter'; use one of \('all_gather'"):
+    with pytest.raises(sp.errors.PlanError, match=r"schedule op #0 .*unknown kind 'all_scatter'; use one of \('all_gather'"):
         plan.with_schedule(ops)
     as_strings = [dataclasses.replace(o, kind=str(o.kind.value), when=str(o.when.value)) for o in plan.schedule]
     edited = plan.with_schedule(as_strings)                       # strings accepted, stored as members
@@ -518,7 +520,7 @@ def test_vocabularies_are_enums_whose_members_are_the_old_strings():
 
 def test_with_transformations_refuse_to_drop_an_edited_schedule():
     plan = sp.plan(Net(), RULES, Mesh(dp=4), units=[r"layers\.\d+"], prefetch=1, min_unit_bytes=0)
-    assert not plan.schedule_edited
+    assert not schedule_edited(plan)
 
     def gather_late(ops):  # unit layers.1 gathered where it computes instead of being prefetched
         ops = list(ops)
@@ -529,16 +531,16 @@ def test_with_transformations_refuse_to_drop_an_edited_schedule():
 
     keep = gather_late(plan.schedule)
     edited = plan.with_schedule(keep)
-    assert edited.schedule_edited and edited.schedule == tuple(keep)
+    assert schedule_edited(edited) and edited.schedule == tuple(keep)
     for how, call in (("with_prefetch", lambda p: p.with_prefetch(2)),
                       ("with_order", lambda p: p.with_order("dynamic")),
                       ("with_reshard_after_forward", lambda p: p.with_reshard_after_forward({"layers.1": False}))):
-        with pytest.raises(sp.PlanError, match=f"{how}: this plan's schedule was edited"):
+        with pytest.raises(sp.errors.PlanError, match=f"{how}: this plan's schedule was edited"):
             call(edited)
         rebuilt = call(plan)                                      # the documented order: transform, then edit
-        assert not rebuilt.schedule_edited
+        assert not schedule_edited(rebuilt)
     assert edited.with_prefetch(1) is edited and edited.with_order("static") is edited   # no-ops keep the edit
     two = plan.with_prefetch(2)
     again = two.with_schedule(gather_late(two.schedule))
-    assert again.prefetch == 2 and again.schedule_edited
-    assert sp.Plan.from_json(edited.to_json()).schedule_edited    # the edit survives JSON, and so does the refusal
+    assert again.prefetch == 2 and schedule_edited(again)
+    assert schedule_edited(sp.Plan.from_json(edited.to_json()))   # the edit survives JSON, and so does the refusal

@@ -1,6 +1,7 @@
-"""The options grouped by feature (``sp.Precision``, ``sp.Offload``, ``sp.Schedule``, ``sp.Layout``): the same
-plans as the flat keywords, byte for byte; one field set both ways refused; ``plan.policies``; plans saved
-before the grouping load; ``offload_fraction="auto"`` chooses what it chose before (tests/policy_cases.py)."""
+"""``shardplan.plan``'s options, one spelling each (the flat keywords: ``compute_dtype=``, ``prefetch=``,
+``offload=``, ...): plans saved by this version load and are made the same (tests/policy_cases.py); JSON of an
+older format is refused naming it; ``offload_fraction="auto"`` chooses what it chose before; ``plan.declarative()``
+rebuilds any plan; each option is checked, naming the fix."""
 
 from __future__ import annotations
 
@@ -11,14 +12,13 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import shardplan as sp
-from shardplan.planner.policies import Policies
 
 import policy_cases as pc
 
 FIXTURE = json.loads(pc.FIXTURE.read_text())
 
 
-# -- plans saved before the grouping --------------------------------------------------------------------
+# -- plans saved by this version --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", sorted(pc.CASES))
 def test_plans_saved_before_load_and_are_made_the_same(name):
@@ -26,7 +26,7 @@ def test_plans_saved_before_load_and_are_made_the_same(name):
     old = sp.Plan.from_json(saved["json"])
     assert old.to_json() == saved["json"] and old.fingerprint() == saved["fingerprint"]
     new = pc.make(name)
-    assert old.policies == new.policies
+    assert old.declarative() == new.declarative()
     # the planner writes today what it wrote then (if a change of the planner means to change it, regenerate the
     # fixture on purpose: PYTHONPATH=src python3 tests/policy_cases.py)
     assert new.to_json() == saved["json"], f"{name}: the plan's JSON changed"
@@ -36,25 +36,32 @@ def test_plans_saved_before_load_and_are_made_the_same(name):
                          ids=[f"{m}-{s}-{w}-{b}" for m, s, w, b, _, _ in FIXTURE["auto"]])
 def test_auto_fraction_chooses_what_it_chose_before(model, strategy, what, budget, fraction, fingerprint):
     if fraction is None:
-        with pytest.raises(sp.PlanError, match="even offloading every buffer"):
+        with pytest.raises(sp.errors.PlanError, match="even offloading every buffer"):
             pc.make_auto(model, strategy, what, budget)
         return
     p = pc.make_auto(model, strategy, what, budget)
     assert (p.offload_fraction, p.fingerprint()) == (fraction, fingerprint)
-    assert p.policies.offload == sp.Offload(what, fraction=fraction)
-    grouped = pc.make_auto(model, strategy, what, budget,
-                           offload=sp.Offload(what, fraction="auto", device_memory=budget))
-    assert grouped.to_json() == p.to_json()
+    assert p.declarative()["offload_fraction" if fraction != 1 else "offload"] == (fraction if fraction != 1 else what)
 
 
-# -- grouped and flat: the same plans --------------------------------------------------------------------
+def test_json_of_an_older_format_is_refused_naming_it():
+    d = json.loads(pc.make("default").to_json())
+    d["format"] = 1
+    with pytest.raises(sp.errors.PlanError, match="plan JSON has format 1: written by an older shardplan"):
+        sp.Plan.from_json(json.dumps(d))
+    del d["format"]
+    with pytest.raises(sp.errors.PlanError, match="format None"):
+        sp.Plan.from_json(json.dumps(d))
+
+
+# -- any options: the plan rebuilds itself ----------------------------------------------------------------
 
 def _toy_plan(strategy, **options):
     builder, rules, units = pc.MODELS["toy"]
     return sp.plan(builder(), rules, sp.Mesh(dp=4), units=units, strategy=strategy, **options)
 
 
-OPTIONS = st.fixed_dictionaries({  # (mostly valid: both spellings must also raise the same errors)
+OPTIONS = st.fixed_dictionaries({
     "compute_dtype": st.sampled_from([None, "bfloat16", torch.float32, "float16"]),
     "reduce_dtype": st.sampled_from([None, "float32", torch.bfloat16, "int8"]),
     "gather_dtype": st.sampled_from([None, None, "int8", [(r".*emb.*", None), (r".*", "float8_e4m3fn")]]),
@@ -69,131 +76,55 @@ OPTIONS = st.fixed_dictionaries({  # (mostly valid: both spellings must also rai
     "min_unit_bytes": st.sampled_from([None, 0, 2000]),
 })
 
-GROUP_OF = {"compute_dtype": ("precision", "compute_dtype"), "reduce_dtype": ("precision", "reduce_dtype"),
-            "gather_dtype": ("precision", "gather_dtype"), "fp8": ("precision", "fp8"),
-            "fp8_gather": ("precision", "fp8_gather"), "offload_fraction": ("offload", "fraction"),
-            "device_memory": ("offload", "device_memory"), "prefetch": ("schedule", "prefetch"),
-            "order": ("schedule", "order"), "reshard_after_forward": ("schedule", "reshard_after_forward"),
-            "min_unit_bytes": ("layout", "min_unit_bytes"), "offload": ("offload", "what"),
-            "layout": ("layout", "kind")}
-CLASSES = {"precision": sp.Precision, "offload": sp.Offload, "schedule": sp.Schedule, "layout": sp.Layout}
-
-
-def _outcome(make):
-    try:
-        p = make()
-    except sp.ShardingError as e:
-        return type(e).__name__, str(e)
-    return p.to_json(), str(p), p.to_source()
-
-
-def _spelled(flat: dict, grouped: set) -> dict:
-    """``flat``'s options with the fields named in ``grouped`` given through their policies."""
-    out, policy = {}, {}
-    if grouped & {"offload_fraction", "device_memory"}:  # (an Offload(device_memory=B) needs its fraction="auto")
-        grouped = grouped | {"offload_fraction", "device_memory"}
-    for k, v in flat.items():
-        group, name = GROUP_OF[k]
-        if k in grouped and not (group == "offload" and flat["offload"] is None):
-            policy.setdefault(group, {})[name] = v
-        else:
-            out[k] = v
-    for group, fields in policy.items():
-        if group == "offload" and "what" not in fields:  # offload="..." given flat: the rest flat too
-            out.update({k: v for k, v in flat.items() if GROUP_OF[k][0] == "offload"})
-            continue
-        if group == "layout" and "kind" not in fields and "layout" in out:
-            fields["kind"] = out.pop("layout")
-        out[group] = CLASSES[group](**fields)
-    return out
-
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(strategy=st.sampled_from([1, 2, 3, 3]), options=OPTIONS, grouped=st.sets(st.sampled_from(sorted(GROUP_OF))),
-       budget=st.sampled_from([36_000, 40_000, 10**9]))
-def test_grouped_and_flat_spellings_give_the_same_plan(strategy, options, grouped, budget):
-    """Any mix of the two spellings plans byte for byte what the flat keywords plan (or raises the same error),
-    and the plan's policies rebuild it."""
+@given(strategy=st.sampled_from([1, 2, 3, 3]), options=OPTIONS, budget=st.sampled_from([36_000, 40_000, 10**9]))
+def test_any_plan_is_rebuilt_by_its_declarative_keywords(strategy, options, budget):
+    """Whatever the options (or the error they raise, naming the option), ``plan.declarative()`` plans the same
+    plan again, and so does the plan's JSON."""
     flat = dict(options, device_memory=budget if options["offload_fraction"] == "auto" else None)
     if flat["offload"] is None:
         flat.update(offload_fraction=1.0, device_memory=None)
-    want = _outcome(lambda: _toy_plan(strategy, **flat))
-    got = _outcome(lambda: _toy_plan(strategy, **_spelled(flat, grouped)))
-    assert got == want
-    if len(want) == 3:
+    try:
         p = _toy_plan(strategy, **flat)
-        again = _toy_plan(strategy, **p.policies.keywords())
-        assert again.equivalent(p) and again.policies == p.policies
+    except sp.errors.PlanError as e:
+        assert "=" in str(e) or "must" in str(e), str(e)  # names the option
+        return
+    d = p.declarative()
+    d.pop("strategy")
+    again = _toy_plan(strategy, **{k: v for k, v in d.items() if k not in ("rules", "mesh", "units")})
+    assert again.equivalent(p) and sp.Plan.from_json(p.to_json()) == p
 
 
-# -- plan.policies and the flat attributes ---------------------------------------------------------------
-
-def test_plan_policies_read_the_plan():
+def test_the_flat_options_read_back_from_the_plan():
     p = pc.make("mixed_precision")
-    assert p.policies == Policies(precision=sp.Precision(compute_dtype="bfloat16", reduce_dtype="float32"),
-                                  schedule=sp.Schedule(prefetch=2), layout=sp.Layout(min_unit_bytes=p.min_unit_bytes))
     assert (p.compute_dtype, p.reduce_dtype, p.prefetch, p.offload, p.offload_fraction) == \
         ("bfloat16", "float32", 2, None, 1.0)
     off = pc.make("offload_params")
-    assert off.policies.offload == sp.Offload("params", fraction=0.5) and (off.offload, off.offload_fraction) == \
-        ("params", 0.5)
-    raf = pc.make("per_unit_reshard")
-    assert raf.policies.schedule.reshard_after_forward == {"blocks.2": False}
-    q = pc.make("gather_int8")
-    assert dict(q.policies.precision.gather_dtype) == {n: "int8" for n, f in
-                                                       (dict(q.declarative()["gather_dtype"])).items()}
-    assert sp.Plan.from_json(q.to_json()).policies == q.policies
+    assert (off.offload, off.offload_fraction) == ("params", 0.5)
+    assert pc.make("per_unit_reshard").declarative()["reshard_after_forward"] == {"blocks.2": False}
 
 
-# -- one field, two spellings; each policy checks its fields ---------------------------------------------
+# -- one spelling; each option checked ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("flat,grouped,names", [
-    (dict(prefetch=2), dict(schedule=sp.Schedule(prefetch=3)), ("prefetch=2", "schedule=sp.Schedule(prefetch=3)")),
-    (dict(compute_dtype="float16"), dict(precision=sp.Precision(compute_dtype="bfloat16")),
-     ("compute_dtype='float16'", "precision=sp.Precision(compute_dtype='bfloat16')")),
-    (dict(offload_fraction=0.5), dict(offload=sp.Offload("optimizer", fraction=0.25)),
-     ("offload_fraction=0.5", "offload=sp.Offload(fraction=0.25)")),
-    (dict(min_unit_bytes=0), dict(layout=sp.Layout(min_unit_bytes=100)),
-     ("min_unit_bytes=0", "layout=sp.Layout(min_unit_bytes=100)")),
-])
-def test_one_field_given_both_ways_is_refused_naming_both(flat, grouped, names):
-    with pytest.raises(sp.PlanError) as e:
-        pc.make("default", **flat, **grouped)
-    assert all(n in str(e.value) for n in names), str(e.value)
+@pytest.mark.parametrize("keyword", ["precision", "schedule"])
+def test_the_grouped_spellings_are_gone(keyword):
+    with pytest.raises(TypeError, match=keyword):
+        pc.make("default", **{keyword: None})
+    assert not hasattr(sp, "Precision") and not hasattr(sp, "Schedule")
 
 
-def test_a_flat_keyword_fills_a_field_its_policy_leaves_at_the_default():
-    mixed = pc.make("default", schedule=sp.Schedule(order="dynamic"), prefetch=2, reduce_dtype="float32",
-                    precision=sp.Precision(compute_dtype="bfloat16"), layout=sp.Layout("chunked"), min_unit_bytes=0)
-    flat = pc.make("default", order="dynamic", prefetch=2, reduce_dtype="float32", compute_dtype="bfloat16",
-                   layout="chunked", min_unit_bytes=0)
-    assert mixed.to_json() == flat.to_json()
-
-
-def test_each_policy_checks_its_fields_when_made():
-    with pytest.raises(sp.PlanError, match="prefetch must be a non-negative integer"):
-        sp.Schedule(prefetch=-1)
-    with pytest.raises(sp.PlanError, match="order must be one of"):
-        sp.Schedule(order="sideways")
-    with pytest.raises(sp.PlanError, match="layout must be one of"):
-        sp.Layout("diagonal")
-    with pytest.raises(sp.PlanError, match="min_unit_bytes must be"):
-        sp.Layout(min_unit_bytes=-1)
-    with pytest.raises(sp.PlanError, match="offload=None"):
-        sp.Offload(None)
-    with pytest.raises(sp.PlanError, match="offload must be one of"):
-        sp.Offload("gpu")
-    with pytest.raises(sp.PlanError, match="pass offload_fraction='auto' too"):
-        sp.Offload(fraction=0.5, device_memory=2**30)
-    with pytest.raises(sp.PlanError, match="pass device_memory"):
-        sp.Offload(fraction="auto")
-    with pytest.raises(sp.PlanError, match="not a floating dtype"):
-        sp.Precision(compute_dtype="int8")
-    with pytest.raises(sp.PlanError, match="gather_dtype rule #0"):
-        sp.Precision(gather_dtype=[("(", "int8")])
-    with pytest.raises(sp.PlanError, match="needs strategy='optim_grads_params'"):
-        pc.make("default", strategy="optim", offload=sp.Offload("params"))
-    with pytest.raises(sp.PlanError, match=r"precision must be a shardplan.Precision"):
-        pc.make("default", precision="bfloat16")
-    p = sp.Precision(compute_dtype=torch.bfloat16, gather_dtype=[(r".*", "int8")])
-    assert p == sp.Precision(compute_dtype="bf16", gather_dtype=((r".*", "int8"),)) and hash(p)  # frozen, by name
+def test_each_option_is_checked():
+    bad = [(dict(prefetch=-1), "prefetch must be a non-negative integer"), (dict(order="sideways"), "order must be one of"),
+           (dict(layout="diagonal"), "layout must be one of"), (dict(min_unit_bytes=-1), "min_unit_bytes must be"),
+           (dict(offload="gpu"), "offload must be one of"),
+           (dict(offload="optimizer", offload_fraction=0.5, device_memory=2**30), "pass offload_fraction='auto' too"),
+           (dict(offload="optimizer", offload_fraction="auto"), "pass device_memory"),
+           (dict(offload_fraction=0.5), "needs offload='optimizer'"),
+           (dict(compute_dtype="int8"), "not a floating dtype"), (dict(gather_dtype=[("(", "int8")]), "gather_dtype rule #0"),
+           (dict(strategy="optim", offload="params"), "needs strategy='optim_grads_params'")]
+    for options, message in bad:
+        with pytest.raises(sp.errors.PlanError, match=message):
+            pc.make("default", **options)
+    flat = pc.make("default", compute_dtype=torch.bfloat16, gather_dtype=[(r".*", "int8")])
+    assert flat.to_json() == pc.make("default", compute_dtype="bf16", gather_dtype=((r".*", "int8"),)).to_json()

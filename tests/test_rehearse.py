@@ -169,7 +169,7 @@ def test_tensor_parallel_profile_has_local_shapes():
     one = sp.plan(m, [(r".*", sp.P("dp"))], sp.Mesh(dp=2), units=[r"layers\.\d+"], trace=(x, x), min_unit_bytes=0)
     two = sp.plan(m, TP_RULES, sp.Mesh(dp=2, tp=2), compute_axes="tp", units=[r"layers\.\d+"], trace=(x, x),
                   min_unit_bytes=0)
-    assert two.tp_module("output").style == "colwise_gather"
+    assert two.axis("tp").module("output").style == "colwise_gather"
     for ck in (False, True):
         a1, a2 = one.memory(0, recompute=ck).activations, two.memory(0, recompute=ck).activations
         assert a2 is not None and 0.5 * a1 < a2 < a1, (ck, a1, a2)

@@ -24,9 +24,9 @@ def test_mesh_row_major_and_groups():
     assert m.group_of(5, ["replica"]) == (1, 5)
     assert m.axis_index(6, ("shard", "replica")) == 2 * 2 + 1
     assert Mesh.parse("replica=2,shard=4") == m
-    with pytest.raises(sp.MeshError, match="positive"):
+    with pytest.raises(sp.errors.MeshError, match="positive"):
         Mesh(dp=0)
-    with pytest.raises(sp.MeshError, match="name=size"):
+    with pytest.raises(sp.errors.MeshError, match="name=size"):
         Mesh.parse("dp8")
 
 
@@ -45,11 +45,11 @@ def test_spec_semantics():
     assert P.parse("_ dp") == P(None, "dp")
     assert P.parse(P(("a", "b"), "c").to_einops()) == P(("a", "b"), "c")
     assert repr(P("dp", None)) == "P('dp')"
-    with pytest.raises(sp.SpecError, match="twice"):
+    with pytest.raises(sp.errors.SpecError, match="twice"):
         P("dp", "dp")
-    with pytest.raises(sp.SpecError, match="twice"):
+    with pytest.raises(sp.errors.SpecError, match="twice"):
         P(("a", "b"), "a")
-    with pytest.raises(sp.SpecError, match="cannot parse"):
+    with pytest.raises(sp.errors.SpecError, match="cannot parse"):
         P.parse("(a b")
 
 
@@ -84,24 +84,24 @@ def test_match_module_callable_and_logical_axes():
 
 
 def test_unmatched_lists_every_leaf_and_unused_rules_warn():
-    with pytest.raises(sp.UnmatchedParametersError) as info:
+    with pytest.raises(sp.errors.UnmatchedParametersError) as info:
         sp.match([(r"embed\..*", P())], _tree())
     assert set(info.value.names) == {"layers.0.w", "layers.0.b", "layers.1.w", "layers.1.b", "pt.x", "pt.y"}
     assert "layers.1.b" in str(info.value) and "(r'.*', P())" in str(info.value)
-    with pytest.warns(sp.UnusedRuleWarning, match="nothing_here"):
+    with pytest.warns(sp.errors.UnusedRuleWarning, match="nothing_here"):
         sp.match([(r"nothing_here", P()), (r".*", P())], _tree())
 
 
 def test_rule_errors_name_parameter_shape_and_rule():
-    with pytest.raises(sp.RuleError, match=r"rule #1.*invalid regex"):
+    with pytest.raises(sp.errors.RuleError, match=r"rule #1.*invalid regex"):
         Rules([(r".*", P()), (r"layers\.(\d+", P())])
-    with pytest.raises(sp.SpecError) as info:
+    with pytest.raises(sp.errors.SpecError) as info:
         sp.match([(r".*", P(None, None, "dp"))], {"w": torch.zeros(4, 4)})
     assert "'w'" in str(info.value) and "(4, 4)" in str(info.value) and "#0" in str(info.value)
-    with pytest.raises(sp.SpecError) as info:
+    with pytest.raises(sp.errors.SpecError) as info:
         sp.match([(r".*", P("tp"))], {"w": torch.zeros(4, 4)}, mesh=Mesh(dp=2))
     assert "'tp'" in str(info.value) and "'w'" in str(info.value) and "('dp',)" in str(info.value)
-    with pytest.raises(sp.RuleError, match="not a"):
+    with pytest.raises(sp.errors.RuleError, match="not a"):
         Rules([("x",)])
 
 

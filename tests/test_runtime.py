@@ -127,7 +127,7 @@ def _gather_late(plan):
              and o.event == "pre_forward")
     moved = ops.pop(k)
     w = next(i for i, o in enumerate(ops) if o.kind == "wait" and o.unit == "blocks.1" and o.event == "pre_forward")
-    ops.insert(w, sp.Op(kind=moved.kind, unit=moved.unit, what=moved.what, event="pre_forward", at="blocks.1",
+    ops.insert(w, sp.planner.Op(kind=moved.kind, unit=moved.unit, what=moved.what, event="pre_forward", at="blocks.1",
                         buffers=moved.buffers, axes=moved.axes, bytes=moved.bytes))
     return plan.with_schedule(ops)
 
@@ -181,7 +181,7 @@ def _error_of(fn) -> str:
     try:
         fn()
         return "no error"
-    except sp.RuntimeShardingError as exc:
+    except sp.errors.RuntimeShardingError as exc:
         return str(exc)
 
 
@@ -241,7 +241,7 @@ def test_errors_instead_of_hangs():
 def test_shard_without_process_group():
     assert not dist.is_initialized()
     plan = sp.plan(Toy(), toy_rules(), sp.Mesh(dp=1), units=UNITS, min_unit_bytes=0)
-    with pytest.raises(sp.RuntimeShardingError, match="init_process_group"):
+    with pytest.raises(sp.errors.RuntimeShardingError, match="init_process_group"):
         sp.shard(Toy(), plan)
 
 
@@ -315,7 +315,7 @@ def _hang_worker(rank, world):
     try:
         model(*batches(1)[0])
         return "no error"
-    except sp.CollectiveError as exc:
+    except sp.errors.CollectiveError as exc:
         return str(exc)
 
 

@@ -150,8 +150,8 @@ def test_clip_by_global_norm_donated_scales_in_place():
         os.environ.setdefault("MASTER_PORT", "29655")
         dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        pure, n1 = sp.clip_by_global_norm({k: v.clone() for k, v in grads.items()}, 1.0, plan)
-        same, n2 = sp.clip_by_global_norm(grads, 1.0, plan, donate=True)
+        pure, n1 = sp.optim.clip_by_global_norm({k: v.clone() for k, v in grads.items()}, 1.0, plan)
+        same, n2 = sp.optim.clip_by_global_norm(grads, 1.0, plan, donate=True)
     finally:
         dist.destroy_process_group()
     assert same is grads and torch.equal(n1, n2)

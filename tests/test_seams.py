@@ -75,7 +75,7 @@ def _t5_worker(rank, world):
             sp.shard(model, plan)
         n_units = len(sp.plan_of(model).units)
         losses = _t5_train(model, data, rank, world, sharded=True)
-        full = sp.full_state_dict(model)
+        full = sp.checkpoint.full_state_dict(model)
         diff = max((full[n] - p).abs().max().item() for n, p in ref_params.items()) if rank == 0 else 0.0
         out[(how, strategy, order)] = (losses, diff, n_units)
     return ref_losses, out
@@ -140,7 +140,7 @@ def _early_optimizer_worker(rank, world):
             sp.shard(model, plan)
         same = [a is b for a, b in zip(before, model.parameters())]
         losses = _toy_losses(model, opt, data, rank, world, True)
-        full = sp.full_state_dict(model)
+        full = sp.checkpoint.full_state_dict(model)
         diff = max((full[n] - p).abs().max().item() for n, p in ref_params.items() if n in full) if rank == 0 else 0.0
         out[case] = (all(same), losses, diff)
     return ref_losses, out
@@ -158,7 +158,7 @@ def _stepped_before_worker(rank, world):
     model(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
     try:
         opt.step()
-    except sp.RuntimeShardingError as exc:
+    except sp.errors.RuntimeShardingError as exc:
         return str(exc)
     return "stepped"
 
@@ -206,7 +206,7 @@ def _blocks_only_worker(rank, world):
         full = {}
         for i, layer in enumerate(model.layers):
             if system == "shardplan":
-                sd = sp.full_state_dict(layer)  # rank 0 gets the full tensors
+                sd = sp.checkpoint.full_state_dict(layer)  # rank 0 gets the full tensors
                 sd = {k: v for k, v in sd.items()}
             else:
                 sd = {k: v.full_tensor() for k, v in layer.named_parameters()}
@@ -239,7 +239,7 @@ def _seeds_worker(rank, world):
     try:
         sp.shard(model, sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=[r"blocks\.\d+"], min_unit_bytes=0))
         out["refused"] = None
-    except sp.RuntimeShardingError as exc:
+    except sp.errors.RuntimeShardingError as exc:
         out["refused"] = str(exc)
     # one replicated parameter nudged on one rank: still caught
     model = Toy()
@@ -249,7 +249,7 @@ def _seeds_worker(rank, world):
     try:
         sp.shard(model, sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=[r"blocks\.\d+"], min_unit_bytes=0))
         out["nudged"] = None
-    except sp.RuntimeShardingError as exc:
+    except sp.errors.RuntimeShardingError as exc:
         out["nudged"] = str(exc)
     # sync_module_states=True: rank 0's model everywhere, trains like one process on it
     data = batches(2)
@@ -321,7 +321,7 @@ def _sync_api_worker(rank, world):
     try:
         model.parameters()
         out["refused"] = None
-    except sp.RuntimeShardingError as exc:
+    except sp.errors.RuntimeShardingError as exc:
         out["refused"] = str(exc)
     return out
 

@@ -72,17 +72,17 @@ def test_default_units_are_the_repeated_blocks():
 
 def test_large_root_unit_warns_with_the_units_to_pass():
     model = _meta(gpt.build, "1B")  # 5.6 GiB of fp32 parameters
-    with pytest.warns(sp.PlanWarning, match=r"root unit holds .* pass units=\[r'layers\\.\\d\+'\]"):
+    with pytest.warns(sp.errors.PlanWarning, match=r"root unit holds .* pass units=\[r'layers\\.\\d\+'\]"):
         root_only = sp.plan(model, gpt_rules.rules, sp.Mesh(dp=64), units=[])
     assert any("root unit holds" in w for w in root_only.warnings)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", sp.PlanWarning)
+        warnings.simplefilter("error", sp.errors.PlanWarning)
         found = sp.plan(model, gpt_rules.rules, sp.Mesh(dp=64))  # units found: no warning
         sp.plan(gpt.build("tiny"), gpt_rules.rules, sp.Mesh(dp=4), units=())  # small: no warning
         sp.plan(model, gpt_rules.rules, sp.Mesh(dp=64), units=(), strategy="optim_grads")  # params whole anyway
     assert found.memory().peak < root_only.memory().peak / 2
     tree = {"w": torch.empty(2 ** 19, 2 ** 10, device="meta"), "b": torch.empty(8, device="meta")}
-    with pytest.warns(sp.PlanWarning, match=r"pass units=\[\.\.\.\] naming the model's blocks"):
+    with pytest.warns(sp.errors.PlanWarning, match=r"pass units=\[\.\.\.\] naming the model's blocks"):
         sp.plan(tree, [(r".*", sp.P("dp"))], sp.Mesh(dp=8))
 
 
@@ -117,18 +117,18 @@ LLAMA_TP = [(r".*\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight", sp.P("tp")
 def test_heads_not_divisible_by_tp_raise_at_plan_time():
     transformers = pytest.importorskip("transformers")
     llama = _llama(transformers, kv_heads=2)
-    assert sp.plan(llama, LLAMA_TP, sp.Mesh(dp=2, tp=2), compute_axes="tp").tp_modules
-    with pytest.raises(sp.PlanError) as exc:
+    assert sp.plan(llama, LLAMA_TP, sp.Mesh(dp=2, tp=2), compute_axes="tp").axis("tp").modules
+    with pytest.raises(sp.errors.PlanError) as exc:
         sp.plan(llama, LLAMA_TP, sp.Mesh(tp=4), compute_axes="tp")
     msg = str(exc.value)
     for words in ("model.layers.0.self_attn.k_proj.weight", "num_key_value_heads=2", "size 4", "tp=2", "P()"):
         assert words in msg, (words, msg)
-    with pytest.raises(sp.PlanError, match=r"attention\.wk\.weight.*2 attention heads"):  # kv_heads=2
+    with pytest.raises(sp.errors.PlanError, match=r"attention\.wk\.weight.*2 attention heads"):  # kv_heads=2
         sp.plan(_meta(gpt.build, "small"), gpt_rules_tp.tp_rules(data=None), sp.Mesh(tp=4), compute_axes="tp")
     assert sp.plan(_meta(gpt.build, "small"), gpt_rules_tp.tp_rules(data=None), sp.Mesh(tp=2), compute_axes="tp")
     t5_rules = [(r".*SelfAttention\.[qkv]\.weight", sp.P("tp")), (r".*SelfAttention\.o\.weight", sp.P(None, "tp")),
                 (r".*", sp.P())]
-    with pytest.raises(sp.PlanError, match=r"SelfAttention\.q\.weight.*n_heads=2"):
+    with pytest.raises(sp.errors.PlanError, match=r"SelfAttention\.q\.weight.*n_heads=2"):
         sp.plan(_t5(transformers), t5_rules, sp.Mesh(tp=4), compute_axes="tp")
     # an MLP (no heads declared) is not checked
     assert sp.plan(llama, [(r".*\.(gate_proj|up_proj)\.weight", sp.P("tp")), (r".*down_proj\.weight", sp.P(None, "tp")),
@@ -177,8 +177,8 @@ def _runtime_worker(rank, world, path):
     out["losses"], out["ref_losses"] = (t / world).tolist(), ref_losses
     # torch.compile(model): the same engine, plan and state
     out["plan_of"] = sp.plan_of(compiled) is plan
-    full = sp.full_state_dict(compiled)
-    plain = sp.full_state_dict(model)
+    full = sp.checkpoint.full_state_dict(compiled)
+    plain = sp.checkpoint.full_state_dict(model)
     out["full_same"] = rank != 0 or (full.keys() == plain.keys() and all(torch.equal(full[k], plain[k]) for k in full))
     out["full_close_to_ref"] = rank != 0 or all(torch.allclose(full[k], v, atol=1e-5) for k, v in ref.state_dict().items())
     with sp.no_sync(compiled):

@@ -145,14 +145,11 @@ def test_plan_package_has_no_import_cycle():
 
 # the planner's layers, bottom up: a module imports (at run time) only modules of ``plan`` in lower layers,
 # or pure-function neighbours in its own layer (the cycle test above keeps those acyclic); above the function
-# modules, the mixins of ``Plan`` (one job each, ``plan_*``: none imports another), then the facade that joins them
+# modules, the facade (``Plan``: a frozen dataclass whose methods call them), then the compiler
 LAYERS = (("kinds",), ("values",),
           ("heads", "float8", "axis", "tp_styles", "tp_partial", "tensor_parallel", "expert_parallel", "context_parallel",
            "axes", "geometry", "offload", "schedule", "validate", "accounting", "serialize", "capture", "options",
-           "policies", "passes",
-           "render"),
-          ("plan_axes", "plan_lookups", "plan_geometry", "plan_schedule", "plan_transforms", "plan_accounting",
-           "plan_io", "plan_rebuild"),
+           "passes", "transforms", "rebuild", "render"),
           ("facade",), ("compiler",), ("",))
 
 # the floor below the planner: the language (specs, meshes, rules, layouts, dtypes, quantized formats), the
@@ -163,8 +160,7 @@ BELOW_PLAN = ("flow", "flow_rules", "metatrace", "errors", "dtypes", "spec", "me
 
 def test_plan_modules_are_layered():
     """Values at the bottom (``kinds``, then ``values``: no function module); function modules import values,
-    never the facade; the mixins of :class:`Plan` above them, the facade (``Plan`` itself) above those, the compiler
-    above it."""
+    never the facade; the facade (``Plan`` itself) above them, the compiler above it."""
     graph = edges(modules())
     layer = {f"{PACKAGE}.planner" + (f".{m}" if m else ""): k for k, names in enumerate(LAYERS) for m in names}
     assert set(layer) == {m for m in graph if m == f"{PACKAGE}.planner" or m.startswith(f"{PACKAGE}.planner.")}, \
@@ -222,20 +218,55 @@ def test_dir_shardplan_is_the_small_surface():
     assert mods == PUBLIC_MODULES, f"modules in dir(shardplan): {sorted(mods)}"
 
 
-def test_names_moved_off_the_top_level_still_import():
-    """Every name once at the top level resolves, to the object its subpackage holds."""
-    import importlib
+def test_no_name_is_kept_for_history():
+    """One name per thing: no compatibility table at the top level, no import alias for the planner's old package
+    name, no mixin in ``Plan``'s bases; names that moved are read from their subpackage."""
+    import subprocess
+    import sys
     import shardplan
-    old = ("BufferPlan CheckpointError CollectiveError FP8UnavailableError ForecastError Memory MeshError OffloadAdamW Op "
-           "ParamPlan PlanError PlanWarning Rehearsal RehearsalError RuleError RuntimeShardingError SpecError UnitPlan "
-           "UnmatchedParametersError UnusedRuleWarning assemble clip_by_global_norm full_state_dict fully_shard_optimizer "
-           "load_full_state_dict load_state_dict mark_shards_changed register_fsdp_forward_method state_dict "
-           "CaptureError CapturedStep").split()
-    assert set(old) == set(shardplan._MOVED) and not set(old) & set(dir(shardplan))
-    for name in old:
-        home = importlib.import_module(f"shardplan.{shardplan._MOVED[name]}")
-        assert getattr(shardplan, name) is getattr(home, name), name
-    exec("from shardplan import PlanError, state_dict, Op", {})
+    from shardplan.planner.facade import Plan
+    assert not hasattr(shardplan, "_MOVED") and Plan.__bases__ == (object,) and "__setstate__" not in vars(Plan)
+    for name in ("PlanError", "state_dict", "Op", "Precision", "tp_modules"):
+        assert not hasattr(shardplan, name), name
+    code = ("import shardplan, sys\n"
+            "try:\n    import shardplan.plan.render\nexcept ImportError:\n    pass\n"
+            "else:\n    raise SystemExit('shardplan.plan.render imported')\n"
+            "assert not any(type(f).__name__ == '_PlannerAlias' or getattr(f, '__name__', '') == '_PlannerAlias' "
+            "for f in sys.meta_path)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, env={"PYTHONPATH": str(SRC), "PATH": ""}, timeout=120)
+
+
+def test_the_planner_never_imports_the_forecast():
+    """Not even for annotations (``if TYPE_CHECKING:`` counts here): the forecast sits above the planner."""
+    mods = modules()
+    found = []
+    for mod, path in mods.items():
+        if not (mod == f"{PACKAGE}.planner" or mod.startswith(f"{PACKAGE}.planner.")):
+            continue
+        here = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(here[:len(here) - node.level + 1]) if node.level else ""
+                names = [".".join(x for x in (base, node.module or "") if x)]
+                names += [f"{names[0]}.{a.name}" for a in node.names]
+            else:
+                continue
+            found += [f"{path.name}:{node.lineno}" for n in names if n.startswith(f"{PACKAGE}.forecast")]
+    assert not found, f"the planner imports the forecast: {found}"
+
+
+def test_the_forecast_reads_no_private_attribute():
+    """The forecast reads plans through their public fields and methods and the planner's functions: no
+    ``x._name`` of anything but its own objects (``self``)."""
+    found = []
+    for path in sorted((SRC / PACKAGE / "forecast").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, f"the forecast reads private attributes: {found}"
 
 
 def _has_example(doc: str) -> bool:
@@ -384,16 +415,11 @@ if __name__ == "__main__":
         print(f"{k:24} {v}")
 
 
-def test_planner_package_is_not_shadowed_and_old_deep_imports_work():
-    """The planner package is ``shardplan.planner`` (``sp.plan`` is the function, and stays the function); deep
-    imports written for the old package name give the same module objects, not copies."""
-    code = ("import shardplan as sp, shardplan.planner as pl, shardplan.plan\n"
-            "from shardplan.plan.render import render_schedule\n"
-            "from shardplan.plan.values import Op\n"
-            "import shardplan.planner.render as r, shardplan.planner.values as v, sys\n"
+def test_planner_package_is_not_shadowed():
+    """The planner package is ``shardplan.planner``; ``sp.plan`` is the function, and stays the function."""
+    code = ("import shardplan as sp, shardplan.planner as pl, shardplan.planner.values as v, sys\n"
             "assert callable(sp.plan) and sp.plan is pl.plan and not isinstance(sp.plan, type(sys))\n"
-            "assert render_schedule is r.render_schedule and Op is v.Op and sp.Plan is pl.Plan\n"
-            "assert r.__spec__.name == 'shardplan.planner.render' and 'torch' not in sys.modules\n"
+            "assert sp.Plan is pl.Plan and 'torch' not in sys.modules\n"
             "import pickle; assert pickle.loads(pickle.dumps(v.Op)) is v.Op\n")
     import subprocess
     import sys

@@ -42,7 +42,7 @@ def _data(n=4, batch=4, seq=16, vocab=96, seed=1):  # tokens both models know
 
 def test_styles_inferred_from_specs():
     plan = sp.plan(gpt.build("tiny", tie_embeddings=False), gpt_rules_tp.rules, sp.Mesh(dp=2, tp=2), **TP)
-    styles = {m.path: (m.kind, m.style) for m in plan.tp_modules}
+    styles = {m.path: (m.kind, m.style) for m in plan.axis("tp").modules}
     assert styles["layers.0.attention.wq"] == ("linear", "colwise")      # a row-parallel sibling: output stays sharded
     assert styles["layers.0.attention.wo"] == ("linear", "rowwise")
     assert styles["layers.1.feed_forward.w2"] == ("linear", "rowwise")
@@ -50,7 +50,7 @@ def test_styles_inferred_from_specs():
     assert styles["tok_embeddings"] == ("embedding", "rowwise")          # vocabulary-parallel
     assert "pos_embeddings" not in styles and "norm" not in styles
     every = sp.plan(_Styles(), STYLES_RULES, sp.Mesh(dp=2, tp=2), compute_axes="tp")  # the parity test's model
-    assert {m.path: m.style for m in every.tp_modules} == {
+    assert {m.path: m.style for m in every.axis("tp").modules} == {
         "emb": "colwise_gather", "pairs.0.up": "colwise", "pairs.0.down": "rowwise", "pairs.1.up": "colwise",
         "pairs.1.down": "rowwise", "split.proj": "rowwise_split", "head.proj": "colwise_gather"}
     wq = plan.param("layers.0.attention.wq.weight")
@@ -67,9 +67,9 @@ def test_styles_inferred_from_specs():
     # explicit styles override the inference; the plan round-trips and rebuilds from its declarative form
     forced = sp.plan(gpt.build("tiny", tie_embeddings=False), gpt_rules_tp.rules, sp.Mesh(dp=2, tp=2),
                      styles=[(r"output", "colwise")], **TP)
-    assert forced.tp_module("output").style == "colwise"
+    assert forced.axis("tp").module("output").style == "colwise"
     again = sp.Plan.from_json(plan.to_json())
-    assert again.fingerprint() == plan.fingerprint() and again.tp_modules == plan.tp_modules
+    assert again.fingerprint() == plan.fingerprint() and again.axis("tp") == plan.axis("tp")
     model = gpt.build("tiny", tie_embeddings=False)
     assert sp.plan(model, **plan.declarative()).equivalent(plan)
 
@@ -77,7 +77,7 @@ def test_styles_inferred_from_specs():
 def test_hf_llama_styles_and_70b_memory():
     transformers = pytest.importorskip("transformers")
     plan = sp.plan(_llama(transformers, 2), LLAMA_RULES, sp.Mesh(dp=2, tp=2), compute_axes="tp")
-    styles = {m.path.split(".")[-1]: m.style for m in plan.tp_modules}
+    styles = {m.path.split(".")[-1]: m.style for m in plan.axis("tp").modules}
     assert styles == {"embed_tokens": "rowwise", "q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise",
                       "o_proj": "rowwise", "gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise",
                       "lm_head": "colwise_gather"}
@@ -123,19 +123,19 @@ def test_comm_bytes_estimated_only_when_traced():
     no_grad_input = sp.plan(_MLP(), rules, mesh, compute_axes="tp", trace=x.detach())
     assert no_grad_input.comm_bytes()["tensor_parallel"] == 3 * 5 * 8 * 4
     assert traced.comm_bytes()["total"] == untraced.comm_bytes()["total"] + 2 * 3 * 5 * 8 * 4
-    ups = {m.path: m.style for m in traced.tp_modules}
+    ups = {m.path: m.style for m in traced.axis("tp").modules}
     assert ups == {"up": "colwise", "down": "rowwise"}
     # the bias follows its weight: column-parallel bias sharded on dim 0, row-parallel bias replicated
     assert traced.param("up.bias").tp_dim == 0 and traced.param("down.bias").tp_dim == -1
 
 
 @pytest.mark.parametrize("rules, axes, error, words", [
-    ([(r"norm\.weight", sp.P("tp")), (r".*", sp.P())], "tp", sp.PlanError, ["norm.weight", "LayerNorm", "#0", "keep 'tp' out"]),
-    ([(r"up\.weight", sp.P(("dp", "tp"))), (r".*", sp.P())], "tp", sp.SpecError, ["up.weight", "must come first", "P(('tp', 'dp'))"]),
-    ([(r"up\.weight", sp.P("tp")), (r".*", sp.P())], "tp", sp.SpecError, ["up.weight", "not divisible", "16"]),
-    ([(r"down\.bias", sp.P("tp")), (r"down\.weight", sp.P(None, "tp")), (r".*", sp.P())], "tp", sp.PlanError,
+    ([(r"norm\.weight", sp.P("tp")), (r".*", sp.P())], "tp", sp.errors.PlanError, ["norm.weight", "LayerNorm", "#0", "keep 'tp' out"]),
+    ([(r"up\.weight", sp.P(("dp", "tp"))), (r".*", sp.P())], "tp", sp.errors.SpecError, ["up.weight", "must come first", "P(('tp', 'dp'))"]),
+    ([(r"up\.weight", sp.P("tp")), (r".*", sp.P())], "tp", sp.errors.SpecError, ["up.weight", "not divisible", "16"]),
+    ([(r"down\.bias", sp.P("tp")), (r"down\.weight", sp.P(None, "tp")), (r".*", sp.P())], "tp", sp.errors.PlanError,
      ["down.bias", "row-parallel", "replicated"]),
-    ([(r"up\.weight", sp.P("tp", "dp")), (r".*", sp.P())], "cp", sp.PlanError, ["'cp'", "Mesh("]),
+    ([(r"up\.weight", sp.P("tp", "dp")), (r".*", sp.P())], "cp", sp.errors.PlanError, ["'cp'", "Mesh("]),
 ])
 def test_impossible_specs_raise_at_plan_time(rules, axes, error, words):
     mesh = sp.Mesh(dp=2, tp=3) if "not divisible" in words else sp.Mesh(dp=2, tp=2)
@@ -147,11 +147,11 @@ def test_impossible_specs_raise_at_plan_time(rules, axes, error, words):
 
 def test_style_errors_name_the_fix():
     rules = [(r"up\.weight", sp.P("tp")), (r".*", sp.P())]
-    with pytest.raises(sp.PlanError, match="unknown style 'diagonal'"):
+    with pytest.raises(sp.errors.PlanError, match="unknown style 'diagonal'"):
         sp.plan(_MLP(), rules, sp.Mesh(dp=2, tp=2), compute_axes="tp", styles={"up": "diagonal"})
-    with pytest.raises(sp.PlanError, match="shards a linear weight on dim 1"):
+    with pytest.raises(sp.errors.PlanError, match="shards a linear weight on dim 1"):
         sp.plan(_MLP(), rules, sp.Mesh(dp=2, tp=2), compute_axes="tp", styles={"up": "rowwise"})
-    with pytest.raises(sp.PlanError, match="needs an nn.Module"):
+    with pytest.raises(sp.errors.PlanError, match="needs an nn.Module"):
         sp.plan({"w": torch.zeros(4, 4)}, [(r".*", sp.P("tp"))], sp.Mesh(dp=2, tp=2), compute_axes="tp")
 
 
@@ -178,7 +178,7 @@ def test_every_element_held_by_its_replicas_and_gathers_back(out, inp, tp, dp, c
                 assert tuple(s.stop - s.start for s in box) == plan.local_shape(p.name, r)
         assert (count == plan.replicas(p.name)).all(), p.name
     trees = {r: sp.shard_tree(full, plan, rank=r) for r in range(mesh.size)}
-    back = sp.assemble(plan, trees)
+    back = sp.tree.assemble(plan, trees)
     assert all(torch.equal(back[n], full[n]) for n in full)
 
 
@@ -326,7 +326,7 @@ def _sharded(model, plan, loss_fn, data, rank, accumulate=1, opt=None):
 
 
 def _full(model):
-    return {n: t for n, t in sp.full_state_dict(model).items()}
+    return {n: t for n, t in sp.checkpoint.full_state_dict(model).items()}
 
 
 def _parity_worker(rank, world, hf):
@@ -349,7 +349,7 @@ def _parity_worker(rank, world, hf):
     torch.manual_seed(0)
     # a batch split by rank rather than by data index gives one tensor-parallel group two inputs: refused
     x, y = data[0]
-    with pytest.raises(sp.RuntimeShardingError, match=r"were given other inputs.*data_index"):
+    with pytest.raises(sp.errors.RuntimeShardingError, match=r"were given other inputs.*data_index"):
         model(x.chunk(4)[rank], y.chunk(4)[rank])
     # the collectives one step issues: per layer the forward all-reduces of wo and w2 (DTensor's) and one
     # input-gradient all-reduce for wq/wk/wv and one for w1/w3 (siblings share it; shardplan's), plus the
@@ -368,8 +368,8 @@ def _parity_worker(rank, world, hf):
                        units=_UNITS.get(loss_fn, [r"model\.layers\.\d+"]), **options)
         sp.shard(model, plan)
         seen = []  # the compute tensors: DTensors over tp > 1, plain tensors when the compute axis has one rank
-        if plan.tp_modules:
-            module = model.get_submodule(plan.tp_modules[0].path)
+        if plan.axis("tp") and plan.axis("tp").modules:
+            module = model.get_submodule(plan.axis("tp").modules[0].path)
             module.register_forward_pre_hook(lambda m, a: seen.append((type(m.weight).__name__, m.weight.dtype)))
         losses, norms, _ = _sharded(model, plan, loss_fn, data, rank, accumulate)
         return losses, norms, _full(model), set(seen)
@@ -547,7 +547,7 @@ def _functional_steps(model, plan, params, state, opt, data, rank, world, seen=N
     losses, norms = [], []
     for x, y in data:
         loss, grads = vg(params, x.chunk(n)[i], y.chunk(n)[i])
-        grads, norm = sp.clip_by_global_norm(grads, CLIP, plan)
+        grads, norm = sp.optim.clip_by_global_norm(grads, CLIP, plan)
         params, state = opt.update(grads, state, params)
         total = loss.detach().clone()
         dist.all_reduce(total)
@@ -570,7 +570,7 @@ def _functional_worker(rank, world, path):
         plan = sp.plan(model, rules, mesh, **TP)
         params = sp.shard_tree(dict(model.named_parameters()), plan)
         seen = []
-        model.get_submodule(plan.tp_modules[0].path).register_forward_pre_hook(
+        model.get_submodule(plan.axis("tp").modules[0].path).register_forward_pre_hook(
             lambda m, a: seen.append(type(m.weight).__name__))
         losses, norms, params, state = _functional_steps(model, plan, params, adamw.init(params), adamw,
                                                          data[:SPLIT], rank, world)
@@ -592,7 +592,7 @@ def _functional_worker(rank, world, path):
     model = build()
     plan = sp.plan(model, gpt_rules_tp.rules, sp.Mesh(dp=2, tp=2), **TP)
     x, y = data[0]
-    with pytest.raises(sp.RuntimeShardingError, match="were given other inputs"):
+    with pytest.raises(sp.errors.RuntimeShardingError, match="were given other inputs"):
         sp.functional_call(model, plan, sp.shard_tree(dict(model.named_parameters()), plan),
                            (x.chunk(4)[rank], y.chunk(4)[rank]))
     return out, ref_losses, ref_norms
@@ -645,7 +645,7 @@ _READS_WORDS = {"residual": r"'up'.*is reduced over its split dimension in the r
 @pytest.mark.parametrize("mode", sorted(_READS_WORDS))
 def test_colwise_output_read_by_another_than_its_sibling_is_refused_at_plan_time(mode):
     x = torch.zeros(2, 4, 16)
-    with pytest.raises(sp.PlanError, match=_READS_WORDS[mode] + ".*'colwise_gather'"):
+    with pytest.raises(sp.errors.PlanError, match=_READS_WORDS[mode] + ".*'colwise_gather'"):
         sp.plan(_ReadsColwise(mode), _READS_RULES, sp.Mesh(dp=1, tp=2), compute_axes="tp", trace=x)
     sp.plan(_ReadsColwise("fine"), _READS_RULES, sp.Mesh(dp=1, tp=2), compute_axes="tp", trace=x)
     sp.plan(_ReadsColwise(mode), _READS_RULES, sp.Mesh(dp=2, tp=1), compute_axes="tp", trace=x)   # tp=1: no pieces
@@ -668,7 +668,7 @@ def _reads_worker(rank, world, modes):
             y.sum().backward()
             model(x)                       # the check ran once; later forwards are not observed
             out[mode] = "ran"
-        except sp.RuntimeShardingError as exc:
+        except sp.errors.RuntimeShardingError as exc:
             out[mode] = str(exc)
     return out
 

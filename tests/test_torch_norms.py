@@ -50,7 +50,7 @@ def _worker(rank, world, layout):
                       torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item()])
         opt.step()
         opt.zero_grad()
-    full = sp.full_state_dict(model)
+    full = sp.checkpoint.full_state_dict(model)
     plain = [type(p.grad) for p in model.parameters()]  # (None after zero_grad)
     return dict(norms=norms, full=full, plain=plain)
 
@@ -141,7 +141,7 @@ def _adafactor_worker(rank, world, face):
         except sp.ShardingError as exc:
             return str(exc)
         opt.zero_grad()
-    full = sp.full_state_dict(model)  # (on rank 0)
+    full = sp.checkpoint.full_state_dict(model)  # (on rank 0)
     return max([(full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters() if n in full] or [0.0])
 
 

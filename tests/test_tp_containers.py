@@ -108,7 +108,7 @@ def test_container_styles_and_entry_points():
     from shardplan.units import entry_points
     for form in ("container", "class"):
         plan = sp.plan(_Model(form), rules(), sp.Mesh(dp=2, tp=2), compute_axes="tp", units=UNITS, min_unit_bytes=0)
-        styles = {m.path: m.style for m in plan.tp_modules}
+        styles = {m.path: m.style for m in plan.axis("tp").modules}
         assert styles == {**{f"blocks.{i}.{n}": "colwise" for i in (0, 1) for n in ("q", "k", "v", "up")},
                           **{f"blocks.{i}.{n}": "rowwise" for i in (0, 1) for n in ("o", "down")},
                           "head": "colwise_gather"}, form
@@ -130,17 +130,17 @@ def test_container_styles_and_entry_points():
 
 def test_refused_combinations_name_module_parameter_rule_and_fix():
     # a row-parallel bias sharded over tp: its output is a partial sum, the bias is added after the all-reduce
-    with pytest.raises(sp.PlanError) as exc:
+    with pytest.raises(sp.errors.PlanError) as exc:
         sp.plan(_Model(), rules(row_bias="tp"), sp.Mesh(dp=2, tp=2), compute_axes="tp", units=UNITS)
     for w in ("blocks.0.o.bias", "row-parallel", "#3", "keep 'tp' out"):
         assert w in str(exc.value), (w, str(exc.value))
     # a column-parallel bias with the data axis ahead of the compute axis
-    with pytest.raises(sp.SpecError, match=r"blocks\.0\.q\.bias.*must come first.*P\(\('tp', 'dp'\)\)"):
+    with pytest.raises(sp.errors.SpecError, match=r"blocks\.0\.q\.bias.*must come first.*P\(\('tp', 'dp'\)\)"):
         sp.plan(_Model(), rules(col_bias=("dp", "tp")), sp.Mesh(dp=2, tp=2), compute_axes="tp", units=UNITS)
     # a container unit holding a parameter itself: only code outside any forward reads it
     model = _Model()
     model.blocks[1].scale = nn.Parameter(torch.ones(D))
-    with pytest.raises(sp.PlanError) as exc:
+    with pytest.raises(sp.errors.PlanError) as exc:
         sp.plan(model, rules(), sp.Mesh(dp=2, tp=2), compute_axes="tp", units=UNITS)
     for w in ("'blocks.1'", "no forward", "blocks.1.scale", "Fix"):
         assert w in str(exc.value), (w, str(exc.value))
@@ -189,7 +189,7 @@ def _worker(rank, world):
     i, n = plan.data_index(rank), plan.data_size
     for x, y in data:
         loss, grads = vg(params, x.chunk(n)[i], y.chunk(n)[i])
-        grads, norm = sp.clip_by_global_norm(grads, CLIP, plan)
+        grads, norm = sp.optim.clip_by_global_norm(grads, CLIP, plan)
         params, state = adamw.update(grads, state, params)
         total = loss.detach().clone()
         dist.all_reduce(total)
@@ -208,7 +208,7 @@ def _worker(rank, world):
     sp.shard(model, plan)
     model.blocks[0].norm.forward = lambda h: h  # so that a tensor-parallel module is the first one run
     x, y = data[0]
-    with pytest.raises(sp.RuntimeShardingError) as exc:
+    with pytest.raises(sp.errors.RuntimeShardingError) as exc:
         model(x.chunk(2)[plan.data_index(rank)], y.chunk(2)[plan.data_index(rank)])
     error = str(exc.value)
     return out, error

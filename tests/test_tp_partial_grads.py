@@ -138,12 +138,12 @@ def test_head_norm_gradients_are_summed_over_tp_in_the_plan():
         assert any("partial sum" in n for n in plan.notes)
         assert sp.Plan.from_json(plan.to_json()).buffers == plan.buffers
         # a schedule without the sum leaves those gradients partial: refused
-        with pytest.raises(sp.PlanError, match="partial_grads of buffer"):
+        with pytest.raises(sp.errors.PlanError, match="partial_grads of buffer"):
             plan.with_schedule([o for o in plan.schedule if o.what != "partial_grads"])
         late = [o for o in plan.schedule if o.what != "partial_grads"]
         rs = next(k for k, o in enumerate(late) if o.kind == "reduce_scatter" and o.unit == "layers.1")
         late.insert(rs + 1, summed[0])
-        with pytest.raises(sp.PlanError, match="after their reduction"):
+        with pytest.raises(sp.errors.PlanError, match="after their reduction"):
             plan.with_schedule(late)
     # one tp rank shards nothing: nothing partial
     assert not _partial(sp.plan(HeadNorm(), HEAD_RULES, sp.Mesh(dp=4, tp=1), units=[r"layers\.\d+"], **OPTS))
@@ -151,11 +151,11 @@ def test_head_norm_gradients_are_summed_over_tp_in_the_plan():
 
 def test_untraced_plans_warn_where_they_cannot_tell_and_traced_ones_know():
     x = torch.randint(0, 32, (4, 6))
-    with pytest.warns(sp.PlanWarning, match=r"layers\.0\.gate\.weight \(4, 4\).*trace="):
+    with pytest.warns(sp.errors.PlanWarning, match=r"layers\.0\.gate\.weight \(4, 4\).*trace="):
         untraced = sp.plan(HeadNorm(gate=True), HEAD_RULES, sp.Mesh(dp=1, tp=2), units=[r"layers\.\d+"], **OPTS)
     assert not any("gate" in n for n in _partial(untraced))
     with warnings.catch_warnings():
-        warnings.simplefilter("error", sp.PlanWarning)
+        warnings.simplefilter("error", sp.errors.PlanWarning)
         traced = sp.plan(HeadNorm(gate=True), HEAD_RULES, sp.Mesh(dp=1, tp=2), units=[r"layers\.\d+"], trace=(x, x), **OPTS)
     assert {f"layers.0.gate.{w}" for w in ("weight", "bias")} <= _partial(traced)
 
@@ -167,7 +167,7 @@ def test_untraced_plans_warn_where_they_cannot_tell_and_traced_ones_know():
                 h = h + blk.norm(h.view(*h.shape[:2], -1, 4)).flatten(2)
             return nn.functional.cross_entropy(self.out(h).flatten(0, 1), y.flatten())
 
-    with pytest.raises(sp.PlanError, match=r"layers\.0\.norm\.(weight|bias).*both.*separate parameters"):
+    with pytest.raises(sp.errors.PlanError, match=r"layers\.0\.norm\.(weight|bias).*both.*separate parameters"):
         sp.plan(Shared(), HEAD_RULES, sp.Mesh(dp=1, tp=2), units=[r"layers\.\d+"], trace=(x, x), **OPTS)
 
 
@@ -178,7 +178,7 @@ def test_hf_per_head_norms_are_found_traced_and_untraced(build):
     want = {f"model.layers.{i}.self_attn.{n}_norm.weight" for i in (0, 1) for n in ("q", "k")}
     for trace in (None, _hf_trace(ids)):
         with warnings.catch_warnings():
-            warnings.simplefilter("error", sp.PlanWarning)   # nothing left unjudged in these models
+            warnings.simplefilter("error", sp.errors.PlanWarning)   # nothing left unjudged in these models
             plan = sp.plan(build(), HF_RULES, sp.Mesh(dp=2, tp=2), units=[r"model\.layers\.\d+"], trace=trace, **OPTS)
         assert _partial(plan) == want, (trace is not None, _partial(plan))
 
@@ -245,7 +245,7 @@ def _train_worker(rank, world, with_hf):
             dist.all_gather_object(every, mine)
             replicas = all(torch.equal(every[g[0]][k], every[r][k]) for g in plan.mesh.groups(["tp"]) for r in g
                            for k in mine)
-            full = sp.full_state_dict(model)
+            full = sp.checkpoint.full_state_dict(model)
             diff = max((full[k] - v).abs().max().item() for k, v in ref_params.items()) if rank == 0 else 0.0
             out.append((f"{what} {'traced' if trace else 'untraced'}", losses, ref_losses, diff, replicas,
                         recorded == expected, sum(o.what == "partial_grads" for o in recorded),
@@ -333,9 +333,9 @@ KEY_RULES = [(r"q\.weight", sp.P(("tp", "dp"))), (r"o\.weight", sp.P("dp", "tp")
 
 def test_replicated_activations_meeting_sharded_ones_are_refused_when_traced():
     x = torch.randn(2, 3, 16)
-    with pytest.raises(sp.PlanError, match=r"module '<root>' combines .*replicated activation that takes a gradient"):
+    with pytest.raises(sp.errors.PlanError, match=r"module '<root>' combines .*replicated activation that takes a gradient"):
         sp.plan(SharedKey(True), KEY_RULES, sp.Mesh(dp=1, tp=2), units=[], trace=(x,), **OPTS)
-    with pytest.warns(sp.PlanWarning, match="trace="):
+    with pytest.warns(sp.errors.PlanWarning, match="trace="):
         untraced = sp.plan(SharedKey(False), KEY_RULES, sp.Mesh(dp=1, tp=2), units=[], **OPTS)
     assert _partial(untraced) == {"k_norm.weight", "k_norm.bias"}          # head_dim-sized: taken as per head
     assert not _partial(sp.plan(SharedKey(False), KEY_RULES, sp.Mesh(dp=1, tp=2), units=[], trace=(x,), **OPTS))
@@ -348,7 +348,7 @@ def _runtime_check_worker(rank, world):
     mesh = sp.Mesh(dp=1, tp=2)
     x, h = torch.randint(0, 32, (2, 6)), torch.randn(2, 3, 16)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", sp.PlanWarning)
+        warnings.simplefilter("ignore", sp.errors.PlanWarning)
         for what, build, rules, units, args in [
                 ("gate", lambda: HeadNorm(gate=True), HEAD_RULES, [r"layers\.\d+"], (x, x)),
                 ("shared key", lambda: SharedKey(True), KEY_RULES, [], (h,)),
@@ -361,7 +361,7 @@ def _runtime_check_worker(rank, world):
                     for _ in range(2):
                         model(*args).backward()
                     out[(what, trace is not None)] = "ok"
-                except sp.RuntimeShardingError as exc:
+                except sp.errors.RuntimeShardingError as exc:
                     out[(what, trace is not None)] = str(exc)
     return out
 

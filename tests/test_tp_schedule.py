@@ -148,7 +148,7 @@ def test_traced_plan_knows_shared_inputs_and_bytes():
                      min_unit_bytes=0)
     traced = sp.plan(Cross(), CROSS_RULES, sp.Mesh(dp=2, tp=2), compute_axes="tp", units=[r"blocks\.\d+"],
                      min_unit_bytes=0, trace=(x,))
-    shares = lambda p: {m.path: m.shares_with for m in p.tp_modules}  # noqa: E731
+    shares = lambda p: {m.path: m.shares_with for m in p.axis("tp").modules}  # noqa: E731
     assert shares(static)["blocks.0.k"] == "blocks.0.q"       # siblings assumed to read one input
     assert shares(traced)["blocks.0.k"] == "" and shares(traced)["blocks.0.v"] == "blocks.0.k"
     # every block's k and v read the one encoder output: one all-reduce of its gradient, in the backward of

@@ -240,7 +240,7 @@ import torch.distributed as dist, shardplan as sp
 def main():
     dist.init_process_group("gloo")
     if dist.get_rank() == 1:
-        raise sp.PlanError("rank 1 alone is wrong; fix rank 1")
+        raise sp.errors.PlanError("rank 1 alone is wrong; fix rank 1")
     dist.barrier()  # rank 0 waits here for a rank that will never come
 
 sp.run_main(main)

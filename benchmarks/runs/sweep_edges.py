@@ -291,7 +291,7 @@ def worker(rank, world, name):
         if face == "shard":
             sp.shard(model, plan)
         losses, norms = loop(model, name, opts, rank, world, loss_fn, True)
-        full = sp.full_state_dict(model)
+        full = sp.checkpoint.full_state_dict(model)
     if rank != 0:
         return None
     ref, _, _, _ = build(name)

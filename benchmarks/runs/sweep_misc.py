@@ -67,7 +67,7 @@ def w_gan(rank, world, order):
     G = sp.shard(G, sp.plan(G, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[r"\d+"], min_unit_bytes=0, **kw))
     D = sp.shard(D, sp.plan(D, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[r"\d+"], min_unit_bytes=0, **kw))
     losses = gan_steps(G, D, rank, world, True)
-    fg, fd = sp.full_state_dict(G), sp.full_state_dict(D)
+    fg, fd = sp.checkpoint.full_state_dict(G), sp.checkpoint.full_state_dict(D)
     if rank:
         return None
     rG, rD = mlp(0, out=16), mlp(1)
@@ -95,7 +95,7 @@ def w_teacher(rank, world):
         opt.step()
         opt.zero_grad()
         losses.append(S.mean_loss(loss))
-    full = sp.full_state_dict(St)
+    full = sp.checkpoint.full_state_dict(St)
     if rank:
         return None
     rT, rS = mlp(0), mlp(1)
@@ -141,7 +141,7 @@ def w_load_full(rank, world):
     src, _, _, _ = S.build("gpt2")
     sp.shard(model, sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=units, min_unit_bytes=0),
              sync_module_states=True)
-    sp.load_full_state_dict(model, src.state_dict() if rank == 0 else {})
+    sp.checkpoint.load_full_state_dict(model, src.state_dict() if rank == 0 else {})
     opt = torch.optim.AdamW(model.parameters(), lr=S.LR, weight_decay=0.01)
     losses = []
     for (mb,) in S.batches("gpt2"):
@@ -150,7 +150,7 @@ def w_load_full(rank, world):
         opt.step()
         opt.zero_grad()
         losses.append(S.mean_loss(loss))
-    full = sp.full_state_dict(model)
+    full = sp.checkpoint.full_state_dict(model)
     if rank:
         return None
     ref, ref_losses, _ = S.reference("gpt2", world, {})
@@ -163,7 +163,7 @@ def w_sync_states(rank, world):
     model, _, loss_fn, units = S.MODELS["bn"]()
     sp.shard(model, sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=units, min_unit_bytes=0),
              sync_module_states=True)
-    full = sp.full_state_dict(model)
+    full = sp.checkpoint.full_state_dict(model)
     if rank:
         return None
     torch.manual_seed(0)
@@ -270,7 +270,7 @@ def w_gp(rank, world, order, saliency):
     kw = {"order": order} if order else {}
     D = sp.shard(D, sp.plan(D, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[r"\d+"], min_unit_bytes=0, **kw))
     losses = gp_steps(D, rank, world, True, saliency)
-    fd = sp.full_state_dict(D)
+    fd = sp.checkpoint.full_state_dict(D)
     if rank:
         return None
     rD = mlp(1)

@@ -356,7 +356,7 @@ def w_shard(rank, world, name, opts):
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    full = sp.full_state_dict(model)
+    full = sp.checkpoint.full_state_dict(model)
     return finish(rank, world, name, opts, losses, full, gather_buffers(model))
 
 
@@ -388,7 +388,7 @@ def w_fully_shard(rank, world, name, opts):
     sp.fully_shard(model, mp_policy=sp.MixedPrecisionPolicy(*mp) if mp else None,
                    reshard_after_forward=opts.get("raf", True), **kw)
     losses = train_module(model, rank, world, name, opts, loss_fn, sync_fn=lambda m, on: m.set_requires_gradient_sync(on))
-    full = sp.full_state_dict(model)
+    full = sp.checkpoint.full_state_dict(model)
     return finish(rank, world, name, opts, losses, full, gather_buffers(model))
 
 
@@ -468,7 +468,7 @@ def w_functional(rank, world, name, opts):
             acc = grads if acc is None else {k: acc[k] + grads[k] for k in acc}
             total += mean_loss(loss) / n_micro
         if opts.get("clip"):
-            acc, _ = sp.clip_by_global_norm(acc, opts["clip"], plan)
+            acc, _ = sp.optim.clip_by_global_norm(acc, opts["clip"], plan)
         params, state = opt.update(acc, state, params)
         losses.append(total)
     full = sp.unshard_tree(params, plan)

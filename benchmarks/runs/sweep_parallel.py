@@ -92,12 +92,12 @@ def worker(rank, world, case):
         opt.step()
         opt.zero_grad()
         losses.append(S.mean_loss(loss))
-    full = sp.full_state_dict(model)
+    full = sp.checkpoint.full_state_dict(model)
     if rank != 0:
         return None
     ref, ref_losses, _ = S.reference(name, n, {})
     res = S.compare(ref, ref_losses, [{}] * n, losses, full, [{}] * n, n)
-    res["styles"] = sorted({m.style for m in plan.tp_modules}) if plan.tp_modules else None
+    res["styles"] = sorted({m.style for m in plan.axis("tp").modules}) if plan.axis("tp") else None
     return res
 
 

@@ -37,6 +37,7 @@ from .rehearsal.cli import add_parser as add_rehearse
 from .rehearsal.cli import run as run_rehearse
 from .rules import explain
 from .planner.render import fmt_bytes
+from .planner.serialize import to_dict
 from .errors import did_you_mean
 from .dtypes import itemsize
 
@@ -473,7 +474,7 @@ def run(args) -> str:
         print(f"shardplan: wrote the schedule's Chrome trace to {trace} (open it in ui.perfetto.dev)",
               file=sys.stderr)
     if args.json:
-        d = p.to_dict()
+        d = to_dict(p)
         d["memory"] = vars(p.memory(args.rank)) | {"rank": args.rank}
         d["comm_bytes_per_step"] = p.comm_bytes(args.rank)
         return json.dumps(d, indent=1, sort_keys=True)

@@ -26,6 +26,7 @@ import torch
 from .errors import ShardingError
 from .schedules import (SCHEDULES, LearningRate, Schedule, ScheduleLR, as_lr_scheduler, by_name, constant,
                         cosine_decay, join, linear, linear_warmup, value_at, warmup_cosine)
+from .planner import geometry as G
 from .rules import leaves_with_paths
 from .runtime import collectives as C
 from .errors import CaptureError
@@ -265,8 +266,8 @@ def clip_by_global_norm(grads, max_norm: float, plan, *, donate: bool = False) -
     calls it. Pure: returns new tensors; ``donate=True`` scales ``grads``' own tensors in place and returns
     them (no second copy of the gradients: the caller does not read ``grads`` again).
 
-    >>> grads, norm = sp.clip_by_global_norm(grads, 1.0, plan)
-    >>> grads, norm = sp.clip_by_global_norm(grads, 1.0, plan, donate=True)   # in place
+    >>> grads, norm = sp.optim.clip_by_global_norm(grads, 1.0, plan)
+    >>> grads, norm = sp.optim.clip_by_global_norm(grads, 1.0, plan, donate=True)   # in place
     """
     paths, leaves, spec = leaves_with_paths(grads)
     dev = leaves[0].device if leaves else torch.device("cpu")
@@ -278,7 +279,7 @@ def clip_by_global_norm(grads, max_norm: float, plan, *, donate: bool = False) -
         if not g.numel() or name in counted:
             continue
         counted.add(name)
-        by_replicas.setdefault(plan.replicas(path), []).append(g)
+        by_replicas.setdefault(G.replicas(plan, path), []).append(g)
     for r, gs in by_replicas.items():
         norms = torch._foreach_norm(gs, 2)
         acc = acc + torch.stack([n.to(acc.dtype) for n in norms]).pow(2).sum() / r

@@ -19,6 +19,7 @@ import torch
 
 from .errors import ShardingError
 from .planner import Plan
+from .planner import geometry as G
 from .rules import leaves_with_paths
 
 
@@ -109,7 +110,7 @@ def place(plan: Plan, name: str, piece_of: Callable[[int], Optional[torch.Tensor
     p = plan.param(name)
     full = torch.empty(p.global_shape, dtype=like.dtype, device=like.device)
     first = plan.mesh.rank_of([0] * len(plan.mesh.axis_names))
-    for r in owners if owners is not None else plan.mesh.group_of(first, plan.owner_axes(name)):
+    for r in owners if owners is not None else plan.mesh.group_of(first, G.owner_axes(plan, name)):
         box = plan.local_slices(name, r)
         piece = piece_of(r)
         if box is not None and piece is not None and piece.numel():

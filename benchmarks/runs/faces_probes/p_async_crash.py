@@ -12,19 +12,19 @@ def kill(rank, world, root):
     model, opt = T._make(rank, world)
     T._steps(model, opt, rank, world, batches(1))
     sp.checkpoint.async_save(sp.checkpoint.step_dir(root, 1), model, opt, step=1).result()
-    full = sp.full_state_dict(model)
+    full = sp.checkpoint.full_state_dict(model)
     T._steps(model, opt, rank, world, batches(1, seed=5))
     T._slow_writes(0.2, on_rank=2, action=lambda: os._exit(3))
     fut = sp.checkpoint.async_save(sp.checkpoint.step_dir(root, 2), model, opt, step=2)
     try:
         fut.result(timeout=60); return "published", full
-    except sp.CheckpointError as exc:
+    except sp.errors.CheckpointError as exc:
         return str(exc)[:200], full
 
 def load(rank, world, root):
     model, opt = T._make(rank, world, seed=3, strategy="optim")
     step = sp.checkpoint.load(sp.checkpoint.latest(root), model, opt)
-    return step, sp.full_state_dict(model)
+    return step, sp.checkpoint.full_state_dict(model)
 
 def tree_raise(rank, world, path):
     model, opt = T._make(rank, world)  # only for a plan

@@ -69,7 +69,7 @@ def save_w(rank, world, path, name, opt, mode):
     else:
         sp.checkpoint.save(path, model, o, step=K)
         rest = steps(model, o, plan, rank, world, d[K:])
-    full = sp.full_state_dict(model)
+    full = sp.checkpoint.full_state_dict(model)
     return first + rest, full
 
 def load_w(rank, world, path, name, opt):
@@ -77,7 +77,7 @@ def load_w(rank, world, path, name, opt):
     step = sp.checkpoint.load(path, model, o)
     lrs = [g["lr"] for g in o.param_groups]; wds = [g["weight_decay"] for g in o.param_groups]
     rest = steps(model, o, plan, rank, world, data()[step:])
-    return step, rest, sp.full_state_dict(model), lrs, wds
+    return step, rest, sp.checkpoint.full_state_dict(model), lrs, wds
 
 def compare(tag, ref, got_losses, got_full, start=0):
     lw = max(abs(a - b) for a, b in zip(got_losses, ref[0][start:]))

@@ -22,7 +22,7 @@ def worker(rank, world, mesh_text, face, strategy):
             xs, ys, pos = sp.context_parallel.shard_batch(plan, rank, x, torch.roll(x, -1, 1))
             l = model(xs, ys, positions=pos); l.backward(); opt.step(); opt.zero_grad()
             t = l.detach().clone(); torch.distributed.all_reduce(t); losses.append(t.item() / world)
-        full = sp.full_state_dict(model)
+        full = sp.checkpoint.full_state_dict(model)
     else:
         local = sp.shard_tree(dict(model.named_parameters()), plan)
         opt = sp.optim.adamw(lr=3e-3); st = opt.init(local)

@@ -70,14 +70,14 @@ def one(rank, world, mesh, pick, strategy="optim_grads_params", experts=8, face=
             if clip: sp.clip_grad_norm_(model, clip)
             opt.step(); opt.zero_grad()
             t = loss.detach().clone(); torch.distributed.all_reduce(t); losses.append(t.item() / world)
-        full = sp.full_state_dict(model)
+        full = sp.checkpoint.full_state_dict(model)
     else:
         local = sp.shard_tree(dict(model.named_parameters()), plan)
         opt = sp.optim.adamw(lr=3e-3); st = opt.init(local)
         vg = sp.value_and_grad(lambda p, a: sp.functional_call(model, plan, p, (a, a)), plan)
         for x in data:
             l, gr = vg(local, x.chunk(D)[di])
-            if clip: gr, _ = sp.clip_by_global_norm(gr, clip, plan)
+            if clip: gr, _ = sp.optim.clip_by_global_norm(gr, clip, plan)
             local, st = opt.update(gr, st, local)
             t = l.detach().clone(); torch.distributed.all_reduce(t); losses.append(t.item() / world)
         full = sp.unshard_tree(local, plan)

@@ -128,8 +128,8 @@ def worker(rank, world, which):
         plan = sp.plan(model, toy_rules(), sp.Mesh(dp=world), units=[r"blocks\.\d+"], min_unit_bytes=0)
         g = {n: torch.ones(plan.local_shape(n, rank)) for n in ("emb.weight",)}
         g2 = {"emb.weight": g["emb.weight"], "head.weight": g["emb.weight"]}
-        _, n1 = sp.clip_by_global_norm(g, 1.0, plan)
-        _, n2 = sp.clip_by_global_norm(g2, 1.0, plan)
+        _, n1 = sp.optim.clip_by_global_norm(g, 1.0, plan)
+        _, n2 = sp.optim.clip_by_global_norm(g2, 1.0, plan)
         return n1.item(), n2.item()
 
     @case("frozen_only_grad")

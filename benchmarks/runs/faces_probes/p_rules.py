@@ -50,14 +50,14 @@ def one(rank, world, rules, mesh, strategy, face, layout="auto", steps=3):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
         for x in data:
             model(x.chunk(D)[di]).backward(); sp.clip_grad_norm_(model, 1e9); opt.step(); opt.zero_grad()
-        full = sp.full_state_dict(model)
+        full = sp.checkpoint.full_state_dict(model)
         if rank: return 0.0
     else:
         local = sp.shard_tree(dict(model.named_parameters()), plan)
         opt = sp.optim.adamw(lr=1e-2, weight_decay=0.1, eps=1e-6); st = opt.init(local)
         vg = sp.value_and_grad(lambda p, x: sp.functional_call(model, plan, p, (x,)), plan)
         for x in data:
-            l, gr = vg(local, x.chunk(D)[di]); gr, _ = sp.clip_by_global_norm(gr, 1e9, plan); local, st = opt.update(gr, st, local)
+            l, gr = vg(local, x.chunk(D)[di]); gr, _ = sp.optim.clip_by_global_norm(gr, 1e9, plan); local, st = opt.update(gr, st, local)
         full = sp.unshard_tree(local, plan)
     return max((full[n] - want[n]).abs().max().item() if want[n].numel() else 0.0 for n in want)
 

@@ -66,7 +66,7 @@ def one(rank, world, mesh, rules, strategy="optim_grads_params", vocab=32, tied=
                 if clip: sp.clip_grad_norm_(model, clip)
                 opt.step(); opt.zero_grad()
                 t = l.detach().clone(); torch.distributed.all_reduce(t); losses.append(t.item() / world)
-            full = sp.full_state_dict(model)
+            full = sp.checkpoint.full_state_dict(model)
             if rank != 0: full = None
         else:
             local = sp.shard_tree(dict(model.named_parameters()), plan)
@@ -74,7 +74,7 @@ def one(rank, world, mesh, rules, strategy="optim_grads_params", vocab=32, tied=
             vg = sp.value_and_grad(lambda p, a, b: sp.functional_call(model, plan, p, (a, b)), plan)
             for x, y in data:
                 l, gr = vg(local, x.chunk(D)[di], y.chunk(D)[di])
-                if clip: gr, _ = sp.clip_by_global_norm(gr, clip, plan)
+                if clip: gr, _ = sp.optim.clip_by_global_norm(gr, clip, plan)
                 local, st = opt.update(gr, st, local)
                 t = l.detach().clone(); torch.distributed.all_reduce(t); losses.append(t.item() / world)
             full = sp.unshard_tree(local, plan)

@@ -117,7 +117,7 @@ def _megatron_dtypes(module: nn.Module, where: str, preserve_fp32: bool, reduce_
     return compute, reduce
 
 
-def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_for_dcp_ckpt: bool = True):
+def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_for_dcp_ckpt: bool = True) -> torch.optim.Optimizer:
     """Megatron-FSDP's ``fully_shard_optimizer``: checks the optimizer steps a sharded model's local shards
     and, if the model asked for ``check_for_nan_in_grad``, makes ``step`` refuse non-finite gradients.
 

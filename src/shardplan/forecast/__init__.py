@@ -19,7 +19,7 @@ from .model import forecast
 from .network import PRESETS as NETWORK_PRESETS
 from .network import Cost, Link, Network, Placement, collective_time, network, placement
 from .result import CollectiveForecast, Forecast
-from ..planner.plan_accounting import register_forecast
+from ..planner.facade import register_forecast
 
 register_forecast(forecast)  # plan.forecast(...) calls it (the planner never imports the forecast)
 

@@ -29,7 +29,9 @@ from .network import Network, Placement, Timing, check_fits, collective_time, ne
 from .result import CollectiveForecast, Forecast
 from .timeline import Comm, Issue, Item, Run, Wait, Work, simulate
 from .tp_comm import activation_collectives
+from ..planner.geometry import check_rank
 from ..planner.offload import HOST_GBPS
+from ..planner import context_parallel as CPX, expert_parallel as EPX, tensor_parallel as TPX
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..planner.facade import Plan
@@ -151,7 +153,7 @@ def forecast(plan: "Plan", network: Union[str, dict, Network], compute: Union[No
     """
     net = resolve_network(network)
     batch = _batch(batch)
-    rank = plan._check_rank(rank)
+    rank = check_rank(plan.mesh, rank)
     check_fits(net, plan.mesh)
     cm = compute_model(net.device if compute is None else compute)
     times, notes, parts = _unit_times(plan, cm, batch)
@@ -194,23 +196,23 @@ def _in_module_calls(plan: "Plan", notes: list[str]) -> tuple[list, dict[tuple[s
     context- and expert-parallel ones of the schedule ({(unit, phase): [(op, what)]}); ``notes`` gains a
     line for each kind a plan without ``trace=`` cannot forecast."""
     tp_calls = activation_collectives(plan)
-    if plan.compute_axes and plan.tp_activations is None:
+    if TPX.of(plan).axes and TPX.of(plan).activations is None:
         notes.append("tensor-parallel activations not forecast: plan with trace= example inputs (CLI: --trace-tokens)")
 
     # [Note: context- and expert-parallel collectives (K/V all-gathers and their gradients' reduce-scatters,
     # token all-to-alls) come from the schedule's in-module ops; like tensor-parallel ones they block the
     # compute that needs them, so each is issued after its unit's compute of the pass, on the compute stream]
-    if plan.expert_modules and plan.expert_calls is None:
+    if EPX.of(plan).modules and EPX.of(plan).calls is None:
         notes.append("expert all-to-alls not forecast: plan with trace= example inputs (CLI: --trace-tokens)")
-    if "cp" in plan.mesh.axis_names and plan.mesh.axis_size("cp") > 1 and plan.context_calls is None:
+    if "cp" in plan.mesh.axis_names and plan.mesh.axis_size("cp") > 1 and CPX.of(plan).calls is None:
         notes.append("context-parallel K/V all-gathers not forecast: plan with trace= example inputs (CLI: --trace-tokens)")
-    tp_paths = {m.path for m in plan.tp_modules}
+    tp_paths = {m.path for m in TPX.of(plan).modules}
     other_calls: dict[tuple[str, str], list] = {}
-    if plan.context_calls is not None or plan.expert_calls is not None:
+    if CPX.of(plan).calls is not None or EPX.of(plan).calls is not None:
         for op in plan.ops():
             if op.in_module and op.at not in tp_paths and op.is_collective:
                 what = "tokens" if op.kind == ALL_TO_ALL else "kv"
-                if (what == "tokens" and plan.expert_calls is None) or (what == "kv" and plan.context_calls is None):
+                if (what == "tokens" and EPX.of(plan).calls is None) or (what == "kv" and CPX.of(plan).calls is None):
                     continue
                 phase = "forward" if op.phase == "forward" else "backward"
                 other_calls.setdefault((op.unit, phase), []).append((op, what))
@@ -301,18 +303,18 @@ def _sent(plan: "Plan", collectives) -> dict[str, Optional[int]]:
     sent["total"] = sum(sent.values())
     if any(b.amax_bytes for b in plan.buffers):  # (already in all_reduce and the total, as plan.comm_bytes() has it)
         sent["fp8_amax"] = sum(c.sent for c in collectives if c.what == SCALES)
-    if plan.compute_axes:
-        sent["tensor_parallel"] = None if plan.tp_activations is None else sum(c.sent for c in collectives
+    if TPX.of(plan).axes:
+        sent["tensor_parallel"] = None if TPX.of(plan).activations is None else sum(c.sent for c in collectives
                                                                                if c.what == "activations")
         if sent["tensor_parallel"] is not None:
             sent["total"] += sent["tensor_parallel"]
-    if plan.expert_modules:
-        sent["expert_parallel"] = None if plan.expert_calls is None else sum(c.sent for c in collectives
+    if EPX.of(plan).modules:
+        sent["expert_parallel"] = None if EPX.of(plan).calls is None else sum(c.sent for c in collectives
                                                                              if c.what == "tokens")
         if sent["expert_parallel"] is not None:
             sent["total"] += sent["expert_parallel"]
     if "cp" in plan.mesh.axis_names:
-        sent["context_parallel"] = None if plan.context_calls is None else sum(c.sent for c in collectives
+        sent["context_parallel"] = None if CPX.of(plan).calls is None else sum(c.sent for c in collectives
                                                                                if c.what == "kv")
         if sent["context_parallel"] is not None:
             sent["total"] += sent["context_parallel"]

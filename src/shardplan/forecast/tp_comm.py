@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..planner.tensor_parallel import EMBEDDING
+from ..planner import tensor_parallel as TPX
 from ..units import ROOT
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -38,11 +39,11 @@ def _unit_of(plan: "Plan", path: str) -> str:
 
 def activation_collectives(plan: "Plan") -> tuple[ActivationCollective, ...]:
     """Every activation collective of one training step (empty without compute axes or a trace)."""
-    if not plan.compute_axes or plan.tp_activations is None:
+    if not TPX.of(plan).axes or TPX.of(plan).activations is None:
         return ()
-    by_path = {m.path: m for m in plan.tp_modules}
+    by_path = {m.path: m for m in TPX.of(plan).modules}
     out = []
-    for a in plan.tp_activations:
+    for a in TPX.of(plan).activations:
         m = by_path[a.path]
         n = plan.mesh.axis_size(m.axis)
         unit = _unit_of(plan, a.path)

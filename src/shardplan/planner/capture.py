@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .kinds import Order
+from . import expert_parallel as EPX
 
 if TYPE_CHECKING:  # pragma: no cover
     from .facade import Plan
@@ -50,8 +51,8 @@ def blockers(plan: "Plan") -> tuple[Blocker, ...]:
     if plan.order == Order.DYNAMIC:
         out.append(Blocker("dynamic_order", "order='dynamic' gathers units as the data decides, step by step",
                            "plan with order='static' (the default) if the units run in one order, or run eagerly"))
-    if plan.expert_modules:
-        names = ", ".join(m.path for m in plan.expert_modules[:2]) + (", ..." if len(plan.expert_modules) > 2 else "")
+    if EPX.of(plan).modules:
+        names = ", ".join(m.path for m in EPX.of(plan).modules[:2]) + (", ..." if len(EPX.of(plan).modules) > 2 else "")
         out.append(Blocker("expert_parallel",
                            f"expert parallelism ({names}) sends data-dependent token counts: the all-to-all split "
                            f"sizes are read on the host every step",

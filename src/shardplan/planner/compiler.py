@@ -15,15 +15,13 @@ from ..mesh import Mesh
 from ..rules import Rules
 from . import axes as AX
 from . import offload as OFF
-from . import passes
+from . import passes, transforms
 from .accounting import plan_warnings
 from .facade import Plan
 from .kinds import STRATEGIES, LayoutChoice, Order, Strategy
 from .kinds import Offload as OffloadMode
-from .options import Options, check
+from .options import DtypeLike, Options, check
 from .passes import Placed
-from .policies import Layout, Offload, Precision, Schedule
-from .policies import DtypeLike
 from .schedule import build_schedule
 from .validate import validate
 
@@ -33,13 +31,13 @@ RulesLike = Union[Rules, Sequence[tuple[str, Any]]]  # a Rules, or its (regex, s
 
 def plan(model_or_tree: Any, rules: RulesLike, mesh: Mesh, *,
          strategy: Union[Strategy, str] = Strategy.OPTIM_GRADS_PARAMS, units: Optional[Sequence] = None,
-         precision: Optional[Precision] = None, offload: Union[None, Offload, OffloadMode, str] = None,
-         schedule: Optional[Schedule] = None, layout: Union[Layout, LayoutChoice, str] = LayoutChoice.AUTO,
          compute_dtype: Optional[DtypeLike] = None, reduce_dtype: Optional[DtypeLike] = None, prefetch: int = 1,
          reshard_after_forward: Union[bool, Mapping[str, bool]] = True, trace: Optional[Any] = None,
          optimizer_states: int = 2, world_size: Optional[int] = None,
          min_unit_bytes: Optional[int] = None, order: Union[Order, str] = Order.STATIC,
+         layout: Union[LayoutChoice, str] = LayoutChoice.AUTO,
          compute_axes: Sequence[str] = (), styles: Optional[Sequence[tuple[str, str]]] = None,
+         offload: Union[None, OffloadMode, str] = None,
          offload_fraction: Union[float, str] = 1.0, device_memory: Optional[float] = None,
          expert_axes: Optional[Sequence[str]] = None,
          gather_dtype: Union[None, str, Sequence[tuple[str, Optional[str]]]] = None,
@@ -49,76 +47,46 @@ def plan(model_or_tree: Any, rules: RulesLike, mesh: Mesh, *,
     >>> plan = shardplan.plan(model, rules, Mesh(dp=8), units=[r"layers\\.\\d+"], compute_dtype=torch.bfloat16)
     >>> plan = shardplan.plan(model, rules, Mesh(dp=8), units=[LlamaDecoderLayer])   # units by class
 
-    The options come grouped by feature (:mod:`shardplan.planner.policies`), or as the flat keywords below, which
-    mean the same (``compute_dtype=x`` is ``precision=Precision(compute_dtype=x)``; a field set both ways raises):
+    ``units``: regexes over module paths, module classes, or classes' import paths (or bare names); ``None``:
+    the model's repeated blocks (:func:`shardplan.auto.find_units`), said in ``plan.notes``; ``()``: one root unit.
+    ``min_unit_bytes`` merges neighbouring units until each holds that many parameter bytes (``None``: chosen,
+    said in ``plan.notes``; ``0``: one unit per module). ``order="dynamic"`` keeps units gathered until the
+    forward ends, for units that run in a data-dependent order or more than once. ``prefetch``: units gathered
+    ahead; ``reshard_after_forward``: free each unit's parameters after its forward (``True``), keep them for
+    backward (``False``), or ``{unit: bool}``. ``compute_dtype`` / ``reduce_dtype``: the gathers' and the
+    gradient reduction's dtypes (``reduce_dtype="int8"``: a block-quantized reduction).
 
-    >>> plan = shardplan.plan(model, rules, Mesh(dp=8), units=[r"layers\\.\\d+"],
-    ...                       precision=sp.Precision(compute_dtype="bfloat16", reduce_dtype="float32"),
-    ...                       offload=sp.Offload("optimizer", fraction=0.5),
-    ...                       schedule=sp.Schedule(prefetch=2), layout=sp.Layout("chunked"))
-    >>> plan.policies.precision.compute_dtype
-    'bfloat16'
-
-    ``units``: regexes over module paths, module classes, or classes' import paths (or bare names).
-    Not given (``None``): the model's repeated blocks (:func:`shardplan.auto.find_units`: the elements of
-    a ``ModuleList``/``ModuleDict``/``Sequential`` of one block class, e.g. ``model\\.layers\\.\\d+``),
-    said in ``plan.notes``. ``units=()`` means one root unit, gathered for the whole step; a large root
-    unit (see :data:`shardplan.auto.ROOT_WARN_BYTES`) warns with a ``PlanWarning`` naming the units to pass.
-    ``min_unit_bytes`` merges neighbouring units (in forward order) until each holds at least that many
-    parameter bytes: one collective per direction for several tiny blocks. ``None`` (the default) lets
-    the planner choose from the unit sizes and say why in ``plan.notes``; ``0`` keeps one unit per
-    module. ``order="dynamic"`` keeps units gathered until the forward ends, for models whose units run
-    in a data-dependent order or more than once (the default, ``"static"``, raises when a freed unit
-    runs again).
-
-    ``compute_axes`` names mesh axes that shard *compute* (tensor parallelism): a spec naming one keeps
-    that dimension sharded while computing, and the module runs a tensor-parallel style inferred from
-    the specs (or named in ``styles=[(module regex, style)]``); see :mod:`shardplan.planner.tensor_parallel`.
-
-    >>> plan = shardplan.plan(model, rules, Mesh(dp=2, tp=2), compute_axes=("tp",))
-
+    ``compute_axes`` names mesh axes that shard *compute* (tensor parallelism, styles inferred from the specs or
+    named in ``styles=[(module regex, style)]``: :mod:`shardplan.planner.tensor_parallel`); ``expert_axes``
+    (default: the mesh's ``ep`` axis) splits stacked expert weights by expert (expert parallelism).
     ``layout="chunked"`` gives every rank the ``torch.chunk`` piece of each sharded dimension (FSDP2's and
-    DTensor's layout: ``model.state_dict()`` then returns DTensors that are views of the shards) instead of
-    the planner's choice (``"auto"``: whole rows packed contiguously where that costs little padding, which
-    saves the copy-out after each gather).
+    DTensor's layout) instead of the planner's choice (``"auto"``).
 
-    ``offload="optimizer"`` keeps the master shards and the optimizer state in host memory and steps them
-    there (train with :func:`shardplan.offload_optimizer`); ``offload="params"`` (ZeRO-3) also keeps the
-    parameter shards there, copied in ahead of each gather; ``offload_fraction=f`` offloads only that share
-    of the buffers (see :mod:`shardplan.planner.offload` and docs/offload.md); ``offload_fraction="auto"``
-    with ``device_memory=`` (bytes per device) takes the smallest fraction whose device peak fits.
+    ``offload="optimizer"`` keeps the master shards and the optimizer state in host memory and steps them there;
+    ``offload="params"`` (ZeRO-3) the parameter shards too; ``offload_fraction=f`` offloads that share, ``"auto"``
+    with ``device_memory=`` (bytes per device) the smallest share whose device peak fits (docs/offload.md).
 
-    >>> plan = shardplan.plan(model, rules, Mesh(dp=8), offload="optimizer")
-    >>> plan.memory().host                       # bytes of host memory per rank
     >>> plan = shardplan.plan(model, rules, Mesh(dp=8), offload="optimizer", offload_fraction="auto",
     ...                       device_memory=80 * 2**30)
 
-    ``expert_axes`` (default: the mesh's ``ep`` axis, if any) splits the stacked weights of expert modules
-    by expert where a spec puts it first in dim 0 (expert parallelism, :mod:`shardplan.planner.expert_parallel`);
-    for every other parameter it is a data axis.
-
-    >>> plan = shardplan.plan(moe, [(r".*experts\\.w\\d", P("ep", None, None)), (r".*", P("dp"))], Mesh(dp=2, ep=2))
-
-    ``gather_dtype="int8"`` or ``"float8_e4m3fn"`` (ZeRO-3) all-gathers a block-quantized copy of the shards of
-    floating trainable parameters of two or more dimensions (fp32 absmax scale per 256 elements of the flat
-    shard), dequantized to the compute dtype after the gather; the master shards never see quantized values.
-    Per rule: ``gather_dtype=[(r".*embed.*", None), (r".*", "int8")]`` (first match wins, unmatched: not
-    quantized). See :mod:`shardplan.lowp` and docs/low_precision.md.
-
-    ``fp8="torchao"`` runs the units' ``nn.Linear`` modules in float8 (torchao's ``Float8Linear``, which
-    ``sp.shard`` swaps in; ``pip install shardplan[fp8]``): every one whose dims divide by 16, but the output
-    head, tied and tensor-parallel weights; per module, ``fp8=[(module regex, "torchao" or None), ...]``.
-    ``plan.fp8_modules`` lists them, ``plan.warnings`` says where FP8 compute does not pay (docs/low_precision.md).
-    Under ZeRO-3 their weights are all-gathered as float8 codes with one scale per weight (an all-reduce of the
-    absmaxes first) and handed to torchao as float8 tensors, never dequantized; ``fp8_gather=False`` gathers
-    them in the compute dtype instead (torchao casts after the gather).
+    ``gather_dtype="int8"`` or ``"float8_e4m3fn"`` (ZeRO-3) all-gathers block-quantized shards, or per rule
+    ``[(regex, dtype or None), ...]``; ``fp8="torchao"`` runs the units' ``nn.Linear``\\ s in float8 (``plan.fp8_modules``),
+    their weights gathered as float8 codes unless ``fp8_gather=False`` (docs/low_precision.md).
     """
     opts = check(mesh, world_size=world_size, strategy=strategy, compute_axes=compute_axes, expert_axes=expert_axes,
-                 styles=styles, optimizer_states=optimizer_states, precision=precision, offload=offload,
-                 schedule=schedule, layout=layout, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
-                 gather_dtype=gather_dtype, fp8=fp8, fp8_gather=fp8_gather, offload_fraction=offload_fraction,
-                 device_memory=device_memory, prefetch=prefetch, order=order,
-                 reshard_after_forward=reshard_after_forward, min_unit_bytes=min_unit_bytes)
+                 styles=styles, optimizer_states=optimizer_states, compute_dtype=compute_dtype,
+                 reduce_dtype=reduce_dtype, gather_dtype=gather_dtype, fp8=fp8, fp8_gather=fp8_gather, offload=offload,
+                 offload_fraction=offload_fraction, device_memory=device_memory, prefetch=prefetch, order=order,
+                 reshard_after_forward=reshard_after_forward, layout=layout, min_unit_bytes=min_unit_bytes)
+    result = _compile(model_or_tree, rules, mesh, units, trace, opts)
+    if opts.offload_fraction == OFF.AUTO:  # [Note: the automatic fraction] in planner/offload.py
+        result = _fit_device(result, opts.device_memory)
+    validate(result)  # the builder's own schedules obey the rules edited ones must
+    return result
+
+
+def _compile(model_or_tree: Any, rules: RulesLike, mesh: Mesh, units, trace, opts: Options) -> Plan:
+    """The passes in order (their warnings emitted at the caller of ``shardplan.plan``), then :func:`_assemble`."""
     lv = passes.match_rules(model_or_tree, rules, mesh, units, trace)
     _emit(lv.warned)
     ax = passes.compute_axes(lv, opts, mesh, trace)
@@ -130,17 +98,13 @@ def plan(model_or_tree: Any, rules: RulesLike, mesh: Mesh, *,
     placed = passes.place_compute(lv, ax, lay, opts, mesh, trace)
     notes = lv.notes + ax.notes + un.notes
     choices = lv.choices + ax.choices + un.choices + placed.choices
-    result = _assemble(opts, mesh, lay, placed, un, notes, choices)
-    if opts.offload_fraction == OFF.AUTO:  # [Note: the automatic fraction] in planner/offload.py
-        result = _fit_device(result, opts.device_memory)
-    validate(result)  # the builder's own schedules obey the rules edited ones must
-    return result
+    return _assemble(opts, mesh, lay, placed, un, notes, choices)
 
 
 def _emit(warned) -> None:
     """The passes' warnings, pointed at ``shardplan.plan``'s caller."""
     for message, category in warned:
-        warnings.warn(message, category, stacklevel=3)
+        warnings.warn(message, category, stacklevel=4)
 
 
 def _assemble(opts: Options, mesh: Mesh, lay: passes.Layout, placed: Placed, un, notes: tuple, choices: tuple) -> Plan:
@@ -166,15 +130,15 @@ def _assemble(opts: Options, mesh: Mesh, lay: passes.Layout, placed: Placed, un,
 def _fit_device(plan: Plan, device_memory: float) -> Plan:
     """``offload_fraction="auto"``: ``plan`` (everything offloaded) at the smallest fraction whose device peak fits
     ``device_memory`` (on up to 64 ranks spread over the mesh), noted. A pass over the plan's buffers: each
-    candidate re-marks which buffers are offloaded and rebuilds the schedule only (:meth:`Plan._with_offload_fraction`)."""
+    candidate re-marks which buffers are offloaded and rebuilds the schedule only (:func:`~shardplan.planner.transforms.with_offload_fraction`)."""
     mesh = plan.mesh
     ranks = range(mesh.size) if mesh.size <= 64 else sorted({r * (mesh.size - 1) // 63 for r in range(64)})
 
     def peak(f: float) -> tuple[int, int]:
-        candidate = plan._with_offload_fraction(f)
+        candidate = transforms.with_offload_fraction(plan, f)
         return max((candidate.memory(r).peak, r) for r in ranks)
 
     fraction = OFF.smallest_fitting(OFF.prefix_fractions(plan.buffers, plan.units), peak, device_memory)
     note = (f"offload_fraction={fraction:.6g}: the smallest share of the trainable shard bytes whose device peak "
             f"fits device_memory={int(device_memory):,d} B (offload_fraction='auto')")
-    return dataclasses.replace(plan._with_offload_fraction(fraction), notes=plan.notes + (note,))
+    return dataclasses.replace(transforms.with_offload_fraction(plan, fraction), notes=plan.notes + (note,))

@@ -225,11 +225,19 @@ def calls_note(calls: Sequence[AttentionCall], mesh: Mesh) -> str:
 
 @dataclass(frozen=True)
 class ContextAxisPlan:
-    """Context parallelism in a traced plan (``plan.axes``; ``plan.context_calls`` reads it): the attention
-    calls of one step, placed."""
+    """Context parallelism in a traced plan (``plan.axis("cp")``; :func:`of`): the attention calls of one step,
+    placed (``None``: not traced, or no ``cp`` axis)."""
 
-    calls: tuple[AttentionCall, ...]
+    calls: Optional[tuple[AttentionCall, ...]]
     kind = "cp"
+
+
+def of(plan) -> ContextAxisPlan:
+    """``plan``'s context parallelism: its ``cp`` axis value, or one without calls (``calls is None``)."""
+    return next((v for v in plan.axes if v.kind == "cp"), _NONE)
+
+
+_NONE = ContextAxisPlan(None)
 
 
 class ContextAxis(ComputeAxis):

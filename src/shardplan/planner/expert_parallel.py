@@ -203,14 +203,28 @@ def modules_note(modules: Sequence[ExpertModule]) -> str:
 
 @dataclass(frozen=True)
 class ExpertAxisPlan:
-    """Expert parallelism in a plan (``plan.axes``; ``plan.expert_axes``, ``plan.expert_modules`` and
-    ``plan.expert_calls`` read it): the expert axes, the expert modules split over them (placed), their traced
-    token inputs (``None``: not traced)."""
+    """Expert parallelism in a plan (``plan.axis("ep")``; :func:`of`): the expert axes, the expert modules split
+    over them (placed), their traced token inputs (``None``: not traced).
+
+    >>> plan.axis("ep").module("layers.0.moe.experts").local_experts   # experts one ep rank holds
+    """
 
     axes: tuple[str, ...]
     modules: tuple[ExpertModule, ...] = ()
     calls: Optional[tuple[ExpertCall, ...]] = None
     kind = "ep"
+
+    def module(self, path: str) -> Optional[ExpertModule]:
+        """The expert module at ``path``, or ``None``."""
+        return next((m for m in self.modules if m.path == path), None)
+
+
+def of(plan) -> ExpertAxisPlan:
+    """``plan``'s expert parallelism: its ``ep`` axis value, or an empty one (no expert axes, no modules)."""
+    return next((v for v in plan.axes if v.kind == "ep"), _NONE)
+
+
+_NONE = ExpertAxisPlan(())
 
 
 class ExpertAxis(ComputeAxis):

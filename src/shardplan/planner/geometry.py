@@ -9,10 +9,12 @@ functions over the plan's values; checkpoints are built on the pieces' boxes, ne
 from __future__ import annotations
 
 import math
+import operator
 from typing import Optional, Sequence
 
 from .. import layout as L
 from ..dtypes import dtype_name, is_floating, itemsize
+from ..errors import PlanError
 from ..mesh import Mesh
 from ..spec import P
 from .kinds import LAYOUTS, LayoutChoice  # noqa: F401  (LAYOUTS: re-exported)
@@ -20,6 +22,31 @@ from .values import Box, BufferPlan, ParamPlan, Piece
 
 
 # -- per-rank pieces -------------------------------------------------------------------------------
+
+def check_rank(mesh: Mesh, rank: int) -> int:
+    """``rank`` as an ``int`` when it is a rank of ``mesh``; else a :class:`PlanError` naming the ranks."""
+    try:
+        r = operator.index(rank)
+    except TypeError:
+        r = -1
+    if not 0 <= r < mesh.size:
+        raise PlanError(f"rank {rank!r} is not a rank of {mesh!r} (0..{mesh.size - 1})")
+    return r
+
+
+def owner_axes(plan, name: str) -> tuple[str, ...]:
+    """Mesh axes along which ranks hold different pieces of ``plan``'s parameter ``name`` (storage and compute),
+    in mesh order."""
+    p = plan.param(name)
+    b = plan.buffers[p.buffer]
+    axes = set(b.axes if b.sharded else ()) | ({p.tp_axis} if p.tp_axis else set())
+    return tuple(a for a in plan.mesh.axis_names if a in axes)
+
+
+def replicas(plan, name: str) -> int:
+    """How many ranks hold each element of ``name`` (copies over the axes that do not shard it)."""
+    return plan.mesh.size // plan.mesh.axis_size(owner_axes(plan, name))
+
 
 def segment(mesh: Mesh, b: BufferPlan, rank: int) -> int:
     """Index of ``rank``'s segment in ``b``'s gathered layout (its rank in the shard group)."""
@@ -60,7 +87,7 @@ def shard_offset(mesh: Mesh, p: ParamPlan, b: BufferPlan, rank: int) -> int:
     """Where ``rank``'s piece of ``p`` starts in its own shard of ``b`` (elements).
 
     [Note: for a contiguous parameter a rank holds no rows of, this is still the formula's value (callers
-    check ``box is None`` first), so it equals what ``Plan.local_offset`` always returned]
+    check ``box is None`` first), so it is ``plan.piece(name, rank).shard_offset`` of every rank]
     """
     if b.layout == L.CONTIGUOUS:
         seg = segment(mesh, b, rank)

@@ -10,10 +10,11 @@ from .. import layout as L
 from ..dtypes import itemsize
 from .accounting import coverage, low_precision_masters, optimizer_state_dtypes
 from .capture import describe as describe_capture
+from . import context_parallel as CPX, expert_parallel as EPX, tensor_parallel as TPX
 from .offload import HOST_GBPS, host_step_bytes
 from .kinds import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COPY_D2H, COPY_H2D, FREE, OPTIM_STEP, PARAMS, PREPARE,
                     REDUCE_SCATTER, SCALES, WAIT)
-from .kinds import Strategy
+from .kinds import Strategy, strategy_level
 
 if TYPE_CHECKING:  # pragma: no cover
     from .facade import Plan
@@ -45,7 +46,7 @@ def header(plan: "Plan") -> str:
 def activations_note(plan: "Plan", rank: int, m) -> str:
     """What the printed peak says about activations: included (traced) or not."""
     if m.activations is None:
-        why = ("tensor parallelism: not measured yet" if plan.compute_axes else
+        why = ("tensor parallelism: not measured yet" if TPX.of(plan).axes else
                "plan with trace=example inputs, CLI --trace-tokens, to count them")
         return f"(activations not counted: {why})"
     ck = plan.memory(rank, recompute=True)
@@ -63,8 +64,8 @@ def render(plan: "Plan", rank: int = 0, max_rows: int = 100_000) -> str:
 
 def _param_table(plan: "Plan", rank: int, max_rows: int) -> list[str]:
     """The header, the parameter table (``max_rows`` of it), the totals and the packing."""
-    tp = bool(plan.compute_axes or plan.expert_modules)  # then: the global shape, what a rank computes with, its shard
-    head = ("parameter", "shape", "dtype", "spec") + ((("tp-local shape" if plan.compute_axes else "ep-local shape"),)
+    tp = bool(TPX.of(plan).axes or EPX.of(plan).modules)  # then: the global shape, what a rank computes with, its shard
+    head = ("parameter", "shape", "dtype", "spec") + ((("tp-local shape" if TPX.of(plan).axes else "ep-local shape"),)
                                                       if tp else ()) + \
         ("local shape", "unit", "bytes/rank")
     rows = []
@@ -79,9 +80,9 @@ def _param_table(plan: "Plan", rank: int, max_rows: int) -> list[str]:
         out += [line(head), line(tuple("-" * w for w in widths))] + [line(r) for r in rows]
     if len(plan.params) > max_rows and max_rows:
         out.append(f"... {len(plan.params) - max_rows} more parameters")
-    total = sum(math.prod(p.global_shape) for p in plan.params)
+    total, padding = sum(math.prod(p.global_shape) for p in plan.params), sum(b.padding for b in plan.buffers)
     out.append(f"{len(plan.params)} parameters, {total:,} elements, {len(plan.units)} units, {len(plan.buffers)} buffers, "
-               f"padding {plan.padding:,} elements ({100 * plan.padding / max(sum(p.numel for p in plan.params), 1):.3f}%)")
+               f"padding {padding:,} elements ({100 * padding / max(sum(p.numel for p in plan.params), 1):.3f}%)")
     packed = sum(1 for p in plan.params if plan.buffers[p.buffer].layout == L.CONTIGUOUS
                  and coverage(plan.mesh, p, plan.buffers[p.buffer])[0] < plan.buffers[p.buffer].group_size)
     if packed:
@@ -134,10 +135,10 @@ def _sent(plan: "Plan", c: dict) -> list[str]:
     """Bytes sent per step per rank, by kind and compute axis; the quantized gathers' share."""
     out = []
     tp_part = ""
-    if plan.compute_axes:
+    if TPX.of(plan).axes:
         tp_part = (f", tensor-parallel activations {fmt_bytes(c['tensor_parallel'])}" if c["tensor_parallel"] is not None
                    else ", tensor-parallel activations not estimated (plan with trace=example inputs)")
-    if plan.expert_modules:
+    if EPX.of(plan).modules:
         tp_part += (f", expert all-to-all {fmt_bytes(c['expert_parallel'])}" if c["expert_parallel"] is not None
                     else ", expert all-to-all not estimated (plan with trace=example inputs)")
     if "cp" in plan.mesh.axis_names:
@@ -162,19 +163,19 @@ def _axes(plan: "Plan") -> list[str]:
     out = []
     if plan.fp8_modules:
         out.append(fp8_line(plan))
-    if plan.expert_modules:
-        m0 = plan.expert_modules[0]
-        out.append(f"expert axis {m0.axis}: {len(plan.expert_modules)} expert modules, {m0.local_experts} of "
+    if EPX.of(plan).modules:
+        m0 = EPX.of(plan).modules[0]
+        out.append(f"expert axis {m0.axis}: {len(EPX.of(plan).modules)} expert modules, {m0.local_experts} of "
                    f"{m0.num_experts} experts per rank, tokens dispatched and combined by all-to-all; the batch is "
                    f"split {plan.data_size} ways over {', '.join(plan.data_axes)}")
     if "cp" in plan.mesh.axis_names:
         cp = plan.mesh.axis_size("cp")
-        calls = plan.context_calls
+        calls = CPX.of(plan).calls
         seen = (f"{len(calls)} attention calls traced, each all-gathering its keys and values over cp (and "
                 f"reduce-scattering their gradients)" if calls is not None else "attention calls not traced")
         out.append(f"context axis cp={cp}: each rank holds 2 of {2 * cp} chunks of every sequence; {seen}")
-    if plan.compute_axes:
-        out.append(f"compute axes {', '.join(plan.compute_axes)}: {len(plan.tp_modules)} modules tensor-parallel; the batch "
+    if TPX.of(plan).axes:
+        out.append(f"compute axes {', '.join(TPX.of(plan).axes)}: {len(TPX.of(plan).modules)} modules tensor-parallel; the batch "
                    f"is split {plan.data_size} ways over {', '.join(plan.data_axes)}")
         out += render_tp(plan)
     return out
@@ -207,7 +208,7 @@ def states_said(plan: "Plan") -> str:
 
 def nothing_sharded(plan: "Plan") -> str:
     """A line for a plan whose strategy shards but whose specs shard nothing (every parameter ``P()``), or ``""``."""
-    if plan.strategy == Strategy.NO_SHARD or plan.mesh.size == 1 or plan.compute_axes or plan.expert_modules:
+    if plan.strategy == Strategy.NO_SHARD or plan.mesh.size == 1 or TPX.of(plan).axes or EPX.of(plan).modules:
         return ""
     if any(b.axes for b in plan.buffers):
         return ""
@@ -234,9 +235,9 @@ def masters_warning(plan: "Plan", rank: int = 0) -> list[str]:
 def render_tp(plan: "Plan") -> list[str]:
     """The tensor-parallel modules of the root and of the first unit that has any (others repeat it),
     with the collectives each issues (the schedule's ``activations`` ops)."""
-    tp_paths = {m.path for m in plan.tp_modules}
+    tp_paths = {m.path for m in TPX.of(plan).modules}
     ops = [o for o in plan.schedule if o.in_module and o.at in tp_paths]  # (cp and ep ops: their own lines)
-    if not plan.tp_modules:
+    if not TPX.of(plan).modules:
         return []
     by_path: dict[str, list[str]] = {}
     for o in ops:
@@ -245,10 +246,10 @@ def render_tp(plan: "Plan") -> list[str]:
         side = "forward" if o.event == "module_forward" else "backward"
         what = "output" if side == "forward" else "input's gradient"
         by_path.setdefault(o.at, []).append(f"{side}: {o.kind} of the {what}")
-    units = list(dict.fromkeys(m.unit for m in plan.tp_modules))
+    units = list(dict.fromkeys(m.unit for m in TPX.of(plan).modules))
     shown = [u for u in units if u in ("", "<root>")] + [u for u in units if u not in ("", "<root>")][:1]
     out = [f"  tensor-parallel modules (shown for {', '.join(shown)}; {len(units)} units have some):"]
-    for m in plan.tp_modules:
+    for m in TPX.of(plan).modules:
         if m.unit not in shown:
             continue
         acts = "; ".join(by_path.get(m.path, [])) or "no collective"
@@ -274,7 +275,7 @@ def fp8_line(plan: "Plan") -> str:
         p = plan.param(m.weight)
         b, u = plan.buffers[p.buffer], next(u for u in plan.units if u.name == p.unit)
         tw += b.tensorwise
-        if plan.level >= 3 and b.sharded and b.group_size > 1:
+        if strategy_level(plan.strategy) >= 3 and b.sharded and b.group_size > 1:
             times = 2 if u.reshard_after_forward else 1
             gathered += times * p.numel * b.gathered_itemsize * (b.group_size - 1) // b.group_size
     span = f"{pays[0]:,d}" if pays and pays[0] == pays[-1] else f"{pays[0]:,d} to {pays[-1]:,d}" if pays else ""

@@ -11,6 +11,7 @@ from ..mesh import Mesh
 from ..spec import P
 from . import axes as AX
 from . import float8 as F8
+from . import tensor_parallel as TPX
 from .kinds import LayoutChoice, Offload, Order, Strategy, choose
 from .validate import normalised
 from .values import ActivationPoint, Activations, BufferPlan, Compute, Op, ParamPlan, UnitPlan
@@ -59,7 +60,7 @@ def to_dict(plan: "Plan") -> dict[str, Any]:
         **AX.to_dict(plan.axes),  # each compute axis's keys (compute_axes, tp_modules, expert_modules, context_calls, ...)
         **({"fp8_modules": [dataclasses.asdict(m) for m in plan.fp8_modules]} if plan.fp8_modules else {}),
         # [Note: written only for a plan traced with it, so older plans keep their JSON and fingerprints]
-        **({"activations": _activations_dict(plan.activations)} if getattr(plan, "activations", None) is not None else {}),
+        **({"activations": _activations_dict(plan.activations)} if plan.activations is not None else {}),
     }
 
 
@@ -103,8 +104,9 @@ def plan_fields(text: str) -> dict[str, Any]:
     """The keyword arguments of :class:`Plan` that a plan's JSON holds (``Plan(**plan_fields(text))``)."""
     d = json.loads(text)
     if d.get("format") != FORMAT_VERSION:
-        raise PlanError(f"plan JSON has format {d.get('format')!r}; this shardplan reads format {FORMAT_VERSION}: "
-                        f"plan the model again with this version")
+        raise PlanError(f"plan JSON has format {d.get('format')!r}: written by an older shardplan (before format "
+                        f"{FORMAT_VERSION}), which this one does not read; plan the model again with this version and "
+                        f"save that plan")
     tup = tuple
     return dict(
         mesh=Mesh(**dict(d["mesh"])), strategy=choose(Strategy, d["strategy"], "strategy"), compute_dtype=d["compute_dtype"],
@@ -116,7 +118,7 @@ def plan_fields(text: str) -> dict[str, Any]:
                       for b in d["buffers"]),
         units=tuple(UnitPlan(**{**u, "buffers": tup(u["buffers"]), "modules": tup(u["modules"])}) for u in d["units"]),
         schedule=normalised(Op(**{**o, "buffers": tup(o["buffers"]), "axes": tup(o["axes"])}) for o in d["schedule"]),
-        warnings=tuple(d["warnings"]), notes=tuple(d.get("notes", ())), min_unit_bytes=d.get("min_unit_bytes", 0),
+        warnings=tuple(d["warnings"]), notes=tuple(d["notes"]), min_unit_bytes=d["min_unit_bytes"],
         axes=AX.from_dict(d),
         layout=choose(LayoutChoice, d.get("layout", "auto"), "layout"),
         offload=choose(Offload, d["offload"], "offload") if d.get("offload") else None,
@@ -124,6 +126,16 @@ def plan_fields(text: str) -> dict[str, Any]:
         activations=_activations(d.get("activations")),
         fp8_modules=tuple(F8.FP8Module(**m) for m in d.get("fp8_modules", ())),
     )
+
+
+def core(plan: "Plan") -> dict[str, Any]:
+    """``plan``'s JSON without what may differ between equivalent plans: the rules' wording, the notes, the
+    warnings (``plan.equivalent``)."""
+    d = to_dict(plan)
+    for q in d["params"]:
+        q.pop("rule")
+    d.pop("notes"), d.pop("warnings")
+    return d
 
 
 def summary(plan: "Plan") -> dict[str, Any]:
@@ -134,7 +146,7 @@ def summary(plan: "Plan") -> dict[str, Any]:
         "reshard_after_forward": plan.reshard_after_forward, "order": plan.order,
         "optimizer_states": plan.optimizer_states, "parameters": len(plan.params),
         "elements": sum(p.numel for p in plan.params), "units": [u.name for u in plan.units],
-        "ops": len(plan.schedule), "min_unit_bytes": plan.min_unit_bytes, "compute_axes": list(plan.compute_axes),
-        "tp_modules": len(plan.tp_modules), "layout": plan.layout,
+        "ops": len(plan.schedule), "min_unit_bytes": plan.min_unit_bytes, "compute_axes": list(TPX.of(plan).axes),
+        "tp_modules": len(TPX.of(plan).modules), "layout": plan.layout,
         "offload": plan.offload, "offload_fraction": plan.offload_fraction,
     }

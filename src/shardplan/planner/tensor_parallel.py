@@ -206,14 +206,29 @@ def modules_note(modules: Sequence[TPModule]) -> str:
 
 @dataclass(frozen=True)
 class TensorAxisPlan:
-    """Tensor parallelism in a plan (``plan.axes``; ``plan.compute_axes``, ``plan.tp_modules`` and
-    ``plan.tp_activations`` read it): the compute axes, the modules run tensor-parallel (styles, places), the
-    traced activation sizes (``None``: not traced)."""
+    """Tensor parallelism in a plan (``plan.axis("tp")``; :func:`of`): the compute axes, the modules run
+    tensor-parallel (styles, places), the traced activation sizes (``None``: not traced).
+
+    >>> plan.axis("tp").module("layers.0.attention.wq").style
+    'colwise'
+    """
 
     axes: tuple[str, ...]
     modules: tuple[TPModule, ...] = ()
     activations: Optional[tuple[Activation, ...]] = None
     kind = "tp"
+
+    def module(self, path: str) -> Optional[TPModule]:
+        """The module at ``path`` run tensor-parallel, or ``None``."""
+        return next((m for m in self.modules if m.path == path), None)
+
+
+def of(plan) -> TensorAxisPlan:
+    """``plan``'s tensor parallelism: its ``tp`` axis value, or an empty one (no compute axes, no modules)."""
+    return next((v for v in plan.axes if v.kind == "tp"), _NONE)
+
+
+_NONE = TensorAxisPlan(())
 
 
 class TensorAxis(ComputeAxis):

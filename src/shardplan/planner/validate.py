@@ -40,7 +40,7 @@ def normalised(ops: Iterable[Op]) -> tuple[Op, ...]:
     out = []
     for i, op in enumerate(ops):
         if not isinstance(op, Op):
-            raise PlanError(f"schedule entry #{i} is a {type(op).__name__}, not a shardplan.Op")
+            raise PlanError(f"schedule entry #{i} is a {type(op).__name__}, not a shardplan.planner.Op")
         fixed = {}
         for name, cls in _FIELDS:
             value = getattr(op, name)

@@ -20,6 +20,7 @@ from ..dtypes import to_torch
 from ..errors import RuntimeShardingError
 from ..planner import BufferPlan, Plan
 from ..planner.values import ParamPlan, Piece
+from ..planner import geometry as G
 from .dtensor_params import contiguous_strides, grad as as_dtensor_grad, plain
 from .norms import wrap as wrap_grad
 from .quantize import dequantize_into, quantize_into
@@ -93,7 +94,7 @@ class BufferState(Float8Scales, NonFiniteChecks):
         self.S, self.G = bp.shard_numel, bp.gathered_numel
         self.sharded, self.requires_grad = bp.sharded, bp.requires_grad
         self.device = device
-        self.seg = plan.segment(bp, rank)
+        self.seg = G.segment(plan.mesh, bp, rank)
         group = self._group(plan) if bp.copy_out else ()
         self.members = [Member(plan.param(pc.param), pc, self._copy_plan(plan, pc.param, group))
                         for pc in plan.buffer_pieces(bp.index, rank)]

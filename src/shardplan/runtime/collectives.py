@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RuntimeShardingError
+from ..planner import geometry as G
 from . import emulated  # registers the shardplan-emulated backend
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -250,7 +251,7 @@ def build_groups(plan, rank: int, backend: str, timeout_s: float) -> Groups:
             if key[1] and key not in wanted:
                 wanted.append(key)
     for p in plan.params:  # checkpoints: the ranks holding different pieces of a tensor-parallel parameter
-        key = ("gather", plan.owner_axes(p.name))
+        key = ("gather", G.owner_axes(plan, p.name))
         if p.tp_axis and key not in wanted:
             wanted.append(key)
     everyone = ("world", tuple(mesh.axis_names))

@@ -1,7 +1,7 @@
 """The one converter between a parameter's local shard (this rank's box of it, or an optimizer state shaped
 like it) and the value ``torch.distributed.checkpoint`` (DCP) saves, both ways. Every state dict shardplan
 hands DCP gets its values here: ``model.state_dict()`` / ``optimizer.state_dict()`` (runtime/state_dict.py),
-``shardplan.state_dict`` and ``shardplan.checkpoint`` (checkpoint/values.py), the functional face's trees,
+``shardplan.checkpoint.state_dict`` and ``shardplan.checkpoint`` (checkpoint/values.py), the functional face's trees,
 and the host copies ``async_save`` writes (checkpoint/async_io.py).
 
 Three kinds of value, by what can describe the plan's layout:
@@ -39,6 +39,7 @@ import torch
 
 from .. import layout as L
 from ..errors import CheckpointError
+from ..planner import geometry as G
 
 
 @contextlib.contextmanager
@@ -177,7 +178,7 @@ def sharded_value(plan, groups, rank: int, name: str, local: torch.Tensor):
 
     local = own_storage(local)
     p = plan.param(name)
-    axes = plan.owner_axes(name)  # the buffer's shard axes, and the compute axis sharding it
+    axes = G.owner_axes(plan, name)  # the buffer's shard axes, and the compute axis sharding it
     group = groups.gather(axes) if axes else None
     if group is None or group.size == 1:
         return local

@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import RuntimeShardingError
+from ..planner import expert_parallel as EPX, tensor_parallel as TPX
 
 
 def plain(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -56,7 +57,7 @@ def refusal(plan, layout: dict) -> Optional[str]:
     if plan.offload:
         return (f"the plan offloads to host memory (offload={plan.offload!r}), whose host masters and optimizer "
                 f"step the local shards as plain tensors; plan without offload")
-    if plan.compute_axes or plan.expert_modules:
+    if TPX.of(plan).axes or EPX.of(plan).modules:
         return ("the plan has compute axes (tensor, context or expert parallelism), whose parameters are not yet "
                 "given as DTensors of the whole mesh; shard with dtensor_params=False")
     if any(b.tensorwise for b in plan.buffers):

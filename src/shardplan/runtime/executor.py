@@ -150,7 +150,7 @@ class Executor(OpHandlers, LocalShards):
             raise RuntimeShardingError(
                 "the local shards changed since the last all-gather of the full parameters, but no gradient-"
                 "synchronising backward came in between (ZeRO-0/1/2 re-gather after one): call optimizer.step() "
-                "between backward and the next forward, or shardplan.mark_shards_changed(model) after changing "
+                "between backward and the next forward, or shardplan.runtime.mark_shards_changed(model) after changing "
                 "the shards by hand")
         self._advance_forward(0)
         self.stale = False

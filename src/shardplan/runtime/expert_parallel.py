@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from ..errors import RuntimeShardingError
 from ..planner.kinds import ALL_TO_ALL
+from ..planner import expert_parallel as EPX
 from . import collectives as C
 from .axis_ops import BACKWARD, FORWARD, RECOMPUTING, AxisOps
 
@@ -160,7 +161,7 @@ def combine(routed: Routed, y: torch.Tensor) -> torch.Tensor:
 def install(module: nn.Module, plan, groups, exe=None) -> None:
     """Give each expert module the plan splits its ``ep`` group (``group_of`` reads it), with its ops in the
     plan for ``record_ops`` (one call per step: a module called several times records its first call's)."""
-    for m in plan.expert_modules:
+    for m in EPX.of(plan).modules:
         # forward: dispatch then combine; backward: combine's then dispatch's
         ops = AxisOps.of(plan, exe, lambda o, _p=m.path: o.kind == ALL_TO_ALL and o.at == _p, key=lambda o: "",
                          per_key=2)
@@ -189,7 +190,7 @@ def bind(module: nn.Module, plan, groups, exe) -> list:
     mine = _OF.get(exe)
     if mine is None:
         install(module, plan, groups, exe)
-        mods = (module.get_submodule(e.path) for e in plan.expert_modules)
+        mods = (module.get_submodule(e.path) for e in EPX.of(plan).modules)
         mine = _OF[exe] = tuple((weakref.ref(m), m.__dict__[ATTR]) for m in mods if ATTR in m.__dict__)
     now = _BOUND.get(module)
     if now is not None and now() is exe:  # (one plan called again: in place already)

@@ -12,6 +12,7 @@ import torch
 from ..errors import RuntimeShardingError
 from ..planner.context_parallel import CONTEXT_AXIS, check_hf_attention
 from ..planner.tensor_parallel import LINEAR
+from ..planner import context_parallel as CPX, tensor_parallel as TPX
 from .context_parallel import active
 from ..flow import FlowCheck
 
@@ -29,8 +30,8 @@ def install(module, plan, active_tp) -> list:
     (an untraced plan); returns the hooks' handles (they remove themselves after that forward)."""
     check_hf_attention(module, plan.mesh, RuntimeShardingError)
     cp, colwise, rowwise = _sizes(plan, active_tp)
-    check_cp = cp > 1 and plan.context_calls is None
-    check_tp = bool(colwise) and plan.tp_activations is None
+    check_cp = cp > 1 and CPX.of(plan).calls is None
+    check_tp = bool(colwise) and TPX.of(plan).activations is None
     if not (check_cp or check_tp):
         return []
 

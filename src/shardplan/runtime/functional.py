@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from ..errors import ShardingError
 from ..planner import Plan
+from ..planner import geometry as G
 from ..rules import leaves_with_paths
 from ..tree import check_tree, place, rebuild
 from . import capture as CAP
@@ -267,7 +268,7 @@ def unshard_tree(local_tree: Any, plan: Plan, *, timeout_s: float = 300.0) -> An
         for name in b.params:
             n = local[name].numel()
             if n:
-                off = plan.local_offset(name, rank)
+                off = plan.piece(name, rank).shard_offset
                 flat[off:off + n] = local[name].detach().reshape(-1)
         gathered = torch.empty(b.gathered_numel, dtype=like.dtype, device=like.device)
         C.all_gather(gathered, flat, groups.gather(b.axes), async_op=False)
@@ -278,7 +279,7 @@ def unshard_tree(local_tree: Any, plan: Plan, *, timeout_s: float = 300.0) -> An
                 box = plan.local_slices(_n, r)
                 if box is None:
                     return None
-                seg, off = plan.segment(b, r), plan.local_offset(_n, r)
+                seg, off = G.segment(plan.mesh, b, r), plan.piece(_n, r).shard_offset
                 return gathered[seg * b.shard_numel + off: seg * b.shard_numel + off + math.prod(s.stop - s.start for s in box)]
             out[name] = place(plan, name, piece, like)
     for p in plan.params:  # tensor-parallel pieces: one gather over the ranks holding different pieces
@@ -289,7 +290,7 @@ def unshard_tree(local_tree: Any, plan: Plan, *, timeout_s: float = 300.0) -> An
 
 def _gather_pieces(plan: Plan, name: str, mine: torch.Tensor, rank: int, groups) -> torch.Tensor:
     """``name`` in full from the local pieces of this rank's owner group (pieces padded to the largest)."""
-    axes = plan.owner_axes(name)
+    axes = G.owner_axes(plan, name)
     owners = plan.mesh.group_of(rank, axes)
     sizes = [math.prod(plan.local_shape(name, r)) for r in owners]
     most = max(sizes)

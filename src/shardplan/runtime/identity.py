@@ -101,7 +101,7 @@ def check_optimizer(opt: torch.optim.Optimizer, args, kwargs) -> None:
                         f"shardplan: optimizer state {key!r} of a sharded parameter has shape {tuple(v.shape)}, the "
                         f"parameter (this rank's shard) {tuple(p.shape)}: the state was built before sharding. Build "
                         f"the optimizer after shardplan.shard(), or load its state with shardplan.checkpoint.load / "
-                        f"shardplan.load_state_dict, which reshard it")
+                        f"shardplan.checkpoint.load_state_dict, which reshard it")
     _checked[opt] = _generation[0]
     _install_dcp_hooks(opt)
 

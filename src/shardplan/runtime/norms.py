@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RuntimeShardingError
+from ..planner import geometry as G
 from . import collectives as C
 
 _MIX = ("torch.nn.utils.clip_grad_norm_ / get_total_norm: the gradients given mix local shards of a shardplan-sharded "
@@ -204,7 +205,7 @@ def norm_weights(eng, names: tuple, dtype, dev) -> torch.Tensor:
     key = (names, dtype, dev)
     w = cache.get(key)
     if w is None:
-        w = cache[key] = torch.tensor([1.0 / eng.plan.replicas(n) for n in names], dtype=dtype, device=dev)
+        w = cache[key] = torch.tensor([1.0 / G.replicas(eng.plan, n) for n in names], dtype=dtype, device=dev)
     return w
 
 

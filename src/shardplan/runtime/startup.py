@@ -15,6 +15,7 @@ from ..errors import RuntimeShardingError, ShardingError
 from ..planner import Plan
 from . import collectives as C
 from ..planner.validate import validate
+from ..planner.serialize import summary
 
 Slots = dict[str, list[tuple[nn.Module, str]]]
 """plan name -> every (owner module, attribute) the parameter is registered at (tied: several)."""
@@ -125,7 +126,7 @@ def startup(module: nn.Module, plan: Plan, world: int, rank: int, timeout_s: flo
         more = f"\n  ... and {len(mismatch) - 40} more" if len(mismatch) > 40 else ""
         problems.append("the module does not match the plan:\n" + "\n".join(mismatch[:40]) + more +
                         "\nbuild the plan from this module (shardplan.plan(module, ...))")
-    mine = {"rank": rank, "problems": problems, "fingerprint": plan.fingerprint(), "summary": plan.summary()}
+    mine = {"rank": rank, "problems": problems, "fingerprint": plan.fingerprint(), "summary": summary(plan)}
     if check_values and not mismatch and world > 1:
         mine["values"] = fingerprints(module, plan, slots)
     # [Note: rehearsal] one process plays one rank of the plan's world (collectives are local stand-ins):

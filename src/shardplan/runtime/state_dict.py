@@ -96,7 +96,7 @@ class StateDictHooks:
         if off is not None and name in off.values:
             raise CheckpointError(f"model.state_dict() / load_state_dict(): parameter {name!r} lives in host memory "
                                   f"(offload='params'); use shardplan.checkpoint.save / load (or "
-                                  f"shardplan.full_state_dict / load_full_state_dict), which read and write it there")
+                                  f"shardplan.checkpoint.full_state_dict / load_full_state_dict), which read and write it there")
 
     # -- state_dict --------------------------------------------------------------------------------------
     def value(self, name: str, lp: torch.Tensor) -> torch.Tensor:

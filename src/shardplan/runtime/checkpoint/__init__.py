@@ -1,6 +1,6 @@
 """Distributed checkpoints that reshard: DCP state dicts described by the plan's per-rank boxes.
 
->>> sd = shardplan.state_dict(model, opt)            # {"model": {fqn: ...}, "optimizer": {...}}
+>>> sd = shardplan.checkpoint.state_dict(model, opt)            # {"model": {fqn: ...}, "optimizer": {...}}
 >>> torch.distributed.checkpoint.save(sd, checkpoint_id=path)
 >>> shardplan.checkpoint.save(path, model, opt, step=100)   # atomic: written aside, then published
 >>> fut = shardplan.checkpoint.async_save(path, model, opt, step=100)  # the same, written in the background

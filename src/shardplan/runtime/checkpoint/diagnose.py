@@ -15,7 +15,7 @@ MARKER = ".shardplan-complete"  # written last into a checkpoint by dcp_io.publi
 FULL_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt")
 WRAPPER_PREFIXES = {"_orig_mod.": "torch.compile", "module.": "DistributedDataParallel / DataParallel",
                     "_fsdp_wrapped_module.": "FSDP1", "_checkpoint_wrapped_module.": "activation checkpointing"}
-LOAD_FULL = "sp.load_full_state_dict(model, torch.load(path) if rank == 0 else {})"
+LOAD_FULL = "sp.checkpoint.load_full_state_dict(model, torch.load(path) if rank == 0 else {})"
 
 
 def _names(xs: Iterable[str], limit: int = 8) -> str:
@@ -33,7 +33,7 @@ def not_a_directory(path: str) -> str:
     """The message for a checkpoint path that is not a directory."""
     if os.path.isfile(path):
         if path.endswith(".safetensors"):
-            how = "sp.load_full_state_dict(model, safetensors.torch.load_file(path) if rank == 0 else {})"
+            how = "sp.checkpoint.load_full_state_dict(model, safetensors.torch.load_file(path) if rank == 0 else {})"
         else:
             how = LOAD_FULL
         return (f"{path} is a file, not a sharded (DCP) checkpoint directory: a full state dict (one tensor per "
@@ -111,7 +111,7 @@ class Differences:
         if renamed:
             lines.append(f"  parameter names differ by a prefix: {renamed}")
             fixes.append("save and load the same module (unwrap it before sp.shard on both sides), or load the "
-                         "checkpoint into a model of the saved names, export sp.full_state_dict(model), rename "
+                         "checkpoint into a model of the saved names, export sp.checkpoint.full_state_dict(model), rename "
                          f"its keys and load them with {LOAD_FULL}")
         else:
             if params_missing:
@@ -138,7 +138,7 @@ class Differences:
                 lines.append(f"    ... and {len(self.shapes) - 8} more")
             fixes.append("a checkpoint reshards to any world size, strategy or rules, but keeps each parameter's "
                          "global shape: build the model with the saved sizes, or convert through full tensors "
-                         "(load into a model of the old sizes, sp.full_state_dict(model), resize, then "
+                         "(load into a model of the old sizes, sp.checkpoint.full_state_dict(model), resize, then "
                          f"{LOAD_FULL.replace('model', 'new_model', 1)})")
         opt_only = [k for k in opt_missing if not any(k.startswith(f"optimizer.state.{p}.") for p in params_missing)]
         if opt_only:
@@ -172,14 +172,14 @@ class Differences:
                     "examples/train_functional.py writes), not a module's: load it with "
                     f"sp.checkpoint.load_tree({path!r}, plan, template); to start a module from it: tree, step = "
                     "sp.checkpoint.load_tree(...); full = sp.unshard_tree(tree['params'], plan); "
-                    "sp.load_full_state_dict(model, full)")
+                    "sp.checkpoint.load_full_state_dict(model, full)")
         wanted = {k[6:] for k in self.missing if k.startswith("model.")}
         bare = wanted & set(saved)
         if bare:
             return ("It holds a model state dict saved directly (torch.distributed.checkpoint.save("
                     "model.state_dict()), as FSDP2 or torchtitan do), without sp.checkpoint.save's 'model.' "
-                    "prefix: load it with sd = sp.state_dict(model); torch.distributed.checkpoint.load("
-                    "sd['model'], checkpoint_id=path); sp.load_state_dict(model, sd)")
+                    "prefix: load it with sd = sp.checkpoint.state_dict(model); torch.distributed.checkpoint.load("
+                    "sd['model'], checkpoint_id=path); sp.checkpoint.load_state_dict(model, sd)")
         return (f"It holds none of this model's entries (it has {_names(saved, 6)}): it was not written by "
                 f"sp.checkpoint.save for this model")
 
@@ -228,7 +228,7 @@ def tree_misfit(path: str, missing: list[str], meta: dict, info: Optional[dict])
     if not saved and any(k.startswith("model.") for k in meta):
         return (f"{head}: it is a module checkpoint (sp.checkpoint.save), not a functional tree: load it into the "
                 f"sharded module with sp.checkpoint.load(path, model, opt), or for pure-function training load it "
-                f"into a sharded module and take its shards (sp.shard_tree of sp.full_state_dict(model))")
+                f"into a sharded module and take its shards (sp.shard_tree of sp.checkpoint.full_state_dict(model))")
     if info and info.get("form") == "module":
         return f"{head}: it was saved by sp.checkpoint.save (a module); load it with sp.checkpoint.load"
     return (f"{head}; the checkpoint holds {_names(k[5:] for k in saved)}: the template must have the saved tree's "
@@ -257,7 +257,7 @@ def full_misfit(full: dict, param_names: list[str], aliases: dict, buffers: Iter
     sharded = [k for k, v in full.items() if type(v).__name__ in ("DTensor", "ShardedTensor")]
     if sharded:
         return (f"full state dict does not fit: {_names(sharded, 4)} are sharded values (DTensor / ShardedTensor), "
-                f"not full tensors: this is a sharded state dict; load it with sp.load_state_dict(model, sd) "
+                f"not full tensors: this is a sharded state dict; load it with sp.checkpoint.load_state_dict(model, sd) "
                 f"after torch.distributed.checkpoint.load, or save it with sp.checkpoint.save and use "
                 f"sp.checkpoint.load")
     missing = [p for p in param_names if p not in full and not any(a in full for a, q in aliases.items() if q == p)]

@@ -1,7 +1,7 @@
 """Full (unsharded) export and import: ordinary tensors on rank 0 <-> the local shards.
 
->>> full = shardplan.full_state_dict(model)          # rank 0: {fqn: full tensor}; other ranks: {}
->>> shardplan.load_full_state_dict(model, full)      # rank 0's dict, broadcast one parameter at a time
+>>> full = shardplan.checkpoint.full_state_dict(model)          # rank 0: {fqn: full tensor}; other ranks: {}
+>>> shardplan.checkpoint.load_full_state_dict(model, full)      # rank 0's dict, broadcast one parameter at a time
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import torch.nn as nn
 from ...errors import CheckpointError
 from . import diagnose
 from .. import collectives as C
+from ...planner import expert_parallel as EPX, tensor_parallel as TPX
+from ...planner import geometry as G
 from ..builder import engine_of
 from ..dtensor_params import plain
 from ..seams import unwrap_compiled
@@ -21,14 +23,14 @@ from ..seams import unwrap_compiled
 
 def _piece(plan, name: str, rank: int):
     """``(box, offset, shape)`` of ``rank``'s piece of ``name``: its box in the parameter (tensor-parallel
-    local, ``plan.storage_slices``), where it starts in that rank's shard and its shape; ``None``: no piece.
+    local, ````plan.piece(name, rank).storage_box``), where it starts in that rank's shard and its shape; ``None``: no piece.
 
     >>> _piece(plan, "layers.0.w", 1)     # e.g. ((slice(64, 128), slice(0, 256)), 0, (64, 256))
     """
-    box = plan.storage_slices(name, rank)
-    if box is None:
+    pc = plan.piece(name, rank)
+    if pc.storage_box is None:
         return None
-    return box, plan.local_offset(name, rank), plan.local_shape(name, rank)
+    return pc.storage_box, pc.shard_offset, pc.shape
 
 
 def _copy(t: torch.Tensor, cpu: bool) -> torch.Tensor:
@@ -38,13 +40,13 @@ def _copy(t: torch.Tensor, cpu: bool) -> torch.Tensor:
 def full_state_dict(model: nn.Module, *, cpu: bool = True) -> dict[str, torch.Tensor]:
     """Rank 0 gets ordinary full tensors (fp32 masters); other ranks get ``{}``. One buffer at a time.
 
-    >>> full = shardplan.full_state_dict(model)
+    >>> full = shardplan.checkpoint.full_state_dict(model)
     >>> if rank == 0: torch.save(full, "model.pt")
     """
     eng = engine_of(model)
     plan = eng.plan
     locals_ = {n: plain(lp) for n, lp in eng.local_params().items()}  # (DTensor parameters: their local shards)
-    if plan.compute_axes or plan.expert_modules:  # tensor- or expert-parallel blocks: by global boxes
+    if TPX.of(plan).axes or EPX.of(plan).modules:  # tensor- or expert-parallel blocks: by global boxes
         out = _full_by_boxes(eng, locals_, cpu)
     else:
         out = {}
@@ -78,7 +80,7 @@ def _full_of_buffer(eng, bp, locals_, cpu: bool) -> dict[str, torch.Tensor]:
                 piece = _piece(plan, name, r)
                 if piece is not None:
                     box, off, shape = piece
-                    full[box].copy_(packed[plan.segment(bp, r), off:off + math.prod(shape)].view(shape))
+                    full[box].copy_(packed[G.segment(plan.mesh, bp, r), off:off + math.prod(shape)].view(shape))
             out[name] = full.cpu() if cpu else full
     del gathered
     return out
@@ -92,7 +94,7 @@ def _full_by_boxes(eng, locals_, cpu: bool) -> dict[str, torch.Tensor]:
         lp = eng.local_value(pp.name, locals_[pp.name]).to(eng.device)
         full = torch.zeros(pp.global_shape, dtype=lp.dtype, device=lp.device)
         box = plan.local_slices(pp.name, eng.rank)
-        others = [a for a in plan.mesh.axis_names if a not in plan.owner_axes(pp.name)]
+        others = [a for a in plan.mesh.axis_names if a not in G.owner_axes(plan, pp.name)]
         if box is not None and plan.mesh.axis_index(eng.rank, others) == 0:
             full[box] = lp.reshape(plan.local_shape(pp.name, eng.rank))
         C.all_reduce(full, eng.groups.world, async_op=False, op=torch.distributed.ReduceOp.SUM)
@@ -122,7 +124,7 @@ def _misfit(plan, model: nn.Module, full: dict, strict: bool) -> str:
 def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], *, strict: bool = True) -> None:
     """Load ordinary full tensors held by rank 0 (others may pass ``{}``), broadcast one parameter at a time.
 
-    >>> shardplan.load_full_state_dict(model, torch.load("model.pt") if rank == 0 else {})
+    >>> shardplan.checkpoint.load_full_state_dict(model, torch.load("model.pt") if rank == 0 else {})
     """
     eng = engine_of(model)
     plan = eng.plan

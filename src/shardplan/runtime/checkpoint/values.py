@@ -1,7 +1,7 @@
 """State-dict conversion: local shards and optimizer states <-> DCP values.
 
->>> sd = shardplan.state_dict(model, opt)      # {"model": {fqn: value}, "optimizer": {...}}
->>> shardplan.load_state_dict(model, sd, opt)  # after torch.distributed.checkpoint.load(sd, ...)
+>>> sd = shardplan.checkpoint.state_dict(model, opt)      # {"model": {fqn: value}, "optimizer": {...}}
+>>> shardplan.checkpoint.load_state_dict(model, sd, opt)  # after torch.distributed.checkpoint.load(sd, ...)
 
 A sharded value is a ``ShardedTensor`` whose shards are the boxes ``plan.local_slices`` gives every
 rank of the parameter's shard group; a replicated one is the plain local tensor. The local shard
@@ -79,8 +79,8 @@ def _rank0_copies(bufs: dict, world) -> dict:
 def state_dict(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, init_optimizer: bool = True) -> dict:
     """``{"model": {fqn: value}, "optimizer": {"state": {fqn: {...}}, "param_groups": [...]}}`` for DCP.
 
-    >>> sd = shardplan.state_dict(model, opt)
-    >>> torch.distributed.checkpoint.load(sd, checkpoint_id=path); shardplan.load_state_dict(model, sd, opt)
+    >>> sd = shardplan.checkpoint.state_dict(model, opt)
+    >>> torch.distributed.checkpoint.load(sd, checkpoint_id=path); shardplan.checkpoint.load_state_dict(model, sd, opt)
 
     A never-stepped optimizer gets its state created first (``init_optimizer``, on by default), so that
     a state dict built to *load into* has tensors for DCP to fill: without them the optimizer's saved
@@ -124,7 +124,7 @@ def load_state_dict(model: nn.Module, state: dict, optimizer: Optional[torch.opt
                     *, strict: bool = True) -> dict[str, list[str]]:
     """Copy a (DCP-loaded) state dict from :func:`state_dict` into the local shards; returns what was skipped.
 
-    >>> shardplan.load_state_dict(model, sd, opt)    # {"missing": [...], "unexpected": [...]}
+    >>> shardplan.checkpoint.load_state_dict(model, sd, opt)    # {"missing": [...], "unexpected": [...]}
     """
     eng = engine_of(model)
     locals_ = eng.local_params()

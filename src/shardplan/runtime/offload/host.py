@@ -12,8 +12,8 @@ from typing import Any, Optional
 
 import torch
 
-from ...plan.kinds import Offload
-from ...plan.offload import slab_layout
+from ...planner.kinds import Offload
+from ...planner.offload import slab_layout
 from ..buffers import BufferState
 
 HYPER = ("lr", "betas", "eps", "weight_decay")  # what the host step reads from the optimizer's param group

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ...plan.kinds import COPY_D2H, OPTIM_STEP, PRE_FORWARD
+from ...planner.kinds import COPY_D2H, OPTIM_STEP, PRE_FORWARD
 from ..buffers import alias, free_storage
 from ..host_worker import HostWorker
 from .copies import HostCopies
