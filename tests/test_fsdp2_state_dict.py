@@ -4,6 +4,7 @@ plans whose layout a DTensor cannot describe refuse clearly."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
