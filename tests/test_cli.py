@@ -257,7 +257,7 @@ def test_unit_lists_sort_naturally_and_merging_is_described():
 def test_shipped_models_rules_and_configs_run_outside_a_checkout(tmp_path, monkeypatch):
     """`shardplan.models` ships the example GPT, its rules and the Hugging Face configs: the --help examples
     run from any directory (no examples/ there), and examples/*.py re-export the same objects."""
-    from shardplan.cli import bundled_hf_configs
+    from shardplan.cli_inputs import bundled_hf_configs
     monkeypatch.chdir(tmp_path)
     out = cli("plan", "shardplan.models.gpt:tiny", "--mesh", "replica=2,shard=2",
               "--rules", "shardplan.models.gpt_rules:HSDP_RULES", "--summary")

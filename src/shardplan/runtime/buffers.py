@@ -18,9 +18,8 @@ import torch.nn as nn
 
 from ..dtypes import to_torch
 from ..errors import RuntimeShardingError
-from ..planner import BufferPlan, Plan
+from ..planner import BufferPlan, Plan, geometry as G
 from ..planner.values import ParamPlan, Piece
-from ..planner import geometry as G
 from .dtensor_params import contiguous_strides, grad as as_dtensor_grad, plain
 from .norms import wrap as wrap_grad
 from .quantize import dequantize_into, quantize_into

@@ -250,10 +250,8 @@ def build_groups(plan, rank: int, backend: str, timeout_s: float) -> Groups:
         for key in (("gather", b.axes), ("reduce", b.axes), ("reduce", b.replica_axes), ("reduce", b.partial_axes)):
             if key[1] and key not in wanted:
                 wanted.append(key)
-    for p in plan.params:  # checkpoints: the ranks holding different pieces of a tensor-parallel parameter
-        key = ("gather", G.owner_axes(plan, p.name))
-        if p.tp_axis and key not in wanted:
-            wanted.append(key)
+    tp = dict.fromkeys(("gather", G.owner_axes(plan, p.name)) for p in plan.params if p.tp_axis)
+    wanted += [k for k in tp if k not in wanted]  # checkpoints: the ranks holding pieces of a tensor-parallel parameter
     everyone = ("world", tuple(mesh.axis_names))
     wanted.append(everyone)
     for a in mesh.axis_names:  # one group per mesh axis, for a DeviceMesh built later without a collective

@@ -20,10 +20,9 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from ..planner.tensor_parallel import EMBEDDING, TPModule, reads_shared_input
+from ..planner.tensor_parallel import EMBEDDING, TPModule, of as tp_of, reads_shared_input
 from ..errors import PlanWarning
 from ..planner.values import Op
-from ..planner import tensor_parallel as TPX
 from ..errors import RuntimeShardingError
 from . import collectives as C
 from .axis_ops import BACKWARD, AxisOps
@@ -40,7 +39,7 @@ def active_modules(plan) -> list[TPModule]:
     per module and step on a 1B model: docs/performance.md). ``SHARDPLAN_SINGLETON_GROUPS=1`` runs them
     through DTensor anyway, so one GPU exercises the path many take."""
     force = os.environ.get("SHARDPLAN_SINGLETON_GROUPS") == "1"
-    return [m for m in TPX.of(plan).modules if force or plan.mesh.axis_size(m.axis) > 1]
+    return [m for m in tp_of(plan).modules if force or plan.mesh.axis_size(m.axis) > 1]
 
 
 def full_device_mesh(plan, device: torch.device):
@@ -56,7 +55,7 @@ def device_meshes(plan, device: torch.device) -> dict:
     """:func:`full_device_mesh` sliced per compute axis (keyed by the plan's axis names)."""
     full = full_device_mesh(plan, device)
     names = dict(zip(plan.mesh.axis_names, full.mesh_dim_names))
-    return {a: full[names[a]] for a in TPX.of(plan).axes}
+    return {a: full[names[a]] for a in tp_of(plan).axes}
 
 
 def param_wrappers(plan, meshes: dict) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
@@ -226,13 +225,13 @@ def install_styles(module: nn.Module, plan, meshes: dict, exe=None) -> list:
     ops = _Ops(plan, exe)
     handles = [module.register_forward_pre_hook(shared.clear)]
     mods = dict(module.named_modules())
-    if any(not m.after for m in TPX.of(plan).modules):
+    if any(not m.after for m in tp_of(plan).modules):
         import warnings
         warnings.warn("this plan's tensor-parallel modules carry no placement (a plan saved by an older shardplan): "
                       "its schedule lists none of their collectives and column-parallel siblings each all-reduce "
                       "their input's gradient. Plan again from the model to get both", PlanWarning, stacklevel=3)
     members: dict[str, list[str]] = {}  # a shared input's readers, in plan order
-    for m in TPX.of(plan).modules:
+    for m in tp_of(plan).modules:
         members.setdefault(m.shares_with or m.path, []).append(m.path)
     for m in active_modules(plan):  # the plan's placed modules
         mod = mods[m.path]
@@ -385,7 +384,7 @@ def install_input_check(module: nn.Module, plan, world_group, device: torch.devi
             differ = [r for r in group if not torch.equal(every[r], every[group[0]])]
             if not differ:
                 continue
-            axis = ",".join(a for a in TPX.of(plan).axes if plan.mesh.axis_size(a) > 1)
+            axis = ",".join(a for a in tp_of(plan).axes if plan.mesh.axis_size(a) > 1)
             raise RuntimeShardingError(
                 f"forward: ranks {list(group)} form one tensor-parallel group over compute axis {axis!r}, but "
                 f"ranks {differ} were given other inputs than rank {group[0]}. Every rank of a tensor-parallel "
