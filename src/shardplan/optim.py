@@ -118,6 +118,67 @@ def _device_step(step: torch.Tensor) -> bool:
     return step.device.type != "cpu" or getattr(step, "_shardplan_capturable", False)
 
 
+class _AdamW(NamedTuple):
+    """AdamW's hyper-parameters (``lr``: a number or a schedule)."""
+    lr: LearningRate
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+
+
+def _decay_and_moments(p, g, m, v, decay, h: _AdamW, donate: bool):
+    """Weight decay and both moments: new tensors, or in place on the inputs when ``donate``."""
+    if donate:
+        torch._foreach_mul_(p, decay)
+        torch._foreach_lerp_(m, g, 1 - h.b1)
+        torch._foreach_mul_(v, h.b2)
+    else:
+        p = torch._foreach_mul(p, decay)
+        m = torch._foreach_lerp(m, g, 1 - h.b1)
+        v = torch._foreach_mul(v, h.b2)
+    torch._foreach_addcmul_(v, g, g, value=1 - h.b2)
+    return p, m, v
+
+
+def _adamw_device(h: _AdamW, p, g, m, v, t, donate=False):
+    """One AdamW update with step tensor ``t`` (no host read). [Note: the update without a host read] the same
+    arithmetic as :func:`_adamw_host`, its scalars as 0-d tensors computed in float64 on the device from the step
+    tensor, cast to the parameters' dtype where Python's floats would be: every kernel sees the same scalar
+    values, so the results are bit-identical"""
+    lr_t = value_at(h.lr, t - 1)
+    tt = t.to(torch.float64)
+    bc1, bc2 = 1 - h.b1 ** tt, 1 - h.b2 ** tt
+    dt = p[0].dtype if p else torch.float32
+    p, m, v = _decay_and_moments(p, g, m, v, (1 - lr_t * h.weight_decay).to(dt), h, donate)
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, bc2.sqrt().to(dt))
+    torch._foreach_add_(denom, h.eps)
+    scale = (-lr_t / bc1).to(dt)
+    if p and p[0].device.type == "cpu":  # addcdiv's own order of operations on each device
+        upd = torch._foreach_mul(m, scale)
+        torch._foreach_div_(upd, denom)
+    else:
+        upd = torch._foreach_div(m, denom)
+        torch._foreach_mul_(upd, scale)
+    torch._foreach_add_(p, upd)
+    return p, m, v
+
+
+def _adamw_host(h: _AdamW, p, g, m, v, t, donate=False):
+    """One AdamW update at step ``t`` (a float): one new tensor per output (params, moments) plus one temporary,
+    then in place on those only; donated: in place on the inputs, one temporary (the denominator), as
+    ``torch.optim.AdamW(foreach=True)``."""
+    lr_t = value_at(h.lr, int(t) - 1)
+    bc1, bc2 = 1 - h.b1 ** t, 1 - h.b2 ** t
+    p, m, v = _decay_and_moments(p, g, m, v, 1 - lr_t * h.weight_decay, h, donate)
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, math.sqrt(bc2))
+    torch._foreach_add_(denom, h.eps)
+    torch._foreach_addcdiv_(p, m, denom, value=-lr_t / bc1)
+    return p, m, v
+
+
 def adamw(lr: LearningRate = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
           weight_decay: float = 1e-2, mask: Callable[[str], bool] = None, capturable: bool = False) -> Optimizer:
     """AdamW (decoupled weight decay), as ``torch.optim.AdamW``. State: ``{"step", "exp_avg", "exp_avg_sq"}``.
@@ -131,7 +192,7 @@ def adamw(lr: LearningRate = 1e-3, betas: tuple[float, float] = (0.9, 0.999), ep
 
     >>> opt = sp.optim.adamw(lr=sp.optim.warmup_cosine(3e-4, warmup=100, total=10_000), weight_decay=0.1)
     """
-    b1, b2 = betas
+    h = _AdamW(lr, *betas, eps, weight_decay)
 
     def init(params):
         leaves, spec = _flat(params, "params")
@@ -140,57 +201,6 @@ def adamw(lr: LearningRate = 1e-3, betas: tuple[float, float] = (0.9, 0.999), ep
         if capturable and step.device.type == "cpu":
             step._shardplan_capturable = True  # the device path on the CPU (tests, backend="eager")
         return {"step": step, "exp_avg": zeros(), "exp_avg_sq": zeros()}
-
-    def step_device(p, g, m, v, t, donate=False):
-        # [Note: the update without a host read] the same arithmetic as step_some, its scalars as 0-d tensors
-        # computed in float64 on the device from the step tensor, cast to the parameters' dtype where Python's
-        # floats would be: every kernel sees the same scalar values, so the results are bit-identical
-        lr_t = value_at(lr, t - 1)
-        tt = t.to(torch.float64)
-        bc1, bc2 = 1 - b1 ** tt, 1 - b2 ** tt
-        dt = p[0].dtype if p else torch.float32
-        decay = (1 - lr_t * weight_decay).to(dt)
-        if donate:
-            torch._foreach_mul_(p, decay)
-            torch._foreach_lerp_(m, g, 1 - b1)
-            torch._foreach_mul_(v, b2)
-        else:
-            p = torch._foreach_mul(p, decay)
-            m = torch._foreach_lerp(m, g, 1 - b1)
-            v = torch._foreach_mul(v, b2)
-        torch._foreach_addcmul_(v, g, g, value=1 - b2)
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, bc2.sqrt().to(dt))
-        torch._foreach_add_(denom, eps)
-        scale = (-lr_t / bc1).to(dt)
-        if p and p[0].device.type == "cpu":  # addcdiv's own order of operations on each device
-            upd = torch._foreach_mul(m, scale)
-            torch._foreach_div_(upd, denom)
-        else:
-            upd = torch._foreach_div(m, denom)
-            torch._foreach_mul_(upd, scale)
-        torch._foreach_add_(p, upd)
-        return p, m, v
-
-    def step_some(p, g, m, v, t, donate=False):
-        # one new tensor per output (params, moments) plus one temporary; then in place on those only.
-        # donated: in place on the inputs, one temporary (the denominator), as torch.optim.AdamW(foreach=True)
-        lr_t = value_at(lr, int(t) - 1)
-        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-        if donate:
-            torch._foreach_mul_(p, 1 - lr_t * weight_decay)
-            torch._foreach_lerp_(m, g, 1 - b1)
-            torch._foreach_mul_(v, b2)
-        else:
-            p = torch._foreach_mul(p, 1 - lr_t * weight_decay)
-            m = torch._foreach_lerp(m, g, 1 - b1)
-            v = torch._foreach_mul(v, b2)
-        torch._foreach_addcmul_(v, g, g, value=1 - b2)
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, math.sqrt(bc2))
-        torch._foreach_add_(denom, eps)
-        torch._foreach_addcdiv_(p, m, denom, value=-lr_t / bc1)
-        return p, m, v
 
     def update(grads, state, params, donate: bool = False):
         p, spec = _flat(params, "params")
@@ -205,13 +215,13 @@ def adamw(lr: LearningRate = 1e-3, betas: tuple[float, float] = (0.9, 0.999), ep
             step = old + 1
             if on_device and old.device.type == "cpu":
                 step._shardplan_capturable = True
-        run = step_device if on_device else step_some
+        run = _adamw_device if on_device else _adamw_host
         if not on_device and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise CaptureError("sp.optim.adamw: the step count is read on the host, which a captured step cannot do; "
                                "build the optimizer with sp.optim.adamw(..., capturable=True)")
         t = step if on_device else float(step)
         with torch.no_grad():
-            p, m, v = _masked(lambda p_, g_, m_, v_: run(p_, g_, m_, v_, t, donate), GROUP_BYTES)(
+            p, m, v = _masked(lambda p_, g_, m_, v_: run(h, p_, g_, m_, v_, t, donate), GROUP_BYTES)(
                 [p, g, m, v], _selected(params, mask))
         rebuild = lambda xs: optree.tree_unflatten(spec, xs)
         return rebuild(p), {"step": step, "exp_avg": rebuild(m), "exp_avg_sq": rebuild(v)}

@@ -121,7 +121,16 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
     exe = Executor(plan, units, rt.groups, device, rank, timeout_s, face)
     exe.root = weakref.ref(module)
     offload.attach(exe)  # CPU offload: host master shards and optimizer state (None without it)
-    meshes = rt.meshes
+    _install(module, plan, exe, rt, face, unit_slots, dtensor_params=dtensor_params, sync_buffers=sync_buffers)
+    exe._account()
+    return module
+
+
+def _install(module: nn.Module, plan: Plan, exe: Executor, rt, face: ModuleFace, unit_slots: dict, *,
+             dtensor_params: bool, sync_buffers: bool) -> None:
+    """What ``shard`` installs once the executor exists: state dict hooks, the DTensor parameters, the module and
+    tensor hooks, the styles, the flow check and the axes; the FSDP2 method, the guards, the buffers broadcast."""
+    meshes, device = rt.meshes, rt.device
     exe.state_dict_hooks = SD.StateDictHooks(exe, meshes)  # (SD.install below installs it on the modules)
     if dtensor_params:  # FSDP2's DTensor parameters over the same shards (dtensor_params.py)
         DP.install(exe, face, exe.state_dict_hooks, unit_slots)
@@ -147,8 +156,6 @@ def shard(module: nn.Module, plan: Plan, *, init_fn: Optional[Callable[[nn.Modul
         TP.align_generators(plan, rt.groups.world, device)
         exe.handles.append(TP.install_input_check(module, plan, rt.groups.world, device))
         exe.partial_check = TP.PartialCheck(plan, rt.groups.world, device)
-    exe._account()
-    return module
 
 
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
