@@ -100,7 +100,7 @@ def full_offsets(params: Sequence[ParamPlan], buffers: Sequence[BufferPlan]) -> 
     copy-out (interleaved) buffers hold their parameters back to back, in buffer order; the others in place,
     at the parameter's offset in the gathered buffer.
 
-    >>> full_offsets(plan.params, plan.buffers)[plan.index("layers.0.w")]
+    >>> full_offsets(plan.params, plan.buffers)[3]        # the fourth parameter's
     """
     by_name = {p.name: p for p in params}
     packed: dict[str, int] = {}
