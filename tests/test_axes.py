@@ -18,7 +18,7 @@ from shardplan.planner import axes as AX
 from shardplan.planner.transforms import schedule_edited
 from shardplan.planner.axis import Anchor, ComputeAxis, ModuleOps, Resolved, anchors
 from shardplan.planner.kinds import ACTIVATIONS, ALL_REDUCE, MODULE_FORWARD
-from shardplan.planner.values import Op
+from shardplan.planner.ops import Op
 from shardplan.runtime import axes as RUNTIME_AXES
 from shardplan.runtime import collectives as C
 from shardplan.runtime.axis_ops import AxisOps

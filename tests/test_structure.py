@@ -146,10 +146,10 @@ def test_plan_package_has_no_import_cycle():
 # the planner's layers, bottom up: a module imports (at run time) only modules of ``plan`` in lower layers,
 # or pure-function neighbours in its own layer (the cycle test above keeps those acyclic); above the function
 # modules, the facade (``Plan``: a frozen dataclass whose methods call them), then the compiler
-LAYERS = (("kinds",), ("values",),
+LAYERS = (("kinds",), ("values", "ops"),
           ("heads", "float8", "axis", "tp_styles", "tp_partial", "tensor_parallel", "expert_parallel", "context_parallel",
            "axes", "geometry", "offload", "schedule", "validate", "accounting", "serialize", "capture", "options",
-           "passes", "transforms", "rebuild", "render"),
+           "grouping", "passes", "transforms", "rebuild", "render"),
           ("facade",), ("compiler",), ("",))
 
 # the floor below the planner: the language (specs, meshes, rules, layouts, dtypes, quantized formats), the
@@ -300,7 +300,7 @@ def test_every_public_name_is_typed_with_a_docstring_and_an_example():
 
 def test_the_op_docstring_names_every_kind_and_subject():
     from shardplan.planner.kinds import OpKind, Subject
-    from shardplan.planner.values import Op
+    from shardplan.planner.ops import Op
     doc = " ".join(Op.__doc__.split())
     missing = [m.value for m in (*OpKind, *Subject) if m.value not in doc]
     assert not missing, f"Op's docstring does not name {missing}"
@@ -417,7 +417,7 @@ if __name__ == "__main__":
 
 def test_planner_package_is_not_shadowed():
     """The planner package is ``shardplan.planner``; ``sp.plan`` is the function, and stays the function."""
-    code = ("import shardplan as sp, shardplan.planner as pl, shardplan.planner.values as v, sys\n"
+    code = ("import shardplan as sp, shardplan.planner as pl, shardplan.planner.ops as v, sys\n"
             "assert callable(sp.plan) and sp.plan is pl.plan and not isinstance(sp.plan, type(sys))\n"
             "assert sp.Plan is pl.Plan and 'torch' not in sys.modules\n"
             "import pickle; assert pickle.loads(pickle.dumps(v.Op)) is v.Op\n")

@@ -20,7 +20,8 @@ from .facade import Plan
 from .kinds import (Condition, Event, LayoutChoice, OpKind, Order, Phase, Strategy, Subject,  # noqa: F401
                     strategy_level)
 from .serialize import FORMAT_VERSION
-from .values import BufferPlan, Compute, Memory, Op, ParamPlan, Piece, Program, Step, UnitPlan
+from .ops import Op, Program, Step
+from .values import BufferPlan, Compute, Memory, ParamPlan, Piece, UnitPlan
 
 __all__ = ["plan", "Plan", "ParamPlan", "BufferPlan", "UnitPlan", "Memory", "Op", "Program", "Step", "Piece",
            "Compute", "OpKind", "Subject", "Event", "Condition", "Phase", "Strategy", "Order", "LayoutChoice",

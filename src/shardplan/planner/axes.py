@@ -18,9 +18,7 @@ from . import context_parallel as CPX
 from . import expert_parallel as EP
 from . import tensor_parallel as tp
 from .axis import ComputeAxis, ModuleOps, Placing, Resolving, with_activation_ops
-from .values import Op
-
-# [Note: the order is the planner's: tensor parallelism resolves first (its styles move biases' specs, which
+from .ops import Op
 # the expert axis reads), and the notes and comm_bytes keys come in it; ops within a step follow op_order]
 _AXES: list[ComputeAxis] = [tp.TensorAxis(), EP.ExpertAxis(), CPX.ContextAxis()]
 

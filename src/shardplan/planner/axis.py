@@ -26,10 +26,7 @@ from typing import Any, Mapping, Optional, Sequence
 from ..units import ROOT
 from .kinds import BEFORE_FORWARD, BEGIN_BACKWARD, POST_BACKWARD, PRE_BACKWARD, PRE_FORWARD, RECOMPUTE
 from .schedule import program, skeleton
-from .values import Op
-
-
-# -- the protocol ----------------------------------------------------------------------------------------
+from .ops import Op
 
 @dataclass(frozen=True)
 class Resolving:

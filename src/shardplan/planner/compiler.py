@@ -1,8 +1,8 @@
 """``shardplan.plan``: rules + a mesh + options -> a :class:`Plan`. Pure: no process group, no GPU.
 
 :func:`plan` checks the options (``options.py``), runs the passes (``passes.py``: rules and leaves, compute axes,
-low precision, units, layouts and buffers, compute placement), then builds the schedule and the :class:`Plan`
-(:func:`_assemble`: with the offloaded buffers, the accounting's warnings), lowers the offload fraction under
+low precision; ``grouping.py``: units, layouts and buffers; ``passes.py``: compute placement), then builds the
+schedule and the :class:`Plan` (:func:`_assemble`: with the offloaded buffers, the accounting's warnings), lowers the offload fraction under
 ``offload_fraction="auto"`` (:func:`_fit_device`), and validates it."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from ..mesh import Mesh
 from ..rules import Rules
 from . import axes as AX
 from . import offload as OFF
-from . import passes, transforms
+from . import grouping, passes, transforms
 from .accounting import plan_warnings
 from .facade import Plan
 from .kinds import STRATEGIES, LayoutChoice, Order, Strategy
@@ -92,9 +92,9 @@ def _compile(model_or_tree: Any, rules: RulesLike, mesh: Mesh, units, trace, opt
     ax = passes.compute_axes(lv, opts, mesh, trace)
     _emit(ax.warned)
     pr = passes.low_precision(lv, ax, opts)
-    un = passes.group_units(lv, ax, pr, opts, trace)
+    un = grouping.group_units(lv, ax, pr, opts, trace)
     _emit(un.warned)
-    lay = passes.lay_out(lv, ax, pr, un, opts, mesh)
+    lay = grouping.lay_out(lv, ax, pr, un, opts, mesh)
     placed = passes.place_compute(lv, ax, lay, opts, mesh, trace)
     notes = lv.notes + ax.notes + un.notes
     choices = lv.choices + ax.choices + un.choices + placed.choices
@@ -107,7 +107,7 @@ def _emit(warned) -> None:
         warnings.warn(message, category, stacklevel=4)
 
 
-def _assemble(opts: Options, mesh: Mesh, lay: passes.Layout, placed: Placed, un, notes: tuple, choices: tuple) -> Plan:
+def _assemble(opts: Options, mesh: Mesh, lay: grouping.Layout, placed: Placed, un, notes: tuple, choices: tuple) -> Plan:
     """The schedule and the :class:`Plan`, with the share of the buffers ``offload_fraction`` says offloaded
     (all of them under ``"auto"``, which :func:`_fit_device` then lowers)."""
     fraction = 1.0 if opts.offload_fraction == OFF.AUTO else opts.offload_fraction

@@ -25,7 +25,7 @@ from ..units import in_cp_attention, run_traced, trace_args
 from .axis import Anchor, ComputeAxis, ModuleOps, Placing, anchors
 from .kinds import ACTIVATIONS, ALL_GATHER, MODULE_BACKWARD, MODULE_FORWARD, REDUCE_SCATTER
 from .tp_styles import LINEAR
-from .values import Op
+from .ops import Op
 
 CONTEXT_AXIS = "cp"
 

@@ -30,7 +30,8 @@ from ..units import expert_count  # noqa: F401 - (its home: below the planner, a
 from ..units import run_traced
 from .axis import Anchor, ComputeAxis, ModuleOps, Placing, Resolved, Resolving, anchors
 from .kinds import ACTIVATIONS, ALL_TO_ALL, MODULE_BACKWARD, MODULE_FORWARD
-from .values import Compute, Op
+from .ops import Op
+from .values import Compute
 
 EXPERT_AXIS = "ep"
 

@@ -25,7 +25,8 @@ from . import schedule as S
 from .kinds import LayoutChoice, Offload, Order, Strategy, choose
 from .offload import HOST_GBPS, balanced_fraction, host_step_bytes
 from .validate import normalised, validate
-from .values import Activations, BufferPlan, Memory, Op, ParamPlan, Piece, Program, UnitPlan
+from .ops import Op, Program
+from .values import Activations, BufferPlan, Memory, ParamPlan, Piece, UnitPlan
 
 PIECE_CACHE_RANKS = 64  # ranks whose pieces a plan keeps (a 70B plan at dp=1024 holds ~700 pieces per rank)
 

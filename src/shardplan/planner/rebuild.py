@@ -12,7 +12,7 @@ from ..auto import rules_from_specs
 from ..rules import regex_list_source
 from . import float8 as F8
 from . import tensor_parallel as TPX
-from .kinds import LayoutChoice, strategy_level
+from .kinds import LayoutChoice
 
 
 def _reshard_after_forward(plan):

@@ -33,7 +33,7 @@ from .kinds import (ALL_GATHER, ALL_REDUCE, ALWAYS, BACKWARD, BEFORE_FORWARD, BE
                     EVENTS, FORWARD, FREE, GRADS, KINDS, NO_GRAD, ORDERS, PARAMS, POST_BACKWARD, POST_FORWARD,
                     PARTIAL_GRADS, PRE_BACKWARD, PRE_FORWARD, REDUCE_SCATTER, SCALES, STALE, STEP, STRATEGIES, SYNC, USED, WAIT, Condition,
                     Event, OpKind, Order, Subject)
-from .values import Op, Program, Step
+from .ops import Op, Program, Step
 
 if TYPE_CHECKING:  # pragma: no cover
     from .values import BufferPlan, UnitPlan

@@ -14,7 +14,8 @@ from . import float8 as F8
 from . import tensor_parallel as TPX
 from .kinds import LayoutChoice, Offload, Order, Strategy, choose
 from .validate import normalised
-from .values import ActivationPoint, Activations, BufferPlan, Compute, Op, ParamPlan, UnitPlan
+from .ops import Op
+from .values import ActivationPoint, Activations, BufferPlan, Compute, ParamPlan, UnitPlan
 
 if TYPE_CHECKING:  # pragma: no cover
     from .facade import Plan

@@ -44,7 +44,8 @@ from .kinds import (ACTIVATIONS, ALL_GATHER, ALL_REDUCE, MODULE_BACKWARD, MODULE
 from .tp_partial import assumed_partial_grads, partial_note, trace_partial_grads, unsure_warning  # noqa: F401
 from .tp_styles import (BIAS_SHARDED, EMBEDDING, LINEAR, STYLES, WEIGHT_DIM, TPModule, as_compute_axes,  # noqa: F401
                         compute_of, local_shape, resolve, with_compute)
-from .values import Compute, Op, storage_spec  # noqa: F401  (re-exported: tp.Compute, tp.storage_spec)
+from .ops import Op
+from .values import Compute, storage_spec  # noqa: F401  (re-exported: tp.Compute, tp.storage_spec)
 
 # -- where the styles' collectives run: plan data -------------------------------------------------------
 # [Note: activation ops] (axis.py): a tensor-parallel module's collectives run inside its call (its output in

@@ -17,7 +17,7 @@ from . import schedule as S
 from .kinds import strategy_level
 from .offload import offloaded
 from .validate import validate
-from .values import Op
+from .ops import Op
 
 
 def built_schedule(plan) -> tuple[Op, ...]:

@@ -16,7 +16,7 @@ from .kinds import (ACTIVATIONS, ALL_GATHER, ALL_REDUCE, BEGIN_BACKWARD, COPY_D2
                     Offload, PARAMS, POST_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, PREPARE,
                     PARTIAL_GRADS, REDUCE_SCATTER, SCALES, USED, WAIT)
 from .schedule import needs_gather
-from .values import Op, Program
+from .ops import Op, Program
 
 if TYPE_CHECKING:  # pragma: no cover
     from .facade import Plan

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from ..planner.tensor_parallel import EMBEDDING, TPModule, of as tp_of, reads_shared_input
 from ..errors import PlanWarning
-from ..planner.values import Op
+from ..planner.ops import Op
 from ..errors import RuntimeShardingError
 from . import collectives as C
 from .axis_ops import BACKWARD, AxisOps
