@@ -245,7 +245,7 @@ def test_untraced_plan_and_old_json():
     d.pop("activations")  # a plan saved before activation profiles
     old = sp.Plan.from_json(json.dumps(d))
     assert old.activations is None and old.memory(2).peak == traced.memory(2).states_peak
-    assert "activations" not in plain.to_dict()  # untraced plans keep their JSON (and fingerprints)
+    assert "activations" not in json.loads(plain.to_json())  # untraced plans keep their JSON (and fingerprints)
 
 
 # -- errors: one line naming the fix --------------------------------------------------------------------

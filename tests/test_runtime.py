@@ -11,6 +11,7 @@ import torch.distributed as dist
 import shardplan as sp
 from distributed import run
 from models import Toy, batches, toy_rules
+from shardplan.planner.accounting import max_gathered_units
 from shardplan.runtime.unit import Params
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -86,7 +87,7 @@ def _train_sharded(rank, world, case, data):
     expected += plan.ops(grad=False)
     still = [u.name for u in eng.unit_list if u.params is not Params.SHARDED and u.name in eng.transient]
     return dict(local=local, norms=norms, recorded=recorded, expected=expected,
-                max_gathered=eng.max_gathered, allowed=plan.max_gathered_units() + 1, scale=model.scale.item(),
+                max_gathered=eng.max_gathered, allowed=max_gathered_units(plan) + 1, scale=model.scale.item(),
                 still_gathered=still, registered_are_shards=all(p is q for p, q in zip(model.parameters(), opt.param_groups[0]["params"])))
 
 

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import shardplan as sp
 from distributed import run
+from shardplan.planner.geometry import replicas
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import gpt  # noqa: E402
@@ -162,7 +163,7 @@ def test_style_errors_name_the_fix():
        strategy=st.sampled_from(STRATEGIES), replica=st.sampled_from([1, 2]))
 def test_every_element_held_by_its_replicas_and_gathers_back(out, inp, tp, dp, col, row, strategy, replica):
     """local_slices is the exact global box across storage and compute axes: over all ranks, each element is
-    held by exactly ``plan.replicas`` ranks, and assembling every rank's shard_tree gives the tensor back."""
+    held by exactly ``replicas(plan, name)`` ranks, and assembling every rank's shard_tree gives the tensor back."""
     model = _MLP(d=inp * tp, h=out * tp)
     P = sp.P
     rules = [(r"up\.weight", eval(col)), (r"down\.weight", eval(row)), (r".*", P("dp"))]
@@ -176,7 +177,7 @@ def test_every_element_held_by_its_replicas_and_gathers_back(out, inp, tp, dp, c
             if box is not None:
                 count[box] += 1
                 assert tuple(s.stop - s.start for s in box) == plan.local_shape(p.name, r)
-        assert (count == plan.replicas(p.name)).all(), p.name
+        assert (count == replicas(plan, p.name)).all(), p.name
     trees = {r: sp.shard_tree(full, plan, rank=r) for r in range(mesh.size)}
     back = sp.tree.assemble(plan, trees)
     assert all(torch.equal(back[n], full[n]) for n in full)
