@@ -140,10 +140,10 @@ def test_what_shardplan_cp_does_not_run_is_refused_before_the_first_step_naming_
     outside it. A window the model keeps in its config and applies through its mask alone, which the module does
     not say (PhiMoE): refused at plan time when traced, at the first call otherwise, naming the fix, which runs."""
     name = sp.context_parallel.hf_attention()
-    with pytest.raises(sp.PlanError, match=r"module 'model.layers.0.self_attn' \(GptOssAttention\) has 'sinks'"):
+    with pytest.raises(sp.errors.PlanError, match=r"module 'model.layers.0.self_attn' \(GptOssAttention\) has 'sinks'"):
         sp.plan(_gpt_oss(name), _RULES, sp.Mesh(dp=1, cp=2), units=_UNITS)
     ids = torch.randint(0, 128, (2, 16))
-    with pytest.raises(sp.RuntimeShardingError, match=r"GptOssAttention \(layer 0\) was given s_aux= \(attention "
+    with pytest.raises(sp.errors.RuntimeShardingError, match=r"GptOssAttention \(layer 0\) was given s_aux= \(attention "
                                                       r"sinks, its attribute 'sinks'\)"):
         _gpt_oss(name)(input_ids=ids)
 
@@ -153,10 +153,10 @@ def test_what_shardplan_cp_does_not_run_is_refused_before_the_first_step_naming_
         torch.manual_seed(0)
         return transformers.PhimoeForCausalLM(cfg)
     fix = r"PhimoeAttention \(layer 0\) cannot tell whether its layer uses config.sliding_window=4.*sliding_window ="
-    with pytest.raises(sp.PlanError, match=fix):
+    with pytest.raises(sp.errors.PlanError, match=fix):
         sp.plan(phimoe(name), _RULES, sp.Mesh(dp=2, cp=1), units=_UNITS, trace=((), dict(input_ids=ids)))
     model = phimoe(name)
-    with pytest.raises(sp.RuntimeShardingError, match=fix):
+    with pytest.raises(sp.errors.RuntimeShardingError, match=fix):
         model(input_ids=ids)
     for layer in model.model.layers:               # the fix the message names: PhiMoE windows every layer
         layer.self_attn.sliding_window = model.config.sliding_window
@@ -186,7 +186,7 @@ def _refusals(rank, world):
     try:
         model(input_ids=xs, position_ids=pos[None], use_cache=True)
         return "ran"
-    except sp.RuntimeShardingError as exc:
+    except sp.errors.RuntimeShardingError as exc:
         return str(exc)
 
 
@@ -212,5 +212,5 @@ def test_attention_window_and_softcap_outside_cp():
     capped = torch.softmax(s.masked_fill(~band, float("-inf")), -1) @ v
     got = sp.context_parallel.attention(q, k, v, is_causal=True, window=3, softcap=0.7)
     assert torch.allclose(got, capped, atol=1e-6)
-    with pytest.raises(sp.RuntimeShardingError, match="without is_causal=True"):
+    with pytest.raises(sp.errors.RuntimeShardingError, match="without is_causal=True"):
         sp.context_parallel.attention(q, k, v, window=3)

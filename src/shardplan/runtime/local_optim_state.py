@@ -34,9 +34,9 @@ from ..errors import CheckpointError
 
 KEY = "shardplan_local_states"  # param_groups[0][KEY]: the marker (a key torch's optimizers never use)
 
-WAYS_OUT = ("save and load sharded checkpoints with shardplan.state_dict(model, opt) / "
-            "shardplan.load_state_dict(model, sd, opt) (or shardplan.checkpoint.save(path, model, opt) / "
-            "shardplan.checkpoint.load), export with shardplan.full_state_dict(model), or plan with "
+WAYS_OUT = ("save and load sharded checkpoints with shardplan.checkpoint.state_dict(model, opt) / "
+            "shardplan.checkpoint.load_state_dict(model, sd, opt) (or shardplan.checkpoint.save(path, model, opt) / "
+            "shardplan.checkpoint.load), export with shardplan.checkpoint.full_state_dict(model), or plan with "
             "layout=\"chunked\" (shardplan.plan(..., layout=\"chunked\")), whose shards are torch.chunk pieces "
             "as with FSDP2")
 
