@@ -45,9 +45,9 @@ def _all_gather_time(_rank, _world, nbytes, device):
 
 
 def _check_all_gather(device):
-    nbytes = 4 << 20  # the gathered output: 4 MiB over 4 ranks
+    nbytes = 8 << 20  # the gathered output: 8 MiB over 4 ranks
     took, issued, led, filled = run(_all_gather_time, 1, nbytes, device, init=False, timeout=120)[0]
-    expected = 3 * 1000e-6 + nbytes * 3 / 4 / 0.02e9  # alpha per ring step + bytes / busbw: 160 ms
+    expected = 3 * 1000e-6 + nbytes * 3 / 4 / 0.02e9  # alpha per ring step + bytes / busbw: 318 ms
     assert filled
     assert abs(took - expected) <= 0.10 * expected, (took, expected)
     assert issued < 0.5 * expected  # async: the caller is not held while the network works
@@ -205,21 +205,22 @@ def _overlap(_rank, _world, device, dims):
 def _check_overlap(device, dims):
     out = run(_overlap, 1, device, dims, init=False, timeout=600)[0]
     ahead, none = out[1], out[0]
-    gathers = ahead["modelled_s"]["all_gather"]
+    gathers, total = ahead["modelled_s"]["all_gather"], ahead["modelled_total_s"]
     assert gathers > 0 and ahead["modelled_s"] == none["modelled_s"]  # the same collectives, in another order
-    # prefetching: the step is shorter than its compute plus its communication (overlap happens)
-    assert ahead["step_s"] < ahead["baseline_step_s"] + 0.6 * ahead["modelled_total_s"], ahead
-    # no prefetch: the step is longer than its compute by a good part of the gathers' time
-    assert none["exposed_s"] > 0.25 * gathers, none
     if device == "cpu":
-        # [Note: the steps of a loaded host vary by more than these gathers take, so the direct measure decides:
-        # the time the compute thread was blocked in Work.wait() on an all-gather. Without prefetch it waits for
-        # every gather from its start; prefetching one unit ahead hides most of them]
-        assert none["waited_s"]["all_gather"] > 0.8 * gathers, none
+        # [Note: a loaded host's steps vary by more than these collectives take, so a difference of step medians
+        # cannot decide here; the direct measure does. On a CPU the step is the compute thread's busy time plus
+        # the time it was blocked in Work.wait() (waited_s): the step is shorter than compute plus
+        # communication exactly when less than the whole communication was waited for]
+        waited = sum(ahead["waited_s"].values())
+        assert waited < 0.6 * total, ahead                             # prefetching: overlap happens
         assert ahead["waited_s"]["all_gather"] < 0.5 * gathers, ahead
+        assert none["waited_s"]["all_gather"] > 0.8 * gathers, none    # no prefetch: every gather waited for
     else:
-        assert none["exposed_by_kind"]["all_gather"] > 0.8 * gathers, none
+        assert ahead["step_s"] < ahead["baseline_step_s"] + 0.6 * total, ahead
         assert ahead["exposed_by_kind"]["all_gather"] < 0.5 * gathers, ahead
+        assert none["exposed_by_kind"]["all_gather"] > 0.8 * gathers, none
+        assert none["step_s"] > none["baseline_step_s"] + 0.8 * gathers, none
 
 
 @pytest.mark.slow
@@ -234,3 +235,70 @@ def test_rehearsal_overlaps_communication_only_with_prefetch_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU: SHARDPLAN_TEST_GPU=1 on a GPU machine")
     _check_overlap("cuda", (2048, 8192, (4, 1024)))
+
+
+def test_rehearse_under_a_network_refuses_with_the_fix():
+    import shardplan as sp
+    from shardplan.errors import RehearsalError
+    from shardplan.models.gpt import CONFIGS, GPT
+    model_fn = lambda: GPT(CONFIGS["tiny"])  # noqa: E731
+    plan = _plan(model_fn, 4, (2, 16))
+    with pytest.raises(RehearsalError, match="give network= too"):
+        sp.rehearse(model_fn, plan, batch=(2, 16), trace="step.json")
+    with pytest.raises(RehearsalError, match="unknown network 'h100-nope'.*h100-8x-ib400"):
+        sp.rehearse(model_fn, plan, batch=(2, 16), network="h100-nope")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cli_rehearse_under_a_network_writes_a_trace(tmp_path):
+    import json
+    import subprocess
+    import sys
+    out, trace = tmp_path / "r.json", tmp_path / "step.json"
+    subprocess.run([sys.executable, "-m", "shardplan", "rehearse", "shardplan.models.gpt:tiny", "--mesh", "dp=8",
+                    "--rules", "shardplan.models.gpt_rules", "--rank", "1", "--batch", "2x16", "--steps", "2",
+                    "--network", "h100-8x-ib400", "--step-trace", str(trace), "--out", str(out)],
+                   check=True, capture_output=True, text=True, timeout=280)
+    d = json.loads(out.read_text())
+    net = d["network"]
+    assert net["emulated"] and net["network"]["name"] == "h100-8x-ib400" and net["network"]["source"]
+    assert net["modelled_s"]["all_gather"] > 0 and net["ops"]["reduce_scatter"] > 0 and net["step_s"] > 0
+    events = json.loads(trace.read_text())
+    names = {e["name"] for e in events["traceEvents"]}
+    assert events["otherData"] == {"emulated": True, "network": "h100-8x-ib400"}
+    assert {"forward", "backward", "all_gather", "reduce_scatter"} <= names
+
+
+def _captured(_rank, _world, device, compile_units):
+    import shardplan as sp
+    from shardplan.models.gpt import CONFIGS, GPT
+    torch.set_num_threads(1)
+    model_fn = lambda: GPT(CONFIGS["small"])  # noqa: E731
+    net = {"base": "h100-8x-ib400", "name": "slow", "intra": {"busbw": 0.5}}
+    r = sp.rehearse(model_fn, _plan(model_fn, 4, (2, 32)), rank=2, batch=(2, 32), steps=3, network=net,
+                    capture=True, compile=compile_units)
+    return r.to_dict(), str(r)
+
+
+def _check_captured(device, compile_units=False):
+    d, text = run(_captured, 1, device, compile_units, init=False, timeout=280)[0]
+    net = d["network"]
+    assert d["captured"] and net["captured"] and net["exposed_by_kind"] == {}
+    assert net["modelled_s"]["all_gather"] > 0 and len(net["baseline_steps"]) == 3
+    assert net["step_s"] > 0 and net["baseline_step_s"] > 0
+    assert "EMULATED network 'slow'" in text and "two captures" in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_rehearse_captured_step_under_a_network():
+    _check_captured("cpu")  # the eager backend: the capture machinery, no graph
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+def test_rehearse_captured_compiled_step_under_a_network_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU: SHARDPLAN_TEST_GPU=1 on a GPU machine")
+    _check_captured("cuda", compile_units=True)  # the emulated collectives inside a CUDA graph

@@ -24,7 +24,7 @@ from .host import _host_rss, _reset_host_peak, fix_host_allocator
 from .init import RehearsalInit, _fill_meta_buffers
 from .result import Rehearsal, UnitTime
 from .timing import Clock, UnitTimer, unit_times
-from ..runtime.api import engine_of, memory_stats, reset_peak, shard
+from ..runtime.api import compile_units, engine_of, memory_stats, reset_peak, shard
 from ..runtime.offload_optim import offload_optimizer
 from ..units import trace_args
 from ..metatrace import training_call
@@ -123,7 +123,8 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
              optimizer_fn: Optional[Callable[..., torch.optim.Optimizer]] = None,
              inputs_fn: Optional[Callable[[nn.Module, torch.Tensor], object]] = None,
              device_memory: Optional[int] = None, capture: bool = False,
-             network: Union[str, dict, Network, None] = None, trace: Optional[str] = None) -> Rehearsal:
+             network: Union[str, dict, Network, None] = None, trace: Optional[str] = None,
+             compile: bool = False) -> Rehearsal:
     """Run ``steps`` training steps of ``rank`` of ``plan`` on this process's device (a GPU if there is one)
     and measure them; every collective is a local stand-in of the right shape and dtype (torch's fake
     process group), so one GPU (or a CPU) plays one rank of an N-rank job.
@@ -149,7 +150,8 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
     ``network`` (a preset name, a dict, a JSON file, a ``Network``) times every collective by that network
     model on the emulated backend (docs/emulated.md) and adds :class:`NetworkTiming` (``r.network``): exposed
     communication, overlap, tokens/s and MFU, all EMULATED (:mod:`shardplan.rehearsal.timed` says how they are
-    measured); ``trace`` writes one such step as a Chrome trace. Must run in a process without a process group.
+    measured); ``trace`` writes one such step as a Chrome trace. ``compile=True`` compiles each unit's forward
+    (:func:`shardplan.compile_units`, torchtitan's per-block compile). Must run in a process without a process group.
     """
     b, t = _check_batch(batch, steps)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -173,6 +175,9 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
     host_measured = host_base is not None and _reset_host_peak()
     with fake_world(rank, plan.mesh.size, net):
         model, opt = _start_up(model_fn, plan, (b, t), device, init_fn, optimizer_fn, notes, capture)
+        if compile:
+            compile_units(model)
+            notes.append("each unit's forward compiled (shardplan.compile_units); the first steps include compiling")
         run = _Steps(model, plan, rank, (b, t), device, checkpoint, inputs_fn)
         if net is not None:
             run.net = TIMED.Under(net, model_fn, (b, t), plan, trace)
