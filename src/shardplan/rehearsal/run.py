@@ -159,7 +159,6 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
     if capture:
         CAP.check(plan)
     net = TIMED.check(plan, network, trace)
-    mem = plan.memory(rank, recompute=checkpoint)
     notes = [START_UP_NOTE]
     if plan.activations is None:
         notes.append("the plan was not traced: its peak counts model states only (plan with trace=example inputs, "
@@ -184,6 +183,14 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
         note = run.measure(opt, steps, host_base if host_measured else None, capture)
         if note:
             notes.append(note)
+    return _result(run, plan, rank, device, (b, t), checkpoint, capture, notes, host_base if host_measured else None)
+
+
+def _result(run: "_Steps", plan: Plan, rank: int, device: torch.device, batch: tuple[int, int], checkpoint: bool,
+            capture: bool, notes: list, host_base: Optional[int]) -> Rehearsal:
+    """The :class:`Rehearsal` of the measured steps ``run``."""
+    mem = plan.memory(rank, recompute=checkpoint)
+    steps = len(run.step_s)
     # step 0 creates the optimizer state (a captured rehearsal shows replays only)
     measured_from = slice(1, None) if steps > 1 and not capture else slice(0, None)
     measured = max(run.peaks[measured_from]) if run.peaks else None
@@ -196,7 +203,7 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
                      "are compared with the plan instead")
     peaks = run.peaks
     return Rehearsal(
-        rank=rank, world=plan.mesh.size, mesh=repr(plan.mesh), device=_device_name(device), batch=(b, t),
+        rank=rank, world=plan.mesh.size, mesh=repr(plan.mesh), device=_device_name(device), batch=batch,
         checkpoint=checkpoint, plan_fingerprint=plan.fingerprint(), step_s=tuple(run.step_s), measured_peak=measured,
         measured_peaks=tuple(peaks), peak_source="torch.cuda.max_memory_allocated" if peaks else "CPU",
         planned_peak=mem.peak, planned_states_peak=mem.states_peak, planned_activations=mem.activations,
@@ -204,7 +211,7 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
         states_peak_measured=run.states, states_peak_planned=mem.states_peak - mem.optimizer, units=times,
         host_s_per_unit=statistics.median(run.host_s[measured_from]) / max(len(unit_list), 1),
         optimizer_s=statistics.median(run.opt_s[measured_from]), notes=tuple(notes), library_workspace=run.workspace,
-        host_peak=run.host_peak, host_baseline=host_base if host_measured else None, captured=capture,
+        host_peak=run.host_peak, host_baseline=host_base, captured=capture,
         network=run.timing)
 
 
