@@ -166,7 +166,7 @@ class Network:
             new = Link.uniform("inter", alpha_us=alpha_us, busbw=busbw)
         else:
             new = self.link(which).with_cost(busbw=busbw, alpha_us=alpha_us, kinds=kinds)
-        return dataclasses.replace(self, **{which: new})
+        return dataclasses.replace(self, **{which: new}, source=_changed(self.source, [which]))
 
     def scaled(self, bandwidth: float = 1.0) -> "Network":
         """Every link's bandwidth times ``bandwidth`` (a what-if)."""
@@ -174,7 +174,8 @@ class Network:
             if link is None:
                 return None
             return dataclasses.replace(link, **{k: Cost(link.cost(k).alpha_us, link.cost(k).busbw * bandwidth) for k in KINDS})
-        return dataclasses.replace(self, intra=scale(self.intra), inter=scale(self.inter))
+        return dataclasses.replace(self, intra=scale(self.intra), inter=scale(self.inter),
+                                   source=_changed(self.source, [f"bandwidths x{bandwidth}"]) if bandwidth != 1.0 else self.source)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "gpus_per_node": self.gpus_per_node, "nics_per_node": self.nics_per_node,
@@ -190,7 +191,11 @@ class Network:
         """A network from its dict; ``{"base": "h100-8x-ib400", ...}`` starts from a preset and overrides it."""
         d = dict(d)
         if "base" in d:
-            base = network(d.pop("base")).to_dict()
+            name = d.pop("base")
+            base = network(name).to_dict()
+            changed = sorted(k for k in d if k not in ("name", "source"))
+            if changed and "source" not in d:  # the base's sources do not vouch for the changed figures
+                d["source"] = _changed(base["source"], changed)
             for k in ("intra", "inter"):  # links merge: override one kind or one field
                 if k in d and isinstance(d[k], Mapping) and base.get(k):
                     d[k] = _merge_link(base[k], d[k])
@@ -207,6 +212,11 @@ class Network:
         d["inter"] = None if d.get("inter") is None else Link.from_dict(d["inter"], "inter")
         d.setdefault("name", "custom")
         return cls(**d)
+
+
+def _changed(source: str, what) -> str:
+    """A network's ``source`` once ``what`` was changed by hand: the cited figures no longer vouch for those."""
+    return f"{source} [changed by hand, not from these sources: {', '.join(what)}]"
 
 
 def _merge_link(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Callable
 from ..errors import RehearsalError
 from ..planner.facade import Plan
 
-OWN = ("batch", "steps", "checkpoint", "out", "capture", "network", "step_trace")
+OWN = ("batch", "steps", "checkpoint", "out", "capture", "network", "step_trace", "compile")
 
 
 def add_parser(sub, plan_parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -44,6 +44,7 @@ def add_parser(sub, plan_parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         "adds exposed communication, overlap, tokens/s and MFU, all EMULATED (docs/emulated.md)")
     r.add_argument("--step-trace", default=None, metavar="FILE.json",
                    help="with --network: write one step as a Chrome trace (compute and each collective's stream)")
+    r.add_argument("--compile", action="store_true", help="compile each unit's forward (shardplan.compile_units)")
     r.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
     r.add_argument("--out", default=None, metavar="FILE.json",
                    help="also write the results as JSON to FILE (`shardplan forecast --compute FILE` reads it)")
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace, plan_text: Callable[[argparse.Namespace], str]
     plan = Plan.from_json(plan_text(plan_args))
     r = rehearse(lambda: build_model(args.target, args.param_dtype), plan, rank=args.rank, batch=batch,
                  steps=args.steps, checkpoint=args.checkpoint, capture=args.capture, network=args.network,
-                 trace=args.step_trace)
+                 trace=args.step_trace, compile=args.compile)
     if args.out:
         try:
             with open(args.out, "w") as f:

@@ -38,8 +38,8 @@ class NetworkTiming:
     compute waited on communication (derived); ``exposed_by_kind``: per op kind, the median step with only that
     kind timed minus the baseline (derived; empty for a captured step); ``modelled_s``, ``ops``, ``bytes``: per
     step and op kind, from the ledger (the model's times, summed as if serial); ``waited_s``: host time blocked
-    in ``Work.wait()`` per step and kind (measured on a CPU's comm threads, thread hand-offs included; 0 on
-    CUDA); ``overlap``: ``1 - exposed / modelled``. ``flops_per_step`` and ``mfu``: this rank's training FLOPs
+    in ``Work.wait()`` per step and kind until the op's modelled end (measured on a CPU's comm threads, their
+    own wake-up delays left out; 0 on CUDA); ``overlap``: ``1 - exposed / modelled``. ``flops_per_step`` and ``mfu``: this rank's training FLOPs
     (6 x Linear weights per token plus attention, ``sp.metrics.flops_per_token``) over the step and the
     device's bf16 peak (``None`` on a CPU or an unknown device).
 

@@ -24,7 +24,7 @@ from .host import _host_rss, _reset_host_peak, fix_host_allocator
 from .init import RehearsalInit, _fill_meta_buffers
 from .result import Rehearsal, UnitTime
 from .timing import Clock, UnitTimer, unit_times
-from ..runtime.api import engine_of, memory_stats, reset_peak, shard
+from ..runtime.api import compile_units, engine_of, memory_stats, reset_peak, shard
 from ..runtime.offload_optim import offload_optimizer
 from ..units import trace_args
 from ..metatrace import training_call
@@ -123,7 +123,8 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
              optimizer_fn: Optional[Callable[..., torch.optim.Optimizer]] = None,
              inputs_fn: Optional[Callable[[nn.Module, torch.Tensor], object]] = None,
              device_memory: Optional[int] = None, capture: bool = False,
-             network: Union[str, dict, Network, None] = None, trace: Optional[str] = None) -> Rehearsal:
+             network: Union[str, dict, Network, None] = None, trace: Optional[str] = None,
+             compile: bool = False) -> Rehearsal:
     """Run ``steps`` training steps of ``rank`` of ``plan`` on this process's device (a GPU if there is one)
     and measure them; every collective is a local stand-in of the right shape and dtype (torch's fake
     process group), so one GPU (or a CPU) plays one rank of an N-rank job.
@@ -149,7 +150,8 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
     ``network`` (a preset name, a dict, a JSON file, a ``Network``) times every collective by that network
     model on the emulated backend (docs/emulated.md) and adds :class:`NetworkTiming` (``r.network``): exposed
     communication, overlap, tokens/s and MFU, all EMULATED (:mod:`shardplan.rehearsal.timed` says how they are
-    measured); ``trace`` writes one such step as a Chrome trace. Must run in a process without a process group.
+    measured); ``trace`` writes one such step as a Chrome trace. ``compile=True`` compiles each unit's forward
+    (:func:`shardplan.compile_units`, torchtitan's per-block compile). Must run in a process without a process group.
     """
     b, t = _check_batch(batch, steps)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -157,7 +159,6 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
     if capture:
         CAP.check(plan)
     net = TIMED.check(plan, network, trace)
-    mem = plan.memory(rank, recompute=checkpoint)
     notes = [START_UP_NOTE]
     if plan.activations is None:
         notes.append("the plan was not traced: its peak counts model states only (plan with trace=example inputs, "
@@ -173,12 +174,23 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
     host_measured = host_base is not None and _reset_host_peak()
     with fake_world(rank, plan.mesh.size, net):
         model, opt = _start_up(model_fn, plan, (b, t), device, init_fn, optimizer_fn, notes, capture)
+        if compile:
+            compile_units(model)
+            notes.append("each unit's forward compiled (shardplan.compile_units); the first steps include compiling")
         run = _Steps(model, plan, rank, (b, t), device, checkpoint, inputs_fn)
         if net is not None:
             run.net = TIMED.Under(net, model_fn, (b, t), plan, trace)
         note = run.measure(opt, steps, host_base if host_measured else None, capture)
         if note:
             notes.append(note)
+    return _result(run, plan, rank, device, (b, t), checkpoint, capture, notes, host_base if host_measured else None)
+
+
+def _result(run: "_Steps", plan: Plan, rank: int, device: torch.device, batch: tuple[int, int], checkpoint: bool,
+            capture: bool, notes: list, host_base: Optional[int]) -> Rehearsal:
+    """The :class:`Rehearsal` of the measured steps ``run``."""
+    mem = plan.memory(rank, recompute=checkpoint)
+    steps = len(run.step_s)
     # step 0 creates the optimizer state (a captured rehearsal shows replays only)
     measured_from = slice(1, None) if steps > 1 and not capture else slice(0, None)
     measured = max(run.peaks[measured_from]) if run.peaks else None
@@ -191,7 +203,7 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
                      "are compared with the plan instead")
     peaks = run.peaks
     return Rehearsal(
-        rank=rank, world=plan.mesh.size, mesh=repr(plan.mesh), device=_device_name(device), batch=(b, t),
+        rank=rank, world=plan.mesh.size, mesh=repr(plan.mesh), device=_device_name(device), batch=batch,
         checkpoint=checkpoint, plan_fingerprint=plan.fingerprint(), step_s=tuple(run.step_s), measured_peak=measured,
         measured_peaks=tuple(peaks), peak_source="torch.cuda.max_memory_allocated" if peaks else "CPU",
         planned_peak=mem.peak, planned_states_peak=mem.states_peak, planned_activations=mem.activations,
@@ -199,7 +211,7 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
         states_peak_measured=run.states, states_peak_planned=mem.states_peak - mem.optimizer, units=times,
         host_s_per_unit=statistics.median(run.host_s[measured_from]) / max(len(unit_list), 1),
         optimizer_s=statistics.median(run.opt_s[measured_from]), notes=tuple(notes), library_workspace=run.workspace,
-        host_peak=run.host_peak, host_baseline=host_base if host_measured else None, captured=capture,
+        host_peak=run.host_peak, host_baseline=host_base, captured=capture,
         network=run.timing)
 
 

@@ -100,6 +100,16 @@ def _nothing() -> None:
     return None
 
 
+def _reads(ts: Sequence[torch.Tensor], times: int = 1) -> Callable[[], None]:
+    """A kernel per tensor that reads it whole ``times`` times (a sum into one scalar, values untouched): on CUDA,
+    the HBM reads of a reduction that a fake fill does not make ([Note: HBM traffic])."""
+    def read() -> None:
+        for t in ts:
+            for _ in range(times):
+                t.sum(dtype=torch.float32)
+    return read
+
+
 class EmulatedProcessGroup(dist.ProcessGroup):
     """One emulated process group: ``rank`` of ``size`` ranks whose global ranks are ``global_ranks``, timed
     by ``net``. Made by ``dist.init_process_group`` / ``dist.new_group`` with backend ``shardplan-emulated``."""
@@ -134,9 +144,17 @@ class EmulatedProcessGroup(dist.ProcessGroup):
 
     # -- the one path every op takes -------------------------------------------------------------------------
     def _issue(self, kind: str, payload: int, tensors: Sequence[torch.Tensor], fill: Callable[[], None],
-               moved: int = 0, seconds: Optional[float] = None, result: Sequence[torch.Tensor] = ()) -> EmulatedWork:
+               moved: int = 0, seconds: Optional[float] = None, result: Sequence[torch.Tensor] = (),
+               reads: Sequence[torch.Tensor] = (), times: int = 1) -> EmulatedWork:
         if seconds is None:  # callers that give the seconds have scaled them
             seconds = op_seconds(self.net, kind, payload, self.where) * BOOK.scale(kind)
+        # [Note: HBM traffic] NCCL's ring moves about its payload through HBM on each rank; the fake fill
+        # writes the outputs only, which is most of that for an all-gather (the gathered output) but little
+        # of a reduction's: a reduce-scatter reads its whole input (and writes 1/n of it), an all-reduce
+        # reads and writes its tensor about twice. On CUDA the reductions' reads are added as kernels (a
+        # sum per input), so compute beside them sees their traffic; their time counts inside the op's
+        if reads and tensors and tensors[0].is_cuda:
+            fill, moved = (lambda f=fill, r=_reads(reads, times): (f(), r())), moved + times * _nbytes(reads)
         if self._coalesced is not None:  # inside _start_coalescing: one op at _end_coalescing
             self._coalesced.append((kind, payload, tensors, fill, moved))
             return EmulatedWork(None, result=result)
@@ -168,7 +186,7 @@ class EmulatedProcessGroup(dist.ProcessGroup):
         pairs, r = list(zip(outs, ins)), self.rank()
         return self._issue("reduce_scatter", _nbytes(ins), [*outs, *ins],
                            lambda: [_fill_scatter(o, i, r) for o, i in pairs], moved=2 * _nbytes(outs),
-                           result=list(outs))
+                           result=list(outs), reads=list(ins))
 
     # -- all-gather --------------------------------------------------------------------------------------------
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -196,7 +214,7 @@ class EmulatedProcessGroup(dist.ProcessGroup):
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         out, ins, r = output_tensors[0], list(input_tensors[0]), self.rank()
         return self._issue("reduce_scatter", _nbytes(ins), [out, *ins], lambda: out.copy_(ins[r]),
-                           moved=2 * _nbytes([out]), result=[out])
+                           moved=2 * _nbytes([out]), result=[out], reads=ins)
 
     def reduce_scatter_single(self, output, input, opts=None):
         return self._scatter([output], [input])
@@ -210,7 +228,8 @@ class EmulatedProcessGroup(dist.ProcessGroup):
 
     # -- all-reduce, broadcast, all-to-all, barrier, send/recv -------------------------------------------------
     def allreduce(self, tensors, opts=None):
-        return self._issue("all_reduce", _nbytes(tensors), list(tensors), _nothing, result=list(tensors))
+        return self._issue("all_reduce", _nbytes(tensors), list(tensors), _nothing, result=list(tensors),
+                           reads=list(tensors), times=2)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)

@@ -61,9 +61,10 @@ def op_seconds(net: Network, kind: str, payload: int, where: Placement) -> float
 @dataclass(frozen=True)
 class LedgerEntry:
     """One op kind's total since the last reset: ops ``count``, payload ``bytes`` (as :func:`op_seconds`
-    counts them), ``modelled_s`` (the network model's time, summed), and ``waited_s``: the host time callers
-    spent blocked in ``Work.wait()`` on a CPU comm thread (measured; ``0.0`` where every op ran on CUDA
-    streams, whose waits are stream waits the host does not see)."""
+    counts them), ``modelled_s`` (the time each op was given, summed), and ``waited_s``: the host time callers
+    spent blocked in ``Work.wait()`` on a CPU comm thread until the op's modelled end (measured; the threads'
+    own wake-up delays left out; ``0.0`` where every op ran on CUDA streams, whose waits are stream waits the
+    host does not see)."""
 
     count: int = 0
     bytes: int = 0
@@ -209,6 +210,7 @@ class Job:
     fill: Callable[[], None]
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     error: Optional[BaseException] = None
+    issued_s: float = dataclasses.field(default_factory=time.perf_counter)
     end_s: float = 0.0
 
 
@@ -219,6 +221,7 @@ class CommThread:
 
     def __init__(self, name: str):
         self.name = name
+        self.clock = 0.0  # the modelled end of the last op: the stream's own time
         self.queue: "queue.Queue[Optional[Job]]" = queue.Queue()
         self.thread = threading.Thread(target=self._run, name=f"shardplan-emulated-{name}", daemon=True)
         self.thread.start()
@@ -232,18 +235,20 @@ class CommThread:
             job = self.queue.get()
             if job is None:
                 return
-            start = time.perf_counter()
+            # [Note: the stream's clock] an op starts when it was issued or when the previous op of this group
+            # ended (FIFO, as a stream), and ends its modelled time later: writing the outputs counts inside it
+            # (only an op whose copy alone takes longer than the network would runs late). Both are the model's
+            # times, not when this thread happened to wake up, so a loaded host's scheduling delays neither
+            # shift the later ops nor count as time compute waited on the network (wait_job)
+            start = max(job.issued_s, self.clock)
             try:
                 job.fill()
             except BaseException as exc:  # handed to the waiter, which names the op
                 job.error = exc
-            # [Note: the deadline is the modelled time from the op's start, which is when the previous op of
-            # this group ended (FIFO, as a stream): writing the outputs counts inside it, and only an op whose
-            # copy alone takes longer than the network would runs late]
-            left = start + job.seconds - time.perf_counter()
+            job.end_s = self.clock = max(start + job.seconds, time.perf_counter())
+            left = job.end_s - time.perf_counter()
             if left > 0:
                 time.sleep(left)
-            job.end_s = time.perf_counter()
             BOOK.span(Span(job.kind, self.name, job.nbytes, start, job.end_s))
             job.done.set()
 
@@ -253,10 +258,11 @@ class CommThread:
 
 
 def wait_job(job: Job, timeout_s: Optional[float] = None) -> None:
-    """Block until ``job`` has ended; the time blocked goes to the ledger as ``waited_s`` of its kind."""
+    """Block until ``job`` has ended; the time from the call to the op's modelled end goes to the ledger as
+    ``waited_s`` of its kind (the threads' own wake-up delays left out: [Note: the stream's clock])."""
     t0 = time.perf_counter()
     finished = job.done.wait(timeout_s)
-    BOOK.waited(job.kind, time.perf_counter() - t0)
+    BOOK.waited(job.kind, max(0.0, min(job.end_s, time.perf_counter()) - t0) if finished else time.perf_counter() - t0)
     if not finished:
         raise CollectiveError(f"emulated {job.kind} of {job.nbytes} bytes did not end within {timeout_s} s "
                               f"(modelled {job.seconds:.6f} s); its comm thread is stuck or the timeout is shorter "
