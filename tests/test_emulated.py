@@ -247,6 +247,13 @@ def test_rehearse_under_a_network_refuses_with_the_fix():
         sp.rehearse(model_fn, plan, batch=(2, 16), trace="step.json")
     with pytest.raises(RehearsalError, match="unknown network 'h100-nope'.*h100-8x-ib400"):
         sp.rehearse(model_fn, plan, batch=(2, 16), network="h100-nope")
+    from shardplan.models import gpt_rules_tp
+    with torch.device("meta"):
+        twin = model_fn()
+    tp_plan = sp.plan(twin, gpt_rules_tp.tp_rules(), sp.Mesh(dp=2, tp=2), compute_axes=("tp",),
+                      units=[r"layers\.\d+"])
+    with pytest.raises(RehearsalError, match="cannot time a tensor-parallel plan"):
+        sp.rehearse(model_fn, tp_plan, batch=(2, 16), network="h100-8x-ib400")
 
 
 @pytest.mark.slow

@@ -36,7 +36,8 @@ def check(plan, network, trace: Optional[str]) -> Optional[Network]:
             raise RehearsalError("rehearse(trace=...) writes a step under an emulated network; give network= too "
                                  "(e.g. network='h100-8x-ib400'), or trace a plan's schedule with plan.to_chrome_trace")
         return None
-    if getattr(plan, "tp_modules", None):
+    tp = plan.axis("tp")
+    if tp is not None and tp.modules:
         raise RehearsalError("rehearse(network=...) cannot time a tensor-parallel plan: DTensor's collectives "
                              "(torch's functional collectives) do not reach the emulated backend; rehearse it "
                              "without network=, or time its data axes with a plan without tp")
