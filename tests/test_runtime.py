@@ -27,7 +27,7 @@ def _stepping(case, step):
 
 def _reference(data, case):
     clip = case.get("clip")
-    model = Toy(ckpt=case.get("ckpt", False))
+    model = Toy(ckpt=case.get("ckpt", False), **case.get("toy", {}))
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     norms = []
     for step, (x, y) in enumerate(data):
@@ -42,14 +42,14 @@ def _reference(data, case):
 
 
 def _train_sharded(rank, world, case, data):
-    model = Toy(ckpt=case.get("ckpt", False))
+    model = Toy(ckpt=case.get("ckpt", False), **case.get("toy", {}))
     if rank == 1:
         model.scale.fill_(7.0)  # buffers are broadcast from rank 0 at shard()
     mesh = sp.Mesh(**case.get("mesh", {"dp": world}))
     axis = case.get("axis", "dp")
     plan = sp.plan(model, toy_rules(axis, odd=case.get("odd", True)), mesh, strategy=case["strategy"],
                    units=case.get("units", UNITS), prefetch=case.get("prefetch", 1),
-                   min_unit_bytes=case.get("min_unit_bytes", 0))
+                   min_unit_bytes=case.get("min_unit_bytes", 0), layout=case.get("layout", "auto"))
     if case.get("min_unit_bytes"):
         assert any(u.modules for u in plan.units), "the case should merge units"
     if case.get("edit"):
@@ -153,6 +153,9 @@ CASES_2 = [dict(strategy=s) for s in STRATEGIES] + [dict(strategy="optim_grads_p
     dict(strategy="no_shard", keep_grads=True),
     dict(strategy="optim", keep_grads=True, clip=0.05),
     dict(strategy="optim_grads_params", keep_grads=True),
+    # chunked pieces of every parameter, copied out after each gather: whole equal row blocks (one strided copy
+    # per parameter) beside the uneven ones (a copy per rank)
+    dict(strategy="optim_grads_params", layout="chunked", toy=dict(vocab=40, d=16, h=30)),
 ]
 
 

@@ -158,6 +158,25 @@ class BufferState(Float8Scales, NonFiniteChecks):
                 out.append((seg, pc.storage_box, math.prod(s.stop - s.start for s in pc.storage_box)))
         return tuple(out)
 
+    # [Note: one copy per parameter when its pieces are equal row blocks] An interleaved buffer's gathered
+    # storage is ``[group, S]``: segment k holds rank k's piece of every parameter at the parameter's offset.
+    # Where every rank holds an equal block of whole rows, in rank order (dim 0 divisible by the group: the
+    # common case), the full parameter viewed as ``[group, rows/group * rest]`` *is* the column block
+    # ``[:, offset:offset + n]`` of the gathered storage, so the copy-out (and the gradient's copy-in) is one
+    # strided copy, not one per rank: at 64 ranks a 1B GPT's step spent 3/4 of its time launching them.
+    @staticmethod
+    def _even(copy_plan: tuple, shape: tuple, group: int) -> int:
+        """``n`` when segment k of ``copy_plan`` holds rows ``[k*r, (k+1)*r)`` of a ``shape`` parameter (whole
+        rows, every k in order), else 0."""
+        if len(copy_plan) != group or not shape or shape[0] % group:
+            return 0
+        r = shape[0] // group
+        for k, (seg, box, n) in enumerate(copy_plan):
+            if seg != k or box[0].start != k * r or box[0].stop != (k + 1) * r or \
+                    any(b.start != 0 or b.stop != d for b, d in zip(box[1:], shape[1:])):
+                return 0
+        return copy_plan[0][2]
+
     # -- construction ---------------------------------------------------------------------------
     def fill_local(self, originals: list[Optional[torch.Tensor]]) -> None:
         """Copy this rank's pieces of the full parameters into the shard."""
@@ -236,6 +255,10 @@ class BufferState(Float8Scales, NonFiniteChecks):
             for m in self.members:
                 p, off = m.info, m.piece.full_offset
                 target = self.full[off:off + p.numel].view(p.shape)
+                n = self._even(m.copy_plan, tuple(p.shape), self.bp.group_size) if self.sharded else 0
+                if n:
+                    target.view(self.bp.group_size, n).copy_(packed[:, p.offset:p.offset + n])
+                    continue
                 for seg, box, n in m.copy_plan:
                     target[box].copy_(packed[seg, p.offset:p.offset + n].view([s.stop - s.start for s in box]))
         free_storage(self.packed)
@@ -369,6 +392,10 @@ class BufferState(Float8Scales, NonFiniteChecks):
             g = torch.zeros(self.G, dtype=self.cdtype, device=self.device)
             view = g.view(self.bp.group_size, self.S)
             for m in self.members:
+                n = self._even(m.copy_plan, tuple(m.info.shape), self.bp.group_size)
+                if n:
+                    view[:, m.info.offset:m.info.offset + n].copy_(m.view.reshape(self.bp.group_size, n))
+                    continue
                 for seg, box, n in m.copy_plan:
                     view[seg, m.info.offset:m.info.offset + n].copy_(m.view[box].reshape(-1))
         if self.bp.reduce_quant:  # every segment quantized on its own: the all-to-all sends segment k to rank k
