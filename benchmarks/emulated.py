@@ -248,7 +248,7 @@ def run_eager(name: str, args, dev, world: int, net) -> dict:
     and as many with every collective free (``timed_kinds(())``), interleaved; the ledger of the timed ones."""
     from shardplan.runtime.emulated import emulated_network, ledger, reset_ledger, timed_kinds
     setup = setup_fsdp2 if name.startswith("fsdp2") else setup_shardplan
-    with emulated_network(net, rank=0, world_size=world):
+    with emulated_network(net, rank=0, world_size=world, comm_ctas=args.comm_ctas):
         model, opt = setup(name, args, dev, world)
         step = step_fn(model, opt, args, dev)
         for _ in range(args.warmup):
@@ -278,6 +278,8 @@ def run_captured(name: str, args, dev, world: int, net) -> dict:
         m = build()
         apply_ac(m, args.ac)
         return m
+    from shardplan.runtime.emulated import configure
+    configure(None, comm_ctas=args.comm_ctas)  # (the rehearsal configures the network, keeping this)
     r = sp.rehearse(fn, shardplan_plan(args, world), rank=0, batch=(args.batch, args.seq), steps=args.steps,
                     network=net, capture=True)
     _free(dev)
@@ -335,6 +337,7 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--ac", choices=("none", "selective", "full"), default="none")
     ap.add_argument("--prefetch", type=int, default=1)
+    ap.add_argument("--comm-ctas", type=int, default=1, help="SMs each emulated collective holds (NCCL's channels)")
     ap.add_argument("--layout", default="auto")
     ap.add_argument("--min-unit-bytes", type=int, default=None)
     ap.add_argument("--steps", type=int, default=4)

@@ -36,20 +36,27 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # a store wit
 from ..errors import RuntimeShardingError
 from ..forecast.network import Network, check_fits, network as _network
 from ..mesh import Mesh
+from .emulated_cuda import SPIN as _SPIN
 from .emulated_group import BACKEND, EmulatedProcessGroup, EmulatedWork, drain
 from .emulated_time import BOOK, Ledger, group_placement, ledger, reset_ledger, timed_kinds
 
 _ACTIVE: dict = {}
 
 
-def configure(net: Union[str, dict, Network, None]) -> Optional[Network]:
+def configure(net: Union[str, dict, Network, None], *, comm_ctas: Optional[int] = None) -> Optional[Network]:
     """The network the next ``shardplan-emulated`` process groups of this process are timed by (``None``:
-    none; creating one then fails). :func:`emulated_network` does this for you.
+    none; creating one then fails). :func:`emulated_network` does this for you. ``comm_ctas``: on a GPU, the
+    SMs each collective holds while it runs (NCCL runs a collective on one thread block per channel, 16 to
+    32 on an 8-GPU NVLink node; 1, the default, takes next to none from compute; ``None`` keeps the last one).
 
     >>> configure("h100-8x-ib400").name
     'h100-8x-ib400'
     >>> configure(None)
     """
+    if comm_ctas is not None:
+        if not isinstance(comm_ctas, int) or comm_ctas < 1:
+            raise RuntimeShardingError(f"comm_ctas={comm_ctas!r}: give the number of SMs a collective holds, 1 or more")
+        _SPIN["ctas"] = comm_ctas
     if net is None:
         _ACTIVE.clear()
         BOOK.network = ""
@@ -105,7 +112,7 @@ class EmulatedNetwork:
 
 @contextlib.contextmanager
 def emulated_network(network: Union[str, dict, Network], *, rank: int = 0, world_size: int,
-                     timeout_s: float = 600.0) -> Iterator[EmulatedNetwork]:
+                     timeout_s: float = 600.0, comm_ctas: Optional[int] = None) -> Iterator[EmulatedNetwork]:
     """This process as ``rank`` of ``world_size`` ranks on an emulated ``network`` (a preset name, a dict, a
     ``benchmarks/collectives.py`` JSON file or a :class:`~shardplan.forecast.network.Network`): the default
     process group is ``shardplan-emulated``'s, made on entry and destroyed on exit; the ledger is emptied on entry.
@@ -122,7 +129,7 @@ def emulated_network(network: Union[str, dict, Network], *, rank: int = 0, world
     if dist.is_initialized():
         raise RuntimeShardingError("emulated_network makes the default process group, but one is already initialised "
                                    "in this process; use it in a process without torch.distributed.init_process_group")
-    configure(net)
+    configure(net, comm_ctas=comm_ctas)
     reset_ledger()
     dist.init_process_group(BACKEND, store=FakeStore(), rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from ..errors import CollectiveError
+from .emulated_spin import warm
 
 _CALIBRATED: dict = {}
 
@@ -63,19 +64,36 @@ def calibration(device: torch.device) -> Calibration:
     return _CALIBRATED[key]
 
 
+SPIN = {"ctas": 1}  # the SMs an emulated collective holds while it runs (NCCL's channels): ``configure(comm_ctas=)``
+
+
 class CudaLink:
-    """One process group's comm stream on one device."""
+    """One process group's comm stream on one device: its ops spin on the GPU's global timer
+    (:mod:`.emulated_spin`, wall-clock exact under any SM clock) where Triton is available, else on
+    ``torch.cuda._sleep`` (clock cycles, calibrated idle: long under load)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device)
+        self.spin = None
+        if not torch.cuda.is_current_stream_capturing():
+            with torch.cuda.stream(self.stream):
+                self.spin = warm(device, SPIN["ctas"])
 
     def run(self, fill: Callable[[], None], moved_bytes: int, seconds: float) -> torch.cuda.Event:
         """Queue one op on the comm stream after everything queued so far on the caller's current stream (as
         NCCL's work waits on it): ``fill`` (its copies move ``moved_bytes``, read plus written), then a spin
         for the rest of ``seconds``; the event recorded after it is what :meth:`wait` orders the caller on."""
-        cal = calibration(self.device)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self.spin is not None:
+            with torch.cuda.stream(self.stream):
+                self.spin.stamp()
+                fill()
+                self.spin.until(seconds)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+            return done
+        cal = calibration(self.device)
         with torch.cuda.stream(self.stream):
             fill()
             # [Note: the copy's own time is estimated from the calibrated bandwidth, not measured (a measure
