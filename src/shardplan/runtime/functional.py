@@ -29,7 +29,7 @@ from ..planner import Plan
 from ..planner import geometry as G
 from ..rules import leaves_with_paths
 from ..tree import check_tree, place, rebuild
-from . import capture as CAP
+from .capture import session as CAP
 from . import collectives as C
 from .buffers import free_storage
 from .builder import build, functional_runtimes, groups_for

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from .. import capture as CAP
+from ..capture import session as CAP
 from ..buffers import alloc_storage, free_storage
 from .host import HostBuffer, stamp
 
