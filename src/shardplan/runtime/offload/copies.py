@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from ..capture import session as CAP
-from ..buffers import alloc_storage, free_storage
+from ..storage import alloc_storage, free_storage
 from .host import HostBuffer, stamp
 
 
