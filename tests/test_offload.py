@@ -310,6 +310,7 @@ def _ckpt_worker(rank, world, root, jobs):
     return out
 
 
+@pytest.mark.slow  # checkpoints: test_checkpoint*.py; offload: the fast cases
 @pytest.mark.timeout(300)
 def test_checkpoints_load_across_offload_settings_and_world_sizes(tmp_path):
     root = str(tmp_path)
