@@ -182,7 +182,7 @@ def _doc_cli_blocks() -> list[tuple[str, list[str]]]:
     return [(where, lines) for where, lines in found if lines]
 
 
-SLOW_LINES = (("llama_70b",), ("llama3_70b",), ("mixtral_8x7b", "--trace-tokens"))  # a 70B plan, a traced 8x7B:
+SLOW_LINES = (("llama_70b",), ("llama3_70b",), ("mixtral_8x7b", "--trace"))  # a 70B plan, an 8x7B traced:
 # seconds each (a line is slow when it holds every word of one entry)
 
 

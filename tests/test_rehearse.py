@@ -181,6 +181,7 @@ def test_tensor_parallel_profile_has_local_shapes():
               if q.event == "post_forward(layers.0)"]
     assert block and block1 and -block[0] < -block1[0]
 
+@pytest.mark.slow  # an 8B rehearsal; measured == planned: test_rehearse_one_rank
 
 def test_planned_peak_matches_h200_measurement():
     """The plan's peak against rank 0 of Llama-3 8B shapes at dp=8 measured on one H200
@@ -571,7 +572,8 @@ def _tp_reference() -> list[float]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("where", ["same process", pytest.param("forked", marks=pytest.mark.slow)])
+@pytest.mark.slow  # rehearsals with TP: test_rehearse_one_rank; real TP runs: test_tensor_parallel.py
+@pytest.mark.parametrize("where", ["same process", "forked"])
 def test_real_tensor_parallel_run_after_a_rehearsal(where):
     """DTensor caches sharding propagation process-wide, keyed by meshes that compare equal by shape and names:
     a rehearsal's (fake, destroyed) meshes must never come back to a later real run of the same mesh shape whose
