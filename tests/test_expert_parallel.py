@@ -95,8 +95,8 @@ def test_errors_name_the_fix():
     plan = sp.plan(m, [(r".*", sp.P("ep"))], sp.Mesh(ep=2))
     assert plan.param("layers.0.attention.wq.weight").compute is None
 
-@pytest.mark.slow  # a Mixtral-size plan; HF EP: test_hf_auto_rules_train_at_dp2_ep2_like_one_process
 
+@pytest.mark.slow  # a Mixtral-size plan; HF EP: test_hf_auto_rules_train_at_dp2_ep2_like_one_process
 def test_hf_mixtral_plans_with_experts_over_ep(capsys):
     pytest.importorskip("transformers")
     from shardplan.cli import main

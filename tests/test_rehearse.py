@@ -181,8 +181,8 @@ def test_tensor_parallel_profile_has_local_shapes():
               if q.event == "post_forward(layers.0)"]
     assert block and block1 and -block[0] < -block1[0]
 
-@pytest.mark.slow  # an 8B rehearsal; measured == planned: test_rehearse_one_rank
 
+@pytest.mark.slow  # an 8B rehearsal; measured == planned: test_rehearse_one_rank
 def test_planned_peak_matches_h200_measurement():
     """The plan's peak against rank 0 of Llama-3 8B shapes at dp=8 measured on one H200
     (benchmarks/results/rehearse_check_h200.json, before the forming-gradient fix: 0.959 and 0.914)."""
