@@ -90,3 +90,64 @@ def run(fn, world: int, *args, timeout: float = 240.0, expect_errors: bool = Fal
     if errors:
         raise AssertionError("\n".join(errors))
     return [v for _, v in ordered]
+
+
+class CliResult:
+    """What a forked ``shardplan`` command line returned: ``returncode``, ``stdout``, ``stderr`` (as
+    ``subprocess.run(..., capture_output=True, text=True)`` would)."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def _cli_worker(_rank, _world, args, cwd):
+    import contextlib
+    import sys
+
+    from shardplan.cli import main
+    if cwd is not None:
+        os.chdir(cwd)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's errors and --help
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+        sys.stdout.flush()
+    return code, out.getvalue(), err.getvalue()
+
+
+def cli(*args: str, cwd=None, timeout: float = 240.0) -> CliResult:
+    """``shardplan ARGS`` in a process forked from this one (torch and the package already imported: no
+    interpreter start-up, no imports again), as ``python -m shardplan ARGS`` would run it. A rehearsal's fake
+    process group and the like stay in the fork. For what must be seen from a fresh interpreter (what an
+    import loads), start one."""
+    code, out, err = run(_cli_worker, 1, tuple(args), None if cwd is None else str(cwd), init=False,
+                         timeout=timeout)[0]
+    return CliResult(code, out, err)
+
+
+def _script_worker(_rank, _world, path, args, cwd):
+    import contextlib
+    import runpy
+    import sys
+
+    if cwd is not None:
+        os.chdir(cwd)
+    sys.argv = [path, *args]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(path, run_name="__main__")
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return code, out.getvalue(), err.getvalue()
+
+
+def script(path: str, *args: str, cwd=None, timeout: float = 240.0) -> CliResult:
+    """``python PATH ARGS`` (a benchmark or example script run as ``__main__``) in a process forked from this one,
+    as :func:`cli` runs a command line."""
+    code, out, err = run(_script_worker, 1, str(path), tuple(args), None if cwd is None else str(cwd), init=False,
+                         timeout=timeout)[0]
+    return CliResult(code, out, err)

@@ -704,10 +704,10 @@ def test_a_replay_refuses_a_tuple_or_flag_hyper_parameter_changed_since_the_capt
 def test_capture_failure_message_names_the_right_cause():
     """A capture-rule violation (torch's "operation not permitted when stream is capturing") gets the host-read
     hint; another error of the step under capture (an attention backend unavailable in a graph) does not."""
-    from shardplan.runtime.capture import _capture_failed
-    rule = _capture_failed(RuntimeError("CUDA error: operation not permitted when stream is capturing"))
+    from shardplan.runtime.capture.graph import capture_failed
+    rule = capture_failed(RuntimeError("CUDA error: operation not permitted when stream is capturing"))
     assert ".item()" in rule and "capturable=True" in rule
-    other = _capture_failed(RuntimeError("No available kernel. Aborting execution."))
+    other = capture_failed(RuntimeError("No available kernel. Aborting execution."))
     assert "No available kernel" in other and ".item()" not in other and "ran eagerly in the warm-up" in other
 
 
@@ -886,7 +886,7 @@ def _capture_gathers(f) -> int:
 
 
 def _functional_eval_worker(rank, world, donate):
-    from shardplan.runtime import capture as CAP
+    from shardplan.runtime.capture import session as CAP
     from shardplan.runtime.functional import runtime_of
     data = batches(6, seed=rank + 1)
     out = {}
@@ -941,7 +941,7 @@ def test_the_functional_face_evaluated_before_the_capture_captures_the_gathers(d
 
 
 def _late_model_worker(rank, world):
-    from shardplan.runtime import capture as CAP
+    from shardplan.runtime.capture import session as CAP
     from shardplan.runtime.functional import runtime_of
     data = batches(4, seed=rank + 1)
     made = []

@@ -1,5 +1,5 @@
 """CPU offload under ``sp.capture``: the captured step is a program of graph segments with the host optimizer
-step between them ([Note: a step in segments], runtime/capture.py; [Note: offload under capture],
+step between them ([Note: a step in segments], runtime/capture/graph.py; [Note: offload under capture],
 runtime/offload/). On the CPU the eager backend runs every call as the graph's program would (the host step as
 the replay's host call, the copies where the segments hold them): its steps must equal the eager offloaded
 steps bit for bit. The CUDA graphs themselves: benchmarks/capture_check.py --parity (offload cases)."""

@@ -87,6 +87,7 @@ def test_traced_plan_schedules_and_counts_the_kv_traffic():
     assert not any(o.in_module for o in untraced.schedule)
 
 
+@pytest.mark.slow  # a 70B trace; CP plans: the fast cases above
 def test_cli_plans_llama3_70b_with_cp_and_tp(capsys):
     from shardplan.cli import main
     root = os.path.join(os.path.dirname(__file__), "..")

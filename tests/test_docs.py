@@ -182,7 +182,8 @@ def _doc_cli_blocks() -> list[tuple[str, list[str]]]:
     return [(where, lines) for where, lines in found if lines]
 
 
-SLOW_LINES = ("llama_70b", "llama3_70b")  # a 70B plan: seconds each
+SLOW_LINES = (("llama_70b",), ("llama3_70b",), ("mixtral_8x7b", "--trace"))  # a 70B plan, an 8x7B traced:
+# seconds each (a line is slow when it holds every word of one entry)
 
 
 def _line_params():
@@ -190,7 +191,8 @@ def _line_params():
         for i, line in enumerate(lines):
             # a line reads what earlier lines of its block wrote (`> FILE`): those run first
             before = [l for l in lines[:i] if " > " in l]
-            marks = [pytest.mark.slow] if any(s in l for l in before + [line] for s in SLOW_LINES) else []
+            marks = [pytest.mark.slow] if any(all(w in l for w in s) for l in before + [line] for s in SLOW_LINES) \
+                else []
             yield pytest.param(before + [line], id=f"{where}: {line[10:70]}", marks=marks)
 
 

@@ -617,6 +617,7 @@ def _two_worker(rank, world, path):
     return {f"from_{src}": _both(lambda kind, r, w: _load(kind, r, w, path, src), rank, world) for src in ("torch", "sp")}
 
 
+@pytest.mark.slow  # parity with FSDP2: test_numbers_match_fsdp2_two_ranks
 @pytest.mark.timeout(300)
 def test_hsdp_and_checkpoints_across_world_sizes_match_fsdp2(tmp_path):
     four = run(_four_worker, 4, str(tmp_path), timeout=200)

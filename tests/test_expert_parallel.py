@@ -96,6 +96,7 @@ def test_errors_name_the_fix():
     assert plan.param("layers.0.attention.wq.weight").compute is None
 
 
+@pytest.mark.slow  # a Mixtral-size plan; HF EP: test_hf_auto_rules_train_at_dp2_ep2_like_one_process
 def test_hf_mixtral_plans_with_experts_over_ep(capsys):
     pytest.importorskip("transformers")
     from shardplan.cli import main

@@ -337,6 +337,7 @@ def test_cli_compute_takes_what_it_offers(tmp_path):
         assert code == 2 and msg in err and "a dict" not in err and err.count("\n") == 1, err
 
 
+@pytest.mark.slow  # the CLI in-process: test_cli_forecast_table_json_trace; the entry point: test_cli.py
 def test_cli_entry_point_runs():
     env = {**os.environ, "PYTHONPATH": str(EXAMPLES.parent / "src")}
     out = subprocess.run([sys.executable, "-m", "shardplan", "forecast", f"{EXAMPLES / 'gpt.py'}:tiny", "--mesh", "dp=2",

@@ -116,6 +116,7 @@ def test_per_module_rules_and_refusals():
         sp.plan(nn.Sequential(nn.Linear(10, 10)), RULES, sp.Mesh(dp=2), fp8="torchao")
 
 
+@pytest.mark.slow  # 1B and 8B traces; FP8 plans: the fast cases above
 def test_print_plan_says_where_fp8_pays_and_warns_where_it_does_not():
     small = sp.plan(_meta("1B"), RULES, sp.Mesh(dp=8), compute_dtype="bf16", fp8="torchao")
     text = str(small)

@@ -304,6 +304,7 @@ def _check_torchtitan(results):
         assert "pass the root model" in errors["inner_unit"], errors
 
 
+@pytest.mark.slow  # fully_shard's start-up: test_right_after_fully_shard_two_ranks
 @pytest.mark.timeout(240)
 def test_torchtitan_meta_start_two_ranks():
     _check_torchtitan(run(_worker_torchtitan, 2, None, timeout=220))

@@ -87,7 +87,7 @@ def test_capturable_attention_computes_what_sdpa_computes():
 
 def test_capture_problem_names_the_transformers_versions_and_the_fix(monkeypatch):
     """transformers 5.0-5.17 build a causal mask under a CUDA-graph capture only: capture refuses such a model
-    (runtime/capture.py asks hf.capture_problem at the capture), naming capturable_attention."""
+    (runtime/capture/session.py asks hf.capture_problem at the capture), naming capturable_attention."""
     from shardplan import hf
     model = _llama()
     monkeypatch.setattr(hf, "_transformers_version", lambda: "5.17.0")

@@ -40,7 +40,8 @@ def build(name: str, attn: str, dtype: torch.dtype):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", [n if n == "llama" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in CONFIGS])  # one in the quick loop (HF MoE traces: test_expert_parallel.py)
 def test_trace_hf_defaults(name):
     """Every model, sdpa and eager, fp32 and bf16 parameters, with and without bf16 compute: the plan traces,
     the profile holds both passes, and checkpointing every unit lowers the peak."""
@@ -87,6 +88,7 @@ def test_meta_value_reads_are_refused_by_name():
         sp.plan(m, [(r".*", sp.P("dp"))], sp.Mesh(dp=2), trace=torch.zeros(2, 4, device="meta"))
 
 
+@pytest.mark.slow  # 24 CLI plans; tracing each config: test_trace_hf_defaults
 @pytest.mark.timeout(300)
 def test_cli_trace_tokens_hf_configs(tmp_path, capsys):
     """`shardplan plan hf:CONFIG --trace-tokens` for each config, sdpa (the default) and eager, fp32 and bf16."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 
 import pytest
@@ -192,16 +191,22 @@ def test_lightning_strategy_trains_like_lightnings_fsdp(tmp_path):
     _close(*zero["resume_full"], "resumed against straight")
 
 
+def _without_lightning(_rank, _world):
+    """In a fork: Lightning hidden and shardplan imported afresh (nothing of either left from this process)."""
+    for name in [m for m in sys.modules if m.split(".")[0] in ("lightning", "pytorch_lightning", "shardplan")]:
+        del sys.modules[name]
+    sys.modules["lightning"] = None
+    import shardplan
+    imported = [m for m in sys.modules if m.split(".")[0] in ("lightning", "pytorch_lightning") and sys.modules[m]]
+    try:
+        import shardplan.integrations.lightning  # noqa: F401
+    except shardplan.ShardingError as exc:
+        return imported, str(exc)
+    return imported, None
+
+
 def test_without_lightning_the_import_says_how_to_install_it():
     """``import shardplan`` never imports Lightning; the integration without it raises ShardingError naming the
-    extra (runs whether or not Lightning is installed: the child process hides it)."""
-    code = ("import sys; sys.modules['lightning'] = None\n"
-            "import shardplan\n"
-            "assert not any(m.split('.')[0] in ('lightning', 'pytorch_lightning') for m in sys.modules if sys.modules[m])\n"
-            "try:\n"
-            "    import shardplan.integrations.lightning\n"
-            "except shardplan.ShardingError as exc:\n"
-            "    print('REFUSED', exc)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "REFUSED" in out.stdout and "pip install 'shardplan[lightning]'" in out.stdout, out.stdout
+    extra (runs whether or not Lightning is installed: the forked child hides it)."""
+    imported, refused = run(_without_lightning, 1, init=False, timeout=60)[0]
+    assert imported == [] and refused is not None and "pip install 'shardplan[lightning]'" in refused, refused

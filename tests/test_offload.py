@@ -259,11 +259,22 @@ TRAIN_CASES = [(s, "optimizer", 1.0, {}) for s in range(4)] + [
 ]
 
 
+# the quick loop's: each mode, fraction and option of TRAIN_CASES at least once
+QUICK_CASES = [(3, "optimizer", 1.0, {}), (1, "optimizer", 0.5, dict(clip=True, overlap=False)),
+               (2, "optimizer", 1.0, dict(clip=True, accum=True)),
+               (3, "optimizer", 1.0, dict(clip=True, overlap=False, rescale=True)),
+               (3, "optimizer", 1.0, dict(compute_dtype=torch.bfloat16, fused=False)),
+               (3, "params", 0.5, dict(sched=True, accum=True)), (3, "params", 1.0, dict(clip=True, overlap=False)),
+               (3, "params", 1.0, dict(prefetch=2, reshard_after_forward=False))]
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_training_with_offload_matches_training_without(world):
-    for rank_out in run(_train_worker, world, TRAIN_CASES, timeout=280):
-        for case, (diff, overlapped, recopied) in zip(TRAIN_CASES, rank_out):
+@pytest.mark.parametrize("world,cases", [(2, QUICK_CASES), pytest.param(2, TRAIN_CASES, marks=pytest.mark.slow),
+                                         pytest.param(4, TRAIN_CASES, marks=pytest.mark.slow)],
+                         ids=["2-quick", "2", "4"])
+def test_training_with_offload_matches_training_without(world, cases):
+    for rank_out in run(_train_worker, world, cases, timeout=280):
+        for case, (diff, overlapped, recopied) in zip(cases, rank_out):
             assert diff <= 1e-6, (case, diff)
             extra = case[3]
             # the host steps ran during backward unless clipping or overlap=False kept them in opt.step()
@@ -310,6 +321,7 @@ def _ckpt_worker(rank, world, root, jobs):
     return out
 
 
+@pytest.mark.slow  # checkpoints: test_checkpoint*.py; offload: the fast cases
 @pytest.mark.timeout(300)
 def test_checkpoints_load_across_offload_settings_and_world_sizes(tmp_path):
     root = str(tmp_path)

@@ -19,7 +19,7 @@ from shardplan.activations import token_inputs
 from shardplan.errors import RehearsalError
 from shardplan.rehearsal.run import check
 
-from distributed import run
+from distributed import cli, run, script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -182,6 +182,7 @@ def test_tensor_parallel_profile_has_local_shapes():
     assert block and block1 and -block[0] < -block1[0]
 
 
+@pytest.mark.slow  # an 8B rehearsal; measured == planned: test_rehearse_one_rank
 def test_planned_peak_matches_h200_measurement():
     """The plan's peak against rank 0 of Llama-3 8B shapes at dp=8 measured on one H200
     (benchmarks/results/rehearse_check_h200.json, before the forming-gradient fix: 0.959 and 0.914)."""
@@ -269,9 +270,7 @@ def test_errors_name_the_fix():
 
 
 def _cli(*args, timeout=150):
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, "-m", "shardplan", *args], capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=timeout)
+    return cli(*args, cwd=ROOT, timeout=timeout)  # (forked: no interpreter start-up per command line)
 
 
 @pytest.mark.timeout(200)
@@ -303,17 +302,15 @@ def test_help_examples_run(tmp_path):
     assert len(lines) == 2
     (tmp_path / "examples").symlink_to(os.path.join(ROOT, "examples"))
     for line in lines:
-        p = subprocess.run([sys.executable, "-m", "shardplan", *line.split()[1:]], capture_output=True, text=True,
-                           cwd=tmp_path, env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src")), timeout=150)
+        p = cli(*line.split()[1:], cwd=tmp_path, timeout=150)
         assert p.returncode == 0, (line, p.stderr)
 
 
+@pytest.mark.slow  # the benchmark script's own check; rehearsals are test_rehearse_one_rank's
 @pytest.mark.timeout(250)
 def test_benchmark_tiny(tmp_path):
     out = tmp_path / "check.json"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "rehearse_check.py"), "--tiny", "--out", str(out)],
-                       capture_output=True, text=True, cwd=ROOT, timeout=240,
-                       env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), CUDA_VISIBLE_DEVICES=""))
+    p = script(os.path.join(ROOT, "benchmarks", "rehearse_check.py"), "--tiny", "--out", str(out), cwd=ROOT, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     d = json.loads(out.read_text())
     assert len(d["cases"]) == 4 and all(c["states_peak_measured"] == c["states_peak_planned"] for c in d["cases"])
@@ -429,6 +426,7 @@ def test_batch_longer_than_positions():
     assert run(_positions_worker, 1, init=False, timeout=110) == [True]
 
 
+@pytest.mark.slow  # the CLI's rehearse: test_cli_json_and_errors; HF configs: test_rehearse_hf_configs
 @pytest.mark.timeout(300)
 def test_cli_rehearse_hf(tmp_path):
     """`shardplan rehearse hf:CONFIG` runs and says its initialisation; a batch past GPT-2's positions is one
@@ -457,6 +455,7 @@ def _memory_worker(_rank, _world):
     return r.host_peak, r.planned_peak, sum(p.numel for p in plan.params) * 4
 
 
+@pytest.mark.slow  # a 670 MB model; rehearsals: test_rehearse_one_rank
 @pytest.mark.timeout(200)
 def test_rehearsal_host_memory_is_one_rank():
     """Rank 0 of 64 of a model whose fp32 parameters take 670 MB: the process's RSS grows by the plan's peak
@@ -573,6 +572,7 @@ def _tp_reference() -> list[float]:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow  # rehearsals with TP: test_rehearse_one_rank; real TP runs: test_tensor_parallel.py
 @pytest.mark.parametrize("where", ["same process", "forked"])
 def test_real_tensor_parallel_run_after_a_rehearsal(where):
     """DTensor caches sharding propagation process-wide, keyed by meshes that compare equal by shape and names:

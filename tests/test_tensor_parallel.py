@@ -183,6 +183,7 @@ def test_every_element_held_by_its_replicas_and_gathers_back(out, inp, tp, dp, c
     assert all(torch.equal(back[n], full[n]) for n in full)
 
 
+@pytest.mark.slow  # a 70B plan; TP plans: the fast cases
 def test_cli_prints_a_70b_fsdp_by_tp_plan():
     from shardplan.cli import main
     import contextlib

@@ -171,7 +171,7 @@ def test_untraced_plans_warn_where_they_cannot_tell_and_traced_ones_know():
         sp.plan(Shared(), HEAD_RULES, sp.Mesh(dp=1, tp=2), units=[r"layers\.\d+"], trace=(x, x), **OPTS)
 
 
-@pytest.mark.parametrize("build", [_qwen3, _gemma3])
+@pytest.mark.parametrize("build", [_qwen3, pytest.param(_gemma3, marks=pytest.mark.slow)])
 def test_hf_per_head_norms_are_found_traced_and_untraced(build):
     pytest.importorskip("transformers")
     ids = torch.randint(0, 96, (2, 12))

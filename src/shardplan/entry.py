@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from .errors import CollectiveError, ShardingError
 from .runtime import collectives as C
+from .runtime import stores
 
 WAIT_FOR_RANK0_S = 3.0   # how long another rank waits for rank 0's report before printing its own
 WAIT_FOR_OTHERS_S = 1.0  # how long rank 0 waits to learn which ranks raised the same error
@@ -61,14 +62,14 @@ def _echo_of_another_rank(exc: BaseException) -> bool:
     rank, world = _rank()
     if world == 1:
         return False
-    store, prefix = C.error_store(timeout_s=WAIT_FOR_RANK0_S)
+    store, prefix = stores.error_store(timeout_s=WAIT_FOR_RANK0_S)
     if store is None:
         return False
     others = [f"{prefix}{r}" for r in range(world) if r != rank]
     deadline = time.monotonic() + WAIT_FOR_ECHO_S
     failed: list[str] = []
     while not failed and time.monotonic() < deadline:  # the failing rank posts before it drops its connections
-        failed = C.store_posted(store, others)
+        failed = stores.store_posted(store, others)
         time.sleep(0.02)
     if not failed:
         return False
@@ -105,7 +106,7 @@ def report(text: str, exc: BaseException) -> None:
     """Print ``text`` once for the run (see the module's docstring) and write torchrun's error file."""
     rank, world = _rank()
     sys.stdout.flush()
-    store, prefix = C.error_store(timeout_s=WAIT_FOR_RANK0_S) if world > 1 else (None, "")
+    store, prefix = stores.error_store(timeout_s=WAIT_FOR_RANK0_S) if world > 1 else (None, "")
     where = _where(exc)
     tb = "".join(traceback.format_exception(exc)) if os.environ.get("SHARDPLAN_TRACEBACK") == "1" else ""
     if store is not None:
@@ -117,7 +118,7 @@ def report(text: str, exc: BaseException) -> None:
         same = [0]
         if store is not None:
             others = [f"{prefix}{r}" for r in range(1, world)]
-            C.store_wait(store, others, WAIT_FOR_OTHERS_S)
+            stores.store_wait(store, others, WAIT_FOR_OTHERS_S)
             same += [r for r, k in zip(range(1, world), others) if store.check([k]) and store.get(k).decode() == text]
         ranks = "every rank" if len(same) == world and world > 1 else f"rank {_ranges(same)}" if len(same) > 1 \
             else "rank 0"
@@ -131,7 +132,7 @@ def report(text: str, exc: BaseException) -> None:
             except Exception:  # noqa: BLE001
                 pass
         return
-    printed = store is not None and C.store_wait(store, [f"{prefix}printed"], WAIT_FOR_RANK0_S)
+    printed = store is not None and stores.store_wait(store, [f"{prefix}printed"], WAIT_FOR_RANK0_S)
     if printed and store.get(f"{prefix}0").decode() == text:
         # rank 0 reported it: this rank's error file points there, with rank 0's time so that torchrun's
         # summary names rank 0 as the root cause; then rank 0 gets the moment it needs to exit first

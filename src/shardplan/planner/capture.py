@@ -59,12 +59,12 @@ def blockers(plan: "Plan") -> tuple[Blocker, ...]:
                            "run expert-parallel plans eagerly (or plan without an expert axis)"))
     # CPU offload steps the optimizer on the host between the backward and the next forward: shardplan.capture
     # captures the device work on either side as two graphs of one program and runs the host step between them
-    # at every replay ([Note: a step in segments], runtime/capture.py): not a blocker
+    # at every replay ([Note: a step in segments], runtime/capture/graph.py): not a blocker
     # quantized gathers and FP8 compute check their scales for NaN/inf: a captured step reads the flags after each
     # replay instead ([Note: the non-finite check in a captured step], runtime/scales.py): not a blocker
     # a schedule edited by hand (with_schedule) was validated as the planner's own is, and shardplan.capture checks
     # that the capture ran the ops of the warm-up step before it ([Note: the same ops every step],
-    # runtime/capture.py): not a blocker
+    # runtime/capture/session.py): not a blocker
     return tuple(out)
 
 

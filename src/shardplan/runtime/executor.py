@@ -38,7 +38,7 @@ import torch
 from ..errors import RuntimeShardingError
 from ..planner import Plan
 from ..planner.schedule import BEGIN_BACKWARD, POST_BACKWARD, POST_FORWARD, PRE_FORWARD, ROOT, STALE, Op, Step
-from . import capture as CAP
+from .capture import session as CAP
 from . import collectives as C
 from .comm import CommEngine
 from .cursor import Cursor, Facts

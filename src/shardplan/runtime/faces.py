@@ -19,7 +19,8 @@ import torch
 import torch.nn as nn
 
 from ..errors import RuntimeShardingError
-from .buffers import BufferState, alias
+from .buffers import BufferState
+from .storage import alias
 from .unit import UnitRuntime
 
 

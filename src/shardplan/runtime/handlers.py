@@ -12,7 +12,7 @@ from ..errors import RuntimeShardingError
 from ..planner.kinds import ACTIVATIONS, ALL_TO_ALL
 from ..planner.schedule import (ALL_GATHER, ALL_REDUCE, COPY_D2H, COPY_H2D, FREE, GRADS, OPTIM_STEP, PARAMS,
                                 PARTIAL_GRADS, PREPARE, REDUCE_SCATTER, SCALES, USED, WAIT, Op)
-from . import capture as CAP
+from .capture import session as CAP
 from .unit import Grads, Params, PendingReduce, PendingUsed, UnitRuntime
 
 

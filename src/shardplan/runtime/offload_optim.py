@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import RuntimeShardingError
-from . import capture as CAP
+from .capture import session as CAP
 from .builder import engine_of
 from .offload.host import STATS
 from .offload.kernels import _by_step, adamw  # noqa: F401  (the kernel both sides share)

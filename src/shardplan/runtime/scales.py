@@ -15,7 +15,7 @@ import torch
 
 from ..errors import RuntimeShardingError
 from ..lowp import BLOCK
-from . import capture as CAP
+from .capture import session as CAP
 from .quantize import bad_blocks, first_bad_block, first_bad_block_index, first_non_finite, first_non_finite_index
 
 

@@ -14,6 +14,7 @@ import torch.nn as nn
 from ..errors import RuntimeShardingError, ShardingError
 from ..planner import Plan
 from . import collectives as C
+from . import stores
 from ..planner.validate import validate
 from ..planner.serialize import summary
 
@@ -131,7 +132,7 @@ def startup(module: nn.Module, plan: Plan, world: int, rank: int, timeout_s: flo
         mine["values"] = fingerprints(module, plan, slots)
     # [Note: rehearsal] one process plays one rank of the plan's world (collectives are local stand-ins):
     # there are no other ranks to exchange findings with, so start-up checks this rank only
-    reports = [mine] if C.rehearsing() else C.exchange(mine, timeout_s)
+    reports = [mine] if C.rehearsing() else stores.exchange(mine, timeout_s)
     differ = differing(plan, reports) if check_values else None
     if differ:
         reports[0]["problems"] = reports[0]["problems"] + [differ]

@@ -68,7 +68,7 @@ version differs at step time) makes the step copy that gradient again: slower, n
 overlap, ``clip_grad_norm_`` after a host step already ran raises (pass ``max_grad_norm=`` instead).
 
 [Note: offload under capture] ``shardplan.capture`` captures an offloaded step in segments ([Note: a step in
-segments], runtime/capture.py). In a call that runs as its graph (the capture; the eager backend's calls after
+segments], runtime/capture/graph.py). In a call that runs as its graph (the capture; the eager backend's calls after
 it) nothing goes to the worker: ``optim_step`` hands nothing over, ``opt.step()`` clips on the device as eagerly,
 joins the gradients' copies into the segment, and gives the capture one host call (``graph_host_step``: wait for
 the segment, scale the host gradients by the clip coefficients the graph computed, AdamW on the host; the

@@ -9,8 +9,8 @@ from typing import Optional
 
 import torch
 
-from .. import capture as CAP
-from ..buffers import alloc_storage, free_storage
+from ..capture import session as CAP
+from ..storage import alloc_storage, free_storage
 from .host import HostBuffer, stamp
 
 

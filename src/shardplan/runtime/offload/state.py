@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from ...planner.kinds import COPY_D2H, OPTIM_STEP, PRE_FORWARD
-from ..buffers import alias, free_storage
+from ..storage import alias, free_storage
 from ..host_worker import HostWorker
 from .copies import HostCopies
 from .host import STATS, HostBuffer, HostStep, _slabs

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from ...errors import RuntimeShardingError
-from .. import capture as CAP
+from ..capture import session as CAP
 from ..host_worker import HostWorker
 from ..streams import join
 from . import kernels
