@@ -39,6 +39,18 @@ from torch.utils.weak import WeakIdKeyDictionary
 # [Note: the rules per operation (and Mark, the tables) live in flow_rules.py; the names are re-exported here,
 # where flow_guard.py and the planner have always imported them]
 from .flow_rules import _BEFORE, ATTENTION_FIX, SEQUENCE, SHIFT_FIX, Mark, reshaped, rule  # noqa: F401
+from .flow_tokens import PARTIAL_FIX, Frame, mark_outputs, open_frame, partial_rule, trusted_experts, why_not
+
+_LIVE: list = []  # the checks entered now (dispatch and combine report to them: routed())
+
+
+def routed(module, what: str) -> None:
+    """``sp.expert_parallel.dispatch`` (``what="dispatch"``) and ``combine`` report that ``module`` moved its
+    tokens through them: a check that holds the module's call open takes it as token-local (flow_tokens.py)."""
+    for chk in _LIVE:
+        for f in chk.frames:
+            if f.module is module:
+                f.routed.add(what)
 
 
 def _plain(t) -> bool:
@@ -47,9 +59,9 @@ def _plain(t) -> bool:
 
 
 class _Refused(Exception):
-    def __init__(self, error: Exception):
+    def __init__(self, error: Exception, seq: bool = False):
         super().__init__(str(error))
-        self.error = error
+        self.error, self.seq = error, seq
 
 
 class FlowCheck(TorchFunctionMode):
@@ -65,8 +77,19 @@ class FlowCheck(TorchFunctionMode):
         self.error, self.colwise, self.rowwise, self.cp = error, dict(colwise or {}), dict(rowwise or {}), cp
         self.through_attention = through_attention
         self.marks = WeakIdKeyDictionary()
+        self.partial = WeakIdKeyDictionary()  # a rank's partial means over the sequence -> the mark reduced
+        self.frames: list[Frame] = []          # expert modules' calls held open (flow_tokens.py)
         self.stack: list[str] = [""]
         self.live = True
+
+    def __enter__(self):
+        _LIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self in _LIVE:
+            _LIVE.remove(self)
+        return super().__exit__(*exc)
 
     # -- marks ---------------------------------------------------------------------------------------------
     def mark(self, t, m: Optional[Mark]) -> None:
@@ -77,6 +100,11 @@ class FlowCheck(TorchFunctionMode):
 
     def of(self, t) -> tuple:
         return self.marks.get(t, ()) if isinstance(t, torch.Tensor) and _plain(t) else ()
+
+    def mark_partial(self, t, m: Mark) -> None:
+        """``t`` is this rank's partial mean (or sum, or count) over the split sequence (flow_tokens.py's Note)."""
+        if isinstance(t, torch.Tensor) and _plain(t):
+            self.partial[t] = m
 
     def mark_inputs(self, args, kwargs, seq_dim: int = 1) -> None:
         """Under cp, the model's inputs: dimension ``seq_dim`` of every tensor with the first one's
@@ -101,9 +129,12 @@ class FlowCheck(TorchFunctionMode):
         handles = []
 
         def enter(path):
-            def hook(_m, _args):
+            def hook(mod, args):
                 if self.live:
                     self.stack.append(path)
+                    frame = open_frame(path, mod, args, self.of, SEQUENCE)
+                    if frame is not None:
+                        self.frames.append(frame)
             return hook
 
         def leave(path):
@@ -112,6 +143,8 @@ class FlowCheck(TorchFunctionMode):
                     return
                 if self.stack and self.stack[-1] == path:
                     self.stack.pop()
+                if self.frames and self.frames[-1].path == path and self.frames[-1].module is _m:
+                    self.close(self.frames.pop(), out)
                 if path in self.colwise or path in self.rowwise:
                     self.carry_through(args, out)
                 if path in self.colwise:
@@ -127,6 +160,14 @@ class FlowCheck(TorchFunctionMode):
             handles.append(mod.register_forward_pre_hook(enter(path)))
             handles.append(mod.register_forward_hook(leave(path)))
         return handles
+
+    def close(self, frame: Frame, out) -> None:
+        """An expert module's call returned: token-local (its outputs marked like its token input) when the code
+        that ran is known dropless, else the refusal held back is raised (flow_tokens.py's Note)."""
+        if trusted_experts(frame.module) or frame.routed >= {"dispatch", "combine"}:
+            mark_outputs(frame, out, self.mark)
+        elif frame.held is not None:
+            raise self.error(str(frame.held) + why_not(frame)) from frame.held
 
     def carry_through(self, args, out) -> None:
         """A tensor-parallel module computes on DTensors at run time, out of the mode's sight: its input's
@@ -157,7 +198,7 @@ class FlowCheck(TorchFunctionMode):
 
     # -- messages --------------------------------------------------------------------------------------------
     def refuse(self, m: Mark, how: str, op: str, fix: str = "") -> None:
-        raise _Refused(self._error(m, how, op, fix))
+        raise _Refused(self._error(m, how, op, fix), m.source == SEQUENCE)
 
     def _error(self, m: Mark, how: str, op: str, fix: str) -> Exception:
         where = self.stack[-1] if self.stack else ""
@@ -184,6 +225,8 @@ class FlowCheck(TorchFunctionMode):
             self._rules(name, args, kwargs, None, marked)
         out = func(*args, **kwargs)
         self._rules(name, args, kwargs, out, marked)
+        if name and self.partial:
+            self._partial(name, args, kwargs, out)
         return out
 
     def _rules(self, name, args, kwargs, out, marked) -> None:
@@ -192,8 +235,33 @@ class FlowCheck(TorchFunctionMode):
                 rule(self, name, args, kwargs, out, [pair])
             except Exception as exc:  # noqa: BLE001
                 if isinstance(exc, _Refused):
-                    raise exc.error from None
+                    self._raise(exc)
+                    return
                 # an argument form the rules do not know: the mark is dropped rather than the step failed
+
+    def _raise(self, exc: _Refused) -> None:
+        """Raise a refusal, or hold back one about the sequence inside an expert module's call (flow_tokens.py)."""
+        if exc.seq and self.frames:
+            if self.frames[-1].held is None:
+                self.frames[-1].held = exc.error
+            return
+        raise exc.error from None
+
+    def _partial(self, name, args, kwargs, out) -> None:
+        """Partial means over the sequence: kept through linear operations, refused in any other."""
+        found = {id(t): self.partial[t] for t in tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor) and _plain(t) and t in self.partial}
+        if not found:
+            return
+        what = partial_rule(name, args, kwargs, found)
+        if what == "keep":
+            for t in tree_leaves(out):
+                self.mark_partial(t, next(iter(found.values())))
+        elif what != "drop":
+            try:
+                self.refuse(next(iter(found.values())), what, name, PARTIAL_FIX)
+            except _Refused as exc:
+                self._raise(exc)
 
 
 def check(model, args, kwargs, error: Callable[[str], Exception], colwise=None, rowwise=None, cp: int = 1,

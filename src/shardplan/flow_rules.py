@@ -15,6 +15,7 @@ from .flow_marks import (_ALONG, _ALONG_DEFAULT, _BEFORE, _CARRY, _JOIN, _LOSS, 
                          _REDUCE, _SPLIT, _TOKEN_REDUCE, ATTENTION_FIX, SEQUENCE, SHIFT_FIX, Mark, _Call, _dim,
                          reshaped)
 from .flow_products import _contract, _multi_head_attention
+from .flow_tokens import COUNT
 
 
 def rule(chk, name: str, args, kwargs, out, marked) -> None:
@@ -46,6 +47,8 @@ def rule(chk, name: str, args, kwargs, out, marked) -> None:
         return _embedding(c)
     if name in _LOSS:
         return _loss(c)
+    if name in COUNT:
+        return _count(c)
     if name == "pad":
         return _pad(c)
     if name in _SPLIT:
@@ -127,6 +130,8 @@ def _reduce(c: _Call) -> None:
     if m.dim in over:
         if not (c.seq and name in _TOKEN_REDUCE):
             c.refuse("is reduced over its split dimension", name)
+        for o in c.outs:  # this rank's part of the whole sequence's (flow_tokens.py: partial means)
+            c.chk.mark_partial(o, m)
         return
     keep = kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False)
     e = m.dim if keep else m.dim - sum(1 for i in over if i < m.dim)
@@ -175,9 +180,19 @@ def _loss(c: _Call) -> None:
     red = c.kwargs.get("reduction", "mean")
     if not c.seq or m.dim == cls:
         c.refuse("is reduced over its split dimension", name)
-    if red == "none":
-        for o in c.outs:
+    for o in c.outs:
+        if red == "none":
             c.carry(o, m.dim - (cls is not None and cls < m.dim))
+        else:  # this rank's mean (or sum) over its tokens (flow_tokens.py: partial means)
+            c.chk.mark_partial(o, m)
+
+
+def _count(c: _Call) -> None:
+    """``histc`` / ``bincount``: counts over every element, a sum over the split dimension."""
+    if not c.seq:
+        c.refuse("is counted over its split dimension", c.name)
+    for o in c.outs:
+        c.chk.mark_partial(o, c.m)
 
 
 def _pad(c: _Call) -> None:
