@@ -11,7 +11,7 @@ from typing import Any, Mapping, Optional, Sequence
 from ..errors import PlanError, SpecError, did_you_mean
 from ..mesh import Mesh
 from ..spec import P
-from .heads import check_whole_heads
+from .heads import check_whole_heads, per_head_axis
 from .values import Compute
 
 LINEAR, EMBEDDING = "linear", "embedding"
@@ -151,8 +151,9 @@ def resolve(module, names_specs: list[tuple[Any, P, str]], compute_axes: tuple[s
         for full in (info.name,) + tuple(info.aliases):
             path, _, attr = full.rpartition(".")
             owners.setdefault(path, []).append((attr, info.name))
-    sharded = {path for path, ps in owners.items() if any(compute[n] is not None for _, n in ps)}
     explicit = _as_style_rules(styles)
+    heads = _head_candidates(owners, compute, info_of, mods, explicit)
+    sharded = {path for path, ps in owners.items() if path not in heads and any(compute[n] is not None for _, n in ps)}
     chosen: dict[str, tuple[str, str, str]] = {}  # path -> (kind, style, axis)
     for path in sorted(sharded, key=list(mods).index):
         mod = mods[path]
@@ -214,7 +215,48 @@ def resolve(module, names_specs: list[tuple[Any, P, str]], compute_axes: tuple[s
             raise PlanError(f"module {shown!r} would run as {prev} and {(kind, style, wc.axis)}")
         chosen[path] = (kind, style, wc.axis)
     modules = tuple(TPModule(p, *chosen[p]) for p in chosen)
+    _split_heads(module, mods, heads, modules, compute, specs, info_of, mesh, compute_axes)
     return compute, specs, modules
+
+
+def _head_candidates(owners: dict, compute: dict, info_of: dict, mods: dict, explicit) -> dict[str, list[str]]:
+    """Module path -> its parameters that may hold one row per head (heads.py's Note: per-head parameters): of
+    modules with no style of their own, parameters of 2 or more dimensions replicated or compute-sharded on
+    dim 0, every compute-sharded one of the module among them."""
+    out = {}
+    for path, ps in owners.items():
+        if _kind(mods[path]) is not None or any(rx.fullmatch(path) for rx, _ in explicit):
+            continue
+        names = [n for _, n in ps if len(info_of[n][0].shape) >= 2 and (compute[n] is None or compute[n].dim == 0)]
+        if names and all(n in names for _, n in ps if compute[n] is not None):
+            out[path] = names
+    return out
+
+
+def _split_heads(root, mods: dict, heads: dict, modules, compute: dict, specs: dict, info_of: dict, mesh: Mesh,
+                 compute_axes) -> None:
+    """Split the per-head parameters with their heads (heads.py's Note): compute-sharded on dim 0 over their
+    projection's axis; a compute-sharded one that holds no row per head raises."""
+    colwise = {m.path: (m.axis, mods[m.path].weight.shape[0]) for m in modules
+               if m.kind == LINEAR and m.style == "colwise" and any(
+                   o.style == "rowwise" and o.path.rpartition(".")[0] == m.path.rpartition(".")[0] for o in modules)}
+    for path, names in heads.items():
+        for n in names:
+            info, rule = info_of[n]
+            found = per_head_axis(root, mods, path, info.shape, colwise)
+            if found is None:
+                if compute[n] is not None:
+                    raise PlanError(
+                        f"parameter {n!r} (rule {rule}) is sharded over compute axis {compute[n].axis!r}, but its "
+                        f"module {path!r} ({type(mods[path]).__name__}) has no tensor-parallel style, and the parameter "
+                        f"holds no row per head of a column-parallel projection of its block (shape {info.shape}). "
+                        f"Fix: keep {compute[n].axis!r} out of its spec (replicated compute)")
+                continue
+            axis = found[0]
+            if mesh.axis_size(axis) <= 1 or (compute[n] is not None and compute[n].axis != axis):
+                continue
+            specs[n] = with_compute(specs[n], 0, axis)
+            compute[n] = compute_of(specs[n], info.shape, compute_axes, mesh, name=n, rule=rule)
 
 
 def _infer(kind: str, dim: int, path: str, mods: dict, owners: dict, compute: dict) -> str:
