@@ -38,6 +38,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 # [Note: the rules per operation (and Mark, the tables) live in flow_rules.py; the names are re-exported here,
 # where flow_guard.py and the planner have always imported them]
+from .errors import ShardingError
+from .flow_marks import HEADS_FIX
 from .flow_rules import _BEFORE, ATTENTION_FIX, SEQUENCE, SHIFT_FIX, Mark, reshaped, rule  # noqa: F401
 from .flow_tokens import PARTIAL_FIX, Frame, mark_outputs, open_frame, partial_rule, trusted_experts, why_not
 
@@ -208,12 +210,30 @@ class FlowCheck(TorchFunctionMode):
                 f"{op} in {where} {how}: the sequence is split over {m.axis!r} (cp={m.size}, each rank holds 2 of "
                 f"{2 * m.size} chunks), so it would see this rank's chunks only and compute a wrong result, silently. "
                 f"Fix: {fix or 'keep this operation out of a model trained on the cp axis, or plan without it'}")
+        default = (f"let only its row-parallel sibling read it (a sibling nn.Linear whose weight is split on dim 1 "
+                   f"over {m.axis!r}), give {m.source!r} style 'colwise_gather' (styles=[(regex, 'colwise_gather')]: "
+                   f"its output is all-gathered), or keep {m.axis!r} out of its weight's spec (replicated compute)")
         return self.error(
             f"the output of column-parallel module {m.source!r} (split over compute axis {m.axis!r}, {m.size} ranks) "
-            f"{how} in {where} ({op}): each rank holds 1/{m.size} of its features, so this computes per-rank pieces, "
-            f"silently. Fix: let only its row-parallel sibling read it (a sibling nn.Linear whose weight is split on "
-            f"dim 1 over {m.axis!r}), give {m.source!r} style 'colwise_gather' (styles=[(regex, 'colwise_gather')]: "
-            f"its output is all-gathered), or keep {m.axis!r} out of its weight's spec (replicated compute)")
+            f"{how} in {where} ({op}): each rank holds 1/{m.size} of its features"
+            + (f". Fix: {fix}" if fix else f", so this computes per-rank pieces, silently. Fix: {default}"))
+
+    def _failed(self, m: Mark, op: str, exc: Exception) -> Exception:
+        """The refusal for a torch error raised by an operation on a split tensor: it computes on this rank's
+        part with a size the model took from the whole (a head count from its config, a sequence length)."""
+        where = self.stack[-1] if self.stack else ""
+        where = repr(where) if where else "the root module"
+        raised = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if m.source == SEQUENCE:
+            return self.error(
+                f"{op} in {where} failed on a tensor whose sequence is split over {m.axis!r} (cp={m.size}, each rank "
+                f"holds 2 of {2 * m.size} chunks: 1/{m.size} of the tokens) ({raised}): the model computes with a size "
+                f"of the whole sequence. Fix: take sizes from the local shapes (x.shape), or keep this module out of "
+                f"a model trained on the cp axis (docs/context_parallel.md)")
+        return self.error(
+            f"{op} in {where} failed on the output of column-parallel module {m.source!r} (split over compute axis "
+            f"{m.axis!r}, {m.size} ranks: each rank holds 1/{m.size} of its features) ({raised}): the model computes "
+            f"with a size of the whole width. Fix: " + HEADS_FIX.format(axis=m.axis))
 
     # -- the mode ------------------------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -223,7 +243,12 @@ class FlowCheck(TorchFunctionMode):
             if name and name != "__get__" else []
         if name in _BEFORE:  # refused before it runs (whatever it calls inside would refuse otherwise)
             self._rules(name, args, kwargs, None, marked)
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - re-raised as the refusal it is, chained
+            if not marked or isinstance(exc, (_Refused, ShardingError)):
+                raise
+            raise self._failed(marked[0][1], name, exc) from exc
         self._rules(name, args, kwargs, out, marked)
         if name and self.partial:
             self._partial(name, args, kwargs, out)

@@ -8,19 +8,26 @@ import math
 
 import torch
 
-from .flow_marks import SEQUENCE, SHIFT_FIX, Mark, reshaped
-
+from .flow_marks import HEADS_FIX, SEQUENCE, SHIFT_FIX, Mark, reshaped
 
 
 def _heads_check(chk, args, m: Mark, x, o) -> None:
     """``view(b, t, heads, -1)`` of a column-parallel output: the head count fixed, the width inferred,
-    so every head is spread over the ranks (``view(b, t, -1, head_dim)`` keeps whole heads on each)."""
+    so every head is spread over the ranks (``view(b, t, -1, head_dim)`` keeps whole heads on each); and
+    ``view(b, t, heads, head_dim)``, every size given: the global head count, which fails on a rank's features."""
     shape = args[1:] if len(args) > 1 and not isinstance(args[1], (tuple, list, torch.Size)) else \
         (args[1] if len(args) > 1 else ())
     shape = list(shape)
-    if -1 not in shape or len(shape) != o.ndim:
+    if len(shape) != o.ndim:
         return
     e = reshaped(m.dim, tuple(x.shape), tuple(o.shape))
+    if -1 not in shape:  # every size given: the global ones, which the rank's 1/size of the features cannot fill
+        if e is not None and o.shape[e] != x.shape[m.dim] and any(
+                math.prod(o.shape[e:k]) == x.shape[m.dim] for k in range(e + 2, o.ndim + 1)):
+            chk.refuse(m, f"is split into {o.shape[e]} heads with the global sizes {tuple(o.shape)} (each rank holds "
+                       f"1/{m.size} of the features: the view fails there)", "view",
+                       HEADS_FIX.format(axis=m.axis))
+        return
     inferred = shape.index(-1)
     if e is not None and inferred > e and o.shape[e] != x.shape[m.dim] and \
             math.prod(o.shape[e:]) == math.prod(x.shape[m.dim:]):

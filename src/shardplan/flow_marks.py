@@ -19,6 +19,11 @@ ATTENTION_FIX = ("compute attention with sp.context_parallel.attention(q, k, v, 
 SHIFT_FIX = ("shift the labels of the whole sequences before sp.context_parallel.shard_batch (a Hugging Face model: "
              "pass shift_labels= the shifted, sharded labels instead of labels=)")
 
+HEADS_FIX = ("compute head counts from local shapes, view(b, t, -1, head_dim), so that each rank views its own "
+             "whole heads (docs/tensor_parallel.md); a model whose code views with its config's head count (Hugging "
+             "Face StableLM) cannot run that module tensor-parallel: keep {axis!r} out of the specs of its "
+             "projections (replicated compute there)")
+
 
 @dataclass(frozen=True)
 class Mark:
