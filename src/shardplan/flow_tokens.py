@@ -11,9 +11,10 @@ operations act along the experts, never the tokens (a capacity-limited router ra
 ``cumsum`` or ``topk`` along them, and stays refused). An experts block regroups the tokens by expert
 (``sort``, ``x[perm]``, ``index_add_``, grouped matrix products over per-expert counts) and puts every row back:
 token-local, yet each of those operations mixes the token dimension when seen alone. So the check judges an
-*expert module* (:func:`is_expert_module`: an integer ``num_experts`` and stacked per-expert weights) whose token input carries the sequence mark as a whole: it follows the ops inside as usual but holds
-back a refusal about the sequence until the module returns, and lets the module through, its outputs marked
-like its token input, when the code that ran is known dropless and token-local:
+*expert module* (:func:`is_expert_module`: an integer ``num_experts`` and stacked per-expert weights) whose
+token input carries the sequence mark as a whole: it follows the ops inside as usual but holds back a refusal
+about the sequence until the module returns, and lets the module through, its outputs marked like its token
+input, when the code that ran is known dropless and token-local:
 
 * transformers' experts interface (``@use_experts_implementation`` classes: ``MixtralExperts``,
   ``Qwen2MoeExperts``, ...) running its class's own (``eager``) forward or an implementation transformers itself

@@ -248,9 +248,9 @@ def _split_heads(root, mods: dict, heads: dict, modules, compute: dict, specs: d
                 if compute[n] is not None:
                     raise PlanError(
                         f"parameter {n!r} (rule {rule}) is sharded over compute axis {compute[n].axis!r}, but its "
-                        f"module {path!r} ({type(mods[path]).__name__}) has no tensor-parallel style, and the parameter "
-                        f"holds no row per head of a column-parallel projection of its block (shape {info.shape}). "
-                        f"Fix: keep {compute[n].axis!r} out of its spec (replicated compute)")
+                        f"module {path!r} ({type(mods[path]).__name__}) has no tensor-parallel style, and the "
+                        f"parameter holds no row per head of a column-parallel projection of its block (shape "
+                        f"{info.shape}). Fix: keep {compute[n].axis!r} out of its spec (replicated compute)")
                 continue
             axis = found[0]
             if mesh.axis_size(axis) <= 1 or (compute[n] is not None and compute[n].axis != axis):
