@@ -28,15 +28,20 @@ HEADS_FIX = ("compute head counts from local shapes, view(b, t, -1, head_dim), s
 @dataclass(frozen=True)
 class Mark:
     """A tensor's split dimension: ``dim``; ``source``: ``SEQUENCE`` or the column-parallel module whose
-    output it derives from; ``axis``: the mesh axis that splits it; ``size``: that axis's size."""
+    output it derives from; ``axis``: the mesh axis that splits it; ``size``: that axis's size. A sequence
+    merged with other dimensions (``[b, t, d] -> [b*t, d]``: the tokens of every sample in one dimension) is a
+    factor of ``dim``: ``extent`` positions (the sequence's length) at ``stride`` (the merged dimensions inside
+    it), its index ``(i // stride) % extent``; 0 and 0: the whole dimension (see :func:`regrouped`)."""
 
     dim: int
     source: str
     axis: str
     size: int
+    stride: int = 0
+    extent: int = 0
 
     def at(self, dim: int) -> "Mark":
-        return Mark(dim, self.source, self.axis, self.size)
+        return Mark(dim, self.source, self.axis, self.size, self.stride, self.extent)
 
 
 _CARRY = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "view_as", "reshape_as", "squeeze", "unsqueeze",
@@ -87,6 +92,30 @@ def reshaped(d: int, shape_in, shape_out) -> Optional[int]:
         lo, hi = math.prod(shape_out[e + 1:]), math.prod(shape_out[e:])
         if lo < outer <= hi:
             return e
+    return None
+
+
+def regrouped(m: "Mark", shape_in, shape_out) -> Optional["Mark"]:
+    """A sequence mark through a reshape: the output dimension that holds the sequence's positions whole (the
+    mark), or a factor of it (a merge: with ``stride`` and ``extent``), ``None`` where the sequence is split
+    over several output dimensions. [Note: unlike a column-parallel output's features, which a reshape splits
+    into heads (the ranks' blocks are the outer factor: :func:`reshaped`), the sequence merged into ``b*t`` is
+    the *inner* factor there, and a reshape back to ``[b, t, ...]`` must find it at ``t``, not at ``b``.]"""
+    if tuple(shape_in) == tuple(shape_out):
+        return m
+    if math.prod(shape_in) != math.prod(shape_out):
+        return None
+    extent = m.extent or shape_in[m.dim]
+    step = math.prod(shape_in[m.dim + 1:]) * (m.stride or 1)   # elements between two positions of the sequence
+    for e in range(len(shape_out)):
+        inner = math.prod(shape_out[e + 1:])
+        if step % inner:
+            continue
+        s = step // inner
+        if s * extent <= shape_out[e] and shape_out[e] % (s * extent) == 0:
+            whole = s == 1 and extent == shape_out[e]
+            return Mark(e, m.source, m.axis, m.size, 0 if whole else s, 0 if whole else extent)
+        return None
     return None
 
 

@@ -13,7 +13,7 @@ import torch
 from .flow_index import _heads_check, _index
 from .flow_marks import (_ALONG, _ALONG_DEFAULT, _BEFORE, _CARRY, _JOIN, _LOSS, _MATMUL, _NORM, _PERMUTE,  # noqa: F401
                          _REDUCE, _SPLIT, _TOKEN_REDUCE, ATTENTION_FIX, SEQUENCE, SHIFT_FIX, Mark, _Call, _dim,
-                         reshaped)
+                         regrouped, reshaped)
 from .flow_products import _contract, _multi_head_attention
 from .flow_tokens import COUNT
 
@@ -76,7 +76,10 @@ def _carry(c: _Call) -> None:
     for o in c.outs:
         if c.name in ("view", "reshape") and not c.seq:
             _heads_check(c.chk, c.args, c.m, c.x, o)
-        c.carry(o, reshaped(c.m.dim, tuple(c.x.shape), tuple(o.shape)))
+        if c.seq:
+            c.chk.mark(o, regrouped(c.m, tuple(c.x.shape), tuple(o.shape)))
+        else:
+            c.carry(o, reshaped(c.m.dim, tuple(c.x.shape), tuple(o.shape)))
 
 
 def _permute(c: _Call) -> None:
