@@ -12,11 +12,16 @@ refuses the step, naming the operation, the module that runs it and the fix:
   pooling along the sequence, a matrix product contracting over it, attention whose keys are this rank's
   chunks (``F.scaled_dot_product_attention`` not through ``sp.context_parallel.attention``, eager
   ``matmul`` + ``softmax``), a normalisation over it. A sum or mean over it stays allowed: a loss's mean
-  over tokens is the mean over the whole sequence once gradients are averaged over cp.
+  over tokens is the mean over the whole sequence once gradients are averaged over cp; but a product of two
+  such means (a load-balancing loss), or another nonlinear function of one, is refused. An expert module
+  whose code is known dropless is taken as token-local as a whole (flow_tokens.py).
 * under ``tp``: any reduction over the split features (a norm over the whole width, ``sum(-1)``), a
   matrix product contracting over them outside the module's row-parallel sibling, a split of the
   features into heads whose count is fixed and width inferred (``view(b, t, heads, -1)``: every head
   spread over ranks), slicing them, a loss over them, and the output reaching the model's output.
+
+A torch error raised by an operation on a marked tensor (a view with a model's global head count on a rank's
+features) is re-raised as the refusal, naming the operation, the module, the source and the fix, chained.
 
 The planner runs it in a traced step (``trace=``; :class:`~shardplan.errors.PlanError`) and the runtime
 in the first forward of a plan that was not traced (:class:`~shardplan.errors.RuntimeShardingError`),
