@@ -30,8 +30,10 @@ are averaged over cp, so the ranks' means average to the whole sequence's, the t
 That holds for what is *linear* in such means only. The result of a reduction over the sequence is a partial
 value; sums, differences, negation, scaling by what is not partial, views and casts keep it partial; a product
 or quotient of two partial values (Switch/Mixtral's load-balancing loss: the fraction of tokens per expert times
-the mean router probability, each over this rank's tokens), or any other function of one, is refused: the mean
-of the ranks' products is not the product over the whole sequence, and the loss would be wrong silently.
+the mean router probability, each over this rank's tokens), or a nonlinear function of one (``NONLINEAR``), is
+refused: the mean of the ranks' products is not the product over the whole sequence, and the loss would be wrong
+silently. Operations in none of the lists (a hook, ``item()``, an unknown one) drop the partial mark: what they
+compute is not followed further.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ PRODUCT = {"matmul", "__matmul__", "mm", "bmm", "dot", "vdot", "inner", "outer",
 NONLINEAR = {"exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "pow", "__pow__", "__rpow__", "__ipow__", "sqrt",
              "rsqrt", "square", "reciprocal", "sigmoid", "tanh", "softmax", "log_softmax", "softplus", "relu", "gelu",
              "silu", "abs", "logsumexp", "norm", "std", "var", "prod", "maximum", "minimum", "clamp", "clip", "max",
-             "min", "amax", "amin", "sin", "cos", "erf", "atan", "xlogy", "logaddexp"}
+             "min", "amax", "amin", "sin", "cos", "erf", "atan", "xlogy", "logaddexp", "__rtruediv__", "__rdiv__"}
 COUNT = {"histc", "bincount"}  # counts over every element: a sum over the sequence, partial like it
 PARTIAL_FIX = ("compute it from the whole sequences (gather what it reduces over cp first), or leave it out of a "
                "model trained on the cp axis (a Hugging Face MoE model: output_router_logits=False, the "

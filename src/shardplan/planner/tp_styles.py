@@ -195,21 +195,7 @@ def resolve(module, names_specs: list[tuple[Any, P, str]], compute_axes: tuple[s
         if kind == LINEAR and style == "colwise":  # its output stays sharded: the model splits it into heads
             check_whole_heads(module, mods[path.rpartition(".")[0]], path, wname, wrule, winfo.shape[0], wc.axis, wc.size)
         if "bias" in params:
-            bname = params["bias"]
-            bc = compute[bname]
-            binfo, brule = info_of[bname]
-            if BIAS_SHARDED[style]:
-                want = Compute(0, wc.axis, wc.size)
-                if bc is None:
-                    compute[bname] = compute_of(with_compute(specs[bname], 0, wc.axis), binfo.shape, compute_axes, mesh,
-                                                name=bname, rule=brule)
-                    specs[bname] = with_compute(specs[bname], 0, wc.axis)
-                elif bc != want:
-                    raise PlanError(f"bias {bname!r} (rule {brule}) of {style} module {shown!r} must be sharded on dim 0 "
-                                    f"over {wc.axis!r}, like its weight's output dimension; its spec is {specs[bname]!r}")
-            elif bc is not None:
-                raise PlanError(f"bias {bname!r} (rule {brule}) of row-parallel module {shown!r} is added after the "
-                                f"all-reduce and must be replicated over {bc.axis!r}: keep {bc.axis!r} out of its spec")
+            _bias_follows(params["bias"], style, wc, shown, compute, specs, info_of, compute_axes, mesh)
         prev = chosen.get(path)
         if prev is not None and prev != (kind, style, wc.axis):
             raise PlanError(f"module {shown!r} would run as {prev} and {(kind, style, wc.axis)}")
@@ -217,6 +203,26 @@ def resolve(module, names_specs: list[tuple[Any, P, str]], compute_axes: tuple[s
     modules = tuple(TPModule(p, *chosen[p]) for p in chosen)
     _split_heads(module, mods, heads, modules, compute, specs, info_of, mesh, compute_axes)
     return compute, specs, modules
+
+
+def _bias_follows(bname: str, style: str, wc: Compute, shown: str, compute: dict, specs: dict, info_of: dict,
+                  compute_axes, mesh: Mesh) -> None:
+    """A bias follows its weight: sharded on dim 0 under column styles (its spec given the axis when it has none),
+    replicated under row styles (added after the all-reduce)."""
+    bc = compute[bname]
+    binfo, brule = info_of[bname]
+    if BIAS_SHARDED[style]:
+        want = Compute(0, wc.axis, wc.size)
+        if bc is None:
+            compute[bname] = compute_of(with_compute(specs[bname], 0, wc.axis), binfo.shape, compute_axes, mesh,
+                                        name=bname, rule=brule)
+            specs[bname] = with_compute(specs[bname], 0, wc.axis)
+        elif bc != want:
+            raise PlanError(f"bias {bname!r} (rule {brule}) of {style} module {shown!r} must be sharded on dim 0 "
+                            f"over {wc.axis!r}, like its weight's output dimension; its spec is {specs[bname]!r}")
+    elif bc is not None:
+        raise PlanError(f"bias {bname!r} (rule {brule}) of row-parallel module {shown!r} is added after the "
+                        f"all-reduce and must be replicated over {bc.axis!r}: keep {bc.axis!r} out of its spec")
 
 
 def _head_candidates(owners: dict, compute: dict, info_of: dict, mods: dict, explicit) -> dict[str, list[str]]:
