@@ -132,7 +132,7 @@ def test_every_moe_family_plans_at_cp2_and_its_load_balancing_loss_is_refused():
     rules = [(r".*", sp.P(("dp", "cp")))]
     for kind in MOE:
         plan = sp.plan(_moe(kind), rules, sp.Mesh(dp=1, cp=2), units=UNITS, trace=_cp_trace())
-        assert len(plan.context_calls) == 2, kind
+        assert len(plan.axis("cp").calls) == 2, kind
     for kind in MOE[:3]:                                          # (DeepSeek-V3 has no auxiliary loss)
         with pytest.raises(sp.PlanError, match=r"mul in the root module multiplies or divides two means over the "
                                                r"sequence.*cp=2.*output_router_logits=False"):
