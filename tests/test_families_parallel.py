@@ -116,9 +116,9 @@ def test_token_local_experts_plan_at_cp2_and_what_cp_cannot_compute_is_refused()
     x = torch.zeros(2, 8, dtype=torch.long)
     cp = [(r".*", sp.P("cp"))]
     sp.plan(_Routed(), cp, sp.Mesh(cp=2), trace=x)               # dropless (sp.expert_parallel): token-local
-    with pytest.raises(sp.PlanError, match=r"cumsum in 'router' is mixed along its split dimension.*cp=2"):
+    with pytest.raises(sp.errors.PlanError, match=r"cumsum in 'router' is mixed along its split dimension.*cp=2"):
         sp.plan(_Routed(router_capacity=2), cp, sp.Mesh(cp=2), trace=x)
-    with pytest.raises(sp.PlanError, match=r"argsort in 'experts' .*cp=2.*'experts' is an expert module \(Experts\), "
+    with pytest.raises(sp.errors.PlanError, match=r"argsort in 'experts' .*cp=2.*'experts' is an expert module \(Experts\), "
                                            r"taken as token-local under cp only when"):
         sp.plan(_Routed(experts_capacity=2), cp, sp.Mesh(cp=2), trace=x)
 
@@ -134,7 +134,7 @@ def test_every_moe_family_plans_at_cp2_and_its_load_balancing_loss_is_refused():
         plan = sp.plan(_moe(kind), rules, sp.Mesh(dp=1, cp=2), units=UNITS, trace=_cp_trace())
         assert len(plan.axis("cp").calls) == 2, kind
     for kind in MOE[:3]:                                          # (DeepSeek-V3 has no auxiliary loss)
-        with pytest.raises(sp.PlanError, match=r"mul in the root module multiplies or divides two means over the "
+        with pytest.raises(sp.errors.PlanError, match=r"mul in the root module multiplies or divides two means over the "
                                                r"sequence.*cp=2.*output_router_logits=False"):
             sp.plan(_moe(kind), rules, sp.Mesh(dp=1, cp=2), units=UNITS, trace=_cp_trace(output_router_logits=True))
 
@@ -178,7 +178,7 @@ def _cp_train(rank, world, kinds, text):
             ref_opt.step()
             ref_opt.zero_grad()
             ref_losses.append(r.item())
-        full = sp.full_state_dict(model)
+        full = sp.checkpoint.full_state_dict(model)
         diff = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()) if rank == 0 else 0.
         refused = ""
         if kind != "deepseek_v3":                         # (it has no auxiliary loss)
@@ -186,7 +186,7 @@ def _cp_train(rank, world, kinds, text):
             sp.shard(aux, sp.plan(aux, _cp_rules(text), mesh, units=UNITS, min_unit_bytes=0))
             try:
                 aux(input_ids=xs, position_ids=pos[None], labels=ys, shift_labels=ys)
-            except sp.RuntimeShardingError as exc:
+            except sp.errors.RuntimeShardingError as exc:
                 refused = str(exc)
         out.append((kind, losses, ref_losses, diff, refused))
     return out
@@ -296,7 +296,7 @@ def _tp_train(rank, world, text):
             ref_opt.step()
             ref_opt.zero_grad()
             ref_losses.append(r.item())
-        full = sp.full_state_dict(model)
+        full = sp.checkpoint.full_state_dict(model)
         diff = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()) if rank == 0 else 0.
         out[traced] = (losses, ref_losses, diff, (q.shape, q.global_shape, q.tp_axis), (k.shape, k.tp_axis))
     for qk in (False, True):
@@ -307,7 +307,7 @@ def _tp_train(rank, world, text):
         try:
             model(input_ids=xs, labels=xs)
             out[f"stablelm {qk}"] = "ran"
-        except sp.RuntimeShardingError as exc:
+        except sp.errors.RuntimeShardingError as exc:
             out[f"stablelm {qk}"] = (str(exc), type(exc.__cause__).__name__)
     return out
 
@@ -343,7 +343,7 @@ def test_stablelm_global_head_view_is_refused_at_plan_time():
     module, or with qk_layernorm a refusal of its per-head split with the wrong fix)."""
     x = torch.zeros(2, 16, dtype=torch.long)
     for qk in (False, True):
-        with pytest.raises(sp.PlanError, match=r"column-parallel module 'model.layers.0.self_attn.q_proj' \(split "
+        with pytest.raises(sp.errors.PlanError, match=r"column-parallel module 'model.layers.0.self_attn.q_proj' \(split "
                                                r"over compute axis 'tp', 2 ranks\) is split into 4 heads with the "
                                                r"global sizes.*in 'model.layers.0.self_attn' \(view\).*Fix: compute "
                                                r"head counts from local shapes"):
