@@ -12,11 +12,16 @@ refuses the step, naming the operation, the module that runs it and the fix:
   pooling along the sequence, a matrix product contracting over it, attention whose keys are this rank's
   chunks (``F.scaled_dot_product_attention`` not through ``sp.context_parallel.attention``, eager
   ``matmul`` + ``softmax``), a normalisation over it. A sum or mean over it stays allowed: a loss's mean
-  over tokens is the mean over the whole sequence once gradients are averaged over cp.
+  over tokens is the mean over the whole sequence once gradients are averaged over cp; but a product of two
+  such means (a load-balancing loss), or another nonlinear function of one, is refused. An expert module
+  whose code is known dropless is taken as token-local as a whole (flow_tokens.py).
 * under ``tp``: any reduction over the split features (a norm over the whole width, ``sum(-1)``), a
   matrix product contracting over them outside the module's row-parallel sibling, a split of the
   features into heads whose count is fixed and width inferred (``view(b, t, heads, -1)``: every head
   spread over ranks), slicing them, a loss over them, and the output reaching the model's output.
+
+A torch error raised by an operation on a marked tensor (a view with a model's global head count on a rank's
+features) is re-raised as the refusal, naming the operation, the module, the source and the fix, chained.
 
 The planner runs it in a traced step (``trace=``; :class:`~shardplan.errors.PlanError`) and the runtime
 in the first forward of a plan that was not traced (:class:`~shardplan.errors.RuntimeShardingError`),
@@ -38,7 +43,21 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 # [Note: the rules per operation (and Mark, the tables) live in flow_rules.py; the names are re-exported here,
 # where flow_guard.py and the planner have always imported them]
+from .errors import ShardingError
+from .flow_marks import HEADS_FIX
 from .flow_rules import _BEFORE, ATTENTION_FIX, SEQUENCE, SHIFT_FIX, Mark, reshaped, rule  # noqa: F401
+from .flow_tokens import PARTIAL_FIX, Frame, mark_outputs, open_frame, partial_rule, trusted_experts, why_not
+
+_LIVE: list = []  # the checks entered now (dispatch and combine report to them: routed())
+
+
+def routed(module, what: str) -> None:
+    """``sp.expert_parallel.dispatch`` (``what="dispatch"``) and ``combine`` report that ``module`` moved its
+    tokens through them: a check that holds the module's call open takes it as token-local (flow_tokens.py)."""
+    for chk in _LIVE:
+        for f in chk.frames:
+            if f.module is module:
+                f.routed.add(what)
 
 
 def _plain(t) -> bool:
@@ -47,9 +66,9 @@ def _plain(t) -> bool:
 
 
 class _Refused(Exception):
-    def __init__(self, error: Exception):
+    def __init__(self, error: Exception, seq: bool = False):
         super().__init__(str(error))
-        self.error = error
+        self.error, self.seq = error, seq
 
 
 class FlowCheck(TorchFunctionMode):
@@ -65,8 +84,19 @@ class FlowCheck(TorchFunctionMode):
         self.error, self.colwise, self.rowwise, self.cp = error, dict(colwise or {}), dict(rowwise or {}), cp
         self.through_attention = through_attention
         self.marks = WeakIdKeyDictionary()
+        self.partial = WeakIdKeyDictionary()  # a rank's partial means over the sequence -> the mark reduced
+        self.frames: list[Frame] = []          # expert modules' calls held open (flow_tokens.py)
         self.stack: list[str] = [""]
         self.live = True
+
+    def __enter__(self):
+        _LIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self in _LIVE:
+            _LIVE.remove(self)
+        return super().__exit__(*exc)
 
     # -- marks ---------------------------------------------------------------------------------------------
     def mark(self, t, m: Optional[Mark]) -> None:
@@ -77,6 +107,11 @@ class FlowCheck(TorchFunctionMode):
 
     def of(self, t) -> tuple:
         return self.marks.get(t, ()) if isinstance(t, torch.Tensor) and _plain(t) else ()
+
+    def mark_partial(self, t, m: Mark) -> None:
+        """``t`` is this rank's partial mean (or sum, or count) over the split sequence (flow_tokens.py's Note)."""
+        if isinstance(t, torch.Tensor) and _plain(t):
+            self.partial[t] = m
 
     def mark_inputs(self, args, kwargs, seq_dim: int = 1) -> None:
         """Under cp, the model's inputs: dimension ``seq_dim`` of every tensor with the first one's
@@ -101,9 +136,12 @@ class FlowCheck(TorchFunctionMode):
         handles = []
 
         def enter(path):
-            def hook(_m, _args):
+            def hook(mod, args):
                 if self.live:
                     self.stack.append(path)
+                    frame = open_frame(path, mod, args, self.of, SEQUENCE)
+                    if frame is not None:
+                        self.frames.append(frame)
             return hook
 
         def leave(path):
@@ -112,6 +150,8 @@ class FlowCheck(TorchFunctionMode):
                     return
                 if self.stack and self.stack[-1] == path:
                     self.stack.pop()
+                if self.frames and self.frames[-1].path == path and self.frames[-1].module is _m:
+                    self.close(self.frames.pop(), out)
                 if path in self.colwise or path in self.rowwise:
                     self.carry_through(args, out)
                 if path in self.colwise:
@@ -127,6 +167,14 @@ class FlowCheck(TorchFunctionMode):
             handles.append(mod.register_forward_pre_hook(enter(path)))
             handles.append(mod.register_forward_hook(leave(path)))
         return handles
+
+    def close(self, frame: Frame, out) -> None:
+        """An expert module's call returned: token-local (its outputs marked like its token input) when the code
+        that ran is known dropless, else the refusal held back is raised (flow_tokens.py's Note)."""
+        if trusted_experts(frame.module) or frame.routed >= {"dispatch", "combine"}:
+            mark_outputs(frame, out, self.mark)
+        elif frame.held is not None:
+            raise self.error(str(frame.held) + why_not(frame)) from frame.held
 
     def carry_through(self, args, out) -> None:
         """A tensor-parallel module computes on DTensors at run time, out of the mode's sight: its input's
@@ -157,7 +205,7 @@ class FlowCheck(TorchFunctionMode):
 
     # -- messages --------------------------------------------------------------------------------------------
     def refuse(self, m: Mark, how: str, op: str, fix: str = "") -> None:
-        raise _Refused(self._error(m, how, op, fix))
+        raise _Refused(self._error(m, how, op, fix), m.source == SEQUENCE)
 
     def _error(self, m: Mark, how: str, op: str, fix: str) -> Exception:
         where = self.stack[-1] if self.stack else ""
@@ -167,12 +215,30 @@ class FlowCheck(TorchFunctionMode):
                 f"{op} in {where} {how}: the sequence is split over {m.axis!r} (cp={m.size}, each rank holds 2 of "
                 f"{2 * m.size} chunks), so it would see this rank's chunks only and compute a wrong result, silently. "
                 f"Fix: {fix or 'keep this operation out of a model trained on the cp axis, or plan without it'}")
+        default = (f"let only its row-parallel sibling read it (a sibling nn.Linear whose weight is split on dim 1 "
+                   f"over {m.axis!r}), give {m.source!r} style 'colwise_gather' (styles=[(regex, 'colwise_gather')]: "
+                   f"its output is all-gathered), or keep {m.axis!r} out of its weight's spec (replicated compute)")
         return self.error(
             f"the output of column-parallel module {m.source!r} (split over compute axis {m.axis!r}, {m.size} ranks) "
-            f"{how} in {where} ({op}): each rank holds 1/{m.size} of its features, so this computes per-rank pieces, "
-            f"silently. Fix: let only its row-parallel sibling read it (a sibling nn.Linear whose weight is split on "
-            f"dim 1 over {m.axis!r}), give {m.source!r} style 'colwise_gather' (styles=[(regex, 'colwise_gather')]: "
-            f"its output is all-gathered), or keep {m.axis!r} out of its weight's spec (replicated compute)")
+            f"{how} in {where} ({op}): each rank holds 1/{m.size} of its features"
+            + (f". Fix: {fix}" if fix else f", so this computes per-rank pieces, silently. Fix: {default}"))
+
+    def _failed(self, m: Mark, op: str, exc: Exception) -> Exception:
+        """The refusal for a torch error raised by an operation on a split tensor: it computes on this rank's
+        part with a size the model took from the whole (a head count from its config, a sequence length)."""
+        where = self.stack[-1] if self.stack else ""
+        where = repr(where) if where else "the root module"
+        raised = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if m.source == SEQUENCE:
+            return self.error(
+                f"{op} in {where} failed on a tensor whose sequence is split over {m.axis!r} (cp={m.size}, each rank "
+                f"holds 2 of {2 * m.size} chunks: 1/{m.size} of the tokens) ({raised}): the model computes with a size "
+                f"of the whole sequence. Fix: take sizes from the local shapes (x.shape), or keep this module out of "
+                f"a model trained on the cp axis (docs/context_parallel.md)")
+        return self.error(
+            f"{op} in {where} failed on the output of column-parallel module {m.source!r} (split over compute axis "
+            f"{m.axis!r}, {m.size} ranks: each rank holds 1/{m.size} of its features) ({raised}): the model computes "
+            f"with a size of the whole width. Fix: " + HEADS_FIX.format(axis=m.axis))
 
     # -- the mode ------------------------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -182,8 +248,15 @@ class FlowCheck(TorchFunctionMode):
             if name and name != "__get__" else []
         if name in _BEFORE:  # refused before it runs (whatever it calls inside would refuse otherwise)
             self._rules(name, args, kwargs, None, marked)
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - re-raised as the refusal it is, chained
+            if not marked or isinstance(exc, (_Refused, ShardingError)):
+                raise
+            raise self._failed(marked[0][1], name, exc) from exc
         self._rules(name, args, kwargs, out, marked)
+        if name and self.partial:
+            self._partial(name, args, kwargs, out)
         return out
 
     def _rules(self, name, args, kwargs, out, marked) -> None:
@@ -192,8 +265,33 @@ class FlowCheck(TorchFunctionMode):
                 rule(self, name, args, kwargs, out, [pair])
             except Exception as exc:  # noqa: BLE001
                 if isinstance(exc, _Refused):
-                    raise exc.error from None
+                    self._raise(exc)
+                    return
                 # an argument form the rules do not know: the mark is dropped rather than the step failed
+
+    def _raise(self, exc: _Refused) -> None:
+        """Raise a refusal, or hold back one about the sequence inside an expert module's call (flow_tokens.py)."""
+        if exc.seq and self.frames:
+            if self.frames[-1].held is None:
+                self.frames[-1].held = exc.error
+            return
+        raise exc.error from None
+
+    def _partial(self, name, args, kwargs, out) -> None:
+        """Partial means over the sequence: kept through linear operations, refused in any other."""
+        found = {id(t): self.partial[t] for t in tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor) and _plain(t) and t in self.partial}
+        if not found:
+            return
+        what = partial_rule(name, args, kwargs, found)
+        if what == "keep":
+            for t in tree_leaves(out):
+                self.mark_partial(t, next(iter(found.values())))
+        elif what != "drop":
+            try:
+                self.refuse(next(iter(found.values())), what, name, PARTIAL_FIX)
+            except _Refused as exc:
+                self._raise(exc)
 
 
 def check(model, args, kwargs, error: Callable[[str], Exception], colwise=None, rowwise=None, cp: int = 1,

@@ -71,3 +71,38 @@ def check_whole_heads(root, parent, path: str, weight: str, rule: str, out_featu
         f"cannot each hold whole heads, and the model's reshape into heads would fail in the forward. Fix: a "
         f"{axis!r} size that divides {heads} (e.g. {axis}={fits[0]}), or keep {axis!r} out of this attention's "
         f"projection specs (replicated compute, e.g. P() or the data axes only)")
+
+
+# [Note: per-head parameters] Between a column-parallel projection and its row-parallel sibling each rank holds
+# whole heads of the projection's output, viewed as (..., heads, head_dim). A parameter of a module in between
+# that holds one row per head, ``(heads, head_dim, ...)`` (Cohere's ``q_norm`` / ``k_norm`` weights with
+# ``use_qk_norm=True``, applied to the viewed heads), must be split with them: rank r holds heads
+# ``[r*heads/tp, (r+1)*heads/tp)`` of the projection and needs the same rows of the parameter. Left whole, its
+# ``heads`` rows meet ``heads/tp`` local heads (a broadcast error, or with one local head a silent broadcast).
+# So such a parameter is compute-sharded on dim 0 over the projection's axis, as a bias follows its weight:
+# stored as its tensor-parallel-local rows, computed with as a plain tensor (its module is no tensor-parallel
+# module, it runs on the local heads as they are), its gradient whole for those rows (no partial sum). The
+# planner infers it (a replicated spec gets the axis put first in dim 0); a spec that puts the axis on dim 0
+# itself is accepted too, and any other compute-sharded parameter of such a module is refused as before.
+# 1-D parameters are never taken for per-head ones: a ``(head_dim,)`` norm weight (Qwen3's q_norm) is read
+# along head_dim by every head, and a ``(heads,)`` vector cannot be told from it when heads == head_dim.
+
+
+def per_head_axis(root, mods: dict, path: str, shape: tuple, colwise: dict) -> Optional[tuple[str, int, str]]:
+    """``(axis, heads, projection)`` when the parameter of module ``path`` with ``shape`` holds one row per head
+    of a column-parallel projection of its block (``colwise``: projection path -> (axis, out features), the
+    projections of blocks that also hold a row-parallel one), else ``None`` (see the Note)."""
+    if len(shape) < 2:
+        return None
+    for proj, (axis, out) in colwise.items():
+        block = proj.rpartition(".")[0]
+        if not (path.startswith(block + ".") if block else bool(path)):
+            continue
+        parent = mods[block]
+        head_dim, _ = _head_dim(parent, getattr(parent, "config", None) or getattr(root, "config", None))
+        width = 1
+        for s in shape[1:]:
+            width *= s
+        if head_dim and width == head_dim and out == shape[0] * head_dim:
+            return axis, shape[0], proj
+    return None

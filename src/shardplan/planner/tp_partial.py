@@ -112,11 +112,13 @@ class _Reads:
                 params.add(n)
             elif t in self.derived:
                 params |= self.derived[t]
+            elif isinstance(t, torch.nn.Parameter) and t not in self.sharded:
+                pass  # one the plan sums nothing of: split with its heads (heads.py), frozen, an expert's
             elif t not in self.sharded:
                 other = True
                 if axes and t.requires_grad and not isinstance(t, torch.nn.Parameter) and not self.mixed:
                     self.mixed.append((axes[0], _name(func), self.stack[-1] if self.stack else ""))
-        if not axes and not params:
+        if not ins or (not axes and not params and other):
             return
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if axes:

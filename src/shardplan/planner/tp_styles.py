@@ -11,7 +11,7 @@ from typing import Any, Mapping, Optional, Sequence
 from ..errors import PlanError, SpecError, did_you_mean
 from ..mesh import Mesh
 from ..spec import P
-from .heads import check_whole_heads
+from .heads import check_whole_heads, per_head_axis
 from .values import Compute
 
 LINEAR, EMBEDDING = "linear", "embedding"
@@ -151,8 +151,9 @@ def resolve(module, names_specs: list[tuple[Any, P, str]], compute_axes: tuple[s
         for full in (info.name,) + tuple(info.aliases):
             path, _, attr = full.rpartition(".")
             owners.setdefault(path, []).append((attr, info.name))
-    sharded = {path for path, ps in owners.items() if any(compute[n] is not None for _, n in ps)}
     explicit = _as_style_rules(styles)
+    heads = _head_candidates(owners, compute, info_of, mods, explicit)
+    sharded = {path for path, ps in owners.items() if path not in heads and any(compute[n] is not None for _, n in ps)}
     chosen: dict[str, tuple[str, str, str]] = {}  # path -> (kind, style, axis)
     for path in sorted(sharded, key=list(mods).index):
         mod = mods[path]
@@ -194,27 +195,74 @@ def resolve(module, names_specs: list[tuple[Any, P, str]], compute_axes: tuple[s
         if kind == LINEAR and style == "colwise":  # its output stays sharded: the model splits it into heads
             check_whole_heads(module, mods[path.rpartition(".")[0]], path, wname, wrule, winfo.shape[0], wc.axis, wc.size)
         if "bias" in params:
-            bname = params["bias"]
-            bc = compute[bname]
-            binfo, brule = info_of[bname]
-            if BIAS_SHARDED[style]:
-                want = Compute(0, wc.axis, wc.size)
-                if bc is None:
-                    compute[bname] = compute_of(with_compute(specs[bname], 0, wc.axis), binfo.shape, compute_axes, mesh,
-                                                name=bname, rule=brule)
-                    specs[bname] = with_compute(specs[bname], 0, wc.axis)
-                elif bc != want:
-                    raise PlanError(f"bias {bname!r} (rule {brule}) of {style} module {shown!r} must be sharded on dim 0 "
-                                    f"over {wc.axis!r}, like its weight's output dimension; its spec is {specs[bname]!r}")
-            elif bc is not None:
-                raise PlanError(f"bias {bname!r} (rule {brule}) of row-parallel module {shown!r} is added after the "
-                                f"all-reduce and must be replicated over {bc.axis!r}: keep {bc.axis!r} out of its spec")
+            _bias_follows(params["bias"], style, wc, shown, compute, specs, info_of, compute_axes, mesh)
         prev = chosen.get(path)
         if prev is not None and prev != (kind, style, wc.axis):
             raise PlanError(f"module {shown!r} would run as {prev} and {(kind, style, wc.axis)}")
         chosen[path] = (kind, style, wc.axis)
     modules = tuple(TPModule(p, *chosen[p]) for p in chosen)
+    _split_heads(module, mods, heads, modules, compute, specs, info_of, mesh, compute_axes)
     return compute, specs, modules
+
+
+def _bias_follows(bname: str, style: str, wc: Compute, shown: str, compute: dict, specs: dict, info_of: dict,
+                  compute_axes, mesh: Mesh) -> None:
+    """A bias follows its weight: sharded on dim 0 under column styles (its spec given the axis when it has none),
+    replicated under row styles (added after the all-reduce)."""
+    bc = compute[bname]
+    binfo, brule = info_of[bname]
+    if BIAS_SHARDED[style]:
+        want = Compute(0, wc.axis, wc.size)
+        if bc is None:
+            compute[bname] = compute_of(with_compute(specs[bname], 0, wc.axis), binfo.shape, compute_axes, mesh,
+                                        name=bname, rule=brule)
+            specs[bname] = with_compute(specs[bname], 0, wc.axis)
+        elif bc != want:
+            raise PlanError(f"bias {bname!r} (rule {brule}) of {style} module {shown!r} must be sharded on dim 0 "
+                            f"over {wc.axis!r}, like its weight's output dimension; its spec is {specs[bname]!r}")
+    elif bc is not None:
+        raise PlanError(f"bias {bname!r} (rule {brule}) of row-parallel module {shown!r} is added after the "
+                        f"all-reduce and must be replicated over {bc.axis!r}: keep {bc.axis!r} out of its spec")
+
+
+def _head_candidates(owners: dict, compute: dict, info_of: dict, mods: dict, explicit) -> dict[str, list[str]]:
+    """Module path -> its parameters that may hold one row per head (heads.py's Note: per-head parameters): of
+    modules with no style of their own, parameters of 2 or more dimensions replicated or compute-sharded on
+    dim 0, every compute-sharded one of the module among them."""
+    out = {}
+    for path, ps in owners.items():
+        if _kind(mods[path]) is not None or any(rx.fullmatch(path) for rx, _ in explicit):
+            continue
+        names = [n for _, n in ps if len(info_of[n][0].shape) >= 2 and (compute[n] is None or compute[n].dim == 0)]
+        if names and all(n in names for _, n in ps if compute[n] is not None):
+            out[path] = names
+    return out
+
+
+def _split_heads(root, mods: dict, heads: dict, modules, compute: dict, specs: dict, info_of: dict, mesh: Mesh,
+                 compute_axes) -> None:
+    """Split the per-head parameters with their heads (heads.py's Note): compute-sharded on dim 0 over their
+    projection's axis; a compute-sharded one that holds no row per head raises."""
+    colwise = {m.path: (m.axis, mods[m.path].weight.shape[0]) for m in modules
+               if m.kind == LINEAR and m.style == "colwise" and any(
+                   o.style == "rowwise" and o.path.rpartition(".")[0] == m.path.rpartition(".")[0] for o in modules)}
+    for path, names in heads.items():
+        for n in names:
+            info, rule = info_of[n]
+            found = per_head_axis(root, mods, path, info.shape, colwise)
+            if found is None:
+                if compute[n] is not None:
+                    raise PlanError(
+                        f"parameter {n!r} (rule {rule}) is sharded over compute axis {compute[n].axis!r}, but its "
+                        f"module {path!r} ({type(mods[path]).__name__}) has no tensor-parallel style, and the "
+                        f"parameter holds no row per head of a column-parallel projection of its block (shape "
+                        f"{info.shape}). Fix: keep {compute[n].axis!r} out of its spec (replicated compute)")
+                continue
+            axis = found[0]
+            if mesh.axis_size(axis) <= 1 or (compute[n] is not None and compute[n].axis != axis):
+                continue
+            specs[n] = with_compute(specs[n], 0, axis)
+            compute[n] = compute_of(specs[n], info.shape, compute_axes, mesh, name=n, rule=rule)
 
 
 def _infer(kind: str, dim: int, path: str, mods: dict, owners: dict, compute: dict) -> str:

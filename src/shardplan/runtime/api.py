@@ -18,6 +18,7 @@ from . import axes as AXES
 from . import collectives as C
 from . import flow_guard as FG
 from . import tensor_parallel as TP
+from . import tp_checks as TPC
 from . import state_dict as SD
 from . import norms as NORMS
 from . import dtensor_params as DP
@@ -153,9 +154,9 @@ def _install(module: nn.Module, plan: Plan, exe: Executor, rt, face: ModuleFace,
             if b.device.type != "meta":
                 C.broadcast(b.data, 0, rt.groups.world)
     if meshes:  # after initialisation: the states the first forward draws from
-        TP.align_generators(plan, rt.groups.world, device)
-        exe.handles.append(TP.install_input_check(module, plan, rt.groups.world, device))
-        exe.partial_check = TP.PartialCheck(plan, rt.groups.world, device)
+        TPC.align_generators(plan, rt.groups.world, device)
+        exe.handles.append(TPC.install_input_check(module, plan, rt.groups.world, device))
+        exe.partial_check = TPC.PartialCheck(plan, rt.groups.world, device)
 
 
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool, *, recurse: bool = True) -> None:

@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import RuntimeShardingError
+from ..flow import routed as report_routed
 from ..planner.kinds import ALL_TO_ALL
 from ..planner import expert_parallel as EPX
 from . import collectives as C
@@ -99,6 +100,7 @@ class Routed:
     _regroup: Optional[torch.Tensor] = None   # received row order -> by local expert
     _sent: Optional[list] = None          # rows sent to each ep rank
     _received: Optional[list] = None      # rows received from each
+    _module: Optional[nn.Module] = None   # the expert module (combine reports it to the flow check)
 
 
 def group_of(module: nn.Module) -> Optional[ExpertGroup]:
@@ -121,14 +123,15 @@ def dispatch(module: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor) -> Ro
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     rows = x[order // k]                                   # each (token, slot) pair, sorted by expert
+    report_routed(module, "dispatch")  # dropless: every token reaches its experts (flow_tokens.py's Note)
     if flat.device.type == "meta":  # the planner's traced step: routing has no values; assume it balanced
         even, extra = divmod(n * k, num)
-        return Routed(rows, [even + (e < extra) for e in range(num)], order, (n, k))
+        return Routed(rows, [even + (e < extra) for e in range(num)], order, (n, k), _module=module)
     counts = torch.bincount(flat, minlength=num)
     module.__dict__[_DISPATCHED] = True
     eg = group_of(module)
     if eg is None or eg.group.pg is None:  # experts all local (a real group of one: SHARDPLAN_SINGLETON_GROUPS=1)
-        return Routed(rows, counts.tolist(), order, (n, k))
+        return Routed(rows, counts.tolist(), order, (n, k), _module=module)
     size, local = eg.group.size, eg.local_experts
     recv = torch.empty_like(counts)
     C.all_to_all_single(recv, counts, eg.group)            # [src rank, local expert] counts, flattened
@@ -140,7 +143,7 @@ def dispatch(module: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor) -> Ro
     # the rows arrive by source rank, then by local expert; the experts want them by local expert
     expert_of_row = torch.repeat_interleave(torch.arange(local, device=recv.device).repeat(size), recv.reshape(-1))
     regroup = torch.argsort(expert_of_row, stable=True)
-    return Routed(got[regroup], recv.sum(0).tolist(), order, (n, k), eg, regroup, sent, received)
+    return Routed(got[regroup], recv.sum(0).tolist(), order, (n, k), eg, regroup, sent, received, module)
 
 
 def combine(routed: Routed, y: torch.Tensor) -> torch.Tensor:
@@ -155,7 +158,9 @@ def combine(routed: Routed, y: torch.Tensor) -> torch.Tensor:
     inverse = torch.empty_like(routed._order)
     inverse[routed._order] = torch.arange(routed._order.numel(), device=inverse.device)
     n, k = routed._shape
-    return y[inverse].view(n, k, *y.shape[1:])
+    out = y[inverse].view(n, k, *y.shape[1:])
+    report_routed(routed._module, "combine")  # every row back in its token's place
+    return out
 
 
 def install(module: nn.Module, plan, groups, exe=None) -> None:

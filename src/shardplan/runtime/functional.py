@@ -37,6 +37,7 @@ from .executor import Executor
 from .faces import TreeFace
 from .hooks import module_hooks, register
 from . import tensor_parallel as TP
+from . import tp_checks as TPC
 from . import axes as AXES
 from . import flow_guard as FG
 
@@ -71,8 +72,8 @@ class FunctionalRuntime:
         self.checked: set = set()
         self.hooks: Optional[list] = None  # the module hooks' entries (hooks.register), made at the first call
         if self.meshes:
-            TP.align_generators(plan, rt.groups.world, rt.device)
-            self.exe.partial_check = TP.PartialCheck(plan, rt.groups.world, rt.device)
+            TPC.align_generators(plan, rt.groups.world, rt.device)
+            self.exe.partial_check = TPC.PartialCheck(plan, rt.groups.world, rt.device)
         # [Note: compute axes] expert and context parallelism (and any registered axis) are put in place at every
         # call through runtime/axes.py's bind, as shard() installs them once: one module may be called under
         # plans of other meshes in turn, and keeps no hooks between calls
@@ -153,7 +154,7 @@ def functional_call(module: nn.Module, plan: Plan, local_params: Any, args: Any 
     if rt.meshes:
         handles += TP.install_styles(module, plan, rt.meshes, rt.exe)
         if not rt.inputs_checked:
-            handles.append(TP.install_input_check(module, plan, rt.exe.groups.world, rt.device))
+            handles.append(TPC.install_input_check(module, plan, rt.exe.groups.world, rt.device))
             rt.inputs_checked = True
     try:
         if buffers:
