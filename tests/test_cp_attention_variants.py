@@ -214,3 +214,51 @@ def test_attention_window_and_softcap_outside_cp():
     assert torch.allclose(got, capped, atol=1e-6)
     with pytest.raises(sp.errors.RuntimeShardingError, match="without is_causal=True"):
         sp.context_parallel.attention(q, k, v, window=3)
+
+
+def _ignored_labels(rank, world, steps=2, seq=16):
+    """Hugging Face's shifted labels (the last position ignored, -100) at cp=2: refused without
+    ``num_items_in_batch``; with it, the losses of one process."""
+    name = sp.context_parallel.hf_attention()
+    model, ref = _model("mistral", name, sliding_window=None), _model("mistral", "sdpa", sliding_window=None)
+    plan = sp.plan(model, _RULES, sp.Mesh(dp=1, cp=2), units=_UNITS, min_unit_bytes=0)
+    sp.shard(model, plan)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
+    g = torch.Generator().manual_seed(5)
+    out = {"losses": [], "ref": []}
+    for step in range(steps):
+        ids = torch.randint(0, 128, (4, seq), generator=g)
+        y = torch.roll(ids, -1, 1)
+        y[:, -1] = -100                                  # nothing follows the last token
+        xs, ys, pos = sp.context_parallel.shard_batch(plan, rank, ids, y)
+        if step == 0:
+            try:
+                model(input_ids=xs, position_ids=pos[None], labels=ys, shift_labels=ys)
+                out["refused"] = ""
+            except sp.errors.RuntimeShardingError as exc:
+                out["refused"] = str(exc)
+        n = (y != -100).sum() / 2
+        loss = model(input_ids=xs, position_ids=pos[None], labels=ys, shift_labels=ys, num_items_in_batch=n).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().clone()
+        torch.distributed.all_reduce(t)                  # the ranks' shares of the whole sum / n
+        out["losses"].append(t.item() / 2)
+        r = ref(input_ids=ids, labels=y, shift_labels=y).loss
+        r.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        out["ref"].append(r.item())
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ignored_labels_under_cp_are_refused_without_num_items_in_batch():
+    """Each rank's loss is the mean over its own labelled tokens: with the last position ignored the ranks hold 16
+    and 15 and the step was not the whole sequences' mean, silently. Refused, naming num_items_in_batch; with it,
+    one process's losses."""
+    for got in run(_ignored_labels, 2):
+        assert "num_items_in_batch" in got["refused"], got["refused"]
+        assert got["losses"] == pytest.approx(got["ref"], abs=1e-5)

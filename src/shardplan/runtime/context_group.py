@@ -233,6 +233,56 @@ def _no_cache(module) -> list:
     return [module.register_forward_pre_hook(hook, with_kwargs=True)]
 
 
+IGNORE_INDEX = -100  # the label Hugging Face's losses (and torch's cross_entropy by default) leave out
+_BATCH_IGNORED: dict = {}  # id(plan) -> (a weak reference to it, whether its last batch had ignored labels)
+
+
+def note_batch(plan, tensors) -> None:
+    """What :func:`shard_batch` saw of the global batch it split: whether a label tensor (an integer tensor after
+    the first) holds ignored positions anywhere (every rank splits the same global batch: they agree)."""
+    ignored = any(not t.is_floating_point() and bool((t == IGNORE_INDEX).any()) for t in tensors[1:])
+    for k in [k for k, (ref, _) in _BATCH_IGNORED.items() if ref() is None]:
+        del _BATCH_IGNORED[k]
+    _BATCH_IGNORED[id(plan)] = (weakref.ref(plan), ignored)
+
+
+def _batch_ignored(plan) -> bool:
+    ref, ignored = _BATCH_IGNORED.get(id(plan), (None, False))
+    return ignored and ref is not None and ref() is plan
+
+
+def _ignored_labels(module, plan) -> list:
+    """A pre-hook on the root refusing ``labels`` / ``shift_labels`` from a batch with ignored positions (``-100``,
+    as :func:`shard_batch` saw it) unless the call passes ``num_items_in_batch``.
+
+    [Note: ignored labels under cp] each rank's loss is the mean over *its* labelled tokens and gradients are
+    averaged over cp, so every rank's tokens weigh 1/cp of the step whatever their count. Where the ranks hold
+    different numbers of ignored positions (the last position of Hugging Face's shifted labels, padding), the
+    step is not the whole sequences' mean: 15 labelled tokens on one rank against 16 on the other moved a tiny
+    Mistral's loss, silently. Hugging Face's losses divide a sum by ``num_items_in_batch`` where it is given, which
+    makes every rank's share exact: the whole batch's labelled tokens / cp. The decision is the global batch's
+    (``shard_batch`` sees it whole on every rank), not this rank's chunks: ranks refuse together or not at all.]"""
+    names = forward_parameters(module)
+    if "labels" not in names and "shift_labels" not in names:
+        return []
+
+    def hook(_m, args, kwargs):
+        if kwargs.get("num_items_in_batch") is not None or not _batch_ignored(plan):
+            return None
+        key = next((k for k in ("labels", "shift_labels") if isinstance(kwargs.get(k), torch.Tensor)), None)
+        if key is not None:
+            raise RuntimeShardingError(
+                f"{type(module).__name__} was called with {key}= from a batch holding ignored positions "
+                f"({IGNORE_INDEX}) under context parallelism: each rank averages its loss over its own labelled "
+                f"tokens and the ranks hold different numbers of them, so the step would not be the whole sequences' "
+                f"mean. Pass num_items_in_batch=n / cp, n the labelled tokens of the global batch's sequences on "
+                f"this data slice, e.g. `n = (ys != -100).sum()` over the slice before "
+                f"sp.context_parallel.shard_batch (Hugging Face's loss then divides its sum by it), or labels with no "
+                f"ignored position")
+        return None
+    return [module.register_forward_pre_hook(hook, with_kwargs=True)]
+
+
 def _group(plan, groups, exe) -> Optional[ContextGroup]:
     """The executor's context group, made once (``None``: the plan has no cp axis, or a plain one of one rank)."""
     if CONTEXT_AXIS not in plan.mesh.axis_names:
@@ -258,7 +308,7 @@ def install(module, plan, groups, exe=None) -> list:
     g = _group(plan, groups, exe)
     if g is None:
         return []
-    handles = _root_hooks(module, g) + _no_cache(module)
+    handles = _root_hooks(module, g) + _no_cache(module) + _ignored_labels(module, plan)
     # [Note: a unit called on its own] a block or a submodule of the model called directly (model.model(...),
     # model.layers[i](h) on this rank's chunks) runs without the root's hooks: its units bind the group too,
     # or its attention would run over this rank's chunks only, silently

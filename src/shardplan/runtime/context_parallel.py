@@ -33,7 +33,7 @@ from . import collectives as C
 # Hugging Face's "shardplan_cp" (context_parallel_hf.py), re-exported here: sp.context_parallel is this module
 from .context_attention import attention
 from .context_group import (CONTEXT_AXIS, ContextGroup, _BACKWARD, _bind_backward, _LAST, active, disabled,
-                            group_of, install, positions)
+                            group_of, install, note_batch, positions)
 from .context_parallel_hf import HF_ATTENTION, hf_attention
 
 __all__ = ["ContextGroup", "HF_ATTENTION", "active", "attention", "disabled", "group_of", "hf_attention", "loss_mean",
@@ -55,6 +55,8 @@ def shard_batch(plan, rank: int, *tensors: torch.Tensor, seq_dim: int = 1):
     idx = plan.mesh.axis_index(rank, (CONTEXT_AXIS,)) if cp > 1 else 0
     pos = positions(x0.shape[seq_dim], cp, idx, device=x0.device)
     out = [t[i * per:(i + 1) * per].index_select(seq_dim, pos) for t in tensors]
+    if cp > 1:
+        note_batch(plan, tensors)  # (labels with ignored positions need num_items_in_batch: context_group.py)
     return (*out, pos)
 
 
