@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -78,7 +79,7 @@ def parse_args(argv=None):
                     help="scale every link's bandwidth (Network.scaled; default 1; --tiny 1e-5: comm-heavy)")
     ap.add_argument("--compute", default=None, help="compute model (a) (default: the network's device preset)")
     ap.add_argument("--prefetch", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=None, help="rehearsal steps (default 6; --tiny 4)")
+    ap.add_argument("--steps", type=int, default=None, help="rehearsal steps (default 4)")
     ap.add_argument("--block-ms", type=float, default=None,
                     help="each block also sleeps this long in forward, twice in backward (default 0; --tiny 20)")
     ap.add_argument("--tiny", action="store_true",
@@ -89,7 +90,7 @@ def parse_args(argv=None):
     args.worlds = [int(w) for w in (args.worlds or ("8,64" if args.tiny else "8,64,512")).split(",")]
     args.bandwidth = args.bandwidth if args.bandwidth is not None else (1e-5 if args.tiny else 1.0)
     args.block_ms = args.block_ms if args.block_ms is not None else (20.0 if args.tiny else 0.0)
-    args.steps = args.steps or (4 if args.tiny else 6)
+    args.steps = args.steps or 4
     return args
 
 
@@ -189,9 +190,7 @@ def compare(model_fn, plan, batch: tuple, ac: bool, net, steps: int, preset) -> 
     forecast_kinds: dict = {}
     for c in fb.collectives:
         forecast_kinds[c.kind] = forecast_kinds.get(c.kind, 0.0) + c.latency_s + c.transfer_s
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return {
+    out = {
         "world": plan.mesh.size, "batch": list(batch), "checkpoint": ac, "device": r.device,
         "emulated_step_s": n.step_s, "emulated_baseline_s": n.baseline_step_s, "emulated_exposed_s": n.exposed_s,
         "emulated_steps_s": list(r.step_s), "compute_rehearsal_step_s": base.median_step_s,
@@ -203,9 +202,14 @@ def compare(model_fn, plan, batch: tuple, ac: bool, net, steps: int, preset) -> 
         "ratio_a": fa.step_s / n.step_s, "ratio_b": fb.step_s / n.step_s, "ratio_b_net_units": fb2.step_s / n.step_s,
         "ledger_modelled_s": dict(n.modelled_s), "ledger_ops": dict(n.ops), "ledger_bytes": dict(n.bytes),
         "forecast_modelled_s": forecast_kinds,
-        "forecast_ops": {k: sum(1 for c in fb.collectives if c.kind == k) for k in forecast_kinds},
+        "forecast_ops": {kind: sum(1 for c in fb.collectives if c.kind == kind) for kind in forecast_kinds},
         "compute_model": base.compute_model(), "seconds": took,
     }
+    del base, r
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
 
 
 HEAD = (f"{'model':<28} {'N':>4} {'emulated':>9} {'fc (a)':>9} {'fc (b)':>9} {'(a)/em':>7} {'(b)/em':>7} "
