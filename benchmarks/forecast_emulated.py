@@ -212,8 +212,9 @@ def compare(model_fn, plan, batch: tuple, ac: bool, net, steps: int, preset) -> 
     return out
 
 
+_B2 = "(b')/em"
 HEAD = (f"{'model':<28} {'N':>4} {'emulated':>9} {'fc (a)':>9} {'fc (b)':>9} {'(a)/em':>7} {'(b)/em':>7} "
-        f"{'(b~)/em':>7} {'(b`)/em':>7} {'exp em':>8} {'exp fc':>8}")
+        f"{'(b~)/em':>7} {_B2:>7} {'exp em':>8} {'exp fc':>8}")
 
 
 def row(x: dict) -> str:
@@ -237,7 +238,7 @@ def main(argv=None) -> dict:
               "emulated": "one device playing rank 0 of N; every figure is EMULATED under the network model named here",
               "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "points": []}
     print(f"network {net.name} (bandwidth x{args.bandwidth:g}), EMULATED; times in ms; (b~): (b) rescaled to the "
-          f"network rehearsal's baseline; (b`): its own unit times (waits included); exp fc: (b~)'s\n{HEAD}", flush=True)
+          f"network rehearsal's baseline; (b'): its own unit times (waits included); exp fc: (b~)'s\n{HEAD}", flush=True)
     for text in args.models.split(","):
         for world in args.worlds:
             x = run_point(Point.parse(text), world, net, args)
