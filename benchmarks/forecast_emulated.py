@@ -82,6 +82,8 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=None, help="rehearsal steps (default 4)")
     ap.add_argument("--block-ms", type=float, default=None,
                     help="each block also sleeps this long in forward, twice in backward (default 0; --tiny 20)")
+    ap.add_argument("--comm-ctas", type=int, default=1,
+                    help="GPU: SMs each emulated collective holds (NCCL's channels; benchmarks/emulated.py's)")
     ap.add_argument("--tiny", action="store_true",
                     help=f"the CPU grid: {TINY} at N=8,64, bandwidth x1e-5, --block-ms 20")
     ap.add_argument("--out", default=None, help="write the JSON here")
@@ -229,12 +231,15 @@ def main(argv=None) -> dict:
     import torch
     from shardplan.forecast import network
 
+    from shardplan.runtime.emulated import configure
+
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # the comm thread gets the other core
+    configure(None, comm_ctas=args.comm_ctas)  # (the rehearsal configures the network, keeping this)
     net = network(args.network)
     net = net.scaled(args.bandwidth) if args.bandwidth != 1.0 else net
     result = {"network": net.to_dict(), "bandwidth_scale": args.bandwidth, "prefetch": args.prefetch,
-              "block_ms": args.block_ms,
+              "block_ms": args.block_ms, "comm_ctas": args.comm_ctas,
               "emulated": "one device playing rank 0 of N; every figure is EMULATED under the network model named here",
               "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "points": []}
     print(f"network {net.name} (bandwidth x{args.bandwidth:g}), EMULATED; times in ms; (b~): (b) rescaled to the "
