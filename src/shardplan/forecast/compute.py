@@ -101,6 +101,14 @@ class ComputeModel:
         """A compute model from its dict; ``{"base": "h100-sxm-bf16", "tflops": 400}`` overrides a preset."""
         d = dict(d)
         if "rehearsal" in d and "compute" in d:  # a rehearsal's JSON: its measured unit times (shardplan rehearse)
+            # [Note: a rehearsal under an emulated network times its units with the network on: each wait on a
+            # collective falls between two units' marks, so into the root unit's remainder. Forecast on a
+            # network, those waits would be counted twice (measured in the root, simulated again); refused]
+            if d.get("network"):
+                raise ForecastError(f"compute model: this rehearsal ran under an emulated network "
+                                    f"({d['network'].get('network', {}).get('name', '?')}): its unit times include "
+                                    f"the waits on collectives, which the forecast would count again; rehearse "
+                                    f"without --network (network=) for the compute model")
             d = dict(d["compute"])
         if "base" in d:
             d = {**compute_model(d.pop("base")).to_dict(), **d}
