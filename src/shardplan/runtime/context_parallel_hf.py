@@ -56,7 +56,8 @@ UNSUPPORTED = {"s_aux": "attention sinks", "sinks": "attention sinks", "position
 def _layer_window(module, kwargs) -> Optional[int]:
     """The sliding window this attention module's layer uses (``None``: full causal attention), as the model's
     own mask would apply it: the ``sliding_window=`` argument where the model passes one (Mistral, Qwen2,
-    Gemma2/3), else the module's ``sliding_window`` attribute (Qwen2-MoE sets it on its sliding layers and
+    Gemma2/3; ``None`` there is a full layer, as Exaone4 says of its global layers while every module keeps the
+    window as its attribute), else the module's ``sliding_window`` attribute (Qwen2-MoE sets it on its sliding layers and
     passes the window through the mask only), else ``config.layer_types`` at the module's ``layer_idx``.
 
     [Note: a window passed through the mask only] transformers builds no mask for an attention name it does
@@ -64,9 +65,9 @@ def _layer_window(module, kwargs) -> Optional[int]:
     config with a window that none of the above places on this layer (PhiMoE masks every layer with
     ``config.sliding_window`` and says so nowhere else; other models keep a window in the config unused) is
     refused, naming the fix, rather than guessed.]"""
-    window = kwargs.get("sliding_window")
-    if window is not None:
-        return int(window)
+    if "sliding_window" in kwargs:  # the model's word, None included (Exaone4 keeps the window on every module)
+        window = kwargs["sliding_window"]
+        return int(window) if window is not None else None
     window = getattr(module, "sliding_window", None)
     if window:
         return int(window)

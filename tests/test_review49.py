@@ -1,0 +1,74 @@
+"""Review of issue 49's changes: context-parallel attention variants on families the first tests did not use,
+and torch's optimizer state dict on the packed layout. Parity is with one process running transformers' own
+attention (sdpa), at 2 gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardplan as sp
+from distributed import run
+
+transformers = pytest.importorskip("transformers")
+
+_RULES = [(r".*", sp.P(("dp", "cp")))]
+_UNITS = [r"model\.layers\.\d+"]
+_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=64)
+
+
+def _exaone4(impl: str, **over):
+    """A tiny Exaone4: layers 0 and 2 slide (window 4), 1 and 3 are global. Every attention module keeps
+    ``sliding_window`` as its attribute; the model passes ``sliding_window=None`` for the global layers."""
+    cfg = transformers.Exaone4Config(**{**_TINY, "num_hidden_layers": 4, "sliding_window": 4,
+                                        "sliding_window_pattern": 2, **over})
+    cfg._attn_implementation = impl
+    torch.manual_seed(0)
+    return transformers.Exaone4ForCausalLM(cfg)
+
+
+@pytest.mark.timeout(120)
+def test_exaone4_global_layers_attend_fully_outside_cp():
+    """Exaone4's global layers passed sliding_window=None, which "shardplan_cp" read as "no argument" and fell
+    back to the module's sliding_window attribute: every layer windowed, logits 0.3 off sdpa's, silently."""
+    name = sp.context_parallel.hf_attention()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    ours, theirs = _exaone4(name)(input_ids=ids).logits, _exaone4("sdpa")(input_ids=ids).logits
+    assert torch.equal(ours, theirs), (ours - theirs).abs().max()
+
+
+def _train(rank, world, build, text, steps=2, seq=16):
+    """Per-step losses of ``build(impl)`` sharded on ``text`` with "shardplan_cp", and of one process running
+    sdpa on the whole batch."""
+    name = sp.context_parallel.hf_attention()
+    model, ref = build(name), build("sdpa")
+    plan = sp.plan(model, _RULES, sp.Mesh.parse(text), units=_UNITS, min_unit_bytes=0)
+    sp.shard(model, plan)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    g = torch.Generator().manual_seed(3)
+    losses, ref_losses = [], []
+    for _ in range(steps):
+        ids = torch.randint(0, 128, (2, seq), generator=g)
+        y = torch.roll(ids, -1, 1)
+        xs, ys, pos = sp.context_parallel.shard_batch(plan, rank, ids, y)
+        loss = model(input_ids=xs, position_ids=pos[None], labels=ys, shift_labels=ys).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = sp.context_parallel.loss_mean(loss, model)
+        torch.distributed.all_reduce(t)
+        losses.append(t.item() / world)
+        r = ref(input_ids=ids, labels=y, shift_labels=y).loss
+        r.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(r.item())
+    return losses, ref_losses
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_exaone4_under_cp2_equals_one_process():
+    for losses, ref_losses in run(_train, 2, _exaone4, "dp=1,cp=2", 3, 16):
+        assert losses == pytest.approx(ref_losses, abs=1e-5)
