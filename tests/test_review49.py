@@ -72,3 +72,43 @@ def _train(rank, world, build, text, steps=2, seq=16):
 def test_exaone4_under_cp2_equals_one_process():
     for losses, ref_losses in run(_train, 2, _exaone4, "dp=1,cp=2", 3, 16):
         assert losses == pytest.approx(ref_losses, abs=1e-5)
+
+
+# -- torch's optimizer state dict on the packed layout ---------------------------------------------------------
+
+def _encoder_sgd(world):
+    from test_optimizer_state_dict import _build
+    model, _, plan = _build("encoder", "auto", world)
+    return model, lambda: torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=0.1)
+
+
+def _reset_worker(rank, world):
+    """An optimizer reset to its never-stepped state dict (a learning-rate finder's restore), then asked for its
+    state dict (a checkpoint), then trained: as a fresh optimizer trains."""
+    import copy
+    from test_optimizer_state_dict import _shards, _step
+    model, make = _encoder_sgd(world)
+    opt = make()
+    init = copy.deepcopy(opt.state_dict())
+    for s in range(2):
+        _step("encoder", model, opt, s, rank, world)
+    shards = _shards(model)
+    opt.load_state_dict(init)
+    sd = opt.state_dict()
+    got = [_step("encoder", model, opt, s, rank, world) for s in range(2, 4)], _shards(model)
+    model.load_state_dict(shards, strict=False)
+    fresh = make()
+    want = [_step("encoder", model, fresh, s, rank, world) for s in range(2, 4)], _shards(model)
+    return sd["state"], got, want
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_state_dict_of_a_never_stepped_optimizer_leaves_it_fresh():
+    """opt.state_dict() over the packed layout ran a zero-lr step on an optimizer without state (to give DCP
+    tensors to fill), which is not fresh: SGD's weight decay made a momentum buffer of it (Adam's L2 decay moments,
+    NAdam's mu_product moved), and training after it went 1e-3 off, silently. torch's dict has no state there."""
+    from test_optimizer_state_dict import _same
+    for state, got, want in run(_reset_worker, 2, timeout=240):
+        assert state == {}
+        assert _same(got, want)

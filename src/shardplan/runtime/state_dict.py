@@ -210,16 +210,19 @@ def install_optimizer(optimizer: torch.optim.Optimizer, exe) -> list:
 
     >>> install_optimizer(opt, engine_of(model)); dcp.save({"optim": opt.state_dict()}, checkpoint_id=path)
 
-    A never-stepped optimizer gets its state first (a zero-lr step, counters put back), so that a state dict
-    built to load into has tensors for DCP to fill; what it was loaded with before these hooks existed is
+    A never-stepped optimizer gets its state first where the states are DTensors (a zero-lr step, counters put
+    back), so that a state dict built to load into has tensors for DCP to fill; what it was loaded with before these hooks existed is
     checked and made local now (``adopt_loaded``).
     """
     optimizer._shardplan_dcp_hooks = True  # the automatic hooks for torch's helpers (above) are not needed
     adopt_loaded(optimizer, exe)
     init_state, save, load = _optimizer_hooks(optimizer, exe)
-    return [optimizer.register_state_dict_pre_hook(init_state),
-            optimizer.register_state_dict_post_hook(save),
-            optimizer.register_load_state_dict_pre_hook(load)]
+    # [Note: local states are torch's own dict, a never-stepped optimizer's included: its state stays empty. The
+    # zero-lr step that gives DCP tensors to fill is not fresh for every optimizer (L2 weight decay turns the
+    # zero gradients into moments, SGD's dampening and NAdam's mu_product differ after it), and here it would
+    # change the optimizer's own training]
+    pre = [optimizer.register_state_dict_pre_hook(init_state)] if exe.state_dict_hooks.bad is None else []
+    return pre + [optimizer.register_state_dict_post_hook(save), optimizer.register_load_state_dict_pre_hook(load)]
 
 
 def _optimizer_hooks(optimizer: torch.optim.Optimizer, exe):
