@@ -74,6 +74,48 @@ def test_exaone4_under_cp2_equals_one_process():
         assert losses == pytest.approx(ref_losses, abs=1e-5)
 
 
+
+def _llama(impl: str):
+    cfg = transformers.LlamaConfig(**{**_TINY, "num_hidden_layers": 2})
+    cfg._attn_implementation = impl
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _padded_worker(rank, world):
+    name = sp.context_parallel.hf_attention()
+    model = _llama(name)
+    plan = sp.plan(model, _RULES, sp.Mesh(dp=1, cp=2), units=_UNITS, min_unit_bytes=0)
+    sp.shard(model, plan)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[0, :5] = 0                                  # left padding of the first sequence
+    xs, ms, pos = sp.context_parallel.shard_batch(plan, rank, ids, mask)
+    try:
+        model(input_ids=xs, attention_mask=ms, position_ids=pos[None], labels=xs)
+        return "ran"
+    except sp.RuntimeShardingError as exc:
+        return str(exc)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_padded_batch_is_refused_not_attended():
+    """transformers 5.x passes no mask at all to an attention whose name has no mask function: a padded batch
+    (a tokenizer's attention_mask) attended to its padding under "shardplan_cp", silently, outside cp and at
+    cp=2, where the docs promise a refusal."""
+    name = sp.context_parallel.hf_attention()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    assert torch.equal(_llama(name)(input_ids=ids, attention_mask=mask).logits,
+                       _llama("sdpa")(input_ids=ids).logits)  # an all-ones mask runs
+    mask[0, :5] = 0
+    with pytest.raises(sp.RuntimeShardingError, match=r"LlamaAttention \(layer 0\) got an attention_mask"):
+        _llama(name)(input_ids=ids, attention_mask=mask)
+    for got in run(_padded_worker, 2):
+        assert "got an attention_mask (shape (2, 8)) that masks tokens" in got, got
+
+
 # -- torch's optimizer state dict on the packed layout ---------------------------------------------------------
 
 def _encoder_sgd(world):
