@@ -283,6 +283,28 @@ def _ignored_labels(module, plan) -> list:
     return [module.register_forward_pre_hook(hook, with_kwargs=True)]
 
 
+def _no_padding(module) -> list:
+    """A pre-hook on the root that refuses an ``attention_mask`` that masks tokens (a padded batch), naming the fix.
+
+    [Note: padding is not seen in the attention] transformers 5.x builds no mask for an attention name without a
+    mask function of its own ("shardplan_cp") and passes it none, the caller's padding included: the model
+    would attend to the padding tokens, silently. So the model's call is checked, once per forward.]"""
+    names = forward_parameters(module)
+    if "attention_mask" not in names:
+        return []
+    i = names.index("attention_mask")
+
+    def hook(m, args, kwargs):
+        mask = kwargs["attention_mask"] if "attention_mask" in kwargs else args[i] if i < len(args) else None
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not tracing() and not bool(mask.all()):
+            raise RuntimeShardingError(
+                f"{type(m).__name__} was called with an attention_mask (shape {tuple(mask.shape)}) that masks tokens "
+                f"(padding) under context parallelism, which attends with the causal mask of the full sequences only "
+                f"and would attend to the padding tokens. Train on unpadded (e.g. packed-free, equal-length) batches "
+                f"and leave attention_mask out (or all ones), or train without the cp axis")
+    return [module.register_forward_pre_hook(hook, with_kwargs=True)]
+
+
 def _group(plan, groups, exe) -> Optional[ContextGroup]:
     """The executor's context group, made once (``None``: the plan has no cp axis, or a plain one of one rank)."""
     if CONTEXT_AXIS not in plan.mesh.axis_names:
@@ -308,7 +330,7 @@ def install(module, plan, groups, exe=None) -> list:
     g = _group(plan, groups, exe)
     if g is None:
         return []
-    handles = _root_hooks(module, g) + _no_cache(module) + _ignored_labels(module, plan)
+    handles = _root_hooks(module, g) + _no_cache(module) + _ignored_labels(module, plan) + _no_padding(module)
     # [Note: a unit called on its own] a block or a submodule of the model called directly (model.model(...),
     # model.layers[i](h) on this rank's chunks) runs without the root's hooks: its units bind the group too,
     # or its attention would run over this rank's chunks only, silently

@@ -20,11 +20,11 @@ HF_ATTENTION = "shardplan_cp"  # the name shardplan's attention is registered un
 # [Note: Hugging Face attention under cp. A transformers model picks its attention function by name
 # (config._attn_implementation) from AttentionInterface, which any library may extend. Under this name the
 # model's attention calls attention(): keys and values gathered over cp, the causal mask of the full-sequence
-# positions, narrowed to the layer's sliding window (_layer_window). Its AttentionMaskInterface function (_hf_mask)
-# hands on the caller's 2-D attention_mask and builds nothing (transformers' masks, made from this rank's local
-# positions, would be wrong under cp): every mask the model would build is rebuilt here. Without that function
-# transformers 5.x passes no mask at all for a name it does not know, and a padded batch attended to its padding,
-# silently.
+# positions, narrowed to the layer's sliding window (_layer_window). The name is not in AttentionMaskInterface,
+# so transformers builds no mask for it (its own masks, made from this rank's local positions, would be wrong
+# under cp): every mask the model would build is rebuilt here. Transformers 5.x then passes no mask at all, the
+# caller's 2-D padding mask included: under cp the model's call is checked for padding instead
+# (context_group._no_padding); outside cp a padded batch is not seen here (tests/test_review49.py's xfail).
 # Outside context parallelism it is Hugging Face's sdpa function with the same window mask transformers gives
 # sdpa, and refuses what sdpa would need a mask for (padding, packed position_ids), instead of attending
 # without it. Soft-capped logits (softcap=, Gemma2) are transformers' eager attention's, which sdpa refuses.]
@@ -196,13 +196,5 @@ def hf_attention() -> str:
     logits where the model has them; otherwise it is Hugging Face's ``"sdpa"`` (with soft-capping, its eager
     attention's semantics: transformers' sdpa refuses ``softcap``)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
     AttentionInterface.register(HF_ATTENTION, _hf_attention)
-    AttentionMaskInterface.register(HF_ATTENTION, _hf_mask)
     return HF_ATTENTION
-
-
-def _hf_mask(*_args, attention_mask=None, **_kwargs):
-    """The ``AttentionMaskInterface`` function registered as ``"shardplan_cp"``: the caller's 2-D padding mask as
-    transformers prepared it (bool), or ``None``; the attention builds every other mask itself (see the Note)."""
-    return attention_mask
