@@ -122,18 +122,18 @@ def test_padded_batch_outside_cp_is_refused_not_attended():
 
 # -- torch's optimizer state dict on the packed layout ---------------------------------------------------------
 
-def _encoder_sgd(world):
+def _encoder_sgd(world, layout="auto"):
     from test_optimizer_state_dict import _build
-    model, _, plan = _build("encoder", "auto", world)
+    model, _, plan = _build("encoder", layout, world)
     return model, lambda: torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=0.1)
 
 
-def _reset_worker(rank, world):
+def _reset_worker(rank, world, layout="auto"):
     """An optimizer reset to its never-stepped state dict (a learning-rate finder's restore), then asked for its
     state dict (a checkpoint), then trained: as a fresh optimizer trains."""
     import copy
     from test_optimizer_state_dict import _shards, _step
-    model, make = _encoder_sgd(world)
+    model, make = _encoder_sgd(world, layout)
     opt = make()
     init = copy.deepcopy(opt.state_dict())
     for s in range(2):
@@ -157,4 +157,17 @@ def test_state_dict_of_a_never_stepped_optimizer_leaves_it_fresh():
     from test_optimizer_state_dict import _same
     for state, got, want in run(_reset_worker, 2, timeout=240):
         assert state == {}
+        assert _same(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.xfail(strict=True, reason="where the states are DTensors (layout='chunked', fully_shard), "
+                   "opt.state_dict() of an optimizer without state still runs the zero-lr step that gives DCP tensors "
+                   "to fill (checkpoint/values.init_optimizer_state, as torch's _init_optim_state): SGD's weight "
+                   "decay becomes a momentum buffer. A fix keeps the optimizer fresh after it (or builds the states "
+                   "without stepping)")
+def test_state_dict_of_a_never_stepped_optimizer_leaves_it_fresh_chunked():
+    from test_optimizer_state_dict import _same
+    for state, got, want in run(_reset_worker, 2, "chunked", timeout=240):
         assert _same(got, want)
