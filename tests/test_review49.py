@@ -120,6 +120,49 @@ def test_padded_batch_outside_cp_is_refused_not_attended():
     with pytest.raises(sp.RuntimeShardingError, match=r"LlamaAttention \(layer 0\) got an attention_mask"):
         _llama(name)(input_ids=ids, attention_mask=mask)
 
+
+class _Wrapper(torch.nn.Module):
+    """A trainer's wrapper whose forward passes its keyword arguments on (no use_cache of its own)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.model = inner
+
+    def forward(self, input_ids, **kwargs):
+        return self.model(input_ids=input_ids, **kwargs)
+
+
+def _wrapped_worker(rank, world):
+    import copy
+    name = sp.context_parallel.hf_attention()
+    cfg = transformers.MistralConfig(**{**_TINY, "num_hidden_layers": 2, "sliding_window": 6})
+    ref_cfg = copy.deepcopy(cfg)
+    cfg._attn_implementation, ref_cfg._attn_implementation = name, "sdpa"
+    torch.manual_seed(0)
+    model = _Wrapper(transformers.MistralForCausalLM(cfg))
+    torch.manual_seed(0)
+    ref = transformers.MistralForCausalLM(ref_cfg)
+    plan = sp.plan(model, _RULES, sp.Mesh(dp=1, cp=2), units=[r"model\.model\.layers\.\d+"], min_unit_bytes=0)
+    sp.shard(model, plan)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    y = torch.roll(ids, -1, 1)
+    xs, ys, pos = sp.context_parallel.shard_batch(plan, rank, ids, y)
+    loss = model(xs, position_ids=pos[None], labels=ys, shift_labels=ys).loss
+    t = sp.context_parallel.loss_mean(loss, model)
+    torch.distributed.all_reduce(t)
+    return t.item() / world, ref(input_ids=ids, labels=y, shift_labels=y).loss.item()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_wrapped_hf_model_under_cp_runs_without_a_cache():
+    """A wrapper's forward(input_ids, **kwargs) takes no use_cache, so the Hugging Face model inside kept its
+    default use_cache=True: Mistral's sliding cache sliced this rank's chunks, refused with advice about shifting
+    labels. Now the wrapped model gets use_cache=False, and the loss is one process's."""
+    for loss, ref in run(_wrapped_worker, 2):
+        assert loss == pytest.approx(ref, abs=1e-5)
+
+
 # -- torch's optimizer state dict on the packed layout ---------------------------------------------------------
 
 def _encoder_sgd(world, layout="auto"):

@@ -217,20 +217,28 @@ def _root_hooks(module, g: ContextGroup) -> list:
 
 def _no_cache(module) -> list:
     """A pre-hook on the root that calls it with ``use_cache=False`` where its forward takes ``use_cache`` and the
-    call does not say (Hugging Face's default is ``True``); ``use_cache=True`` refused, naming the fix.
+    call does not say (Hugging Face's default is ``True``); ``use_cache=True`` refused, naming the fix. A root
+    that does not take it (a wrapper whose forward passes ``**kwargs`` on) gets it on the outermost modules
+    inside it that do (the Hugging Face model it wraps).
 
     [Note: no KV cache under cp] a training step uses no cache (transformers trains with ``use_cache=False``),
     and under cp one would hold this rank's chunks only: Gemma2's and Mistral's sliding-window caches slice them,
     which the flow check refuses as a shift of the sequence. The traced step does the same (metatrace.py)."""
-    names = forward_parameters(module)
-    if "use_cache" not in names:
-        return []
+    handles, hooked = [], []
+    for path, sub in module.named_modules():
+        if any(h == "" or path.startswith(h + ".") for h in hooked):
+            continue  # (inside a module hooked already: it passes use_cache on)
+        names = forward_parameters(sub)
+        if "use_cache" not in names:
+            continue
+        hooked.append(path)
 
-    def hook(m, args, kwargs):
-        return training_call(m, args, kwargs, where="the context-parallel forward", error=RuntimeShardingError,
-                             why="under context parallelism a cache would hold this rank's chunks of the sequence "
-                                 "only", names=names)
-    return [module.register_forward_pre_hook(hook, with_kwargs=True)]
+        def hook(m, args, kwargs, names=names):
+            return training_call(m, args, kwargs, where="the context-parallel forward", error=RuntimeShardingError,
+                                 why="under context parallelism a cache would hold this rank's chunks of the "
+                                     "sequence only", names=names)
+        handles.append(sub.register_forward_pre_hook(hook, with_kwargs=True))
+    return handles
 
 
 IGNORE_INDEX = -100  # the label Hugging Face's losses (and torch's cross_entropy by default) leave out
