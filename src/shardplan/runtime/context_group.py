@@ -215,6 +215,19 @@ def _root_hooks(module, g: ContextGroup) -> list:
             module.register_forward_hook(leave, always_call=True)]
 
 
+_NAMES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # module class -> its forward's parameters
+
+
+def _forward_names(module) -> list:
+    """``forward_parameters(module)``, read once per class (functional_call installs at every call)."""
+    if "forward" in module.__dict__:
+        return forward_parameters(module)
+    cls = type(module)
+    if cls not in _NAMES:
+        _NAMES[cls] = forward_parameters(module)
+    return _NAMES[cls]
+
+
 def _no_cache(module) -> list:
     """A pre-hook on the root that calls it with ``use_cache=False`` where its forward takes ``use_cache`` and the
     call does not say (Hugging Face's default is ``True``); ``use_cache=True`` refused, naming the fix. A root
@@ -228,7 +241,7 @@ def _no_cache(module) -> list:
     for path, sub in module.named_modules():
         if any(h == "" or path.startswith(h + ".") for h in hooked):
             continue  # (inside a module hooked already: it passes use_cache on)
-        names = forward_parameters(sub)
+        names = _forward_names(sub)
         if "use_cache" not in names:
             continue
         hooked.append(path)
