@@ -94,7 +94,7 @@ def _padded_worker(rank, world):
     try:
         model(input_ids=xs, attention_mask=ms, position_ids=pos[None])
         return "ran"
-    except sp.RuntimeShardingError as exc:
+    except sp.errors.RuntimeShardingError as exc:
         return str(exc)
 
 
@@ -117,7 +117,7 @@ def test_padded_batch_outside_cp_is_refused_not_attended():
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[0, :5] = 0
-    with pytest.raises(sp.RuntimeShardingError, match=r"LlamaAttention \(layer 0\) got an attention_mask"):
+    with pytest.raises(sp.errors.RuntimeShardingError, match=r"LlamaAttention \(layer 0\) got an attention_mask"):
         _llama(name)(input_ids=ids, attention_mask=mask)
 
 
