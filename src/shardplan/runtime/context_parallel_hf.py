@@ -26,8 +26,7 @@ HF_ATTENTION = "shardplan_cp"  # the name shardplan's attention is registered un
 # caller's 2-D padding mask included: under cp the model's call is checked for padding instead
 # (context_group._no_padding); outside cp a padded batch is not seen here (tests/test_review49.py's xfail).
 # Outside context parallelism it is Hugging Face's sdpa function with the same window mask transformers gives
-# sdpa, and refuses what sdpa would need a mask for (padding, packed position_ids), instead of attending
-# without it. Soft-capped logits (softcap=, Gemma2) are transformers' eager attention's, which sdpa refuses.]
+# sdpa, and refuses packed position_ids, which sdpa would need a mask for, instead of attending without it. Soft-capped logits (softcap=, Gemma2) are transformers' eager attention's, which sdpa refuses.]
 
 _CHECKED = weakref.WeakValueDictionary()  # what was last found fine, by role (each layer gets the same tensors)
 _VERSIONS: dict = {}  # role -> the version counter of the tensor found fine
@@ -66,8 +65,8 @@ def _layer_window(module, kwargs) -> Optional[int]:
     """The sliding window this attention module's layer uses (``None``: full causal attention), as the model's
     own mask would apply it: the ``sliding_window=`` argument where the model passes one (Mistral, Qwen2,
     Gemma2/3; ``None`` there is a full layer, as Exaone4 says of its global layers while every module keeps the
-    window as its attribute), else the module's ``sliding_window`` attribute (Qwen2-MoE sets it on its sliding layers and
-    passes the window through the mask only), else ``config.layer_types`` at the module's ``layer_idx``.
+    window as its attribute), else the module's ``sliding_window`` attribute (Qwen2-MoE sets it on its sliding
+    layers and passes the window through the mask only), else ``config.layer_types`` at the module's ``layer_idx``.
 
     [Note: a window passed through the mask only] transformers builds no mask for an attention name it does
     not know, so a model that windows a layer through its mask alone would attend fully here, silently. A
