@@ -26,7 +26,8 @@ HF_ATTENTION = "shardplan_cp"  # the name shardplan's attention is registered un
 # caller's 2-D padding mask included: under cp the model's call is checked for padding instead
 # (context_group._no_padding); outside cp a padded batch is not seen here (tests/test_review49.py's xfail).
 # Outside context parallelism it is Hugging Face's sdpa function with the same window mask transformers gives
-# sdpa, and refuses packed position_ids, which sdpa would need a mask for, instead of attending without it. Soft-capped logits (softcap=, Gemma2) are transformers' eager attention's, which sdpa refuses.]
+# sdpa, and refuses packed position_ids, which sdpa would need a mask for, instead of attending without it.
+# Soft-capped logits (softcap=, Gemma2) are transformers' eager attention's, which sdpa refuses.]
 
 _CHECKED = weakref.WeakValueDictionary()  # what was last found fine, by role (each layer gets the same tensors)
 _VERSIONS: dict = {}  # role -> the version counter of the tensor found fine

@@ -211,8 +211,8 @@ def install_optimizer(optimizer: torch.optim.Optimizer, exe) -> list:
     >>> install_optimizer(opt, engine_of(model)); dcp.save({"optim": opt.state_dict()}, checkpoint_id=path)
 
     A never-stepped optimizer gets its state first where the states are DTensors (a zero-lr step, counters put
-    back), so that a state dict built to load into has tensors for DCP to fill; what it was loaded with before these hooks existed is
-    checked and made local now (``adopt_loaded``).
+    back), so that a state dict built to load into has tensors for DCP to fill; what it was loaded with before
+    these hooks existed is checked and made local now (``adopt_loaded``).
     """
     optimizer._shardplan_dcp_hooks = True  # the automatic hooks for torch's helpers (above) are not needed
     adopt_loaded(optimizer, exe)
