@@ -42,7 +42,7 @@ import torch.nn as nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 import shardplan as sp  # noqa: E402
-from shardplan.activations import scalar_of, token_inputs  # noqa: E402
+from shardplan.step_call import scalar_of, token_inputs  # noqa: E402
 from shardplan.metatrace import training_call  # noqa: E402
 from shardplan.units import trace_args  # noqa: E402
 

@@ -32,7 +32,7 @@ def one_case(config: str, dp: int, checkpoint: bool, batch: tuple[int, int], ste
     import gpt
     import gpt_rules_tp
     import shardplan as sp
-    from shardplan.activations import token_inputs
+    from shardplan.step_call import token_inputs
     t0 = time.perf_counter()
     with torch.device("meta"):
         model = gpt.build(config)

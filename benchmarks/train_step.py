@@ -89,7 +89,7 @@ def planning_twin(args, world, names=()):
         setattr(owner, attr, torch.nn.Parameter(torch.empty_like(getattr(owner, attr))))
     if not args.trace_plan:
         return twin, {}
-    from shardplan.activations import token_inputs
+    from shardplan.step_call import token_inputs
     tokens = torch.zeros(args.batch // world, args.seq, dtype=torch.long, device="meta")
     return twin, dict(trace=token_inputs(twin, tokens))
 

@@ -108,7 +108,7 @@ def test_rehearse_captured_step_on_the_gpu(tmp_path):
     """One rank of a 16-rank plan, its step captured as a CUDA graph over the fake process group and replayed:
     the replays ran, their peak is measured and within the plan plus the libraries' workspaces."""
     code = ("import sys, json, torch; sys.path.insert(0, 'examples'); import gpt, shardplan as sp\n"
-            "from shardplan.activations import token_inputs\n"
+            "from shardplan.step_call import token_inputs\n"
             "with torch.device('meta'): m = gpt.build('small')\n"
             "plan = sp.plan(m, [(r'.*', sp.P('dp'))], sp.Mesh(dp=16), units=[r'layers\\.\\d+'], min_unit_bytes=0,\n"
             "               trace=token_inputs(m, torch.zeros(4, 64, dtype=torch.long, device='meta')))\n"

@@ -132,7 +132,7 @@ def _recording_gpt(config, seen):
 
 def _plan(model_fn, dp, batch, prefetch=1):
     import shardplan as sp
-    from shardplan.activations import token_inputs
+    from shardplan.step_call import token_inputs
     with torch.device("meta"):
         model = model_fn()
     tokens = torch.zeros(*batch, dtype=torch.long, device="meta")

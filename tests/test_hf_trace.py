@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import shardplan as sp
-from shardplan.activations import token_inputs
+from shardplan.step_call import token_inputs
 from shardplan.errors import PlanError
 
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")

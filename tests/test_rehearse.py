@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardplan as sp
-from shardplan.activations import token_inputs
+from shardplan.step_call import token_inputs
 from shardplan.errors import RehearsalError
 from shardplan.rehearsal.run import check
 

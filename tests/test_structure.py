@@ -154,7 +154,7 @@ LAYERS = (("kinds",), ("values", "ops"),
 
 # the floor below the planner: the language (specs, meshes, rules, layouts, dtypes, quantized formats), the
 # module walks and the tracers the planner calls (units, activations, optraffic) and the automatic choices
-BELOW_PLAN = ("flow", "flow_rules", "flow_marks", "flow_products", "flow_index", "flow_tokens", "metatrace", "errors", "dtypes", "spec", "mesh", "layout", "lowp", "rules", "units", "auto", "activations",
+BELOW_PLAN = ("flow", "flow_rules", "flow_marks", "flow_products", "flow_index", "flow_tokens", "metatrace", "errors", "dtypes", "spec", "mesh", "layout", "lowp", "rules", "units", "auto", "activations", "step_call",
               "optraffic")
 
 

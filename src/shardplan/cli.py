@@ -19,7 +19,7 @@ import warnings
 from typing import Optional, Sequence
 
 from . import __version__
-from .activations import token_inputs
+from .step_call import token_inputs
 from .auto import auto_rules
 from .cli_inputs import CliError, RulesFile, build_model, load_rules_file, parse_size, trace_tokens
 from .dtypes import itemsize

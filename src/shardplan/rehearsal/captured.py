@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from ..activations import scalar_of
+from ..step_call import scalar_of
 from ..errors import RehearsalError
 from ..planner import Plan
 from ..runtime.capture import capture

@@ -10,7 +10,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from ..activations import checkpoint_units, scalar_of, token_inputs, undo_checkpoint, unit_entries
+from ..step_call import checkpoint_units, scalar_of, token_inputs, undo_checkpoint, unit_entries
 from ..errors import RehearsalError, ShardingError
 from ..planner import Plan
 from ..planner.render import fmt_bytes
@@ -130,7 +130,7 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
     process group), so one GPU (or a CPU) plays one rank of an N-rank job.
 
     >>> plan = sp.plan(model_on_meta, rules, sp.Mesh(dp=64), units=[r"layers\\.\\d+"], compute_dtype="bf16",
-    ...                trace=sp.activations.token_inputs(model_on_meta, torch.zeros(1, 4096, dtype=torch.long, device="meta")))
+    ...                trace=sp.step_call.token_inputs(model_on_meta, torch.zeros(1, 4096, dtype=torch.long, device="meta")))
     >>> r = sp.rehearse(lambda: gpt.build("70B"), plan, rank=0, batch=(1, 4096), steps=3, checkpoint=True)
     >>> print(r)            # per step: time and peak memory, measured and planned; per unit: compute time
 
@@ -139,8 +139,8 @@ def rehearse(model_fn: Callable[[], nn.Module], plan: Plan, *, rank: int = 0, ba
     ``_init_weights``, else its ``reset_parameters``, else a generic init: :class:`RehearsalInit`, which the
     notes report). ``batch``'s T must fit a table of positions the model has (:func:`position_limit`). Each step
     feeds ``batch = (B, T)`` random tokens (``inputs_fn(model, tokens)`` gives the model's arguments
-    otherwise: see :func:`shardplan.activations.token_inputs`), differentiates
-    :func:`shardplan.activations.scalar_of` of the output, and steps ``optimizer_fn(params)`` (AdamW;
+    otherwise: see :func:`shardplan.step_call.token_inputs`), differentiates
+    :func:`shardplan.step_call.scalar_of` of the output, and steps ``optimizer_fn(params)`` (AdamW;
     ``shardplan.offload_optimizer`` for a plan with CPU offload). ``host_peak`` reports the process's RSS
     growth (on a CPU, after fixing glibc's mmap threshold: :func:`fix_host_allocator`).
     ``checkpoint=True`` checkpoints every unit (activation checkpointing); compare with

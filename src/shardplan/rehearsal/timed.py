@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from ..activations import scalar_of
+from ..step_call import scalar_of
 from ..errors import RehearsalError, ShardingError
 from ..forecast.network import Network, network as _network
 from ..metrics import flops_per_token, peak_tflops
