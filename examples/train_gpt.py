@@ -174,7 +174,7 @@ def rules_of(name: str) -> dict:
     ``rules``; ``FILE.py:NAME``: its ``NAME``, e.g. ``examples/gpt_rules_tp.py:cp_rules``) with its options."""
     path, _, var = name.partition(":") if ".py:" in name else (name, "", "")
     if path.endswith(".py"):
-        from shardplan.cli import _load_file
+        from shardplan.cli_inputs import _load_file
         mod = _load_file(path, "_example_rules")
         if not isinstance(getattr(mod, var or "rules", None), list):
             raise SystemExit(f"--rules {name!r}: {path} has no rules list named {var or 'rules'!r}")
