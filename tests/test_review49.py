@@ -214,3 +214,27 @@ def test_state_dict_of_a_never_stepped_optimizer_leaves_it_fresh_chunked():
     from test_optimizer_state_dict import _same
     for state, got, want in run(_reset_worker, 2, "chunked", timeout=240):
         assert _same(got, want)
+
+
+def _padded_dp_only(rank, world):
+    name = sp.context_parallel.hf_attention()
+    model = _llama(name)
+    plan = sp.plan(model, [(r".*", sp.P("dp"))], sp.Mesh(dp=world), units=[r"model\.layers\.\d+"], min_unit_bytes=0)
+    sp.shard(model, plan)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[0, :5] = 0                                   # every rank's batch padded: they refuse together
+    try:
+        model(input_ids=ids, attention_mask=mask)
+        return "ran"
+    except sp.errors.RuntimeShardingError as exc:
+        return str(exc)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_padded_batch_under_a_dp_only_plan_is_refused_not_attended():
+    """A plan without a cp axis, the model on "shardplan_cp" (sdpa there): transformers passed it no padding mask,
+    and the padded batch attended to its padding, silently. Refused, naming sdpa."""
+    for got in run(_padded_dp_only, 2):
+        assert "masks tokens" in got and "attn_implementation='sdpa'" in got, got

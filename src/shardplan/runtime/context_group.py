@@ -304,7 +304,7 @@ def _ignored_labels(module, plan) -> list:
     return [module.register_forward_pre_hook(hook, with_kwargs=True)]
 
 
-def _no_padding(module) -> list:
+def _no_padding(module, cp: bool = True) -> list:
     """A pre-hook on the root that refuses an ``attention_mask`` that masks tokens (a padded batch), naming the fix.
 
     [Note: padding is not seen in the attention] transformers 5.x builds no mask for an attention name without a
@@ -318,11 +318,14 @@ def _no_padding(module) -> list:
     def hook(m, args, kwargs):
         mask = kwargs["attention_mask"] if "attention_mask" in kwargs else args[i] if i < len(args) else None
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not tracing() and not bool(mask.all()):
+            where, fix = (("under context parallelism, which attends with the causal mask of the full sequences only",
+                           "or train without the cp axis") if cp else
+                          ("with attn_implementation='shardplan_cp', to which transformers passes no padding mask",
+                           "or use attn_implementation='sdpa' where there is no cp axis"))
             raise RuntimeShardingError(
                 f"{type(m).__name__} was called with an attention_mask (shape {tuple(mask.shape)}) that masks tokens "
-                f"(padding) under context parallelism, which attends with the causal mask of the full sequences only "
-                f"and would attend to the padding tokens. Train on unpadded (e.g. packed-free, equal-length) batches "
-                f"and leave attention_mask out (or all ones), or train without the cp axis")
+                f"(padding) {where}, and would attend to the padding tokens. Train on unpadded (e.g. packed-free, "
+                f"equal-length) batches and leave attention_mask out (or all ones), {fix}")
     return [module.register_forward_pre_hook(hook, with_kwargs=True)]
 
 
@@ -349,8 +352,9 @@ def install(module, plan, groups, exe=None) -> list:
     gathering path runs over one rank: what benchmarks/cp_ep_overhead.py measures). With a traced plan's
     attention calls, forward hooks on their modules say which call records which ops."""
     g = _group(plan, groups, exe)
-    if g is None:
-        return []
+    if g is None:  # (no cp: "shardplan_cp" is sdpa, to which transformers passes no padding mask either)
+        uses = getattr(getattr(module, "config", None), "_attn_implementation", None) == "shardplan_cp"
+        return _no_padding(module, cp=False) if uses else []
     handles = _root_hooks(module, g) + _no_cache(module) + _ignored_labels(module, plan) + _no_padding(module)
     # [Note: a unit called on its own] a block or a submodule of the model called directly (model.model(...),
     # model.layers[i](h) on this rank's chunks) runs without the root's hooks: its units bind the group too,
