@@ -141,7 +141,7 @@ class BufferGrads:
             g = torch.zeros(self.G, dtype=self.cdtype, device=self.device)
             view = g.view(self.bp.group_size, self.S)
             for m in self.members:
-                n = self._even(m.copy_plan, tuple(m.info.shape), self.bp.group_size)
+                n = m.even
                 if n:
                     view[:, m.info.offset:m.info.offset + n].copy_(m.view.reshape(self.bp.group_size, n))
                     continue

@@ -35,6 +35,7 @@ class Member:
     info: ParamPlan
     piece: Piece
     copy_plan: tuple = ()           # interleaved buffers: (segment, storage box, numel) of every group member
+    even: int = 0                   # ... and each segment's numel where they are equal row blocks in order (one copy)
     wrap: Optional[Callable] = None  # tensor parallelism: full tensor -> the DTensor its module computes with
     local: Optional[nn.Parameter] = None  # this rank's shard, a view of the flat shard
     full: Optional[nn.Parameter] = None   # the full parameter, over the gathered storage
@@ -64,6 +65,8 @@ class BufferState(BufferGrads, Float8Scales, NonFiniteChecks):
         group = self._group(plan) if bp.copy_out else ()
         self.members = [Member(plan.param(pc.param), pc, self._copy_plan(plan, pc.param, group))
                         for pc in plan.buffer_pieces(bp.index, rank)]
+        for m in self.members:  # (decided once: the copies run at every gather and reduction)
+            m.even = self._even(m.copy_plan, tuple(m.info.shape), bp.group_size)
         # full: the full parameters' storage, in parameter layout (interleaved: packed elsewhere). [Note: FP8
         # compute's tensorwise gather] (bp.tensorwise) gathers float8 codes (as uint8) straight into it; the full
         # parameters are torchao float8 tensors over it, with one scale each (``scales``), never dequantized
@@ -222,7 +225,7 @@ class BufferState(BufferGrads, Float8Scales, NonFiniteChecks):
             for m in self.members:
                 p, off = m.info, m.piece.full_offset
                 target = self.full[off:off + p.numel].view(p.shape)
-                n = self._even(m.copy_plan, tuple(p.shape), self.bp.group_size) if self.sharded else 0
+                n = m.even if self.sharded else 0
                 if n:
                     target.view(self.bp.group_size, n).copy_(packed[:, p.offset:p.offset + n])
                     continue
